@@ -1,0 +1,366 @@
+"""ONNX Runtime sessions for an Optimum-layout MarianMT export.
+
+This is the bottom layer: it knows file names and input/output signatures, and offers three
+calls (`encode`, `decode_first`, `decode_next`). Decoding strategies live above it.
+
+The decoder export comes in several shapes; we detect which from the ONNX signatures, never
+from file names alone:
+
+- MERGED: `decoder_model_merged.onnx`, an `If` on `use_cache_branch`, decoder and encoder KV.
+- SPLIT: `decoder_model.onnx` (no past) + `decoder_with_past_model.onnx`.
+- SELF_KV_ONLY: a decoder taking its own KV but no encoder KV; cross-attention is recomputed
+  from `encoder_hidden_states` at every step.
+- NO_CACHE: a decoder with no past at all; every step re-runs the whole target prefix.
+
+Cross-attention KV: only the first decoder call (no-past branch) returns real
+`present.*.encoder.*`. We keep those arrays for the whole decode and feed them at every later
+step; later calls are never asked for their (empty) encoder presents.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+
+FloatArray = npt.NDArray[np.float32]
+IntArray = npt.NDArray[np.int64]
+
+ENCODER = "encoder_model"
+DECODER_MERGED = "decoder_model_merged"
+DECODER = "decoder_model"
+DECODER_WITH_PAST = "decoder_with_past_model"
+QUANTIZED_SUFFIX = "_quantized"
+
+
+class DecoderLayout(str, Enum):
+    """How the decoder export handles its KV cache."""
+
+    MERGED = "merged"
+    SPLIT = "split"
+    SELF_KV_ONLY = "self_kv_only"
+    NO_CACHE = "no_cache"
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How to open a model: which files, which cache mode, how many threads."""
+
+    quantized: bool = False
+    use_cache: bool = True
+    prefer_split: bool = False
+    intra_op_threads: int | None = None
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+
+
+def onnx_dir(model_dir: Path) -> Path:
+    """Directory that holds the ONNX files: the model dir itself or its `onnx/` folder."""
+    if any(model_dir.glob(f"{ENCODER}*.onnx")):
+        return model_dir
+    if any((model_dir / "onnx").glob(f"{ENCODER}*.onnx")):
+        return model_dir / "onnx"
+    return model_dir
+
+
+def _past_names(layers: int, kind: str, prefix: str = "past_key_values") -> list[str]:
+    return [f"{prefix}.{i}.{kind}.{kv}" for i in range(layers) for kv in ("key", "value")]
+
+
+class _Signature(str, Enum):
+    MERGED = "merged decoder (use_cache_branch, decoder and encoder past)"
+    WITH_PAST = "decoder with past (decoder and encoder past)"
+    SELF_KV = "decoder with self-attention past only"
+    NO_PAST = "decoder without past"
+
+
+def _expected_inputs(layers: int) -> dict[_Signature, set[str]]:
+    base = {"encoder_attention_mask", "input_ids"}
+    dec = set(_past_names(layers, "decoder"))
+    enc = set(_past_names(layers, "encoder"))
+    return {
+        _Signature.MERGED: base | {"encoder_hidden_states", "use_cache_branch"} | dec | enc,
+        _Signature.WITH_PAST: base | dec | enc,
+        _Signature.SELF_KV: base | {"encoder_hidden_states"} | dec,
+        _Signature.NO_PAST: base | {"encoder_hidden_states"},
+    }
+
+
+def classify_decoder(inputs: set[str], layers: int, where: str) -> _Signature:
+    """Name a decoder's signature, or fail naming the inputs that do not fit any known one."""
+    expected = _expected_inputs(layers)
+    for kind, names in expected.items():
+        if inputs == names:
+            return kind
+    if inputs == expected[_Signature.WITH_PAST] | {"encoder_hidden_states"}:
+        return _Signature.WITH_PAST
+    closest = min(expected, key=lambda k: len(expected[k] ^ inputs))
+    missing = sorted(expected[closest] - inputs)
+    unexpected = sorted(inputs - expected[closest])
+    parts = [f"{where}: unknown decoder signature (closest: {closest.value}, {layers} layers)"]
+    if missing:
+        parts.append("missing inputs: " + ", ".join(missing))
+    if unexpected:
+        parts.append("unexpected inputs: " + ", ".join(unexpected))
+    raise ModelLoadError("; ".join(parts))
+
+
+@dataclass(frozen=True)
+class EncoderOutput:
+    """Encoder states for a batch of sources, plus the mask the decoder attends with."""
+
+    hidden_states: FloatArray
+    attention_mask: IntArray
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.hidden_states.shape[0])
+
+    def select(self, rows: IntArray) -> EncoderOutput:
+        return EncoderOutput(self.hidden_states[rows], self.attention_mask[rows])
+
+
+@dataclass(frozen=True)
+class DecoderCache:
+    """Everything the next decoder step needs besides the new token.
+
+    `self_kv` grows every step; `cross_kv` is the step-0 encoder KV, reused unchanged;
+    `tokens` is the whole decoder input so far (the no-cache mode re-feeds it).
+    """
+
+    self_kv: tuple[FloatArray, ...]
+    cross_kv: tuple[FloatArray, ...]
+    tokens: IntArray
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def select(self, rows: IntArray) -> DecoderCache:
+        """Rows of the cache, in the given order (beam reordering, dropping finished rows)."""
+        return DecoderCache(
+            tuple(a[rows] for a in self.self_kv),
+            tuple(a[rows] for a in self.cross_kv),
+            self.tokens[rows],
+        )
+
+
+def _session_options(options: RuntimeOptions) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    threads = options.intra_op_threads
+    if threads is None and (env := os.environ.get("NMT_INTRA_OP_THREADS")):
+        threads = int(env)
+    if threads:
+        so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return so
+
+
+def _open_session(path: Path, model_dir: Path, options: RuntimeOptions) -> ort.InferenceSession:
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir}: missing {path.name}")
+    try:
+        return ort.InferenceSession(
+            str(path), _session_options(options), providers=list(options.providers)
+        )
+    except Exception as exc:  # onnxruntime raises its own exception types for bad files
+        raise ModelLoadError(f"{model_dir}: cannot load {path.name}: {exc}") from exc
+
+
+class MarianOnnx:
+    """Encoder and decoder sessions of one model, with the KV-cache bookkeeping."""
+
+    def __init__(self, model_dir: Path, config: ModelConfig, options: RuntimeOptions) -> None:
+        self.model_dir = model_dir
+        self.config = config
+        self.options = options
+        self.calls: Counter[str] = Counter()
+        files = onnx_dir(model_dir)
+        suffix = QUANTIZED_SUFFIX if options.quantized else ""
+
+        def path(stem: str) -> Path:
+            return files / f"{stem}{suffix}.onnx"
+
+        self.encoder = _open_session(path(ENCODER), model_dir, options)
+        enc_inputs = {i.name for i in self.encoder.get_inputs()}
+        if enc_inputs != {"input_ids", "attention_mask"}:
+            raise ModelLoadError(
+                f"{model_dir}: {path(ENCODER).name} must take input_ids and attention_mask, "
+                f"takes {sorted(enc_inputs)}"
+            )
+        self.layers = config.decoder_layers
+        self.first: ort.InferenceSession
+        self.step: ort.InferenceSession | None = None
+        merged, single, with_past = path(DECODER_MERGED), path(DECODER), path(DECODER_WITH_PAST)
+        use_merged = merged.is_file() and not (
+            options.prefer_split and single.is_file() and with_past.is_file()
+        )
+        if use_merged:
+            self.first = _open_session(merged, model_dir, options)
+            kind = self._classify(self.first, merged)
+            layout = {
+                _Signature.MERGED: DecoderLayout.MERGED,
+                _Signature.SELF_KV: DecoderLayout.SELF_KV_ONLY,
+                _Signature.NO_PAST: DecoderLayout.NO_CACHE,
+            }.get(kind)
+            if layout is None:
+                raise ModelLoadError(
+                    f"{model_dir}: {merged.name} has the signature of a {kind.value}"
+                )
+            if layout is not DecoderLayout.NO_CACHE:
+                self.step = self.first
+        elif single.is_file():
+            self.first = _open_session(single, model_dir, options)
+            kind = self._classify(self.first, single)
+            if kind is _Signature.SELF_KV:
+                layout = DecoderLayout.SELF_KV_ONLY
+                self.step = self.first
+            elif kind is _Signature.NO_PAST and with_past.is_file() and options.use_cache:
+                layout = DecoderLayout.SPLIT
+                self.step = _open_session(with_past, model_dir, options)
+                step_kind = self._classify(self.step, with_past)
+                if step_kind is not _Signature.WITH_PAST:
+                    raise ModelLoadError(
+                        f"{model_dir}: {with_past.name} has the signature of a {step_kind.value}"
+                    )
+            elif kind is _Signature.NO_PAST:
+                layout = DecoderLayout.NO_CACHE
+            else:
+                raise ModelLoadError(
+                    f"{model_dir}: {single.name} has the signature of a {kind.value}"
+                )
+        else:
+            raise ModelLoadError(
+                f"{model_dir}: missing decoder: expected {merged.name}, or {single.name} "
+                f"(with {with_past.name}) in {files}"
+            )
+        self.native_layout = layout
+        self.layout = layout if options.use_cache else DecoderLayout.NO_CACHE
+        self._check_outputs()
+        self._input_types = {i.name: i.type for i in self.first.get_inputs()}
+        self.float_type = (
+            np.float16
+            if self._input_types.get("encoder_hidden_states") == "tensor(float16)"
+            else np.float32
+        )
+        self._step_takes_states = (
+            self.step is not None
+            and self.step is not self.first
+            and ("encoder_hidden_states" in {i.name for i in self.step.get_inputs()})
+        )
+        self._self_out = _past_names(self.layers, "decoder", "present")
+        self._cross_out = _past_names(self.layers, "encoder", "present")
+        self._self_in = _past_names(self.layers, "decoder")
+        self._cross_in = _past_names(self.layers, "encoder")
+        heads = config.decoder_attention_heads
+        self._empty_kv = np.zeros((1, heads, 0, config.head_dim), dtype=self.float_type)
+
+    def _classify(self, session: ort.InferenceSession, path: Path) -> _Signature:
+        names = {i.name for i in session.get_inputs()}
+        return classify_decoder(names, self.layers, f"{self.model_dir}: {path.name}")
+
+    def _check_outputs(self) -> None:
+        need_first = {"logits"}
+        if self.layout is not DecoderLayout.NO_CACHE:
+            need_first |= set(_past_names(self.layers, "decoder", "present"))
+        if self.layout in (DecoderLayout.MERGED, DecoderLayout.SPLIT):
+            need_first |= set(_past_names(self.layers, "encoder", "present"))
+        have = {o.name for o in self.first.get_outputs()}
+        if missing := sorted(need_first - have):
+            raise ModelLoadError(f"{self.model_dir}: decoder lacks outputs: {', '.join(missing)}")
+        if self.step is not None and self.step is not self.first:
+            have_step = {o.name for o in self.step.get_outputs()}
+            need_step = {"logits", *_past_names(self.layers, "decoder", "present")}
+            if missing := sorted(need_step - have_step):
+                raise ModelLoadError(
+                    f"{self.model_dir}: decoder with past lacks outputs: {', '.join(missing)}"
+                )
+
+    # -- calls ---------------------------------------------------------------------------
+
+    def encode(self, input_ids: IntArray, attention_mask: IntArray) -> EncoderOutput:
+        """Run the encoder once for a (padded) batch of sources."""
+        self.calls["encoder"] += 1
+        (hidden,) = self.encoder.run(
+            ["last_hidden_state"], {"input_ids": input_ids, "attention_mask": attention_mask}
+        )
+        return EncoderOutput(hidden, attention_mask)
+
+    def _empty(self, batch: int) -> FloatArray:
+        return np.zeros((batch, *self._empty_kv.shape[1:]), dtype=self.float_type)
+
+    def _run(
+        self, session: ort.InferenceSession, outputs: list[str], feed: dict[str, Any]
+    ) -> list[Any]:
+        self.calls["decoder"] += 1
+        return list(session.run(outputs, feed))
+
+    def decode_first(
+        self, enc: EncoderOutput, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        """First decoder call: start token plus any forced prefix, all in one call.
+
+        Returns logits [B, T, V] and the cache, whose encoder KV stays fixed from here on.
+        """
+        batch = input_ids.shape[0]
+        feed: dict[str, Any] = {
+            "encoder_attention_mask": enc.attention_mask,
+            "input_ids": input_ids,
+            "encoder_hidden_states": enc.hidden_states,
+        }
+        layout = self.layout
+        if "use_cache_branch" in self._input_types:
+            feed["use_cache_branch"] = np.zeros((1,), dtype=np.bool_)
+        if self.native_layout is DecoderLayout.MERGED:
+            for name in (*self._self_in, *self._cross_in):
+                feed[name] = self._empty(batch)
+        elif self.native_layout is DecoderLayout.SELF_KV_ONLY:
+            for name in self._self_in:
+                feed[name] = self._empty(batch)
+        if layout is DecoderLayout.NO_CACHE:
+            (logits,) = self._run(self.first, ["logits"], feed)
+            return logits, DecoderCache((), (), input_ids)
+        want_cross = layout in (DecoderLayout.MERGED, DecoderLayout.SPLIT)
+        names = ["logits", *self._self_out, *(self._cross_out if want_cross else [])]
+        out = self._run(self.first, names, feed)
+        n = len(self._self_out)
+        return out[0], DecoderCache(tuple(out[1 : 1 + n]), tuple(out[1 + n :]), input_ids)
+
+    def decode_next(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        """One more token per row ([B, 1]); returns last-position logits [B, V] and the cache."""
+        tokens = np.concatenate([cache.tokens, input_ids], axis=1)
+        if self.layout is DecoderLayout.NO_CACHE:
+            logits, _ = self.decode_first(enc, tokens)
+            return logits[:, -1, :], DecoderCache((), (), tokens)
+        assert self.step is not None
+        feed: dict[str, Any] = {
+            "encoder_attention_mask": enc.attention_mask,
+            "input_ids": input_ids,
+        }
+        feed.update(zip(self._self_in, cache.self_kv, strict=True))
+        if self.layout is DecoderLayout.SELF_KV_ONLY or self._step_takes_states:
+            feed["encoder_hidden_states"] = enc.hidden_states
+        else:
+            feed.update(zip(self._cross_in, cache.cross_kv, strict=True))
+            if self.layout is DecoderLayout.MERGED:
+                feed["use_cache_branch"] = np.ones((1,), dtype=np.bool_)
+                # Ignored on the cached branch, but the graph still declares the input.
+                feed["encoder_hidden_states"] = np.zeros(
+                    (input_ids.shape[0], 0, self.config.d_model), dtype=self.float_type
+                )
+        out = self._run(self.step, ["logits", *self._self_out], feed)
+        return out[0][:, -1, :], DecoderCache(tuple(out[1:]), cache.cross_kv, tokens)

@@ -1,0 +1,135 @@
+"""MarianMT tokenization with sentencepiece, id-for-id identical to `MarianTokenizer`.
+
+OPUS-MT models ship two sentencepiece models (source and target) and one joint
+`vocab.json`; ids come from the vocab, not from the sentencepiece models. We reimplement the
+few rules of `transformers.MarianTokenizer` so the runtime needs no torch/transformers:
+special tokens written in the text are kept whole, a leading `>>lang<<` code is kept whole,
+unknown pieces map to `<unk>`, `</s>` is appended; decoding joins pieces with the target
+model and turns the piece marker into spaces.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+from engine.errors import ModelLoadError
+
+PIECE_MARKER = "\u2581"
+TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json")
+
+
+def _load_spm(path: Path, model_dir: Path) -> spm.SentencePieceProcessor:
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir}: missing tokenizer file {path.name}")
+    processor = spm.SentencePieceProcessor()
+    try:
+        processor.Load(str(path))
+    except (OSError, RuntimeError) as exc:
+        raise ModelLoadError(
+            f"{model_dir}: corrupt sentencepiece model {path.name}: {exc}"
+        ) from exc
+    return processor
+
+
+class MarianTokenizer:
+    """Source encoding and target decoding for one OPUS-MT model."""
+
+    def __init__(
+        self,
+        source: spm.SentencePieceProcessor,
+        target: spm.SentencePieceProcessor,
+        vocab: dict[str, int],
+        *,
+        unk_token: str = "<unk>",
+        eos_token: str = "</s>",
+        pad_token: str = "<pad>",
+    ) -> None:
+        for token in (unk_token, eos_token, pad_token):
+            if token not in vocab:
+                raise ValueError(f"vocab has no {token!r}")
+        self.source = source
+        self.target = target
+        self.vocab = vocab
+        self.pieces: dict[int, str] = {i: piece for piece, i in vocab.items()}
+        self.unk_token = unk_token
+        self.unk_id = vocab[unk_token]
+        self.eos_id = vocab[eos_token]
+        self.pad_id = vocab[pad_token]
+        self.special_tokens = (eos_token, unk_token, pad_token)
+        self.special_ids = frozenset(vocab[t] for t in self.special_tokens)
+        # MarianTokenizer splits the text on its special tokens before sentencepiece runs.
+        ordered = sorted(self.special_tokens, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")")
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> MarianTokenizer:
+        """Load `source.spm`, `target.spm` and `vocab.json` from a model directory."""
+        source = _load_spm(model_dir / "source.spm", model_dir)
+        target = _load_spm(model_dir / "target.spm", model_dir)
+        vocab_path = model_dir / "vocab.json"
+        try:
+            vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise ModelLoadError(f"{model_dir}: missing tokenizer file vocab.json") from exc
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(f"{model_dir}: corrupt vocab.json: {exc}") from exc
+        if not isinstance(vocab, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) for k, v in vocab.items()
+        ):
+            raise ModelLoadError(f"{model_dir}: vocab.json is not a piece -> id mapping")
+        try:
+            return cls(source, target, vocab)
+        except ValueError as exc:
+            raise ModelLoadError(f"{model_dir}: vocab.json: {exc}") from exc
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    def source_pieces(self, text: str) -> list[str]:
+        """Pieces of a source text as MarianTokenizer.tokenize gives them (without eos)."""
+        pieces: list[str] = []
+        for chunk in self._special_re.split(text):
+            if not chunk:
+                continue
+            if chunk in self.special_tokens:
+                pieces.append(chunk)
+                continue
+            if chunk.startswith(">>") and (end := chunk.find("<<")) != -1:
+                pieces.append(chunk[: end + 2])
+                chunk = chunk[end + 2 :]
+            pieces.extend(self.source.EncodeAsPieces(chunk))
+        return pieces
+
+    def encode_source(self, text: str) -> list[int]:
+        """Token ids of a source text, eos appended, unknown pieces as `<unk>`."""
+        ids = [self.vocab.get(piece, self.unk_id) for piece in self.source_pieces(text)]
+        ids.append(self.eos_id)
+        return ids
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target-side ids (no eos), e.g. to force a known translation prefix."""
+        return [self.vocab.get(p, self.unk_id) for p in self.target.EncodeAsPieces(text)]
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self.pieces.get(token_id, self.unk_token)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of target ids, as MarianTokenizer.decode gives it."""
+        out = ""
+        run: list[str] = []
+        for token_id in ids:
+            if skip_special_tokens and int(token_id) in self.special_ids:
+                continue
+            piece = self.id_to_piece(int(token_id))
+            if piece in self.special_tokens:
+                out += str(self.target.DecodePieces(run)) + piece + " "
+                run = []
+            else:
+                run.append(piece)
+        out += str(self.target.DecodePieces(run))
+        return out.replace(PIECE_MARKER, " ").strip()

@@ -1,0 +1,176 @@
+"""Offline translation: text in, text out, for one model directory.
+
+This is the engine core's public face; the streaming controller builds on the same pieces
+(`encode`, `decode`) so that a final partial's translation equals `translate` exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.config import ModelConfig
+from engine.decoding import DecodeOptions, Hypothesis, StepHook, search
+from engine.errors import InputTooLongError, ModelLoadError
+from engine.runtime import EncoderOutput, MarianOnnx, RuntimeOptions
+from engine.tokenizer import MarianTokenizer
+
+_SENTENCE_END = re.compile(r"(?<=[.!?。！？；;])\s*")
+_CLAUSE_END = re.compile(r"(?<=[,，、:：])\s*")
+
+
+@dataclass(frozen=True)
+class TranslationResult:
+    """A translation with the ids it was decoded from (without start token and eos)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    score: float
+    finished: bool = True
+
+
+class Translator:
+    """Tokenizer + ONNX model + search, loaded from one model directory."""
+
+    def __init__(self, model: MarianOnnx, tokenizer: MarianTokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config: ModelConfig = model.config
+
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        quantized: bool = False,
+        use_cache: bool = True,
+        prefer_split: bool = False,
+        intra_op_threads: int | None = None,
+    ) -> Translator:
+        """Load a model directory in the Optimum layout (ONNX files at the top or in `onnx/`)."""
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ModelLoadError(f"{path}: not a model directory")
+        config = ModelConfig.from_dir(path)
+        tokenizer = MarianTokenizer.from_dir(path)
+        if len(tokenizer) > config.vocab_size:
+            raise ModelLoadError(
+                f"{path}: vocab.json has {len(tokenizer)} entries, "
+                f"the model only {config.vocab_size}"
+            )
+        options = RuntimeOptions(
+            quantized=quantized,
+            use_cache=use_cache,
+            prefer_split=prefer_split,
+            intra_op_threads=intra_op_threads,
+        )
+        return cls(MarianOnnx(path, config, options), tokenizer)
+
+    # -- pieces the streaming controller reuses ---------------------------------------
+
+    @property
+    def max_source_tokens(self) -> int:
+        return self.config.max_position_embeddings
+
+    def source_ids(self, text: str) -> list[int]:
+        """Ids of a source (target-language token prepended when the model needs one)."""
+        prefix = self.config.source_prefix
+        full = f"{prefix} {text}" if prefix and not text.startswith(">>") else text
+        ids = self.tokenizer.encode_source(full)
+        if len(ids) > self.max_source_tokens:
+            raise InputTooLongError(len(ids), self.max_source_tokens)
+        return ids
+
+    def encode(self, sources: Sequence[Sequence[int]]) -> EncoderOutput:
+        """Run the encoder once on a right-padded batch of source ids."""
+        width = max(len(s) for s in sources)
+        ids = np.full((len(sources), width), self.config.pad_token_id, dtype=np.int64)
+        mask = np.zeros((len(sources), width), dtype=np.int64)
+        for row, source in enumerate(sources):
+            ids[row, : len(source)] = source
+            mask[row, : len(source)] = 1
+        return self.model.encode(ids, mask)
+
+    def decode(
+        self,
+        enc: EncoderOutput,
+        options: DecodeOptions = DecodeOptions(),
+        *,
+        prefixes: Sequence[Sequence[int]] | None = None,
+        hook: StepHook | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Hypothesis]:
+        return search(self.model, enc, prefixes, options, hook=hook, should_stop=should_stop)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    # -- offline API ------------------------------------------------------------------
+
+    def translate(
+        self,
+        texts: Sequence[str],
+        options: DecodeOptions = DecodeOptions(),
+        *,
+        prefixes: Sequence[Sequence[int]] | None = None,
+    ) -> list[TranslationResult]:
+        """Translate a batch of sources; an empty (blank) source translates to ''.
+
+        Raises `InputTooLongError` for a source longer than the model's positions; use
+        `translate_long` to split such text into sentences.
+        """
+        results: list[TranslationResult | None] = [None] * len(texts)
+        todo = [i for i, t in enumerate(texts) if t.strip()]
+        for i, t in enumerate(texts):
+            if not t.strip():
+                results[i] = TranslationResult("", (), 0.0)
+        if todo:
+            sources = [self.source_ids(texts[i].strip()) for i in todo]
+            enc = self.encode(sources)
+            chosen = [list(prefixes[i]) for i in todo] if prefixes is not None else None
+            for i, hyp in zip(todo, self.decode(enc, options, prefixes=chosen), strict=True):
+                results[i] = TranslationResult(
+                    self.detokenize(hyp.token_ids), hyp.token_ids, hyp.score, hyp.finished
+                )
+        return [r for r in results if r is not None]
+
+    def split_long(self, text: str) -> list[str]:
+        """Split text into pieces that fit the model: sentences, then clauses, then words."""
+        text = text.strip()
+        if not text:
+            return []
+        try:
+            self.source_ids(text)
+            return [text]
+        except InputTooLongError:
+            pass
+        for pattern in (_SENTENCE_END, _CLAUSE_END):
+            parts = [p for p in pattern.split(text) if p.strip()]
+            if len(parts) > 1:
+                return [piece for part in parts for piece in self.split_long(part)]
+        words = text.split(" ") if " " in text else list(text)
+        half = len(words) // 2
+        if half == 0:
+            raise InputTooLongError(len(self.tokenizer.encode_source(text)), self.max_source_tokens)
+        sep = " " if " " in text else ""
+        return self.split_long(sep.join(words[:half])) + self.split_long(sep.join(words[half:]))
+
+    def translate_long(
+        self, text: str, options: DecodeOptions = DecodeOptions()
+    ) -> TranslationResult:
+        """Translate text of any length by splitting it where `split_long` says."""
+        parts = self.split_long(text)
+        if not parts:
+            return TranslationResult("", (), 0.0)
+        results = self.translate(parts, options)
+        joiner = "" if self.config.target_lang == "zh" else " "
+        return TranslationResult(
+            joiner.join(r.text for r in results),
+            tuple(t for r in results for t in r.token_ids),
+            sum(r.score for r in results),
+            all(r.finished for r in results),
+        )
