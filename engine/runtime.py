@@ -193,6 +193,9 @@ class MarianOnnx:
         def path(stem: str) -> Path:
             return files / f"{stem}{suffix}.onnx"
 
+        # Which ONNX files this model runs, by role (encoder / first / step).
+        self.files: dict[str, Path] = {"encoder": path(ENCODER)}
+
         self.encoder = _open_session(path(ENCODER), model_dir, options)
         enc_inputs = {i.name for i in self.encoder.get_inputs()}
         if enc_inputs != {"input_ids", "attention_mask"}:
@@ -246,6 +249,9 @@ class MarianOnnx:
                 f"{model_dir}: missing decoder: expected {merged.name}, or {single.name} "
                 f"(with {with_past.name}) in {files}"
             )
+        self.files["first"] = merged if use_merged else single
+        if self.step is not None:
+            self.files["step"] = self.files["first"] if self.step is self.first else with_past
         self.native_layout = layout
         self.layout = layout if options.use_cache else DecoderLayout.NO_CACHE
         self._check_outputs()

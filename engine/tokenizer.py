@@ -92,6 +92,9 @@ class MarianTokenizer:
 
     def source_pieces(self, text: str) -> list[str]:
         """Pieces of a source text as MarianTokenizer.tokenize gives them (without eos)."""
+        return self._pieces(text, self.source)
+
+    def _pieces(self, text: str, processor: spm.SentencePieceProcessor) -> list[str]:
         pieces: list[str] = []
         for chunk in self._special_re.split(text):
             if not chunk:
@@ -102,7 +105,7 @@ class MarianTokenizer:
             if chunk.startswith(">>") and (end := chunk.find("<<")) != -1:
                 pieces.append(chunk[: end + 2])
                 chunk = chunk[end + 2 :]
-            pieces.extend(self.source.EncodeAsPieces(chunk))
+            pieces.extend(processor.EncodeAsPieces(chunk))
         return pieces
 
     def encode_source(self, text: str) -> list[int]:
@@ -113,7 +116,7 @@ class MarianTokenizer:
 
     def encode_target(self, text: str) -> list[int]:
         """Target-side ids (no eos), e.g. to force a known translation prefix."""
-        return [self.vocab.get(p, self.unk_id) for p in self.target.EncodeAsPieces(text)]
+        return [self.vocab.get(p, self.unk_id) for p in self._pieces(text, self.target)]
 
     def id_to_piece(self, token_id: int) -> str:
         return self.pieces.get(token_id, self.unk_token)

@@ -1,0 +1,58 @@
+"""Evaluation of streaming translation: units, streaming metrics, synthetic transcript logs."""
+
+from engine.evaluation.metrics import (
+    QualityScores,
+    SegmentMetrics,
+    SegmentTrace,
+    StreamingReport,
+    UpdatePoint,
+    average_lagging,
+    build_report,
+    corpus_quality,
+    differentiable_average_lagging,
+    display_text,
+    erased_units,
+    length_adaptive_average_lagging,
+    normalized_erasure,
+    segment_audio_span,
+    segment_metrics,
+    simulated_done_times,
+)
+from engine.evaluation.translogs import (
+    TranscriptLogError,
+    generate_log,
+    make_log_files,
+    read_log,
+    read_references,
+    write_log,
+)
+from engine.evaluation.units import count_units, guess_lang, normalize_lang, split_units
+
+__all__ = [
+    "QualityScores",
+    "SegmentMetrics",
+    "SegmentTrace",
+    "StreamingReport",
+    "TranscriptLogError",
+    "UpdatePoint",
+    "average_lagging",
+    "build_report",
+    "corpus_quality",
+    "count_units",
+    "differentiable_average_lagging",
+    "display_text",
+    "erased_units",
+    "generate_log",
+    "guess_lang",
+    "length_adaptive_average_lagging",
+    "make_log_files",
+    "normalize_lang",
+    "normalized_erasure",
+    "read_log",
+    "read_references",
+    "segment_audio_span",
+    "segment_metrics",
+    "simulated_done_times",
+    "split_units",
+    "write_log",
+]

@@ -1,0 +1,364 @@
+"""Synthetic streaming-ASR transcript logs (JSON Lines) for replay and metrics.
+
+Real ASR logs with references are scarce, so replays are driven by logs synthesised from
+parallel text: each source sentence is revealed the way a streaming recogniser shows it
+(word by word for English, 1-3 characters for Chinese), with occasional wrong last words
+that the next partial corrects, re-emitted unchanged partials, and a final per segment.
+
+One line is a ``partial_transcript`` wire message plus ``emit_ms``::
+
+    {"type": "partial_transcript", "stream_id": "s1", "segment_id": 0, "seq": 0,
+     "text": "I will", "is_final": false, "start_ms": 0.0, "end_ms": 600.0, "emit_ms": 650.0}
+
+``text`` is the whole current transcript of the segment, ``start_ms``/``end_ms`` the audio
+it covers and ``emit_ms`` when the ASR emitted it, all on one clock (``emit_ms = end_ms +``
+ASR delay); ``seq`` increases per stream across segments.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.evaluation.units import Lang, is_cjk, normalize_lang, unit_spans
+
+PathLike = str | os.PathLike[str]
+
+MESSAGE_TYPE = "partial_transcript"
+
+
+class TranscriptLogError(ValueError):
+    """A transcript log or its companion file is malformed; the message names file and line."""
+
+
+# ---------------------------------------------------------------------------------------
+# Generation
+
+
+def _is_ideograph_unit(unit: str) -> bool:
+    return len(unit) == 1 and is_cjk(unit) and unit.isalpha()
+
+
+class _Vocabulary:
+    """Corpus words (English) or ideographs (Chinese) to draw plausible ASR mistakes from."""
+
+    def __init__(self, sources: Sequence[str], lang: Lang) -> None:
+        self.by_length: dict[int, list[str]] = {}
+        self.chars: list[str] = []
+        if lang == "en":
+            words = sorted({w for s in sources for w in s.split()})
+            for w in words:
+                self.by_length.setdefault(len(w), []).append(w)
+        else:
+            self.chars = sorted({ch for s in sources for ch in s if _is_ideograph_unit(ch)})
+
+    def similar_word(self, word: str, rng: random.Random) -> str | None:
+        candidates = [
+            w
+            for n in (len(word) - 1, len(word), len(word) + 1)
+            for w in self.by_length.get(n, [])
+            if w.lower() != word.lower()
+        ]
+        return rng.choice(candidates) if candidates else None
+
+    def other_char(self, ch: str, rng: random.Random) -> str | None:
+        candidates = [c for c in self.chars if c != ch]
+        return rng.choice(candidates) if candidates else None
+
+
+def _wrong_unit(unit: str, lang: Lang, vocab: _Vocabulary, rng: random.Random) -> str | None:
+    """A misrecognition of ``unit``: truncated (the recogniser has not heard it all yet) or a
+    similar-length corpus word / another character. ``None`` when nothing plausible exists.
+    """
+    if lang == "zh" and _is_ideograph_unit(unit):
+        return vocab.other_char(unit, rng)
+    if lang == "zh" and not unit.isalnum():
+        return None  # punctuation is not misheard
+    truncated = None
+    if len(unit) >= 3:
+        truncated = unit[: rng.randint(max(1, len(unit) // 3), len(unit) - 1)]
+    substitute = vocab.similar_word(unit, rng) if lang == "en" else None
+    if truncated is not None and substitute is not None:
+        return truncated if rng.random() < 0.5 else substitute
+    return truncated if truncated is not None else substitute
+
+
+def _unit_duration_ms(unit: str, lang: Lang, ms_per_word: float, ms_per_char: float) -> float:
+    if lang == "en":
+        return ms_per_word
+    if _is_ideograph_unit(unit):
+        return ms_per_char
+    if unit.isalnum():  # a Latin/digit run inside Chinese, e.g. "COVID" or "2024"
+        return ms_per_char * max(1.0, len(unit) / 2)
+    return 0.25 * ms_per_char  # punctuation: a short pause
+
+
+def _chunk_sizes(n_units: int, lang: Lang, rng: random.Random) -> list[int]:
+    sizes: list[int] = []
+    left = n_units
+    while left > 0:
+        k = 1 if lang == "en" else min(left, rng.randint(1, 3))
+        sizes.append(k)
+        left -= k
+    return sizes
+
+
+def _check_rate(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+def _check_range(name: str, value: tuple[float, float]) -> None:
+    lo, hi = value
+    if not (0.0 <= lo <= hi and math.isfinite(hi)):
+        raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {value}")
+
+
+def generate_log(
+    sources: Sequence[str],
+    lang: str,
+    *,
+    stream_id: str = "s1",
+    seed: int = 0,
+    revision_rate: float = 0.15,
+    repeat_rate: float = 0.08,
+    ms_per_word: float = 350.0,
+    ms_per_char: float = 200.0,
+    jitter: float = 0.3,
+    asr_delay_ms: tuple[float, float] = (60.0, 180.0),
+    final_delay_ms: tuple[float, float] = (250.0, 500.0),
+    pause_ms: tuple[float, float] = (300.0, 900.0),
+    start_ms: float = 0.0,
+) -> list[dict[str, Any]]:
+    """Transcript-log lines for ``sources`` (one segment each), deterministic for ``seed``.
+
+    - Reveal: one word per partial (English) or 1-3 characters (Chinese; a Latin/digit run
+      counts as one character, see ``units``); every partial is a prefix of the final.
+    - Revisions: with probability ``revision_rate`` a partial shows its last unit wrong
+      (truncated, or a similar-length word / another character from the corpus), emitted
+      part-way through that unit's audio, and the next message shows the correct text.
+    - Repeats: with probability ``repeat_rate`` a correct partial is re-emitted unchanged a
+      little later (more audio, same text), as recognisers do.
+    - Timing: each unit lasts ``ms_per_word``/``ms_per_char`` times a uniform factor in
+      ``1 +- jitter`` (punctuation a quarter); ``emit_ms = end_ms + U(asr_delay_ms)``, the
+      final comes ``U(final_delay_ms)`` after the segment's audio end (endpointing) and
+      segments are separated by ``U(pause_ms)`` of silence, all on one clock.
+    """
+    target: Lang = normalize_lang(lang)
+    _check_rate("revision_rate", revision_rate)
+    _check_rate("repeat_rate", repeat_rate)
+    if not 0.0 <= jitter < 1.0:
+        raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+    if ms_per_word <= 0 or ms_per_char <= 0:
+        raise ValueError("ms_per_word and ms_per_char must be positive")
+    for name, rng_range in (
+        ("asr_delay_ms", asr_delay_ms),
+        ("final_delay_ms", final_delay_ms),
+        ("pause_ms", pause_ms),
+    ):
+        _check_range(name, rng_range)
+    for i, source in enumerate(sources):
+        if not source.strip():
+            raise ValueError(f"source {i} is empty: every segment needs some text")
+
+    rng = random.Random(seed)
+    vocab = _Vocabulary(sources, target)
+    lines: list[dict[str, Any]] = []
+    seq = 0
+    last_emit = -math.inf
+    clock = float(start_ms)
+
+    def emit(segment_id: int, text: str, final: bool, seg_start: float, end: float) -> None:
+        nonlocal seq, last_emit
+        delay = rng.uniform(*(final_delay_ms if final else asr_delay_ms))
+        emit_at = max(last_emit, round(end + delay, 1))
+        last_emit = emit_at
+        lines.append(
+            {
+                "type": MESSAGE_TYPE,
+                "stream_id": stream_id,
+                "segment_id": segment_id,
+                "seq": seq,
+                "text": text,
+                "is_final": final,
+                "start_ms": round(seg_start, 1),
+                "end_ms": round(end, 1),
+                "emit_ms": emit_at,
+            }
+        )
+        seq += 1
+
+    for segment_id, raw in enumerate(sources):
+        text = raw.strip()
+        spans = unit_spans(text, target)
+        units = [text[a:b] for a, b in spans]
+        ends: list[float] = []
+        t = clock
+        for unit in units:
+            factor = rng.uniform(1.0 - jitter, 1.0 + jitter)
+            t += _unit_duration_ms(unit, target, ms_per_word, ms_per_char) * factor
+            ends.append(t)
+        seg_start, seg_end = clock, t
+        shown = 0
+        for size in _chunk_sizes(len(units), target, rng):
+            shown += size
+            end = ends[shown - 1]
+            wrong = None
+            if rng.random() < revision_rate:
+                wrong = _wrong_unit(units[shown - 1], target, vocab, rng)
+            if wrong is not None:
+                # The guess is made part-way through the last unit's audio; hearing the
+                # rest of it produces the corrected partial.
+                unit_start = ends[shown - 2] if shown >= 2 else seg_start
+                guess_end = unit_start + rng.uniform(0.5, 0.8) * (end - unit_start)
+                emit(segment_id, text[: spans[shown - 1][0]] + wrong, False, seg_start, guess_end)
+            emit(segment_id, text[: spans[shown - 1][1]], False, seg_start, end)
+            if rng.random() < repeat_rate:
+                next_end = ends[shown] if shown < len(units) else seg_end
+                later = end + rng.uniform(0.3, 0.7) * (next_end - end)
+                emit(segment_id, text[: spans[shown - 1][1]], False, seg_start, later)
+        emit(segment_id, text, True, seg_start, seg_end)
+        clock = seg_end + rng.uniform(*pause_ms)
+    return lines
+
+
+# ---------------------------------------------------------------------------------------
+# Reading and writing
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def validate_message(obj: object) -> dict[str, Any]:
+    """Check one log line's shape; returns it typed as a dict or raises ValueError saying why.
+
+    ``start_ms``/``end_ms`` are optional (not every recogniser reports audio times);
+    extra keys are kept so that logs can carry annotations.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    if obj.get("type") != MESSAGE_TYPE:
+        raise ValueError(f"'type' must be {MESSAGE_TYPE!r}, got {obj.get('type')!r}")
+    for key in ("stream_id", "segment_id", "seq", "text", "is_final", "emit_ms"):
+        if key not in obj:
+            raise ValueError(f"missing field {key!r}")
+    if not isinstance(obj["stream_id"], str) or not obj["stream_id"]:
+        raise ValueError("'stream_id' must be a non-empty string")
+    for key in ("segment_id", "seq"):
+        value = obj[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{key!r} must be a non-negative integer, got {value!r}")
+    if not isinstance(obj["text"], str):
+        raise ValueError("'text' must be a string")
+    if not isinstance(obj["is_final"], bool):
+        raise ValueError(f"'is_final' must be true or false, got {obj['is_final']!r}")
+    for key in ("emit_ms", "start_ms", "end_ms"):
+        if (key == "emit_ms" or key in obj) and not _is_number(obj[key]):
+            raise ValueError(f"{key!r} must be a finite number, got {obj[key]!r}")
+    if "start_ms" in obj and "end_ms" in obj and obj["end_ms"] < obj["start_ms"]:
+        raise ValueError(f"'end_ms' ({obj['end_ms']}) is before 'start_ms' ({obj['start_ms']})")
+    return obj
+
+
+def read_log(path: PathLike) -> list[dict[str, Any]]:
+    """Read and validate a transcript log; blank lines are skipped.
+
+    Raises TranscriptLogError naming ``path:line`` for the first malformed line.
+    """
+    lines: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise TranscriptLogError(
+                    f"{path}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
+                ) from None
+            try:
+                lines.append(validate_message(obj))
+            except ValueError as exc:
+                raise TranscriptLogError(f"{path}:{lineno}: {exc}") from None
+    return lines
+
+
+def write_log(path: PathLike, lines: Iterable[Mapping[str, Any]]) -> int:
+    """Validate and write ``lines`` as UTF-8 JSON Lines; returns the number written.
+
+    Everything is validated before the file is opened, so a bad line never leaves a
+    half-written log behind.
+    """
+    checked: list[dict[str, Any]] = []
+    for lineno, line in enumerate(lines, start=1):
+        try:
+            checked.append(validate_message(dict(line)))
+        except ValueError as exc:
+            raise TranscriptLogError(f"{path}:{lineno}: {exc}") from None
+    with open(path, "w", encoding="utf-8") as f:
+        for line in checked:
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    return len(checked)
+
+
+def _read_text_lines(path: PathLike) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.strip() for line in f.read().splitlines()]
+    except UnicodeDecodeError as exc:
+        raise TranscriptLogError(f"{path}: not UTF-8 text ({exc.reason})") from None
+
+
+def read_references(path: PathLike) -> list[str]:
+    """One reference per segment per line, in segment order (surrounding spaces stripped)."""
+    return _read_text_lines(path)
+
+
+def references_output_path(out_path: PathLike) -> Path:
+    """Where ``make_log_files`` puts the references aligned with a log: ``<stem>.ref.txt``."""
+    out = Path(out_path)
+    return out.with_name(out.stem + ".ref.txt")
+
+
+def make_log_files(
+    source_path: PathLike,
+    out_path: PathLike,
+    lang: str,
+    *,
+    references_path: PathLike | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+) -> int:
+    """Write a synthetic transcript log for the first ``limit`` lines of ``source_path``.
+
+    With ``references_path`` (a file aligned line by line with the sources) the matching
+    references are written next to the log (``references_output_path``) so that a replay of
+    a truncated log still pairs each segment with its reference. Returns the number of
+    segments written.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    sources = _read_text_lines(source_path)
+    for lineno, line in enumerate(sources, start=1):
+        if not line:
+            raise TranscriptLogError(f"{source_path}:{lineno}: empty source line")
+    references: list[str] | None = None
+    if references_path is not None:
+        references = read_references(references_path)
+        if len(references) != len(sources):
+            raise TranscriptLogError(
+                f"{references_path}: {len(references)} references for "
+                f"{len(sources)} source lines in {source_path}"
+            )
+    chosen = sources if limit is None else sources[:limit]
+    write_log(out_path, generate_log(chosen, lang, seed=seed))
+    if references is not None:
+        ref_out = references_output_path(out_path)
+        ref_out.write_text("".join(r + "\n" for r in references[: len(chosen)]), encoding="utf-8")
+    return len(chosen)

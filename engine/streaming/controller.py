@@ -1,0 +1,351 @@
+"""The async incremental translator: many streams, latest partial wins, finals never lost.
+
+One anyio task per stream takes its pending events in order and runs `StreamSession` in a
+worker thread (onnxruntime releases the GIL). When a newer event arrives while a partial is
+being decoded, that decode stops at its next step and the newest source is decoded instead,
+so delay never piles up behind a fast talker; finals are never skipped or cancelled.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from engine.decoding import DecodingCancelled
+from engine.streaming.session import EventGate, StreamingOptions, StreamSession
+from engine.translator import Translator
+from protocol import ErrorCode, ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
+
+log = logging.getLogger(__name__)
+
+# A stream may have this many consecutive decodes cancelled by newer partials; the next one
+# runs to the end, so a talker faster than the hardware still sees updates.
+MAX_CANCELLED_IN_A_ROW = 2
+
+
+class Subscription(AsyncIterator[TranslationUpdate]):
+    """A bounded queue of updates for one consumer.
+
+    When it is full, the oldest non-final update is dropped (a newer one supersedes it);
+    finals are never dropped, so a slow consumer cannot stall translation for others.
+    """
+
+    def __init__(self, stream_id: str | None, max_items: int) -> None:
+        self.stream_id = stream_id
+        self.max_items = max_items
+        self.dropped = 0
+        self._items: deque[TranslationUpdate] = deque()
+        self._ready = anyio.Event()
+        self._closed = False
+
+    def put(self, update: TranslationUpdate) -> None:
+        if self._closed:
+            return
+        if len(self._items) >= self.max_items:
+            for i, old in enumerate(self._items):
+                if not old.is_final:
+                    del self._items[i]
+                    self.dropped += 1
+                    break
+        self._items.append(update)
+        self._ready.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._ready.set()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> TranslationUpdate:
+        while not self._items:
+            if self._closed:
+                raise StopAsyncIteration
+            self._ready = anyio.Event()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+@dataclass
+class _Stream:
+    session: StreamSession
+    gate: EventGate
+    pending: deque[tuple[PartialTranscript, float]] = field(default_factory=deque)
+    wake: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    idle: anyio.Event = field(default_factory=anyio.Event)
+    busy: bool = False
+    closing: bool = False
+    cancelled_in_row: int = 0
+    last_update: TranslationUpdate | None = None
+
+
+class IncrementalTranslator:
+    """`NmtIncremental` over a `Translator`: push partial transcripts, read updates.
+
+    ```python
+    async with IncrementalTranslator.from_dir("models/fixture/model") as nmt:
+        updates = nmt.updates("mic-1")      # subscribe first, then push
+        await nmt.push(PartialTranscript("mic-1", 0, 0, "I will meet", is_final=False))
+        ...
+    ```
+    """
+
+    def __init__(
+        self,
+        translator: Translator,
+        options: StreamingOptions | None = None,
+        *,
+        max_streams: int = 256,
+        max_pending_finals: int = 32,
+        queue_size: int = 256,
+        decode_slots: int | None = None,
+    ) -> None:
+        self.translator = translator
+        self.options = options or StreamingOptions()
+        self.max_streams = max_streams
+        self.max_pending_finals = max_pending_finals
+        self.queue_size = queue_size
+        self.stats: Counter[str] = Counter()
+        self._limiter = anyio.CapacityLimiter(decode_slots or os.cpu_count() or 1)
+        self._streams: dict[str, _Stream] = {}
+        self._subscriptions: dict[str | None, list[Subscription]] = {}
+        self._group: anyio.abc.TaskGroup | None = None
+        self._closed = False
+
+    @classmethod
+    def from_dir(
+        cls, model_dir: str | Path, options: StreamingOptions | None = None, **kwargs: Any
+    ) -> IncrementalTranslator:
+        """Load a model directory (see `Translator.from_dir` for the keyword options)."""
+        return cls(Translator.from_dir(model_dir, **kwargs), options)
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def __aenter__(self) -> IncrementalTranslator:
+        if self._group is not None:
+            raise RuntimeError("IncrementalTranslator is already running")
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            await self.aclose()
+        finally:
+            group, self._group = self._group, None
+            if group is not None:
+                group.cancel_scope.cancel()
+                await group.__aexit__(exc_type, exc, traceback)
+
+    async def aclose(self) -> None:
+        """Finish pending finals of every stream, end every subscription; idempotent."""
+        if self._closed:
+            return
+        for stream_id in list(self._streams):
+            await self.close_stream(stream_id)
+        self._closed = True
+        for subs in self._subscriptions.values():
+            for sub in subs:
+                sub.close()
+        self._subscriptions.clear()
+
+    # -- API ----------------------------------------------------------------------------
+
+    @property
+    def streams(self) -> list[str]:
+        return list(self._streams)
+
+    def updates(self, stream_id: str | None = None) -> Subscription:
+        """Subscribe now (before pushing, so nothing is missed) to one stream or all."""
+        sub = Subscription(stream_id, self.queue_size)
+        if self._closed:
+            sub.close()
+            return sub
+        # Start from the current line of each open stream, so a late viewer sees it at once.
+        for sid, stream in self._streams.items():
+            last = stream.last_update
+            if last is not None and not last.is_final and stream_id in (None, sid):
+                sub.put(last)
+        self._subscriptions.setdefault(stream_id, []).append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        subs = self._subscriptions.get(sub.stream_id, [])
+        if sub in subs:
+            subs.remove(sub)
+        sub.close()
+
+    def last_update(self, stream_id: str) -> TranslationUpdate | None:
+        """The newest update of an open stream (a viewer joining late starts from it)."""
+        stream = self._streams.get(stream_id)
+        return stream.last_update if stream else None
+
+    async def push(self, event: PartialTranscript) -> None:
+        """Queue an event and return at once; raises `InvalidEvent` for a refused one."""
+        if self._closed or self._group is None:
+            raise RuntimeError("IncrementalTranslator is not running (use `async with`)")
+        if not isinstance(event, PartialTranscript):
+            raise InvalidEvent(
+                ErrorMessage(
+                    ErrorCode.INVALID_MESSAGE,
+                    f"expected a PartialTranscript, got {type(event).__name__}",
+                )
+            )
+        received = time.perf_counter()
+        stream = self._streams.get(event.stream_id)
+        if stream is None:
+            if len(self._streams) >= self.max_streams:
+                raise InvalidEvent(
+                    ErrorMessage(
+                        ErrorCode.LIMIT_EXCEEDED,
+                        f"too many open streams (limit {self.max_streams})",
+                        stream_id=event.stream_id,
+                        seq=event.seq,
+                    )
+                )
+            stream = self._open(event.stream_id)
+        if stream.closing:
+            raise InvalidEvent(
+                ErrorMessage(
+                    ErrorCode.UNKNOWN_STREAM,
+                    f"stream {event.stream_id!r} is closing",
+                    stream_id=event.stream_id,
+                    seq=event.seq,
+                )
+            )
+        error = stream.gate.check(event)
+        if error is None and event.is_final:
+            finals = sum(1 for e, _ in stream.pending if e.is_final)
+            if finals >= self.max_pending_finals:
+                error = ErrorMessage(
+                    ErrorCode.RATE_LIMITED,
+                    f"{finals} finals are already waiting on this stream",
+                    stream_id=event.stream_id,
+                    seq=event.seq,
+                )
+        if error is not None:
+            self.stats["rejected"] += 1
+            raise InvalidEvent(error)
+        stream.gate.accept(event)
+        self.stats["events"] += 1
+        # Latest wins: a waiting partial is superseded by any newer event; finals stay.
+        kept = deque(item for item in stream.pending if item[0].is_final)
+        self.stats["superseded"] += len(stream.pending) - len(kept)
+        kept.append((event, received))
+        stream.pending = kept
+        if not stream.busy:
+            stream.busy = True
+            stream.idle = anyio.Event()
+        stream.wake.set()
+
+    async def wait_idle(self, stream_id: str | None = None) -> None:
+        """Wait until a stream (or every stream) has nothing pending or running."""
+        ids = [stream_id] if stream_id is not None else list(self._streams)
+        for sid in ids:
+            while (stream := self._streams.get(sid)) is not None and (
+                stream.pending or stream.busy
+            ):
+                await stream.idle.wait()
+
+    async def close_stream(self, stream_id: str) -> None:
+        """Deliver the stream's pending finals, then free it and end its subscriptions."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            raise InvalidEvent(
+                ErrorMessage(
+                    ErrorCode.UNKNOWN_STREAM, f"no open stream {stream_id!r}", stream_id=stream_id
+                )
+            )
+        if not stream.closing:
+            stream.closing = True
+            kept = deque(item for item in stream.pending if item[0].is_final)
+            self.stats["superseded"] += len(stream.pending) - len(kept)
+            stream.pending = kept
+            stream.wake.set()
+        await stream.done.wait()
+
+    # -- internals ------------------------------------------------------------------
+
+    def _open(self, stream_id: str) -> _Stream:
+        assert self._group is not None
+        stream = _Stream(
+            StreamSession(stream_id, self.translator, self.options),
+            EventGate(stream_id, self.translator),
+        )
+        self._streams[stream_id] = stream
+        self._group.start_soon(self._run_stream, stream_id, stream)
+        return stream
+
+    def _publish(self, stream: _Stream, update: TranslationUpdate) -> None:
+        stream.last_update = update
+        self.stats["updates"] += 1
+        for key in (update.stream_id, None):
+            for sub in self._subscriptions.get(key, ()):
+                sub.put(update)
+
+    async def _run_stream(self, stream_id: str, stream: _Stream) -> None:
+        try:
+            while True:
+                if not stream.pending:
+                    stream.busy = False
+                    stream.idle.set()
+                    if stream.closing:
+                        break
+                    await stream.wake.wait()
+                    stream.wake = anyio.Event()
+                    continue
+                event, received = stream.pending.popleft()
+                await self._translate(stream, event, received)
+        finally:
+            self._streams.pop(stream_id, None)
+            for sub in self._subscriptions.pop(stream_id, []):
+                sub.close()
+            stream.done.set()
+
+    async def _translate(self, stream: _Stream, event: PartialTranscript, received: float) -> None:
+        cancellable = not event.is_final and stream.cancelled_in_row < MAX_CANCELLED_IN_A_ROW
+
+        def newer_waiting() -> bool:
+            return bool(stream.pending)
+
+        work = functools.partial(
+            stream.session.translate,
+            event,
+            newer_waiting if cancellable else None,
+            received=received,
+        )
+        try:
+            update = await anyio.to_thread.run_sync(work, limiter=self._limiter)
+        except DecodingCancelled:
+            stream.cancelled_in_row += 1
+            self.stats["cancelled"] += 1
+            return
+        except Exception:  # a bug must not take the stream (or others) down with it
+            self.stats["errors"] += 1
+            log.exception("translation failed for stream %r seq %d", event.stream_id, event.seq)
+            return
+        stream.cancelled_in_row = 0
+        if update is None:
+            self.stats["unchanged"] += 1
+            return
+        self._publish(stream, update)

@@ -1,0 +1,160 @@
+"""Stability policies: how much of the newest hypothesis to commit, and how much to show.
+
+A policy sees the hypotheses decoded for the current segment (newest last, each starting
+with the committed tokens, which are forced) and proposes a commit length and a display
+length in tokens. The session then snaps the commit down to a word boundary (English) or a
+character boundary (Chinese) so a sentencepiece piece or a multi-byte character is never
+split, and never lets it shrink.
+
+- LocalAgreement-n (Polák et al. 2022): commit the longest common prefix of the last n
+  hypotheses.
+- mask-k (Arivazhagan et al. 2020): hide the last k tokens until the final; everything
+  shown is committed.
+- biased decoding (Arivazhagan et al. 2020): while the hypothesis still follows the previous
+  one, p'(y) = (1 - beta) p(y) + beta [y equals the previous output's token]; commits by
+  LocalAgreement-n.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.decoding import StepHook
+from engine.runtime import FloatArray
+
+
+def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix all sequences share."""
+    if not seqs:
+        return 0
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    for i in range(n):
+        if any(s[i] != first[i] for s in seqs[1:]):
+            return i
+    return n
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What a policy wants: commit the first `commit` tokens, show the first `display`."""
+
+    commit: int
+    display: int
+
+
+@dataclass(frozen=True)
+class LocalAgreement:
+    """Commit what the last `n` hypotheses agree on."""
+
+    n: int = 2
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError("LocalAgreement needs n >= 1")
+
+    @property
+    def name(self) -> str:
+        return f"local-agreement-{self.n}"
+
+    def propose(self, history: Sequence[Sequence[int]], committed: int) -> Proposal:
+        newest = history[-1]
+        if len(history) < self.n:
+            return Proposal(committed, len(newest))
+        return Proposal(common_prefix_length(history[-self.n :]), len(newest))
+
+    def hook(self, previous: Sequence[int] | None) -> StepHook | None:
+        return None
+
+
+@dataclass(frozen=True)
+class MaskK:
+    """Hide the last `k` tokens of every non-final hypothesis; commit the rest."""
+
+    k: int = 3
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ValueError("mask-k needs k >= 0")
+
+    @property
+    def name(self) -> str:
+        return f"mask-{self.k}"
+
+    def propose(self, history: Sequence[Sequence[int]], committed: int) -> Proposal:
+        shown = max(len(history[-1]) - self.k, 0)
+        return Proposal(shown, shown)
+
+    def hook(self, previous: Sequence[int] | None) -> StepHook | None:
+        return None
+
+
+def bias_toward(previous: Sequence[int], beta: float) -> StepHook:
+    """A decoding hook that favours `previous` token by token while a row still follows it."""
+    prev = list(previous)
+
+    def hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+        out = scores
+        for r, tokens in enumerate(rows):
+            t = len(tokens)
+            if t >= len(prev) or list(tokens) != prev[:t]:
+                continue  # diverged from (or ran past) the previous output: no bias
+            if out is scores:
+                out = scores.copy()
+            probs = (1.0 - beta) * np.exp(scores[r])
+            probs[prev[t]] += beta
+            with np.errstate(divide="ignore"):
+                out[r] = np.log(probs)
+        return out
+
+    return hook
+
+
+@dataclass(frozen=True)
+class BiasedDecoding:
+    """Bias decoding toward the previous output, then commit by LocalAgreement-n."""
+
+    beta: float = 0.3
+    n: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError("beta must be within [0, 1]")
+        if self.n < 1:
+            raise ValueError("biased decoding needs n >= 1")
+
+    @property
+    def name(self) -> str:
+        return f"biased-{self.beta:g}"
+
+    def propose(self, history: Sequence[Sequence[int]], committed: int) -> Proposal:
+        return LocalAgreement(self.n).propose(history, committed)
+
+    def hook(self, previous: Sequence[int] | None) -> StepHook | None:
+        if not previous or self.beta == 0.0:
+            return None
+        return bias_toward(previous, self.beta)
+
+
+Policy = LocalAgreement | MaskK | BiasedDecoding
+
+
+def parse_policy(spec: str) -> Policy:
+    """Policy from a command-line spec: `la2`, `local-agreement:3`, `mask:3`, `biased:0.3`."""
+    name, _, arg = spec.strip().lower().partition(":")
+    name = name.replace("_", "-")
+    try:
+        if name in ("la", "local-agreement", "localagreement") or name.startswith("la"):
+            digits = arg or name.removeprefix("local-agreement").removeprefix("la").strip("-")
+            return LocalAgreement(int(digits) if digits else 2)
+        if name in ("mask", "mask-k") or name.startswith("mask"):
+            digits = arg or name.removeprefix("mask").strip("-k")
+            return MaskK(int(digits) if digits else 3)
+        if name in ("biased", "bias"):
+            return BiasedDecoding(float(arg)) if arg else BiasedDecoding()
+    except ValueError as exc:
+        raise ValueError(f"bad policy {spec!r}: {exc}") from exc
+    raise ValueError(f"unknown policy {spec!r}: use local-agreement[:n], mask[:k] or biased[:beta]")

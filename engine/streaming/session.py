@@ -1,0 +1,306 @@
+"""One stream's incremental translation state: a synchronous, I/O-free core.
+
+`StreamSession.translate(event)` turns one partial transcript into one `TranslationUpdate`
+(or None when nothing changed). It holds the segment's encoder output, so an unchanged
+source is never re-encoded, and the committed target tokens, which are forced into every
+later decode of the segment so that stable text is never retracted.
+
+The async controller (`engine.streaming.controller`) decides which events reach it (latest
+wins) and runs it in a worker thread; replay and tests may call it directly.
+"""
+
+from __future__ import annotations
+
+import time
+import unicodedata
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.decoding import DecodeOptions
+from engine.errors import InputTooLongError
+from engine.runtime import EncoderOutput
+from engine.streaming.policies import LocalAgreement, Policy
+from engine.translator import Translator
+from protocol import ErrorCode, ErrorMessage, PartialTranscript, TranslationUpdate
+
+
+def normalize_source(text: str) -> str:
+    """NFC and collapsed whitespace: the changes ASR makes that do not change the token ids
+    (sentencepiece's own normalisation does the same), so they never trigger a decode."""
+    return " ".join(unicodedata.normalize("NFC", text).split())
+
+
+@dataclass(frozen=True)
+class StreamingOptions:
+    """How a stream is decoded and committed.
+
+    `decode` is shared with the final, offline translation, so a final equals `translate`
+    with these options. `history` bounds the hypotheses kept per segment.
+    """
+
+    policy: Policy = field(default_factory=LocalAgreement)
+    decode: DecodeOptions = DecodeOptions()
+    history: int = 4
+
+
+def _is_cjk(ch: str) -> bool:
+    o = ord(ch)
+    return (
+        0x2E80 <= o <= 0x9FFF
+        or 0xAC00 <= o <= 0xD7AF
+        or 0xF900 <= o <= 0xFAFF
+        or 0xFF00 <= o <= 0xFFEF
+        or 0x20000 <= o <= 0x3FFFF
+    )
+
+
+def _word_char(ch: str) -> bool:
+    """A character that belongs to a space-delimited word (CJK characters stand alone)."""
+    return ch.isalnum() and not _is_cjk(ch)
+
+
+def _is_byte_piece(piece: str) -> bool:
+    return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+
+
+class BoundaryFinder:
+    """Where a target token sequence may be cut without splitting a word or character."""
+
+    def __init__(self, pieces: Callable[[int], str]) -> None:
+        self._piece = pieces
+
+    def ok(self, tokens: Sequence[int], k: int, finished: bool) -> bool:
+        """May the first `k` tokens be committed? `finished`: eos followed the tokens."""
+        if k <= 0:
+            return True
+        if k >= len(tokens):
+            return finished and k == len(tokens)
+        prev, nxt = self._piece(tokens[k - 1]), self._piece(tokens[k])
+        if _is_byte_piece(nxt):
+            # Byte-fallback pieces spell one character over several tokens: cut only where
+            # a new character starts (a UTF-8 lead byte, not a 10xxxxxx continuation byte).
+            return not 0x80 <= int(nxt[3:5], 16) <= 0xBF
+        if nxt.startswith("\u2581"):
+            return True
+        return not (prev and nxt and _word_char(prev[-1]) and _word_char(nxt[0]))
+
+    def snap(self, tokens: Sequence[int], k: int, floor: int, finished: bool) -> int:
+        """Largest allowed cut in [floor, k]; `floor` (already committed) always is."""
+        k = min(k, len(tokens))
+        while k > floor and not self.ok(tokens, k, finished):
+            k -= 1
+        return max(k, floor)
+
+
+@dataclass
+class SegmentState:
+    """What a live segment keeps between partials; dropped at its final."""
+
+    segment_id: int
+    source: str = ""
+    source_ids: list[int] | None = None
+    encoded: EncoderOutput | None = None
+    committed: list[int] = field(default_factory=list)
+    stable_text: str = ""
+    history: deque[list[int]] = field(default_factory=deque)
+    last_text: str = ""
+
+
+class EventGate:
+    """Admission rules for one stream's events, checked when they are pushed.
+
+    `seq` must increase; segments may only move forward; a segment that has had its final
+    takes no more events; the text must fit the model. Returns an `ErrorMessage` instead of
+    raising so that callers on any layer can pass it on as is.
+    """
+
+    def __init__(self, stream_id: str, translator: Translator) -> None:
+        self.stream_id = stream_id
+        self.translator = translator
+        self.last_seq: int | None = None
+        self.segment_id: int | None = None
+        self.segment_closed = False
+
+    def check(self, event: PartialTranscript) -> ErrorMessage | None:
+        def error(code: ErrorCode, message: str, field: str) -> ErrorMessage:
+            return ErrorMessage(code, message, field, event.stream_id, event.seq)
+
+        if self.last_seq is not None and event.seq <= self.last_seq:
+            return error(
+                ErrorCode.OUT_OF_ORDER,
+                f"seq {event.seq} is not above the last accepted seq {self.last_seq}",
+                "seq",
+            )
+        if self.segment_id is not None and (
+            event.segment_id < self.segment_id
+            or (event.segment_id == self.segment_id and self.segment_closed)
+        ):
+            state = "already final" if event.segment_id == self.segment_id else "over"
+            return error(
+                ErrorCode.OUT_OF_ORDER, f"segment {event.segment_id} is {state}", "segment_id"
+            )
+        source = normalize_source(event.text)
+        if source:
+            try:
+                self.translator.source_ids(source)
+            except InputTooLongError as exc:
+                return error(ErrorCode.TOO_LARGE, str(exc), "text")
+        return None
+
+    def accept(self, event: PartialTranscript) -> None:
+        """Record an event that passed `check`."""
+        self.last_seq = event.seq
+        if event.segment_id != self.segment_id:
+            self.segment_id = event.segment_id
+            self.segment_closed = False
+        if event.is_final:
+            self.segment_closed = True
+
+
+class StreamSession:
+    """Translate one stream's partial transcripts, segment after segment."""
+
+    def __init__(
+        self, stream_id: str, translator: Translator, options: StreamingOptions | None = None
+    ) -> None:
+        self.stream_id = stream_id
+        self.translator = translator
+        self.options = options or StreamingOptions()
+        self.boundaries = BoundaryFinder(translator.tokenizer.id_to_piece)
+        self.segment: SegmentState | None = None
+        self.encoder_runs = 0
+        self.decoder_runs = 0
+
+    def _segment_for(self, event: PartialTranscript) -> SegmentState:
+        if self.segment is None or self.segment.segment_id != event.segment_id:
+            self.segment = SegmentState(event.segment_id)
+        return self.segment
+
+    def _encode(self, seg: SegmentState, source: str) -> EncoderOutput:
+        ids = self.translator.source_ids(source)
+        if seg.encoded is None or ids != seg.source_ids:
+            seg.encoded = self.translator.encode([ids])
+            seg.source_ids = ids
+            self.encoder_runs += 1
+        return seg.encoded
+
+    def translate(
+        self,
+        event: PartialTranscript,
+        should_stop: Callable[[], bool] | None = None,
+        *,
+        received: float | None = None,
+    ) -> TranslationUpdate | None:
+        """The update answering `event`, or None when its source did not change.
+
+        Raises `DecodingCancelled` (from the decoder) when `should_stop` says a newer event
+        made this one stale; the segment's state is then as before the call.
+        """
+        received = time.perf_counter() if received is None else received
+        seg = self._segment_for(event)
+        source = normalize_source(event.text)
+        if not event.is_final and source == seg.source and seg.encoded is not None:
+            return None  # same source as last time: neither encoder nor decoder runs
+        started = time.perf_counter()
+        if event.is_final:
+            update = self._final(seg, source, event, started, received)
+            self.segment = None
+        elif not source:
+            seg.source = ""
+            update = self._update(event, seg.stable_text, "", started, received, source)
+        else:
+            update = self._partial(seg, source, event, should_stop, started, received)
+        return update
+
+    def _update(
+        self,
+        event: PartialTranscript,
+        stable: str,
+        unstable: str,
+        started: float,
+        received: float,
+        source: str,
+        *,
+        revised: bool = False,
+    ) -> TranslationUpdate:
+        now = time.perf_counter()
+        return TranslationUpdate(
+            stream_id=event.stream_id,
+            segment_id=event.segment_id,
+            seq=event.seq,
+            stable_text=stable,
+            unstable_text=unstable,
+            is_final=event.is_final,
+            latency_ms=max(now - received, 0.0) * 1000.0,
+            compute_ms=(now - started) * 1000.0,
+            revised=revised,
+            source_text=source,
+        )
+
+    def _partial(
+        self,
+        seg: SegmentState,
+        source: str,
+        event: PartialTranscript,
+        should_stop: Callable[[], bool] | None,
+        started: float,
+        received: float,
+    ) -> TranslationUpdate:
+        policy = self.options.policy
+        enc = self._encode(seg, source)
+        previous = seg.history[-1] if seg.history else None
+        self.decoder_runs += 1
+        hyp = self.translator.decode(
+            enc,
+            self.options.decode,
+            prefixes=[seg.committed],
+            hook=policy.hook(previous),
+            should_stop=should_stop,
+        )[0]
+        tokens = list(hyp.token_ids)
+        seg.source = source  # only now: a cancelled decode leaves the source untranslated
+        seg.history.append(tokens)
+        while len(seg.history) > self.options.history:
+            seg.history.popleft()
+        proposal = policy.propose(list(seg.history), len(seg.committed))
+        commit = self.boundaries.snap(tokens, proposal.commit, len(seg.committed), hyp.finished)
+        seg.committed = tokens[:commit]
+        stable = self.translator.detokenize(seg.committed)
+        if not stable.startswith(seg.stable_text):  # never retract, whatever detok does
+            stable = seg.stable_text
+        seg.stable_text = stable
+        shown = self.translator.detokenize(tokens[: max(proposal.display, commit)])
+        unstable = shown[len(stable) :] if shown.startswith(stable) else ""
+        seg.last_text = stable + unstable
+        return self._update(event, stable, unstable, started, received, source)
+
+    def _final(
+        self,
+        seg: SegmentState,
+        source: str,
+        event: PartialTranscript,
+        started: float,
+        received: float,
+    ) -> TranslationUpdate:
+        """The offline translation of the final source: same options, no prefix, no bias."""
+        if not source:
+            text = ""
+        else:
+            enc = self._encode(seg, source)
+            self.decoder_runs += 1
+            hyp = self.translator.decode(enc, self.options.decode)[0]
+            seg.source = source
+            text = self.translator.detokenize(hyp.token_ids)
+        revised = not text.startswith(seg.stable_text)
+        return self._update(event, text, "", started, received, source, revised=revised)
+
+    def state_size(self) -> int:
+        """Rough count of numbers held for this stream (tests bound it)."""
+        seg = self.segment
+        if seg is None:
+            return 0
+        size = len(seg.committed) + sum(len(h) for h in seg.history)
+        if seg.encoded is not None:
+            size += seg.encoded.hidden_states.size + seg.encoded.attention_mask.size
+        return size

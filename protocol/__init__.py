@@ -1,0 +1,58 @@
+"""The messages, JSON wire format and async API of nmt-incremental.
+
+Pure Python, standard library only: a client, a proxy or a speech pipeline can depend on it
+without pulling in the engine's numerical stack.
+"""
+
+from protocol.api import InvalidEvent, NmtIncremental
+from protocol.codec import (
+    FROM_ENGINE_TYPES,
+    MAX_MESSAGE_BYTES,
+    MAX_TEXT_CHARS,
+    MESSAGE_TYPES,
+    TO_ENGINE_TYPES,
+    decode,
+    encode,
+    load_schema,
+    schema_path,
+)
+from protocol.messages import (
+    ERROR_CODES,
+    MAX_FIELD_NAME_CHARS,
+    MAX_ID,
+    MAX_STREAM_ID_CHARS,
+    CloseStream,
+    ErrorCode,
+    ErrorMessage,
+    InvalidMessage,
+    Message,
+    PartialTranscript,
+    Subscribe,
+    TranslationUpdate,
+)
+
+__all__ = [
+    "ERROR_CODES",
+    "FROM_ENGINE_TYPES",
+    "MAX_FIELD_NAME_CHARS",
+    "MAX_ID",
+    "MAX_MESSAGE_BYTES",
+    "MAX_STREAM_ID_CHARS",
+    "MAX_TEXT_CHARS",
+    "MESSAGE_TYPES",
+    "TO_ENGINE_TYPES",
+    "CloseStream",
+    "ErrorCode",
+    "ErrorMessage",
+    "InvalidEvent",
+    "InvalidMessage",
+    "Message",
+    "NmtIncremental",
+    "PartialTranscript",
+    "Subscribe",
+    "TranslationUpdate",
+    "decode",
+    "encode",
+    "load_schema",
+    "schema_path",
+]

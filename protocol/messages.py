@@ -1,0 +1,279 @@
+"""The messages exchanged with the engine, as frozen dataclasses that validate themselves.
+
+Validation lives here rather than in the codec so that an embedding pipeline, which never
+touches JSON, gets the same guarantees as a WebSocket client: a message object that exists is
+a valid message. Every failure raises `InvalidMessage` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import TypeAlias
+
+MAX_ID = 2**53 - 1
+"""Largest `segment_id`, `seq` and millisecond value: the largest integer a JavaScript
+client can hold exactly, so browsers never see two different ids collapse into one."""
+
+MAX_STREAM_ID_CHARS = 128
+MAX_FIELD_NAME_CHARS = 128
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+"""Characters an identifier may not contain: C0/C1 controls, line and paragraph separators
+and bidirectional overrides, i.e. what could break or spoof a log line. Deliberately not
+`str.isprintable()`, whose answer depends on the Python version's Unicode database; this set
+is fixed and is expressed exactly in `wire.schema.json`."""
+
+
+class InvalidMessage(ValueError):
+    """A message field holds a value the protocol does not allow; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(field, message)
+        self.field = field
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ErrorCode(str, Enum):
+    """The fixed set of error codes; clients switch on these, so they never change meaning."""
+
+    INVALID_JSON = "invalid_json"
+    INVALID_MESSAGE = "invalid_message"
+    UNKNOWN_TYPE = "unknown_type"
+    TOO_LARGE = "too_large"
+    UNKNOWN_STREAM = "unknown_stream"
+    OUT_OF_ORDER = "out_of_order"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    RATE_LIMITED = "rate_limited"
+    LIMIT_EXCEEDED = "limit_exceeded"
+    INTERNAL = "internal"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:
+        # Enum hashes by member name; hash by value so that, like equality, a code and its
+        # string are interchangeable (e.g. as dict keys).
+        return hash(self.value)
+
+
+ERROR_CODES: frozenset[str] = frozenset(code.value for code in ErrorCode)
+
+
+# --- field checks -----------------------------------------------------------------------
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def _check_str(field: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidMessage(field, f"{field} must be a string, got {_type_name(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # Lone surrogates (e.g. from a JSON "\ud800" escape) cannot be sent on as UTF-8.
+        raise InvalidMessage(field, f"{field} contains a lone surrogate") from None
+    return value
+
+
+def _check_optional_str(field: str, value: object) -> str | None:
+    return None if value is None else _check_str(field, value)
+
+
+def _check_name(field: str, value: object, max_chars: int) -> str:
+    text = _check_str(field, value)
+    if not text:
+        raise InvalidMessage(field, f"{field} must not be empty")
+    if len(text) > max_chars:
+        raise InvalidMessage(
+            field, f"{field} is {len(text)} characters long; the limit is {max_chars}"
+        )
+    bad = _UNPRINTABLE.search(text)
+    if bad is not None:
+        raise InvalidMessage(
+            field, f"{field} contains the unprintable character U+{ord(bad.group()):04X}"
+        )
+    return text
+
+
+def _check_stream_id(value: object, field: str = "stream_id") -> str:
+    return _check_name(field, value, MAX_STREAM_ID_CHARS)
+
+
+def _check_count(field: str, value: object) -> int:
+    # bool is an int subclass; True as a sequence number is always a client bug.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidMessage(field, f"{field} must be an integer, got {_type_name(value)}")
+    if not 0 <= value <= MAX_ID:
+        raise InvalidMessage(field, f"{field} must be between 0 and {MAX_ID}, got {value}")
+    return value
+
+
+def _check_bool(field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidMessage(field, f"{field} must be a boolean, got {_type_name(value)}")
+    return value
+
+
+def _check_ms(field: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidMessage(field, f"{field} must be a number, got {_type_name(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidMessage(field, f"{field} must be a finite number, got {value}")
+    if not 0 <= value <= MAX_ID:
+        raise InvalidMessage(field, f"{field} must be between 0 and {MAX_ID}, got {value}")
+    return float(value)
+
+
+def _check_optional_ms(field: str, value: object) -> float | None:
+    return None if value is None else _check_ms(field, value)
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    """Store a normalised value on a frozen instance (only ever called from __post_init__)."""
+    object.__setattr__(obj, name, value)
+
+
+# --- messages ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PartialTranscript:
+    """One ASR hypothesis for a segment: the whole transcript so far, not a delta.
+
+    Sending the whole text makes every event self-contained, so the engine may skip stale
+    partials (latest wins) without losing words. `seq` increases per stream; a new
+    `segment_id` starts a new sentence. `text` may be empty only while not final.
+    """
+
+    stream_id: str
+    segment_id: int
+    seq: int
+    text: str
+    is_final: bool
+    start_ms: float | None = None
+    end_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_stream_id(self.stream_id)
+        _check_count("segment_id", self.segment_id)
+        _check_count("seq", self.seq)
+        _check_str("text", self.text)
+        _check_bool("is_final", self.is_final)
+        if self.is_final and not self.text:
+            raise InvalidMessage("text", "text must not be empty in a final transcript")
+        start = _check_optional_ms("start_ms", self.start_ms)
+        end = _check_optional_ms("end_ms", self.end_ms)
+        if start is not None and end is not None and end < start:
+            raise InvalidMessage("end_ms", f"end_ms ({end}) is before start_ms ({start})")
+        _set(self, "start_ms", start)
+        _set(self, "end_ms", end)
+
+
+@dataclass(frozen=True, slots=True)
+class TranslationUpdate:
+    """The translation of one transcript `seq`: a committed part and a tentative tail.
+
+    `stable_text` only grows within a segment, so a display can append it; `unstable_text`
+    may change with every update. A final update has everything stable. `revised` flags the
+    one exception: a final whose text does not extend what was shown, so the display must
+    replace the line instead of appending. `latency_ms` runs from the partial's arrival at
+    the engine to this update; `compute_ms` is the encoder and decoder time spent on it.
+    """
+
+    stream_id: str
+    segment_id: int
+    seq: int
+    stable_text: str
+    unstable_text: str
+    is_final: bool
+    latency_ms: float
+    compute_ms: float
+    revised: bool = False
+    source_text: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_stream_id(self.stream_id)
+        _check_count("segment_id", self.segment_id)
+        _check_count("seq", self.seq)
+        _check_str("stable_text", self.stable_text)
+        _check_str("unstable_text", self.unstable_text)
+        _check_bool("is_final", self.is_final)
+        _set(self, "latency_ms", _check_ms("latency_ms", self.latency_ms))
+        _set(self, "compute_ms", _check_ms("compute_ms", self.compute_ms))
+        _check_bool("revised", self.revised)
+        _check_optional_str("source_text", self.source_text)
+        if self.is_final and self.unstable_text:
+            raise InvalidMessage("unstable_text", "unstable_text must be empty in a final update")
+        if self.revised and not self.is_final:
+            raise InvalidMessage("revised", "revised may only be true in a final update")
+
+    @property
+    def text(self) -> str:
+        """The whole translation to display: stable part then tentative tail."""
+        return self.stable_text + self.unstable_text
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMessage:
+    """A refusal sent instead of a result; the stream it names carries on.
+
+    `code` is one of `ErrorCode` (stored as its plain string so it compares, hashes and
+    serialises like one); `field`, `stream_id` and `seq` locate the problem when known.
+    """
+
+    code: str
+    message: str
+    field: str | None = None
+    stream_id: str | None = None
+    seq: int | None = None
+
+    def __post_init__(self) -> None:
+        code = self.code.value if isinstance(self.code, ErrorCode) else self.code
+        if not isinstance(code, str):
+            raise InvalidMessage("code", f"code must be a string, got {_type_name(code)}")
+        if code not in ERROR_CODES:
+            raise InvalidMessage(
+                "code", f"code {code[:64]!r} is not one of {', '.join(sorted(ERROR_CODES))}"
+            )
+        _set(self, "code", code)
+        if not _check_str("message", self.message):
+            raise InvalidMessage("message", "message must not be empty")
+        if self.field is not None:
+            _check_name("field", self.field, MAX_FIELD_NAME_CHARS)
+        if self.stream_id is not None:
+            _check_stream_id(self.stream_id)
+        if self.seq is not None:
+            _check_count("seq", self.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """A viewer asks to receive a stream's updates read-only (it may not push to it)."""
+
+    stream_id: str
+
+    def __post_init__(self) -> None:
+        _check_stream_id(self.stream_id)
+
+
+@dataclass(frozen=True, slots=True)
+class CloseStream:
+    """The writer ends a stream, so the engine can free its state at once."""
+
+    stream_id: str
+
+    def __post_init__(self) -> None:
+        _check_stream_id(self.stream_id)
+
+
+Message: TypeAlias = PartialTranscript | TranslationUpdate | ErrorMessage | Subscribe | CloseStream
+"""Any message of the protocol."""

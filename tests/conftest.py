@@ -1,0 +1,73 @@
+"""Shared paths and fixtures: the committed fixture model and the optional ../shared data."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE_DIR = ROOT / "models" / "fixture"
+FIXTURE_MODEL = FIXTURE_DIR / "model"
+SHARED = ROOT.parent / "shared"
+ZH_EN = SHARED / "opus-mt-zh-en"
+FLORES = SHARED / "flores200-devtest"
+
+# Files a model directory needs besides its ONNX files.
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "source.spm",
+    "target.spm",
+    "vocab.json",
+    "tokenizer_config.json",
+    "nmt-incremental.json",
+)
+
+
+def needs_fixture() -> None:
+    if not (FIXTURE_MODEL / "encoder_model.onnx").is_file():
+        pytest.skip("fixture model not built (models/fixture/build.py)")
+
+
+def model_copy(dest: Path, onnx_files: dict[str, Path]) -> Path:
+    """A model directory with the fixture's side files and the chosen ONNX files."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in SIDE_FILES:
+        if (FIXTURE_MODEL / name).is_file():
+            shutil.copy(FIXTURE_MODEL / name, dest / name)
+    for name, source in onnx_files.items():
+        shutil.copy(source, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def fixture_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One directory per decoder layout, all sharing the fixture's encoder and tokenizer."""
+    needs_fixture()
+    base = tmp_path_factory.mktemp("variants")
+    enc = {"encoder_model.onnx": FIXTURE_MODEL / "encoder_model.onnx"}
+    variants = FIXTURE_DIR / "variants"
+    return {
+        "merged": model_copy(
+            base / "merged",
+            {**enc, "decoder_model_merged.onnx": FIXTURE_MODEL / "decoder_model_merged.onnx"},
+        ),
+        "split": model_copy(
+            base / "split",
+            {
+                **enc,
+                "decoder_model.onnx": FIXTURE_MODEL / "decoder_model.onnx",
+                "decoder_with_past_model.onnx": FIXTURE_MODEL / "decoder_with_past_model.onnx",
+            },
+        ),
+        "self_kv_only": model_copy(
+            base / "self_kv_only",
+            {**enc, "decoder_model.onnx": variants / "no_encoder_kv" / "decoder_model.onnx"},
+        ),
+        "no_cache": model_copy(
+            base / "no_cache",
+            {**enc, "decoder_model.onnx": variants / "no_past" / "decoder_model.onnx"},
+        ),
+    }

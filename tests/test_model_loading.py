@@ -1,0 +1,103 @@
+"""Loading fails early and clearly: missing, truncated or unknown files name the problem."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine import DecoderLayout, ModelLoadError, Translator
+from tests.conftest import FIXTURE_MODEL, model_copy, needs_fixture
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    needs_fixture()
+    return model_copy(
+        tmp_path / "model",
+        {
+            name: FIXTURE_MODEL / name
+            for name in ("encoder_model.onnx", "decoder_model_merged.onnx")
+        },
+    )
+
+
+def test_onnx_subfolder_layout(tmp_path: Path) -> None:
+    needs_fixture()
+    root = model_copy(tmp_path / "hub", {})
+    (root / "onnx").mkdir()
+    for name in ("encoder_model.onnx", "decoder_model_merged.onnx"):
+        shutil.copy(FIXTURE_MODEL / name, root / "onnx" / name)
+    tr = Translator.from_dir(root)
+    assert tr.model.layout is DecoderLayout.MERGED
+    assert tr.translate(["I will meet Tom at three"])[0].text
+
+
+def test_quantized_files_are_chosen_by_option() -> None:
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, quantized=True)
+    assert tr.model.files["encoder"].name == "encoder_model_quantized.onnx"
+    assert tr.model.files["first"].name == "decoder_model_merged_quantized.onnx"
+    assert tr.translate(["we eat noodles"])[0].text
+
+
+@pytest.mark.parametrize(
+    "victim",
+    ["encoder_model.onnx", "decoder_model_merged.onnx", "config.json", "vocab.json", "source.spm"],
+)
+def test_missing_file_is_named(model_dir: Path, victim: str) -> None:
+    (model_dir / victim).unlink()
+    with pytest.raises(ModelLoadError) as err:
+        Translator.from_dir(model_dir)
+    message = str(err.value)
+    assert str(model_dir) in message
+    assert victim.removesuffix(".onnx").split("_model")[0] in message
+
+
+@pytest.mark.parametrize(
+    "victim", ["encoder_model.onnx", "decoder_model_merged.onnx", "target.spm", "vocab.json"]
+)
+def test_truncated_file_is_named(model_dir: Path, victim: str) -> None:
+    path = model_dir / victim
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+    with pytest.raises(ModelLoadError) as err:
+        Translator.from_dir(model_dir)
+    assert victim in str(err.value) and str(model_dir) in str(err.value)
+
+
+def test_missing_quantized_files(model_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="encoder_model_quantized.onnx"):
+        Translator.from_dir(model_dir, quantized=True)
+
+
+def test_not_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not a model directory"):
+        Translator.from_dir(tmp_path / "nowhere")
+
+
+def test_unknown_decoder_signature_names_missing_inputs(model_dir: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    # A decoder missing one layer's encoder KV inputs: close to "merged", but not it.
+    layers = Translator.from_dir(model_dir).config.decoder_layers
+    names = ["encoder_attention_mask", "input_ids", "encoder_hidden_states", "use_cache_branch"]
+    for i in range(layers):
+        names += [f"past_key_values.{i}.decoder.key", f"past_key_values.{i}.decoder.value"]
+        if i:
+            names += [f"past_key_values.{i}.encoder.key", f"past_key_values.{i}.encoder.value"]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names]
+    out = helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["encoder_hidden_states"], ["logits"])], "g", inputs, [out]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(model_dir / "decoder_model_merged.onnx"))
+    with pytest.raises(ModelLoadError) as err:
+        Translator.from_dir(model_dir)
+    message = str(err.value)
+    assert "past_key_values.0.encoder.key" in message and "past_key_values.0.encoder.value" in message
+    assert "missing inputs" in message

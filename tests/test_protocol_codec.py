@@ -1,0 +1,388 @@
+"""The JSON wire codec: round trips, the exact format, and every way input can be bad."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from protocol import (
+    FROM_ENGINE_TYPES,
+    MAX_ID,
+    MAX_MESSAGE_BYTES,
+    MAX_TEXT_CHARS,
+    MESSAGE_TYPES,
+    TO_ENGINE_TYPES,
+    CloseStream,
+    ErrorCode,
+    ErrorMessage,
+    Message,
+    PartialTranscript,
+    Subscribe,
+    TranslationUpdate,
+    decode,
+    encode,
+)
+
+MESSAGES: list[Message] = [
+    PartialTranscript("mic-1", 0, 0, "", False),
+    PartialTranscript("mic-1", 3, 17, "hello wor", False, start_ms=1200.0),
+    PartialTranscript("会议 🎤", MAX_ID, MAX_ID, '你好，世界 "quoted" \\ \n', True, 0.0, 0.0),
+    PartialTranscript("s", 0, 1, "final", True, 12.25, 1e9),
+    TranslationUpdate("mic-1", 0, 0, "", "", False, 0.0, 0.0),
+    TranslationUpdate("mic-1", 2, 9, "Hallo", " Welt", False, 35.5, 12.0, source_text="hello wor"),
+    TranslationUpdate("mic-1", 2, 10, "Hallo, Welt!", "", True, 120.25, 80.5, revised=True),
+    ErrorMessage("internal", "the decoder failed"),
+    ErrorMessage(ErrorCode.OUT_OF_ORDER, "seq 3 is not above 5", "seq", "mic-1", 3),
+    Subscribe("room-7"),
+    CloseStream("mic-1"),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: Message) -> None:
+    wire = encode(message)
+    assert decode(wire) == message
+    assert decode(wire.encode("utf-8")) == message
+    assert decode(bytearray(wire.encode("utf-8"))) == message
+    assert decode(memoryview(wire.encode("utf-8"))) == message
+
+
+def test_every_type_is_covered() -> None:
+    assert {type(m) for m in MESSAGES} == set(MESSAGE_TYPES.values())
+    assert set(MESSAGE_TYPES) == TO_ENGINE_TYPES | FROM_ENGINE_TYPES
+    assert not TO_ENGINE_TYPES & FROM_ENGINE_TYPES
+
+
+def test_encoding_is_compact_type_first_and_omits_none() -> None:
+    wire = encode(PartialTranscript("mic-1", 0, 4, "héllo", False))
+    assert wire == (
+        '{"type":"partial_transcript","stream_id":"mic-1","segment_id":0,"seq":4,'
+        '"text":"héllo","is_final":false}'
+    )
+    wire = encode(ErrorMessage("internal", "boom"))
+    assert wire == '{"type":"error","code":"internal","message":"boom"}'
+    # revised has a default but is always written, so clients need not know the default.
+    assert '"revised":false' in encode(TranslationUpdate("a", 0, 0, "x", "", False, 1.0, 1.0))
+
+
+def test_encode_refuses_non_messages() -> None:
+    with pytest.raises(TypeError):
+        encode({"type": "subscribe", "stream_id": "x"})  # type: ignore[arg-type]
+
+
+def test_null_means_absent_for_optional_fields() -> None:
+    wire = (
+        '{"type":"partial_transcript","stream_id":"a","segment_id":0,"seq":1,"text":"x",'
+        '"is_final":false,"start_ms":null,"end_ms":null}'
+    )
+    assert decode(wire) == PartialTranscript("a", 0, 1, "x", False)
+    absent = '{"type":"translation_update","stream_id":"a","segment_id":0,"seq":1,'
+    absent += '"stable_text":"","unstable_text":"","is_final":false,"latency_ms":1,"compute_ms":2}'
+    assert decode(absent) == TranslationUpdate("a", 0, 1, "", "", False, 1.0, 2.0, revised=False)
+
+
+def test_whitespace_around_and_inside_json_is_fine() -> None:
+    assert decode(' \n{ "type" : "subscribe" ,\t"stream_id" : "a" }\r\n') == Subscribe("a")
+
+
+# --- bad input --------------------------------------------------------------------------
+
+PT = {
+    "type": "partial_transcript",
+    "stream_id": "mic-1",
+    "segment_id": 0,
+    "seq": 5,
+    "text": "hi",
+    "is_final": False,
+}
+TU = {
+    "type": "translation_update",
+    "stream_id": "mic-1",
+    "segment_id": 0,
+    "seq": 5,
+    "stable_text": "",
+    "unstable_text": "x",
+    "is_final": False,
+    "latency_ms": 1.0,
+    "compute_ms": 1.0,
+}
+ER = {"type": "error", "code": "internal", "message": "boom"}
+
+
+def with_(base: dict[str, Any], **changes: Any) -> str:
+    return json.dumps({**base, **changes})
+
+
+def without(base: dict[str, Any], key: str) -> str:
+    return json.dumps({k: v for k, v in base.items() if k != key})
+
+
+# (wire, code, field, stream_id and seq the error should carry)
+BAD: list[tuple[str | bytes, str, str | None, str | None, int | None]] = [
+    ("", "invalid_json", None, None, None),
+    ("{", "invalid_json", None, None, None),
+    ("not json", "invalid_json", None, None, None),
+    ('{"type":"subscribe","stream_id":"a"} trailing', "invalid_json", None, None, None),
+    ("{'type':'subscribe'}", "invalid_json", None, None, None),
+    (b"\xff\xfe{}", "invalid_json", None, None, None),
+    (b'{"type":"subscribe","stream_id":"\xc3"}', "invalid_json", None, None, None),
+    (b"\xef\xbb\xbf" + json.dumps(PT).encode(), "invalid_json", None, None, None),  # BOM
+    ("[" * 100_00 + "]" * 100_00, "invalid_json", None, None, None),
+    ('{"seq":' + "9" * 5000 + "}", "invalid_json", None, None, None),
+    ("[]", "invalid_message", None, None, None),
+    ('"partial_transcript"', "invalid_message", None, None, None),
+    ("null", "invalid_message", None, None, None),
+    ("42", "invalid_message", None, None, None),
+    (without(PT, "type"), "invalid_message", "type", "mic-1", 5),
+    (with_(PT, type=None), "invalid_message", "type", "mic-1", 5),
+    (with_(PT, type=["partial_transcript"]), "invalid_message", "type", "mic-1", 5),
+    (with_(PT, type="partial"), "unknown_type", "type", "mic-1", 5),
+    (with_(PT, type="Partial_Transcript"), "unknown_type", "type", "mic-1", 5),
+    (with_(PT, extra=1), "invalid_message", "extra", "mic-1", 5),
+    (with_(PT, stable_text="x"), "invalid_message", "stable_text", "mic-1", 5),
+    (with_(PT, **{"bad\nkey": 1}), "invalid_message", None, "mic-1", 5),
+    (
+        '{"type":"subscribe","stream_id":"a","stream_id":"b"}',
+        "invalid_message",
+        "stream_id",
+        None,
+        None,
+    ),
+    (without(PT, "stream_id"), "invalid_message", "stream_id", None, 5),
+    (without(PT, "segment_id"), "invalid_message", "segment_id", "mic-1", 5),
+    (without(PT, "seq"), "invalid_message", "seq", "mic-1", None),
+    (without(PT, "text"), "invalid_message", "text", "mic-1", 5),
+    (without(PT, "is_final"), "invalid_message", "is_final", "mic-1", 5),
+    (with_(PT, stream_id=""), "invalid_message", "stream_id", None, 5),
+    (with_(PT, stream_id="a" * 129), "invalid_message", "stream_id", None, 5),
+    (with_(PT, stream_id="a\tb"), "invalid_message", "stream_id", None, 5),
+    (with_(PT, stream_id=7), "invalid_message", "stream_id", None, 5),
+    (with_(PT, stream_id=None), "invalid_message", "stream_id", None, 5),
+    (with_(PT, segment_id=-1), "invalid_message", "segment_id", "mic-1", 5),
+    (with_(PT, segment_id=MAX_ID + 1), "invalid_message", "segment_id", "mic-1", 5),
+    (with_(PT, segment_id=True), "invalid_message", "segment_id", "mic-1", 5),
+    (with_(PT, segment_id=0.0), "invalid_message", "segment_id", "mic-1", 5),
+    (with_(PT, segment_id="0"), "invalid_message", "segment_id", "mic-1", 5),
+    (with_(PT, seq=5.0), "invalid_message", "seq", "mic-1", None),
+    (with_(PT, seq=5.5), "invalid_message", "seq", "mic-1", None),
+    (with_(PT, seq=1e3), "invalid_message", "seq", "mic-1", None),
+    (with_(PT, seq=-5), "invalid_message", "seq", "mic-1", None),
+    (with_(PT, seq=False), "invalid_message", "seq", "mic-1", None),
+    (with_(PT, seq=[5]), "invalid_message", "seq", "mic-1", None),
+    (with_(PT, seq={"n": 5}), "invalid_message", "seq", "mic-1", None),
+    (with_(PT, text=None), "invalid_message", "text", "mic-1", 5),
+    (with_(PT, text=["hi"]), "invalid_message", "text", "mic-1", 5),
+    (with_(PT, text="x" * (MAX_TEXT_CHARS + 1)), "too_large", "text", "mic-1", 5),
+    (with_(PT, text="", is_final=True), "invalid_message", "text", "mic-1", 5),
+    (with_(PT, text="\ud83d"), "invalid_message", "text", "mic-1", 5),  # lone surrogate
+    (with_(PT, is_final=1), "invalid_message", "is_final", "mic-1", 5),
+    (with_(PT, is_final=0), "invalid_message", "is_final", "mic-1", 5),
+    (with_(PT, is_final="false"), "invalid_message", "is_final", "mic-1", 5),
+    (with_(PT, is_final=None), "invalid_message", "is_final", "mic-1", 5),
+    (with_(PT, start_ms=-1), "invalid_message", "start_ms", "mic-1", 5),
+    (with_(PT, start_ms="0"), "invalid_message", "start_ms", "mic-1", 5),
+    (with_(PT, start_ms=True), "invalid_message", "start_ms", "mic-1", 5),
+    (with_(PT, start_ms=float("nan")), "invalid_message", "start_ms", "mic-1", 5),
+    (with_(PT, start_ms=float("inf")), "invalid_message", "start_ms", "mic-1", 5),
+    (with_(PT, end_ms=float("-inf")), "invalid_message", "end_ms", "mic-1", 5),
+    (with_(PT, start_ms=1e400), "invalid_message", "start_ms", "mic-1", 5),  # parses as inf
+    (with_(PT, start_ms=10**400), "invalid_message", "start_ms", "mic-1", 5),
+    (with_(PT, start_ms=MAX_ID + 1), "invalid_message", "start_ms", "mic-1", 5),
+    (with_(PT, start_ms=500, end_ms=499), "invalid_message", "end_ms", "mic-1", 5),
+    (without(TU, "latency_ms"), "invalid_message", "latency_ms", "mic-1", 5),
+    (without(TU, "compute_ms"), "invalid_message", "compute_ms", "mic-1", 5),
+    (without(TU, "unstable_text"), "invalid_message", "unstable_text", "mic-1", 5),
+    (with_(TU, latency_ms=-0.5), "invalid_message", "latency_ms", "mic-1", 5),
+    (with_(TU, latency_ms=None), "invalid_message", "latency_ms", "mic-1", 5),
+    (with_(TU, compute_ms="1"), "invalid_message", "compute_ms", "mic-1", 5),
+    (with_(TU, revised=None), "invalid_message", "revised", "mic-1", 5),
+    (with_(TU, revised=1), "invalid_message", "revised", "mic-1", 5),
+    (with_(TU, revised=True), "invalid_message", "revised", "mic-1", 5),
+    (with_(TU, is_final=True), "invalid_message", "unstable_text", "mic-1", 5),
+    (with_(TU, stable_text="x" * (MAX_TEXT_CHARS + 1)), "too_large", "stable_text", "mic-1", 5),
+    (with_(TU, unstable_text="y" * (MAX_TEXT_CHARS + 1)), "too_large", "unstable_text", "mic-1", 5),
+    (with_(TU, source_text="z" * (MAX_TEXT_CHARS + 1)), "too_large", "source_text", "mic-1", 5),
+    (with_(TU, source_text=3), "invalid_message", "source_text", "mic-1", 5),
+    (with_(TU, text="x"), "invalid_message", "text", "mic-1", 5),
+    (with_(ER, code="teapot"), "invalid_message", "code", None, None),
+    (with_(ER, code=None), "invalid_message", "code", None, None),
+    (without(ER, "code"), "invalid_message", "code", None, None),
+    (without(ER, "message"), "invalid_message", "message", None, None),
+    (with_(ER, message=""), "invalid_message", "message", None, None),
+    (with_(ER, message="m" * (MAX_TEXT_CHARS + 1)), "too_large", "message", None, None),
+    (with_(ER, field=""), "invalid_message", "field", None, None),
+    (with_(ER, seq=-1), "invalid_message", "seq", None, None),
+    (with_(ER, seq=1, stream_id="\n"), "invalid_message", "stream_id", None, 1),
+    ('{"type":"subscribe"}', "invalid_message", "stream_id", None, None),
+    ('{"type":"subscribe","stream_id":"a","seq":1}', "invalid_message", "seq", "a", 1),
+    ('{"type":"close_stream","stream_id":""}', "invalid_message", "stream_id", None, None),
+    ('{"type":"close_stream","stream_id":"a","text":"x"}', "invalid_message", "text", "a", None),
+]
+
+
+@pytest.mark.parametrize(("wire", "code", "field", "stream_id", "seq"), BAD)
+def test_bad_input_returns_an_error_naming_the_problem(
+    wire: str | bytes, code: str, field: str | None, stream_id: str | None, seq: int | None
+) -> None:
+    result = decode(wire)
+    assert isinstance(result, ErrorMessage), result
+    assert (result.code, result.field, result.stream_id, result.seq) == (
+        code,
+        field,
+        stream_id,
+        seq,
+    ), result.message
+    if field is not None:
+        assert field in result.message
+    # The error itself is a valid message a server can send back as is.
+    assert decode(encode(result)) == result
+
+
+def test_unknown_field_with_unreportable_name_is_quoted_in_the_message() -> None:
+    result = decode(with_(PT, **{"bad\nkey": 1, "k" * 300: 2}))
+    assert isinstance(result, ErrorMessage)
+    assert result.field is None
+    assert "'bad\\nkey'" in result.message
+    result = decode(with_(PT, **{"k" * 300: 2}))
+    assert isinstance(result, ErrorMessage)
+    assert result.field is None
+    assert len(result.message) < 200
+
+
+def test_messages_describe_json_types_in_json_terms() -> None:
+    cases = {
+        with_(PT, seq=5.0): "seq must be an integer, got number 5.0",
+        with_(PT, seq=True): "seq must be an integer, got true",
+        with_(PT, is_final=1): "is_final must be a boolean, got integer 1",
+        with_(PT, text=None): "text must be a string, got null",
+        with_(PT, start_ms=float("nan")): "start_ms must be a finite number, got NaN",
+        with_(PT, start_ms=float("-inf")): "start_ms must be a finite number, got -Infinity",
+    }
+    for wire, message in cases.items():
+        result = decode(wire)
+        assert isinstance(result, ErrorMessage)
+        assert result.message == message
+
+
+def test_message_size_limit_counts_utf8_bytes_and_is_configurable() -> None:
+    wire = encode(PartialTranscript("a", 0, 0, "好" * 3000, False))  # > 9000 bytes
+    size = len(wire.encode("utf-8"))
+    assert isinstance(decode(wire), PartialTranscript)
+    for data in (wire, wire.encode("utf-8")):
+        assert isinstance(decode(data, max_bytes=size), PartialTranscript)
+        small = decode(data, max_bytes=size - 1)
+        assert isinstance(small, ErrorMessage)
+        assert small.code == "too_large"
+        assert str(size - 1) in small.message
+    huge = " " * (MAX_MESSAGE_BYTES + 1)
+    result = decode(huge)
+    assert isinstance(result, ErrorMessage)
+    assert result.code == "too_large"
+
+
+def test_text_limit_is_configurable() -> None:
+    wire = with_(PT, text="x" * 10)
+    assert isinstance(decode(wire, max_text_chars=10), PartialTranscript)
+    result = decode(wire, max_text_chars=9)
+    assert isinstance(result, ErrorMessage)
+    assert (result.code, result.field) == ("too_large", "text")
+    assert isinstance(decode(with_(PT, text="x" * MAX_TEXT_CHARS)), PartialTranscript)
+
+
+def test_accept_restricts_types_so_errors_are_unambiguous() -> None:
+    assert decode(encode(Subscribe("a")), accept=TO_ENGINE_TYPES) == Subscribe("a")
+    echoed = decode(encode(ErrorMessage("internal", "x")), accept=TO_ENGINE_TYPES)
+    assert isinstance(echoed, ErrorMessage)
+    assert (echoed.code, echoed.field) == ("invalid_message", "type")
+    assert "not accepted" in echoed.message
+    with pytest.raises(ValueError):
+        decode("{}", accept={"nope"})
+
+
+def test_bad_arguments_are_programming_errors() -> None:
+    with pytest.raises(ValueError):
+        decode("{}", max_bytes=0)
+    with pytest.raises(ValueError):
+        decode("{}", max_text_chars=-1)
+    with pytest.raises(TypeError):
+        decode(42)  # type: ignore[arg-type]
+
+
+# --- randomised: decode never raises, and whatever it accepts round-trips -----------------
+
+_VALUES: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2.0,
+    0.5,
+    -0.5,
+    MAX_ID,
+    MAX_ID + 1,
+    "",
+    "a",
+    "mic-1",
+    "\n",
+    "x" * 200,
+    [],
+    [1],
+    {},
+    {"a": 1},
+    "internal",
+    "partial_transcript",
+    "subscribe",
+    "error",
+]
+
+
+def _mutate_object(rng: random.Random, obj: dict[str, Any]) -> dict[str, Any]:
+    obj = dict(obj)
+    for _ in range(rng.randint(1, 3)):
+        action = rng.random()
+        keys = list(obj)
+        if action < 0.5 and keys:
+            obj[rng.choice(keys)] = rng.choice(_VALUES)
+        elif action < 0.7 and keys:
+            del obj[rng.choice(keys)]
+        elif action < 0.85:
+            obj[rng.choice(["type", "x", "seq", "text", "code", "revised", "field"])] = rng.choice(
+                _VALUES
+            )
+        else:
+            obj["type"] = rng.choice(list(MESSAGE_TYPES))
+    return obj
+
+
+def _mutate_bytes(rng: random.Random, data: bytes) -> bytes:
+    buf = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        pos = rng.randrange(len(buf) + 1)
+        action = rng.random()
+        if action < 0.4 and buf:
+            buf[min(pos, len(buf) - 1)] = rng.randrange(256)
+        elif action < 0.7:
+            buf[pos:pos] = bytes([rng.choice(b'{}[]",:\\0123456789.eE-+ntfu\xc3\xff')])
+        else:
+            del buf[pos : pos + rng.randint(1, 5)]
+    return bytes(buf)
+
+
+def _check_decodes_safely(data: str | bytes) -> None:
+    result = decode(data)
+    assert isinstance(result, tuple(MESSAGE_TYPES.values()))
+    assert decode(encode(result)) == result
+
+
+def test_randomised_inputs_never_raise() -> None:
+    rng = random.Random(20240601)
+    originals = [json.loads(encode(m)) for m in MESSAGES]
+    for _ in range(3000):
+        obj = _mutate_object(rng, rng.choice(originals))
+        _check_decodes_safely(json.dumps(obj, ensure_ascii=rng.random() < 0.5))
+        _check_decodes_safely(_mutate_bytes(rng, encode(rng.choice(MESSAGES)).encode("utf-8")))
