@@ -147,7 +147,12 @@ def test_forced_prefix_in_one_call_equals_step_by_step(
             enc2 = tr.encode([tr.source_ids(text)])
             forced: list[int] = []
 
-            def force(rows: Any, scores: np.ndarray, prefix: list[int] = prefix) -> np.ndarray:
+            def force(
+                rows: Any,
+                scores: np.ndarray,
+                prefix: list[int] = prefix,
+                forced: list[int] = forced,
+            ) -> np.ndarray:
                 if len(rows[0]) < len(prefix):
                     out = np.full_like(scores, -np.inf)
                     out[0, prefix[len(rows[0])]] = 0.0

@@ -68,7 +68,7 @@ def test_truncated_file_is_named(model_dir: Path, victim: str) -> None:
 
 
 def test_missing_quantized_files(model_dir: Path) -> None:
-    with pytest.raises(ModelLoadError, match="encoder_model_quantized.onnx"):
+    with pytest.raises(ModelLoadError, match=r"encoder_model_quantized\.onnx"):
         Translator.from_dir(model_dir, quantized=True)
 
 
@@ -99,5 +99,6 @@ def test_unknown_decoder_signature_names_missing_inputs(model_dir: Path) -> None
     with pytest.raises(ModelLoadError) as err:
         Translator.from_dir(model_dir)
     message = str(err.value)
-    assert "past_key_values.0.encoder.key" in message and "past_key_values.0.encoder.value" in message
+    assert "past_key_values.0.encoder.key" in message
+    assert "past_key_values.0.encoder.value" in message
     assert "missing inputs" in message
