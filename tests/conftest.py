@@ -71,3 +71,8 @@ def fixture_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
             {**enc, "decoder_model.onnx": variants / "no_past" / "decoder_model.onnx"},
         ),
     }
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

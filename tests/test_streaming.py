@@ -1,0 +1,305 @@
+"""The streaming controller on the fixture model: skip what did not change, never retract
+stable text, finals equal offline translation, latest wins, streams stay isolated."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import anyio
+import pytest
+
+from engine import DecodingCancelled, Translator
+from engine.evaluation.translogs import generate_log
+from engine.streaming import (
+    BiasedDecoding,
+    IncrementalTranslator,
+    LocalAgreement,
+    MaskK,
+    StreamingOptions,
+    StreamSession,
+)
+from engine.streaming.controller import Subscription
+from protocol import InvalidEvent, NmtIncremental, PartialTranscript, TranslationUpdate
+from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, needs_fixture
+
+POLICIES = [LocalAgreement(2), LocalAgreement(3), MaskK(2), BiasedDecoding(0.3)]
+
+
+@pytest.fixture(scope="module")
+def translator() -> Translator:
+    needs_fixture()
+    return Translator.from_dir(FIXTURE_MODEL)
+
+
+@pytest.fixture(scope="module")
+def heldout() -> list[tuple[str, str]]:
+    needs_fixture()
+    rows = (FIXTURE_DIR / "heldout.tsv").read_text(encoding="utf-8").splitlines()
+    return [tuple(r.split("\t")[:2]) for r in rows if r.strip()][:30]  # type: ignore[misc]
+
+
+def events_of(lines: Iterable[dict[str, Any]]) -> list[PartialTranscript]:
+    keys = ("stream_id", "segment_id", "seq", "text", "is_final", "start_ms", "end_ms")
+    return [PartialTranscript(**{k: line.get(k) for k in keys}) for line in lines]
+
+
+def run_session(session: StreamSession, events: list[PartialTranscript]) -> list[TranslationUpdate]:
+    out = []
+    for event in events:
+        update = session.translate(event)
+        if update is not None:
+            out.append(update)
+    return out
+
+
+def check_segments(updates: list[TranslationUpdate], translator: Translator) -> dict[str, int]:
+    """Stable text only grows within a segment; the final is the offline translation."""
+    by_segment: dict[tuple[str, int], list[TranslationUpdate]] = defaultdict(list)
+    for u in updates:
+        by_segment[(u.stream_id, u.segment_id)].append(u)
+    counts = {"segments": 0, "early_stable": 0, "revised": 0}
+    for segment in by_segment.values():
+        counts["segments"] += 1
+        seqs = [u.seq for u in segment]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        *partials, final = segment
+        assert final.is_final and not any(u.is_final for u in partials)
+        stable = ""
+        for u in partials:
+            assert u.stable_text.startswith(stable), (stable, u.stable_text)
+            assert u.text.startswith(u.stable_text)
+            stable = u.stable_text
+        assert final.source_text is not None
+        offline = translator.translate([final.source_text])[0].text
+        assert final.stable_text == offline and final.unstable_text == ""
+        assert final.revised == (not final.stable_text.startswith(stable))
+        counts["revised"] += final.revised
+        counts["early_stable"] += bool(stable)
+    return counts
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_stable_text_only_grows_and_finals_are_offline(
+    policy: Any, translator: Translator, heldout: list[tuple[str, str]]
+) -> None:
+    log = generate_log([en for en, _ in heldout], "en", seed=3)
+    session = StreamSession("s1", translator, StreamingOptions(policy=policy))
+    updates = run_session(session, events_of(log))
+    counts = check_segments(updates, translator)
+    assert counts["segments"] == len(heldout)
+    assert session.segment is None  # the last final freed its state
+
+
+def test_default_policy_shows_stable_text_early_and_rarely_revises(
+    translator: Translator, heldout: list[tuple[str, str]]
+) -> None:
+    log = generate_log([en for en, _ in heldout], "en", seed=5)
+    session = StreamSession("s1", translator)
+    counts = check_segments(run_session(session, events_of(log)), translator)
+    assert counts["early_stable"] > counts["segments"] / 2
+    assert counts["revised"] <= counts["segments"] * 0.2
+
+
+def test_unchanged_partial_runs_neither_encoder_nor_decoder(translator: Translator) -> None:
+    session = StreamSession("s1", translator)
+    first = session.translate(PartialTranscript("s1", 0, 0, "I will meet Tom", False))
+    assert first is not None
+    calls = dict(translator.model.calls)
+    assert session.translate(PartialTranscript("s1", 0, 1, " I  will meet\tTom ", False)) is None
+    assert dict(translator.model.calls) == calls
+    # A changed source runs the encoder once more; the final reuses that encoding.
+    session.translate(PartialTranscript("s1", 0, 2, "I will meet Tom at three", False))
+    assert translator.model.calls["encoder"] == calls["encoder"] + 1
+    session.translate(PartialTranscript("s1", 0, 3, "I will meet Tom at three", True))
+    assert translator.model.calls["encoder"] == calls["encoder"] + 1
+
+
+def test_committed_prefix_is_forced_in_one_decoder_call(translator: Translator) -> None:
+    session = StreamSession("s1", translator)
+    words = "Tom reads a book in the library".split()
+    for i in range(1, len(words) + 1):
+        session.translate(PartialTranscript("s1", 0, i, " ".join(words[:i]), False))
+        if session.segment is not None and session.segment.committed:
+            break
+    seg = session.segment
+    assert seg is not None and seg.committed, "nothing was committed"
+    seen: list[int] = []
+    original = translator.model.decode_first
+
+    def spy(enc: Any, ids: Any) -> Any:
+        seen.append(int(ids.shape[1]))
+        return original(enc, ids)
+
+    translator.model.decode_first = spy  # type: ignore[method-assign]
+    try:
+        session.translate(PartialTranscript("s1", 0, 99, " ".join(words) + " today", False))
+    finally:
+        del translator.model.decode_first
+    assert seen == [len(seg.committed) + 1]
+
+
+def test_cancelled_decode_leaves_state_untouched(translator: Translator) -> None:
+    session = StreamSession("s1", translator)
+    session.translate(PartialTranscript("s1", 0, 0, "I will meet Tom", False))
+    seg = session.segment
+    assert seg is not None
+    before = (seg.source, list(seg.committed), len(seg.history))
+    steps = iter(range(100))
+    with pytest.raises(DecodingCancelled):
+        session.translate(
+            PartialTranscript("s1", 0, 1, "I will meet Tom at three", False),
+            should_stop=lambda: next(steps) >= 1,
+        )
+    assert (seg.source, list(seg.committed), len(seg.history)) == before
+    # The same text again is not mistaken for "unchanged": it gets translated.
+    assert session.translate(PartialTranscript("s1", 0, 2, "I will meet Tom at three", False))
+
+
+# -- the async controller -------------------------------------------------------------------
+
+
+async def collect(sub: Subscription) -> list[TranslationUpdate]:
+    return [u async for u in sub]
+
+
+@pytest.mark.anyio
+async def test_controller_is_an_nmt_incremental(translator: Translator) -> None:
+    async with IncrementalTranslator(translator) as nmt:
+        assert isinstance(nmt, NmtIncremental)
+
+
+@pytest.mark.anyio
+async def test_latest_wins_bounds_stale_work(translator: Translator) -> None:
+    words = "my sister will not call Lily at the station tomorrow".split()
+    async with IncrementalTranslator(translator) as nmt:
+        sub = nmt.updates("s1")
+        for i in range(1, len(words) + 1):  # a burst: no time to translate each one
+            await nmt.push(PartialTranscript("s1", 0, i, " ".join(words[:i]), False))
+        await nmt.push(PartialTranscript("s1", 0, 100, " ".join(words), True))
+        await nmt.close_stream("s1")
+        updates = await collect(sub)
+        stats = dict(nmt.stats)
+    assert stats["events"] == len(words) + 1
+    worked = stats.get("updates", 0) + stats.get("cancelled", 0) + stats.get("unchanged", 0)
+    assert worked + stats.get("superseded", 0) == len(words) + 1
+    assert stats.get("superseded", 0) >= len(words) - 3
+    assert worked <= 4
+    assert updates[-1].is_final and updates[-1].seq == 100
+    assert [u.seq for u in updates] == sorted(u.seq for u in updates)
+
+
+@pytest.mark.anyio
+async def test_running_decode_stops_for_a_newer_partial(translator: Translator) -> None:
+    async with IncrementalTranslator(translator) as nmt:
+        stream_events = [
+            PartialTranscript("s1", 0, i, "Tom reads a book in the library"[: 3 + i], False)
+            for i in range(40)
+        ]
+        sub = nmt.updates("s1")
+        for event in stream_events:
+            await nmt.push(event)
+            await anyio.sleep(0.001)
+        await nmt.push(PartialTranscript("s1", 0, 50, "Tom reads a book in the library", True))
+        await nmt.close_stream("s1")
+        updates = await collect(sub)
+    assert updates[-1].is_final
+    assert nmt.stats["events"] == 41
+    assert nmt.stats["updates"] < 41
+
+
+@pytest.mark.anyio
+async def test_bad_events_error_and_the_stream_goes_on(translator: Translator) -> None:
+    async with IncrementalTranslator(translator) as nmt:
+        sub = nmt.updates("s1")
+        await nmt.push(PartialTranscript("s1", 0, 5, "I will meet", False))
+        with pytest.raises(InvalidEvent) as err:
+            await nmt.push(PartialTranscript("s1", 0, 5, "I will meet Tom", False))
+        assert err.value.error.code == "out_of_order" and err.value.error.field == "seq"
+        with pytest.raises(InvalidEvent) as err:
+            await nmt.push("not an event")  # type: ignore[arg-type]
+        assert err.value.error.code == "invalid_message"
+        with pytest.raises(InvalidEvent) as err:
+            await nmt.push(PartialTranscript("s1", 0, 6, "word " * 2000, False))
+        assert err.value.error.code == "too_large" and err.value.error.field == "text"
+        await nmt.push(PartialTranscript("s1", 0, 7, "I will meet Tom", True))
+        with pytest.raises(InvalidEvent) as err:
+            await nmt.push(PartialTranscript("s1", 0, 8, "I will", False))
+        assert err.value.error.field == "segment_id"
+        await nmt.push(PartialTranscript("s1", 1, 9, "we eat noodles", True))
+        with pytest.raises(InvalidEvent) as err:
+            await nmt.close_stream("nobody")
+        assert err.value.error.code == "unknown_stream"
+        await nmt.close_stream("s1")
+        updates = await collect(sub)
+    finals = [u for u in updates if u.is_final]
+    assert [(u.segment_id, u.seq) for u in finals] == [(0, 7), (1, 9)]
+    assert finals[0].stable_text == translator.translate(["I will meet Tom"])[0].text
+
+
+@pytest.mark.anyio
+async def test_two_streams_interleaved_equal_each_alone(
+    translator: Translator, heldout: list[tuple[str, str]]
+) -> None:
+    a = events_of(generate_log([en for en, _ in heldout[:6]], "en", stream_id="a", seed=1))
+    b = events_of(generate_log([en for en, _ in heldout[6:12]], "en", stream_id="b", seed=2))
+
+    async def run(events: list[PartialTranscript]) -> dict[str, list[tuple[int, str, str]]]:
+        async with IncrementalTranslator(translator) as nmt:
+            sub = nmt.updates()
+            for event in events:
+                await nmt.push(event)
+                await nmt.wait_idle(event.stream_id)  # translate every event: deterministic
+            await nmt.aclose()
+            out: dict[str, list[tuple[int, str, str]]] = defaultdict(list)
+            async for u in sub:
+                out[u.stream_id].append((u.seq, u.stable_text, u.unstable_text))
+            return out
+
+    interleaved = sorted([*a, *b], key=lambda e: (e.seq, e.stream_id))
+    both = await run(interleaved)
+    assert both["a"] == (await run(a))["a"]
+    assert both["b"] == (await run(b))["b"]
+
+
+@pytest.mark.anyio
+async def test_close_stream_frees_its_state(translator: Translator) -> None:
+    async with IncrementalTranslator(translator) as nmt:
+        await nmt.push(PartialTranscript("s1", 0, 0, "I will meet Tom", False))
+        await nmt.wait_idle("s1")
+        assert nmt.streams == ["s1"]
+        await nmt.close_stream("s1")
+        assert nmt.streams == []
+        # The id can be used again, with seq starting afresh.
+        await nmt.push(PartialTranscript("s1", 0, 0, "I will meet Tom", True))
+        await nmt.wait_idle("s1")
+
+
+def test_state_per_stream_is_bounded(
+    translator: Translator, heldout: list[tuple[str, str]]
+) -> None:
+    session = StreamSession("s1", translator)
+    sizes = []
+    for line in events_of(generate_log([en for en, _ in heldout], "en", seed=9)):
+        session.translate(line)
+        sizes.append(session.state_size())
+    longest = max(len(translator.source_ids(en)) for en, _ in heldout)
+    d_model = translator.config.d_model
+    assert max(sizes) <= longest * (d_model + 1) + 4 * translator.config.max_length
+    assert sizes[-1] == 0
+
+
+def test_subscription_drops_oldest_partials_but_never_finals() -> None:
+    sub = Subscription("s", max_items=3)
+
+    def update(seq: int, final: bool) -> TranslationUpdate:
+        return TranslationUpdate("s", seq, seq, "x", "", final, 0.0, 0.0)
+
+    sub.put(update(0, True))
+    for seq in range(1, 6):
+        sub.put(update(seq, False))
+    sub.put(update(6, True))
+    kept = [u.seq for u in list(sub._items)]
+    assert kept[0] == 0 and 6 in kept and len(kept) == 3
+    assert sub.dropped == 4
