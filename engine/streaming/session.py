@@ -11,11 +11,12 @@ wins) and runs it in a worker thread; replay and tests may call it directly.
 
 from __future__ import annotations
 
+import math
 import time
 import unicodedata
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.decoding import DecodeOptions
 from engine.errors import InputTooLongError
@@ -37,11 +38,21 @@ class StreamingOptions:
 
     `decode` is shared with the final, offline translation, so a final equals `translate`
     with these options. `history` bounds the hypotheses kept per segment.
+    `forced_length_ratio` is a benchmarking aid for random-weight models, which never emit
+    eos: every decode then produces exactly ceil(ratio * source tokens) tokens.
     """
 
     policy: Policy = field(default_factory=LocalAgreement)
     decode: DecodeOptions = DecodeOptions()
     history: int = 4
+    forced_length_ratio: float | None = None
+
+    def decode_for(self, source_tokens: int, committed: int = 0) -> DecodeOptions:
+        """Decode options for a source of this many tokens (and this much committed)."""
+        if self.forced_length_ratio is None:
+            return self.decode
+        n = max(1, committed, math.ceil(self.forced_length_ratio * source_tokens))
+        return replace(self.decode, min_new_tokens=n, max_new_tokens=n)
 
 
 def _is_cjk(ch: str) -> bool:
@@ -253,7 +264,7 @@ class StreamSession:
         self.decoder_runs += 1
         hyp = self.translator.decode(
             enc,
-            self.options.decode,
+            self.options.decode_for(len(seg.source_ids or ()), len(seg.committed)),
             prefixes=[seg.committed],
             hook=policy.hook(previous),
             should_stop=should_stop,
@@ -289,7 +300,8 @@ class StreamSession:
         else:
             enc = self._encode(seg, source)
             self.decoder_runs += 1
-            hyp = self.translator.decode(enc, self.options.decode)[0]
+            options = self.options.decode_for(len(seg.source_ids or ()))
+            hyp = self.translator.decode(enc, options)[0]
             seg.source = source
             text = self.translator.detokenize(hyp.token_ids)
         revised = not text.startswith(seg.stable_text)
