@@ -2,7 +2,8 @@
 
 Read from `config.json`, `generation_config.json` (newer exports move generation settings
 there) and an optional `nmt-incremental.json` written by `models pull` / the fixture build
-(target-language token to prepend, language codes).
+(target-language token to prepend, language codes, and for models trained on sentence
+prefixes the marker that tells them a source is an unfinished partial).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class ModelConfig:
     num_beams: int = 1
     bad_token_ids: tuple[int, ...] = ()
     source_prefix: str = ""
+    partial_suffix: str = ""
     source_lang: str | None = None
     target_lang: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -111,6 +113,7 @@ class ModelConfig:
             num_beams=int(pick("num_beams", 1) or 1),
             bad_token_ids=tuple(bad),
             source_prefix=str(project.get("source_prefix", "") or ""),
+            partial_suffix=str(project.get("partial_suffix", "") or ""),
             source_lang=_lang_code(project.get("source_lang") or tokenizer.get("source_lang")),
             target_lang=_lang_code(project.get("target_lang") or tokenizer.get("target_lang")),
             extra=project,

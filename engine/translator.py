@@ -76,10 +76,14 @@ class Translator:
     def max_source_tokens(self) -> int:
         return self.config.max_position_embeddings
 
-    def source_ids(self, text: str) -> list[int]:
-        """Ids of a source (target-language token prepended when the model needs one)."""
+    def source_ids(self, text: str, *, partial: bool = False) -> list[int]:
+        """Ids of a source: the target-language token prepended when the model needs one,
+        and for a `partial` (unfinished) source the model's partial marker appended, if it
+        was trained with one (`partial_suffix` in nmt-incremental.json)."""
         prefix = self.config.source_prefix
         full = f"{prefix} {text}" if prefix and not text.startswith(">>") else text
+        if partial and self.config.partial_suffix:
+            full += self.config.partial_suffix
         ids = self.tokenizer.encode_source(full)
         if len(ids) > self.max_source_tokens:
             raise InputTooLongError(len(ids), self.max_source_tokens)

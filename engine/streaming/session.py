@@ -154,7 +154,7 @@ class EventGate:
         source = normalize_source(event.text)
         if source:
             try:
-                self.translator.source_ids(source)
+                self.translator.source_ids(source, partial=not event.is_final)
             except InputTooLongError as exc:
                 return error(ErrorCode.TOO_LARGE, str(exc), "text")
         return None
@@ -188,8 +188,8 @@ class StreamSession:
             self.segment = SegmentState(event.segment_id)
         return self.segment
 
-    def _encode(self, seg: SegmentState, source: str) -> EncoderOutput:
-        ids = self.translator.source_ids(source)
+    def _encode(self, seg: SegmentState, source: str, *, partial: bool) -> EncoderOutput:
+        ids = self.translator.source_ids(source, partial=partial)
         if seg.encoded is None or ids != seg.source_ids:
             seg.encoded = self.translator.encode([ids])
             seg.source_ids = ids
@@ -259,7 +259,7 @@ class StreamSession:
         received: float,
     ) -> TranslationUpdate:
         policy = self.options.policy
-        enc = self._encode(seg, source)
+        enc = self._encode(seg, source, partial=True)
         previous = seg.history[-1] if seg.history else None
         self.decoder_runs += 1
         hyp = self.translator.decode(
@@ -275,7 +275,9 @@ class StreamSession:
         while len(seg.history) > self.options.history:
             seg.history.popleft()
         proposal = policy.propose(list(seg.history), len(seg.committed))
-        commit = self.boundaries.snap(tokens, proposal.commit, len(seg.committed), hyp.finished)
+        # eos on a partial only means the source ends *so far*: never commit through the end
+        # of a hypothesis, its last word may still change when the next words arrive.
+        commit = self.boundaries.snap(tokens, proposal.commit, len(seg.committed), False)
         seg.committed = tokens[:commit]
         stable = self.translator.detokenize(seg.committed)
         if not stable.startswith(seg.stable_text):  # never retract, whatever detok does
@@ -298,7 +300,7 @@ class StreamSession:
         if not source:
             text = ""
         else:
-            enc = self._encode(seg, source)
+            enc = self._encode(seg, source, partial=False)
             self.decoder_runs += 1
             options = self.options.decode_for(len(seg.source_ids or ()))
             hyp = self.translator.decode(enc, options)[0]
