@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import logging
+import math
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
 from typing import BinaryIO, TextIO
 
+import protocol
 from engine.decoding import DecodeOptions
 from engine.errors import EngineError
+from engine.evaluation.translogs import (
+    TranscriptLogError,
+    make_log_files,
+    read_log,
+    read_references,
+    references_output_path,
+    write_log,
+)
 from engine.translator import Translator
 
 
@@ -17,6 +33,41 @@ def _positive(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError("must be >= 1")
     return number
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not (number > 0 and math.isfinite(number)):
+        raise argparse.ArgumentTypeError("must be a positive number")
+    return number
+
+
+def _non_negative(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return number
+
+
+def _policy_spec(value: str) -> str:
+    """Check a policy spec while parsing, so a typo fails before the model loads."""
+    from engine.streaming import parse_policy
+
+    try:
+        parse_policy(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _stream_id(value: str) -> str:
+    try:
+        return protocol.CloseStream(value).stream_id  # the protocol's own stream-id rules
+    except protocol.InvalidMessage as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,9 +102,18 @@ def _stdin_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None]]:
             yield number, None
 
 
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--beam", type=_positive, default=1, help="beam size (1 = greedy)")
+    parser.add_argument("--max-new-tokens", type=_positive, default=None)
+
+
+def decode_options(args: argparse.Namespace) -> DecodeOptions:
+    return DecodeOptions(beam_size=args.beam, max_new_tokens=args.max_new_tokens)
+
+
 def run_translate(args: argparse.Namespace, stdin: BinaryIO, stdout: TextIO) -> int:
     translator = load_translator(args)
-    options = DecodeOptions(beam_size=args.beam, max_new_tokens=args.max_new_tokens)
+    options = decode_options(args)
     status = 0
     lines: Iterator[tuple[int, str | None]] = (
         iter(enumerate(args.text, start=1)) if args.text else _stdin_lines(stdin)
@@ -75,6 +135,103 @@ def run_translate(args: argparse.Namespace, stdin: BinaryIO, stdout: TextIO) -> 
     return status
 
 
+def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """Replay a log: updates to --out or stdout, the table to stderr, JSON to --report.
+
+    Inputs are read before the model is loaded, so a bad log fails fast.
+    """
+    # Imported here so that `translate` does not pay for the anyio/tqdm imports.
+    from engine.replay import ReplayOptions, replay, segment_order
+    from engine.streaming import StreamingOptions, parse_policy
+
+    lines = read_log(args.log)
+    references = None
+    if args.references:
+        references = read_references(args.references)
+        segments = len(segment_order(lines))
+        if len(references) != segments:
+            raise TranscriptLogError(
+                f"{args.references}: {len(references)} references for {segments} "
+                f"segments in {args.log}"
+            )
+    options = ReplayOptions(
+        streaming=StreamingOptions(policy=parse_policy(args.policy), decode=decode_options(args)),
+        realtime=args.realtime,
+        speed=args.speed,
+        progress=args.progress,
+    )
+    translator = load_translator(args)
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(args.out, "w", encoding="utf-8")) if args.out else stdout
+
+        def write(update: protocol.TranslationUpdate) -> None:
+            out.write(protocol.encode(update) + "\n")
+            if args.realtime:
+                out.flush()  # live: show each update as it comes
+
+        result = replay(translator, lines, options, references=references, on_update=write)
+        out.flush()
+    print(result.format_table(), file=stderr)
+    if args.report:
+        data = result.to_dict()
+        data["settings"] = {"model": args.model, "log": args.log, **data["settings"]}
+        Path(args.report).write_text(
+            json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8"
+        )
+    failed = result.refused or result.mismatches or result.counts["errors"]
+    return 1 if failed else 0
+
+
+def run_logs_make(args: argparse.Namespace, stderr: TextIO) -> int:
+    segments = make_log_files(
+        args.source,
+        args.out,
+        args.lang,
+        references_path=args.references,
+        limit=args.limit,
+        seed=args.seed,
+    )
+    lines = read_log(args.out)
+    if lines and lines[0]["stream_id"] != args.stream_id:  # make_log_files writes "s1"
+        write_log(args.out, [{**line, "stream_id": args.stream_id} for line in lines])
+    refs = f", references in {references_output_path(args.out)}" if args.references else ""
+    print(f"{args.out}: {segments} segments, {len(lines)} events{refs}", file=stderr)
+    return 0
+
+
+def run_logs_merge(args: argparse.Namespace, stderr: TextIO) -> int:
+    from engine.replay import interleave_logs
+
+    try:
+        merged = interleave_logs(*(read_log(path) for path in args.logs))
+    except ValueError as exc:
+        if isinstance(exc, TranscriptLogError):
+            raise
+        raise TranscriptLogError(str(exc)) from None
+    write_log(args.out, merged)
+    print(f"{args.out}: {len(merged)} events from {len(args.logs)} logs", file=stderr)
+    return 0
+
+
+class _BriefFormatter(logging.Formatter):
+    """Log records on one line: the CLI counts failed events, it does not dump tracebacks."""
+
+    def formatException(
+        self,
+        ei: tuple[type[BaseException], BaseException, TracebackType | None]
+        | tuple[None, None, None],
+    ) -> str:
+        if ei[0] is None:
+            return ""
+        return "  " + traceback.format_exception_only(ei[0], ei[1])[-1].strip()
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_BriefFormatter("%(levelname)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nmt-incremental", description="Live incremental machine translation (OPUS-MT, ONNX)."
@@ -86,19 +243,94 @@ def build_parser() -> argparse.ArgumentParser:
         description="Translate TEXT arguments, or stdin lines when none are given.",
     )
     add_model_arguments(translate)
-    translate.add_argument("--beam", type=_positive, default=1, help="beam size (1 = greedy)")
-    translate.add_argument("--max-new-tokens", type=_positive, default=None)
+    add_decode_arguments(translate)
     translate.add_argument("text", nargs="*", help="source text (default: read stdin lines)")
+
+    rep = commands.add_parser(
+        "replay",
+        help="replay a transcript log and report streaming metrics",
+        description=(
+            "Push the partial transcripts of LOG (JSON Lines with emit_ms) through the "
+            "incremental translator. Updates go to stdout (or --out) as JSON Lines, the "
+            "metrics table to stderr. By default every partial is translated and times are "
+            "simulated on the log's clock; --realtime replays on the wall clock instead. "
+            "Exits 1 when an event was refused or failed, or a final differed from the "
+            "offline translation."
+        ),
+    )
+    add_model_arguments(rep)
+    add_decode_arguments(rep)
+    rep.add_argument("log", help="transcript log (JSON Lines)")
+    rep.add_argument(
+        "--policy",
+        type=_policy_spec,
+        default="local-agreement:2",
+        help="stability policy: local-agreement[:n], mask[:k] or biased[:beta]",
+    )
+    rep.add_argument("--realtime", action="store_true", help="push events at their emit times")
+    rep.add_argument("--speed", type=_positive_float, default=1.0, help="realtime speed-up factor")
+    rep.add_argument("--references", help="one reference per segment, in log order")
+    rep.add_argument("--out", help="write updates here instead of stdout")
+    rep.add_argument("--report", help="write the metrics as JSON here")
+    rep.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: on long logs when stderr is a terminal)",
+    )
+
+    logs = commands.add_parser("logs", help="make synthetic transcript logs")
+    log_commands = logs.add_subparsers(dest="logs_command", required=True)
+    make = log_commands.add_parser(
+        "make",
+        help="simulate ASR partials for the lines of a text file",
+        description=(
+            "Write a synthetic transcript log for the lines of SOURCE_FILE (one segment "
+            "each), revealed word by word (en) or 1-3 characters at a time (zh) with "
+            "occasional corrected mistakes. With --references, the matching references go "
+            "next to the log as <name>.ref.txt."
+        ),
+    )
+    make.add_argument("source", metavar="SOURCE_FILE", help="one source sentence per line")
+    make.add_argument("--lang", required=True, choices=["en", "zh"], help="source language")
+    make.add_argument("--out", required=True, help="log to write (JSON Lines)")
+    make.add_argument("--references", help="references aligned line by line with the sources")
+    make.add_argument("--limit", type=_non_negative, default=None, help="first N lines only")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--stream-id", type=_stream_id, default="s1")
+    merge = log_commands.add_parser(
+        "merge",
+        help="interleave logs of different streams by emit time",
+        description="Merge logs (each with its own stream ids) into one, ordered by emit_ms.",
+    )
+    merge.add_argument("logs", nargs="+", metavar="LOG", help="logs to merge")
+    merge.add_argument("--out", required=True, help="merged log to write")
     return parser
+
+
+def _describe_os_error(exc: OSError) -> str:
+    if exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _setup_logging()
     try:
         if args.command == "translate":
             return run_translate(args, sys.stdin.buffer, sys.stdout)
-    except EngineError as exc:
+        if args.command == "replay":
+            return run_replay(args, sys.stdout, sys.stderr)
+        if args.command == "logs" and args.logs_command == "make":
+            return run_logs_make(args, sys.stderr)
+        if args.command == "logs" and args.logs_command == "merge":
+            return run_logs_merge(args, sys.stderr)
+    except (EngineError, TranscriptLogError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {_describe_os_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
