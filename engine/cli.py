@@ -155,7 +155,11 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
                 f"segments in {args.log}"
             )
     options = ReplayOptions(
-        streaming=StreamingOptions(policy=parse_policy(args.policy), decode=decode_options(args)),
+        streaming=StreamingOptions(
+            policy=parse_policy(args.policy),
+            decode=decode_options(args),
+            forced_length_ratio=args.forced_length_ratio,
+        ),
         realtime=args.realtime,
         speed=args.speed,
         progress=args.progress,
@@ -270,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--realtime", action="store_true", help="push events at their emit times")
     rep.add_argument("--speed", type=_positive_float, default=1.0, help="realtime speed-up factor")
     rep.add_argument("--references", help="one reference per segment, in log order")
+    rep.add_argument(
+        "--forced-length-ratio",
+        type=_positive_float,
+        default=None,
+        metavar="R",
+        help="benchmarking random-weight models: every decode emits ceil(R * source tokens)",
+    )
     rep.add_argument("--out", help="write updates here instead of stdout")
     rep.add_argument("--report", help="write the metrics as JSON here")
     rep.add_argument(

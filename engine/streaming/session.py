@@ -38,6 +38,9 @@ class StreamingOptions:
 
     `decode` is shared with the final, offline translation, so a final equals `translate`
     with these options. `history` bounds the hypotheses kept per segment.
+    `partial_length` caps a partial's hypothesis at a * source tokens + b: a model that
+    hallucinates a continuation of an unfinished sentence (or repeats a word to the length
+    limit) then costs bounded time and shows a bounded tail. Finals are never capped.
     `forced_length_ratio` is a benchmarking aid for random-weight models, which never emit
     eos: every decode then produces exactly ceil(ratio * source tokens) tokens.
     """
@@ -45,14 +48,22 @@ class StreamingOptions:
     policy: Policy = field(default_factory=LocalAgreement)
     decode: DecodeOptions = DecodeOptions()
     history: int = 4
+    partial_length: tuple[float, int] | None = (1.5, 8)
     forced_length_ratio: float | None = None
 
-    def decode_for(self, source_tokens: int, committed: int = 0) -> DecodeOptions:
+    def decode_for(
+        self, source_tokens: int, committed: int = 0, *, partial: bool = False
+    ) -> DecodeOptions:
         """Decode options for a source of this many tokens (and this much committed)."""
-        if self.forced_length_ratio is None:
-            return self.decode
-        n = max(1, committed, math.ceil(self.forced_length_ratio * source_tokens))
-        return replace(self.decode, min_new_tokens=n, max_new_tokens=n)
+        if self.forced_length_ratio is not None:
+            n = max(1, committed, math.ceil(self.forced_length_ratio * source_tokens))
+            return replace(self.decode, min_new_tokens=n, max_new_tokens=n)
+        if partial and self.partial_length is not None:
+            a, b = self.partial_length
+            cap = max(committed + 1, math.ceil(a * source_tokens) + b)
+            if self.decode.max_new_tokens is None or cap < self.decode.max_new_tokens:
+                return replace(self.decode, max_new_tokens=cap)
+        return self.decode
 
 
 def _is_cjk(ch: str) -> bool:
@@ -264,7 +275,7 @@ class StreamSession:
         self.decoder_runs += 1
         hyp = self.translator.decode(
             enc,
-            self.options.decode_for(len(seg.source_ids or ()), len(seg.committed)),
+            self.options.decode_for(len(seg.source_ids or ()), len(seg.committed), partial=True),
             prefixes=[seg.committed],
             hook=policy.hook(previous),
             should_stop=should_stop,
