@@ -1,0 +1,287 @@
+"""Conversion: the committed fixture export, the int8 re-merge and the decoder variants.
+
+Most tests read the committed ONNX files and need no torch. Those that export need torch
+and optimum (skipped without them); the re-export check also needs the fixture's PyTorch
+checkpoint (`python models/fixture/train.py`, kept out of git; skipped when absent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from engine.conversion import (
+    TOKENIZER_FILES,
+    is_lm_head_quantized,
+    quantized_op_counts,
+    untie_lm_head,
+)
+from engine.conversion.export import OPTIMUM_FILES
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "models" / "fixture"
+MODEL = FIXTURE / "model"
+NO_KV = FIXTURE / "variants" / "no_encoder_kv" / "decoder_model.onnx"
+NO_PAST = FIXTURE / "variants" / "no_past" / "decoder_model.onnx"
+CHECKPOINT = Path(os.environ.get("NMT_FIXTURE_CHECKPOINT", REPO / ".cache" / "fixture-checkpoint"))
+if not (FIXTURE / "reference_outputs.json").is_file():
+    pytest.skip("fixture model not built (models/fixture/build.py)", allow_module_level=True)
+CONFIG = json.loads((MODEL / "config.json").read_text("utf-8"))
+LAYERS = int(CONFIG["decoder_layers"])
+HEADS = int(CONFIG["decoder_attention_heads"])
+HEAD_DIM = int(CONFIG["d_model"]) // HEADS
+REFERENCE = json.loads((FIXTURE / "reference_outputs.json").read_text("utf-8"))
+
+sys.path.insert(0, str(FIXTURE))
+from ort_greedy import OrtGreedy  # noqa: E402
+
+
+def session(path: Path) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def encode(model_dir: Path, source_ids: list[int]) -> tuple[np.ndarray[Any, Any], ...]:
+    ids = np.array([source_ids], dtype=np.int64)
+    mask = np.ones_like(ids)
+    hidden = session(model_dir / "encoder_model.onnx").run(
+        None, {"input_ids": ids, "attention_mask": mask}
+    )[0]
+    return hidden, mask
+
+
+def empty_past(names: list[str]) -> dict[str, np.ndarray[Any, Any]]:
+    return {n: np.zeros((1, HEADS, 0, HEAD_DIM), dtype=np.float32) for n in names}
+
+
+def merged_logits(
+    model_dir: Path, source_ids: list[int], decoder_ids: list[int], quantized: bool = False
+) -> np.ndarray[Any, Any]:
+    """One no-past call of the merged decoder on a forced decoder input."""
+    suffix = "_quantized" if quantized else ""
+    enc = session(model_dir / f"encoder_model{suffix}.onnx")
+    ids = np.array([source_ids], dtype=np.int64)
+    mask = np.ones_like(ids)
+    hidden = enc.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+    dec = session(model_dir / f"decoder_model_merged{suffix}.onnx")
+    past = [i.name for i in dec.get_inputs() if i.name.startswith("past_key_values")]
+    feed = {
+        **empty_past(past),
+        "input_ids": np.array([decoder_ids], dtype=np.int64),
+        "encoder_hidden_states": hidden,
+        "encoder_attention_mask": mask,
+        "use_cache_branch": np.array([False]),
+    }
+    return np.asarray(dec.run(["logits"], feed)[0][0])
+
+
+# --- the committed fixture -------------------------------------------------------------
+
+
+def test_fixture_model_dir_is_complete_and_self_contained() -> None:
+    quantized = [n.replace(".onnx", "_quantized.onnx") for n in OPTIMUM_FILES]
+    for name in (*OPTIMUM_FILES, *quantized, *TOKENIZER_FILES, "nmt-incremental.json"):
+        assert (MODEL / name).is_file(), name
+    assert not [p for p in FIXTURE.rglob("*") if p.name.endswith(("_data", ".data"))]
+    settings = json.loads((MODEL / "nmt-incremental.json").read_text("utf-8"))
+    assert settings == {"source_prefix": ">>cmn_Hans<<", "source_lang": "en", "target_lang": "zh"}
+    vocab = json.loads((MODEL / "vocab.json").read_text("utf-8"))
+    assert vocab["</s>"] == 0 and vocab["<unk>"] == 1
+    assert vocab["<pad>"] == len(vocab) - 1 == CONFIG["pad_token_id"]
+    assert CONFIG["decoder_start_token_id"] == CONFIG["pad_token_id"]
+    assert ">>cmn_Hans<<" in vocab
+
+
+def test_committed_fixture_fits_size_budget() -> None:
+    committed = [*MODEL.iterdir(), NO_KV, NO_PAST]
+    committed += [FIXTURE / "heldout.tsv", FIXTURE / "reference_outputs.json"]
+    assert sum(p.stat().st_size for p in committed) < 10 * 1024 * 1024
+
+
+def test_int8_merged_decoder_is_quantized_inside_both_branches() -> None:
+    model = onnx.load(str(MODEL / "decoder_model_merged_quantized.onnx"))
+    counts = quantized_op_counts(model)
+    branches = {path: ops for path, ops in counts.items() if path != "main"}
+    assert sorted(branches) == ["main/If.else_branch", "main/If.then_branch"]
+    for path, ops in branches.items():
+        assert ops["MatMulInteger"] > 0, (path, ops)
+        assert ops["DynamicQuantizeLinear"] > 0, (path, ops)
+    assert is_lm_head_quantized(model) == {
+        "main/If.else_branch": True,
+        "main/If.then_branch": True,
+    }
+
+
+def test_int8_merged_decoder_keeps_the_fp32_signature() -> None:
+    fp32 = onnx.load(str(MODEL / "decoder_model_merged.onnx"))
+    int8 = onnx.load(str(MODEL / "decoder_model_merged_quantized.onnx"))
+    assert [i.name for i in int8.graph.input] == [i.name for i in fp32.graph.input]
+    assert [o.name for o in int8.graph.output] == [o.name for o in fp32.graph.output]
+    assert "use_cache_branch" in {i.name for i in int8.graph.input}
+
+
+def test_split_int8_files_are_quantized_with_int8_lm_head() -> None:
+    for name in ("encoder_model", "decoder_model", "decoder_with_past_model"):
+        model = onnx.load(str(MODEL / f"{name}_quantized.onnx"))
+        assert quantized_op_counts(model)["main"]["MatMulInteger"] > 0, name
+        if name != "encoder_model":
+            assert is_lm_head_quantized(model) == {"main": True}, name
+
+
+def test_fp32_lm_head_is_tied_and_untying_preserves_logits(tmp_path: Path) -> None:
+    model = onnx.load(str(MODEL / "decoder_model.onnx"))
+    assert is_lm_head_quantized(model) == {"main": False}
+    assert untie_lm_head(model) == 1
+    onnx.checker.check_model(model)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inits = {i.name for i in model.graph.initializer}
+    head = next(n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits)
+    assert head.input[1] not in producers
+    assert not [n for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in inits]
+    onnx.save(model, str(tmp_path / "untied.onnx"))
+
+    forced = REFERENCE["forced_logits"][0]
+    hidden, mask = encode(MODEL, forced["source_ids"])
+    feed = {
+        "input_ids": np.array([forced["decoder_input_ids"]], dtype=np.int64),
+        "encoder_hidden_states": hidden,
+        "encoder_attention_mask": mask,
+    }
+    before = session(MODEL / "decoder_model.onnx").run(["logits"], feed)[0]
+    after = session(tmp_path / "untied.onnx").run(["logits"], feed)[0]
+    np.testing.assert_allclose(after, before, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", range(len(REFERENCE["forced_logits"])))
+def test_onnx_logits_match_pytorch_reference(case: int) -> None:
+    forced = REFERENCE["forced_logits"][case]
+    want = np.array(forced["logits"], dtype=np.float32)
+    got = merged_logits(MODEL, forced["source_ids"], forced["decoder_input_ids"])
+    np.testing.assert_allclose(got, want, atol=2e-4)
+    int8 = merged_logits(MODEL, forced["source_ids"], forced["decoder_input_ids"], True)
+    assert (int8.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_greedy_onnx_decoding_reproduces_pytorch_ids() -> None:
+    refs = REFERENCE["greedy"][:60]
+    decoder = OrtGreedy(MODEL)
+    assert decoder.translate_ids([r["source"] for r in refs]) == [r["ids"] for r in refs]
+    assert [decoder.tok.encode(r["source"]) for r in refs] == [r["source_ids"] for r in refs]
+
+
+# --- the decoder variants --------------------------------------------------------------
+
+
+def past_names(prefix: str) -> list[str]:
+    return [f"{prefix}.{i}.decoder.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
+
+
+def test_no_encoder_kv_variant_signature() -> None:
+    model = onnx.load(str(NO_KV))
+    inputs = [i.name for i in model.graph.input]
+    assert inputs == [
+        "encoder_attention_mask",
+        "input_ids",
+        "encoder_hidden_states",
+        *past_names("past_key_values"),
+    ]
+    assert len(inputs) == 3 + 2 * LAYERS
+    assert [o.name for o in model.graph.output] == ["logits", *past_names("present")]
+
+
+def test_no_past_variant_signature() -> None:
+    model = onnx.load(str(NO_PAST))
+    assert [i.name for i in model.graph.input] == [
+        "encoder_attention_mask",
+        "input_ids",
+        "encoder_hidden_states",
+    ]
+    assert [o.name for o in model.graph.output] == ["logits"]
+
+
+@pytest.mark.parametrize("case", range(len(REFERENCE["forced_logits"])))
+def test_variants_match_pytorch_reference(case: int) -> None:
+    """Forced prefix: the no-past variant in one call; the no-encoder-KV variant as a
+    multi-token first call from zero-length past, then single-token calls."""
+    forced = REFERENCE["forced_logits"][case]
+    want = np.array(forced["logits"], dtype=np.float32)
+    hidden, mask = encode(MODEL, forced["source_ids"])
+    ids = np.array([forced["decoder_input_ids"]], dtype=np.int64)
+    common = {"encoder_hidden_states": hidden, "encoder_attention_mask": mask}
+
+    no_past = session(NO_PAST).run(["logits"], {**common, "input_ids": ids})[0][0]
+    np.testing.assert_allclose(no_past, want, atol=2e-4)
+
+    dec = session(NO_KV)
+    past = empty_past(past_names("past_key_values"))
+    got = []
+    for start, end in [(0, 3), *((t, t + 1) for t in range(3, ids.shape[1]))]:
+        out = dec.run(None, {**common, **past, "input_ids": ids[:, start:end]})
+        got.append(out[0][0])
+        past = dict(zip(past_names("past_key_values"), out[1:], strict=True))
+        assert past["past_key_values.0.decoder.key"].shape == (1, HEADS, end, HEAD_DIM)
+    np.testing.assert_allclose(np.concatenate(got), want, atol=2e-4)
+
+
+# --- exporting (torch) -----------------------------------------------------------------
+
+
+def test_reexported_checkpoint_matches_committed_onnx(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("optimum.exporters.onnx")
+    if not (CHECKPOINT / "config.json").is_file():
+        pytest.skip(f"no fixture checkpoint at {CHECKPOINT} (python models/fixture/train.py)")
+    from engine.conversion import export_marian, quantize_int8
+
+    out = tmp_path / "model"
+    export_marian(CHECKPOINT, out, validate=False)
+    for name in (*OPTIMUM_FILES, *TOKENIZER_FILES, "nmt-incremental.json"):
+        assert (out / name).is_file(), name
+    for forced in REFERENCE["forced_logits"]:
+        args = (forced["source_ids"], forced["decoder_input_ids"])
+        np.testing.assert_allclose(
+            merged_logits(out, *args), merged_logits(MODEL, *args), atol=1e-4
+        )
+    quantize_int8(out)
+    for forced in REFERENCE["forced_logits"]:
+        args = (forced["source_ids"], forced["decoder_input_ids"])
+        np.testing.assert_allclose(
+            merged_logits(out, *args, quantized=True),
+            merged_logits(MODEL, *args, quantized=True),
+            atol=1e-4,
+        )
+
+
+def test_variant_exports_of_a_random_checkpoint(tmp_path: Path) -> None:
+    """Both variant exporters verify themselves against PyTorch (multi-token first call,
+    then single-token steps); here on a random 2-layer model with the fixture's vocab."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from engine.conversion import export_decoder_without_encoder_kv, export_decoder_without_past
+
+    torch.manual_seed(0)
+    config = transformers.MarianConfig.from_pretrained(str(MODEL))
+    config.d_model, config.encoder_layers, config.decoder_layers = 32, 1, 2
+    config.encoder_ffn_dim = config.decoder_ffn_dim = 64
+    checkpoint = tmp_path / "checkpoint"
+    transformers.MarianMTModel(config).save_pretrained(str(checkpoint))
+    for name in TOKENIZER_FILES:
+        if not (checkpoint / name).exists():
+            shutil.copyfile(MODEL / name, checkpoint / name)
+
+    export_decoder_without_encoder_kv(checkpoint, tmp_path / "kv" / "decoder_model.onnx")
+    export_decoder_without_past(checkpoint, tmp_path / "nopast" / "decoder_model.onnx")
+    kv = onnx.load(str(tmp_path / "kv" / "decoder_model.onnx"))
+    assert len(kv.graph.input) == 3 + 2 * 2
+    nopast = onnx.load(str(tmp_path / "nopast" / "decoder_model.onnx"))
+    assert [o.name for o in nopast.graph.output] == ["logits"]
