@@ -25,6 +25,7 @@ from engine.evaluation.translogs import (
     references_output_path,
     write_log,
 )
+from engine.server.cli import add_serve_parser, run_serve
 from engine.translator import Translator
 
 
@@ -316,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     merge.add_argument("logs", nargs="+", metavar="LOG", help="logs to merge")
     merge.add_argument("--out", required=True, help="merged log to write")
+
+    add_serve_parser(commands)
     return parser
 
 
@@ -337,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_logs_make(args, sys.stderr)
         if args.command == "logs" and args.logs_command == "merge":
             return run_logs_merge(args, sys.stderr)
+        if args.command == "serve":
+            return run_serve(args)
     except (EngineError, TranscriptLogError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -193,6 +193,8 @@ class IncrementalTranslator:
         subs = self._subscriptions.get(sub.stream_id, [])
         if sub in subs:
             subs.remove(sub)
+        if not subs:
+            self._subscriptions.pop(sub.stream_id, None)
         sub.close()
 
     def last_update(self, stream_id: str) -> TranslationUpdate | None:

@@ -1,0 +1,7 @@
+"""`python -m engine.server --model DIR ...`: the `serve` command on its own."""
+
+import sys
+
+from engine.server.cli import main
+
+sys.exit(main())

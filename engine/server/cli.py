@@ -1,0 +1,239 @@
+"""`nmt-incremental serve`: run the live-subtitle server until SIGINT/SIGTERM.
+
+`add_serve_parser` and `run_serve` are wired into the main `nmt-incremental` command;
+`python -m engine.server` runs the same thing on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import math
+import os
+import signal
+import sys
+
+import anyio
+
+import protocol
+from engine.errors import EngineError
+from engine.server.app import ServerOptions, SubtitleServer
+from engine.server.connection import Limits
+from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
+from engine.translator import Translator
+
+log = logging.getLogger("engine.server")
+
+TOKEN_ENV = "NMT_INCREMENTAL_TOKEN"
+LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return number
+
+
+def _port(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError("must be between 0 and 65535")
+    return number
+
+
+def _rate(value: str) -> float:
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise argparse.ArgumentTypeError("must be a number >= 0 (0 turns the limit off)")
+    return number
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `serve` subcommand to `nmt-incremental`'s subparsers."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve live subtitles over WebSocket (with a subtitle page)",
+        description=(
+            "Translate partial transcripts sent to ws://HOST:PORT/ws and show them on the "
+            "subtitle page http://HOST:PORT/?stream=ID. Also serves /healthz, /readyz and "
+            "/metrics. Stops gracefully on SIGINT/SIGTERM, delivering pending finals."
+        ),
+    )
+    p.add_argument("--model", required=True, help="model directory (Optimum ONNX layout)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=_port, default=8765, help="port (0: any free port)")
+    p.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV),
+        help=f"require this secret as 'Authorization: Bearer' or ?token= (default: ${TOKEN_ENV})",
+    )
+    p.add_argument("--policy", default="la2", help="stability policy: la2, mask:3, biased:0.3")
+    p.add_argument("--quantized", action="store_true", help="use the *_quantized ONNX files")
+    p.add_argument(
+        "--threads", type=_positive_int, default=None, metavar="N", help="ONNX Runtime threads"
+    )
+    p.add_argument(
+        "--allow-origin",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins allowed to connect, e.g. http://localhost:8765 (default: any)",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=_positive_int,
+        metavar="N",
+        default=protocol.MAX_MESSAGE_BYTES,
+        help="larger messages get a too_large error (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-streams-per-connection",
+        type=_positive_int,
+        metavar="N",
+        default=16,
+        help="streams one connection may write or view (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-streams",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="open streams in total (default %(default)s)",
+    )
+    p.add_argument(
+        "--rate-limit",
+        type=_rate,
+        default=50.0,
+        metavar="MSGS_PER_SEC",
+        help="messages per second per connection, bursts of one second (0: off; default "
+        "%(default)s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=10.0,
+        help="seconds to finish pending finals at shutdown (default %(default)s)",
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> ServerOptions:
+    """The server options a parsed `serve` command line asks for."""
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        token=args.token or None,
+        allowed_origins=tuple(args.allow_origin) if args.allow_origin else None,
+        limits=Limits(
+            max_message_bytes=args.max_message_bytes,
+            max_streams_per_connection=args.max_streams_per_connection,
+            rate_limit=args.rate_limit or None,
+        ),
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until a signal; 0 after a graceful stop, 2 on a bad model/option."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        logging.getLogger("websockets").setLevel(logging.WARNING)
+    try:
+        policy = parse_policy(args.policy)
+        options = options_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if options.host not in LOOPBACK and options.token is None:
+        log.warning("listening on %s without --token: anyone reaching it may use it", args.host)
+    try:
+        return anyio.run(_serve, args, options, StreamingOptions(policy=policy))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _serve(
+    args: argparse.Namespace, options: ServerOptions, streaming: StreamingOptions
+) -> int:
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch_signals, stop)
+        try:
+            status = await _serve_until(stop, args, options, streaming)
+        except OSError as exc:  # e.g. the port is taken
+            print(f"error: {exc}", file=sys.stderr)
+            status = 2
+        tg.cancel_scope.cancel()
+    return status
+
+
+async def _serve_until(
+    stop: anyio.Event,
+    args: argparse.Namespace,
+    options: ServerOptions,
+    streaming: StreamingOptions,
+) -> int:
+    async with SubtitleServer(None, options) as server:
+        ws_url = server.url.replace("http", "ws", 1) + "ws"
+        log.info("subtitle page %s?stream=ID  websocket %s", server.url, ws_url)
+        translator = await _load(args, stop)
+        if translator is None:
+            return 0 if stop.is_set() else 2
+        async with IncrementalTranslator(
+            translator, streaming, max_streams=args.max_streams
+        ) as nmt:
+            server.attach(nmt)
+            log.info("model %s loaded; ready", args.model)
+            await stop.wait()
+            log.info("shutting down: finishing pending finals")
+            await server.shutdown()
+    log.info("stopped")
+    return 0
+
+
+async def _load(args: argparse.Namespace, stop: anyio.Event) -> Translator | None:
+    """Load the model in a thread (health checks answer meanwhile); None if a signal
+    came first or the model cannot be loaded."""
+    load = functools.partial(
+        Translator.from_dir, args.model, quantized=args.quantized, intra_op_threads=args.threads
+    )
+    result: Translator | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            nonlocal result
+            try:
+                result = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+            except EngineError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+            tg.cancel_scope.cancel()
+
+        async def cancel_on_stop() -> None:
+            await stop.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(run)
+        tg.start_soon(cancel_on_stop)
+    return result
+
+
+async def _watch_signals(stop: anyio.Event) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if stop.is_set():
+                log.info(
+                    "%s again: still shutting down (bounded by --shutdown-timeout)",
+                    signal.Signals(signum).name,
+                )
+            stop.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.server ARGS` (the same options as `nmt-incremental serve`)."""
+    parser = argparse.ArgumentParser(prog="python -m engine.server")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return run_serve(args)

@@ -1,0 +1,99 @@
+"""Prometheus metrics of the subtitle server.
+
+Built on `prometheus_client` rather than hand-written text: the exposition format has
+escaping, histogram and content-negotiation rules (text 0.0.4 vs OpenMetrics) that the
+library keeps right as Prometheus evolves, and it is a small pure-Python dependency.
+Each server gets its own registry, so several servers (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Seconds; live subtitles are judged in tens to hundreds of milliseconds."""
+
+
+class _EngineStats(Collector):
+    """Exposes the controller's own `stats` counter (events, superseded, cancelled, ...)
+    at scrape time, so the engine needs no dependency on Prometheus."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, int] | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "nmt_engine_events",
+            "Engine work by outcome (events accepted, superseded, cancelled, updates, ...).",
+            labels=["kind"],
+        )
+        for kind, count in sorted((self._stats() or {}).items()):
+            family.add_metric([kind], count)
+        yield family
+
+
+class ServerMetrics:
+    """The counters, gauges and histogram that `/metrics` serves."""
+
+    def __init__(
+        self,
+        open_streams: Callable[[], int],
+        engine_stats: Callable[[], Mapping[str, int] | None],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.connections = Gauge(
+            "nmt_server_connections", "Open WebSocket connections.", ["role"], registry=r
+        )
+        self.connections_accepted = Counter(
+            "nmt_server_connections_accepted", "WebSocket connections accepted.", registry=r
+        )
+        self.handshakes_refused = Counter(
+            "nmt_server_handshakes_refused",
+            "WebSocket handshakes refused, by HTTP status.",
+            ["status"],
+            registry=r,
+        )
+        self.open_streams = Gauge(
+            "nmt_server_open_streams", "Streams open in the engine.", registry=r
+        )
+        self.open_streams.set_function(lambda: float(open_streams()))
+        self.messages_in = Counter(
+            "nmt_server_messages_received",
+            "Messages received, by type (invalid: could not be decoded).",
+            ["type"],
+            registry=r,
+        )
+        self.messages_out = Counter(
+            "nmt_server_messages_sent", "Messages sent, by type.", ["type"], registry=r
+        )
+        self.errors = Counter(
+            "nmt_server_errors", "Error messages sent, by code.", ["code"], registry=r
+        )
+        self.dropped_updates = Counter(
+            "nmt_server_dropped_updates",
+            "Non-final updates dropped because a client read too slowly.",
+            registry=r,
+        )
+        self.dropped_errors = Counter(
+            "nmt_server_dropped_errors",
+            "Error replies dropped because a client sent faster than it read.",
+            registry=r,
+        )
+        self.update_latency = Histogram(
+            "nmt_update_latency_seconds",
+            "Time from a partial's arrival at the engine to its translation update.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        r.register(_EngineStats(engine_stats))
+
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition body and its content type, negotiated from `Accept`."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

@@ -1,0 +1,108 @@
+"""One connection's bounded queue of outgoing messages, read by its single sender task.
+
+Every subscription of a connection (its own streams, or the streams it views) is drained
+at once into this outbox, so the engine never waits on a socket: only the sender awaits
+`send`, and when a client reads too slowly the outbox sheds what matters least.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TypeAlias
+
+import anyio
+
+from protocol import ErrorMessage, TranslationUpdate
+
+Outgoing: TypeAlias = TranslationUpdate | ErrorMessage
+
+
+class Outbox:
+    """Updates and error replies waiting to be sent, in arrival order.
+
+    Bounds: at most `max_updates` updates, shedding first a non-final update that a newer
+    queued update of the same segment supersedes, else the oldest non-final one; finals
+    are never shed (the engine bounds how many can be pending). At most `max_errors`
+    error replies: a client that floods without reading loses the surplus errors.
+    """
+
+    def __init__(self, max_updates: int = 256, max_errors: int = 32) -> None:
+        if max_updates < 1 or max_errors < 1:
+            raise ValueError("max_updates and max_errors must be >= 1")
+        self.max_updates = max_updates
+        self.max_errors = max_errors
+        self.dropped_updates = 0
+        self.dropped_errors = 0
+        self._items: deque[Outgoing] = deque()
+        self._updates = 0
+        self._errors = 0
+        self._ready = anyio.Event()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def put_update(self, update: TranslationUpdate) -> None:
+        if self._closed:
+            return
+        if self._updates >= self.max_updates and self._shed_update():
+            self.dropped_updates += 1
+        self._items.append(update)
+        self._updates += 1
+        self._ready.set()
+
+    def put_error(self, error: ErrorMessage) -> bool:
+        """Queue an error reply; False when it was dropped (too many pending)."""
+        if self._closed:
+            return False
+        if self._errors >= self.max_errors:
+            self.dropped_errors += 1
+            return False
+        self._items.append(error)
+        self._errors += 1
+        self._ready.set()
+        return True
+
+    def close(self) -> None:
+        """No more items: `get` returns what is queued, then None."""
+        self._closed = True
+        self._ready.set()
+
+    async def get(self) -> Outgoing | None:
+        """The next item to send, waiting for one; None once closed and empty."""
+        while not self._items:
+            if self._closed:
+                return None
+            self._ready = anyio.Event()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if isinstance(item, ErrorMessage):
+            self._errors -= 1
+        else:
+            self._updates -= 1
+        return item
+
+    def _shed_update(self) -> bool:
+        oldest: int | None = None
+        newer: set[tuple[str, int]] = set()
+        victim: int | None = None
+        # Walk newest to oldest: the last hit is the oldest superseded non-final.
+        for i in range(len(self._items) - 1, -1, -1):
+            item = self._items[i]
+            if not isinstance(item, TranslationUpdate):
+                continue
+            if not item.is_final:
+                oldest = i
+                if (item.stream_id, item.segment_id) in newer:
+                    victim = i
+            newer.add((item.stream_id, item.segment_id))
+        index = victim if victim is not None else oldest
+        if index is None:
+            return False
+        del self._items[index]
+        self._updates -= 1
+        return True

@@ -1,0 +1,128 @@
+// Live subtitle viewer: subscribes to one stream on the server's /ws and shows the last
+// lines, each as its stable text followed by the tentative tail. Plain browser JavaScript,
+// no build step and nothing loaded from elsewhere.
+"use strict";
+
+(() => {
+  const params = new URLSearchParams(window.location.search);
+  const root = document.documentElement;
+  const body = document.body;
+  const view = document.getElementById("subtitles");
+  const status = document.getElementById("status");
+
+  const config = {
+    stream: params.get("stream") || "main",
+    lines: intParam("lines", 2, 1, 50),
+    token: params.get("token"),
+  };
+
+  applyStyle();
+
+  // Lines on screen, oldest first: {segment, final, el, stable, tentative}.
+  const lines = [];
+  let socket = null;
+  let attempt = 0;
+
+  function intParam(name, fallback, min, max) {
+    const value = Number.parseInt(params.get(name) || "", 10);
+    return Number.isFinite(value) ? Math.min(max, Math.max(min, value)) : fallback;
+  }
+
+  function cssValue(property, raw) {
+    if (!raw) return null;
+    // "ffcc00" in a URL is friendlier than "%23ffcc00".
+    const candidates = /^[0-9a-f]{3,8}$/i.test(raw) ? ["#" + raw, raw] : [raw];
+    return candidates.find((value) => CSS.supports(property, value)) || null;
+  }
+
+  function applyStyle() {
+    const size = params.get("size");
+    const px = size && /^\d+(\.\d+)?$/.test(size) ? size + "px" : size;
+    const settings = [
+      ["--size", cssValue("font-size", px)],
+      ["--font", cssValue("font-family", params.get("font"))],
+      ["--color", cssValue("color", params.get("color"))],
+      ["--bg", cssValue("background-color", params.get("bg"))],
+    ];
+    for (const [name, value] of settings) {
+      if (value) root.style.setProperty(name, value);
+    }
+    const lang = params.get("lang");
+    if (lang) root.lang = lang;
+    if (params.get("status") === "off") body.dataset.status = "off";
+  }
+
+  function setState(state, note) {
+    body.dataset.state = state;
+    status.textContent = note || "";
+  }
+
+  function newLine(segment) {
+    const el = document.createElement("div");
+    el.className = "line";
+    const stable = document.createElement("span");
+    stable.className = "stable";
+    const tentative = document.createElement("span");
+    tentative.className = "tentative";
+    el.append(stable, tentative);
+    view.append(el);
+    const line = { segment, final: false, el, stable, tentative };
+    lines.push(line);
+    while (lines.length > config.lines) lines.shift().el.remove();
+    return line;
+  }
+
+  function show(update) {
+    // A stream's segments arrive in order; a lower id means the stream was restarted.
+    let line = lines[lines.length - 1];
+    if (!line || line.segment !== update.segment_id || (line.final && !update.is_final)) {
+      line = newLine(update.segment_id);
+    }
+    // textContent, never HTML: the text comes from speech recognition and translation.
+    line.stable.textContent = update.stable_text;
+    line.tentative.textContent = update.unstable_text;
+    line.final = update.is_final;
+    line.el.classList.toggle("final", update.is_final);
+  }
+
+  function socketUrl() {
+    const scheme = window.location.protocol === "https:" ? "wss:" : "ws:";
+    const query = config.token ? "?token=" + encodeURIComponent(config.token) : "";
+    return scheme + "//" + window.location.host + "/ws" + query;
+  }
+
+  function connect() {
+    setState("connecting", attempt ? "reconnecting…" : "connecting…");
+    const ws = new WebSocket(socketUrl());
+    socket = ws;
+    ws.addEventListener("open", () => {
+      ws.send(JSON.stringify({ type: "subscribe", stream_id: config.stream }));
+      attempt = 0;
+      setState("open");
+    });
+    ws.addEventListener("message", (event) => {
+      let message;
+      try {
+        message = JSON.parse(event.data);
+      } catch {
+        return;
+      }
+      if (message.type === "translation_update" && message.stream_id === config.stream) {
+        show(message);
+      } else if (message.type === "error") {
+        console.warn("subtitle server:", message.code, message.message);
+      }
+    });
+    ws.addEventListener("close", () => {
+      if (socket !== ws) return;
+      socket = null;
+      // Exponential backoff with jitter: 0.5 s doubling up to 10 s.
+      const delay = Math.min(10000, 500 * 2 ** attempt) * (0.5 + Math.random() / 2);
+      attempt += 1;
+      setState("closed", "not connected; retrying in " + Math.ceil(delay / 1000) + " s");
+      window.setTimeout(connect, delay);
+    });
+  }
+
+  connect();
+})();

@@ -1,0 +1,537 @@
+"""The live-subtitle server: its sans-I/O rules, then a real server on loopback with real
+`websockets` clients (skipped without the fixture model)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from engine.decoding import DecodeOptions
+from engine.server import Limits, ServerOptions, SubtitleServer
+from engine.server.connection import (
+    Close,
+    ConnectionCore,
+    Ignore,
+    Push,
+    Reply,
+    Role,
+    Route,
+    StreamRegistry,
+    TokenBucket,
+    Watch,
+    check_handshake,
+    presented_token,
+    route,
+)
+from engine.server.outbox import Outbox
+from engine.streaming import IncrementalTranslator, StreamingOptions
+from engine.translator import Translator
+from protocol import ErrorMessage, TranslationUpdate
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+
+# --- sans-I/O rules (no model, no network) ----------------------------------------------
+
+
+def _partial(stream: str, seq: int, text: str = "I will", final: bool = False) -> str:
+    return json.dumps(
+        {
+            "type": "partial_transcript",
+            "stream_id": stream,
+            "segment_id": 0,
+            "seq": seq,
+            "text": text,
+            "is_final": final,
+        }
+    )
+
+
+def _core(registry: StreamRegistry, cid: int = 1, **limits: Any) -> ConnectionCore:
+    return ConnectionCore(cid, Limits(**{"rate_limit": None, **limits}), registry)
+
+
+def test_token_bucket_allows_bursts_then_the_rate() -> None:
+    bucket = TokenBucket(rate=2.0, burst=3.0, now=0.0)
+    assert [bucket.take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert bucket.take(0.4) is False  # 0.8 of a token
+    assert bucket.take(0.5) is True
+    assert bucket.take(100.0) and bucket.take(100.0) and bucket.take(100.0)
+    assert bucket.take(100.0) is False  # refills only up to the burst
+
+
+def test_token_from_header_or_query_compared_exactly() -> None:
+    assert presented_token("/ws", "Bearer abc") == "abc"
+    assert presented_token("/ws?token=x%20y", None) == "x y"
+    assert presented_token("/ws?token=q", "Basic Zm9v") == "q"
+    kwargs: dict[str, Any] = {"token": "abc", "allowed_origins": None}
+    assert check_handshake("/ws", "Bearer abc", None, **kwargs) is None
+    assert check_handshake("/ws?token=abc", None, None, **kwargs) is None
+    for path, header in [("/ws", None), ("/ws", "Bearer abcd"), ("/ws?token=ab", None)]:
+        refusal = check_handshake(path, header, None, **kwargs)
+        assert refusal is not None and refusal.status == 401
+
+
+def test_origin_allowlist_applies_to_browsers_only() -> None:
+    kwargs: dict[str, Any] = {"token": None, "allowed_origins": frozenset({"http://ok"})}
+    assert check_handshake("/ws", None, "http://ok", **kwargs) is None
+    assert check_handshake("/ws", None, None, **kwargs) is None  # a pipeline: no Origin
+    refusal = check_handshake("/ws", None, "http://evil", **kwargs)
+    assert refusal is not None and refusal.status == 403
+
+
+def test_routes() -> None:
+    assert route("/ws?token=a") is Route.WEBSOCKET
+    assert route("/?stream=s1") is Route.PAGE
+    assert route("/subtitles.js") is Route.STATIC
+    assert route("/metrics") is Route.METRICS
+    assert route("/../etc/passwd") is Route.NOT_FOUND
+
+
+def test_core_streams_belong_to_their_writer() -> None:
+    registry = StreamRegistry()
+    a, b = _core(registry, 1), _core(registry, 2)
+    action = a.receive(_partial("s1", 0), 0.0)
+    assert isinstance(action, Push) and action.opens
+    action = a.receive(_partial("s1", 1), 0.0)
+    assert isinstance(action, Push) and not action.opens
+    for data in (_partial("s1", 5), json.dumps({"type": "close_stream", "stream_id": "s1"})):
+        reply = b.receive(data, 0.0)
+        assert isinstance(reply, Reply) and reply.error.code == "forbidden"
+        assert reply.error.stream_id == "s1"
+    assert isinstance(a.receive(json.dumps({"type": "close_stream", "stream_id": "s1"}), 0), Close)
+    a.stream_closed("s1")
+    assert isinstance(b.receive(_partial("s1", 0), 0.0), Push)  # the id is free again
+
+
+def test_core_roles_limits_and_shutdown() -> None:
+    registry = StreamRegistry()
+    writer, viewer = _core(registry, 1, max_streams_per_connection=2), _core(registry, 2)
+    assert isinstance(writer.receive(_partial("a", 0), 0), Push)
+    assert isinstance(writer.receive(_partial("b", 0), 0), Push)
+    reply = writer.receive(_partial("c", 0), 0)
+    assert isinstance(reply, Reply) and reply.error.code == "limit_exceeded"
+    writer.push_failed("b", stream_open=False)  # the engine refused it: slot given back
+    assert isinstance(writer.receive(_partial("c", 0), 0), Push)
+    subscribe = json.dumps({"type": "subscribe", "stream_id": "a"})
+    reply = writer.receive(subscribe, 0)
+    assert isinstance(reply, Reply) and reply.error.code == "forbidden"
+    assert isinstance(viewer.receive(subscribe, 0), Watch) and viewer.role is Role.VIEWER
+    assert isinstance(viewer.receive(subscribe, 0), Ignore)
+    reply = viewer.receive(_partial("z", 0), 0)
+    assert isinstance(reply, Reply) and reply.error.code == "forbidden"
+    assert writer.streams_to_close() == ["a", "c"]
+    registry.accepting = False
+    reply = writer.receive(_partial("a", 9), 0)
+    assert isinstance(reply, Reply) and reply.error.code == "unknown_stream"
+
+
+def test_core_bad_frames_and_rate_limit() -> None:
+    core = ConnectionCore(1, Limits(rate_limit=2.0, max_text_chars=10), StreamRegistry())
+    cases = {
+        "{oops": "invalid_json",
+        '{"type": "hello"}': "unknown_type",
+        '{"type": "translation_update"}': "invalid_message",  # not for clients to send
+    }
+    for i, (data, code) in enumerate(cases.items()):
+        reply = core.receive(data, float(i))
+        assert isinstance(reply, Reply) and reply.error.code == code
+    reply = core.receive(b"\x00\x01", 10.0)
+    assert isinstance(reply, Reply) and "binary" in reply.error.message
+    reply = core.receive(_partial("s", 0, text="x" * 11), 20.0)
+    assert isinstance(reply, Reply) and reply.error.code == "too_large"
+    assert reply.error.field == "text"
+    assert isinstance(core.receive(_partial("s", 1), 30.0), Push)
+    assert isinstance(core.receive(_partial("s", 2), 30.0), Push)
+    reply = core.receive(_partial("s", 3), 30.0)
+    assert isinstance(reply, Reply) and reply.error.code == "rate_limited"
+    assert (reply.error.stream_id, reply.error.seq) == ("s", 3)
+
+
+def _update(stream: str, seq: int, final: bool = False, segment: int = 0) -> TranslationUpdate:
+    return TranslationUpdate(stream, segment, seq, "x", "" if final else "y", final, 1.0, 1.0)
+
+
+async def _drain(outbox: Outbox) -> list[Any]:
+    outbox.close()
+    items = []
+    while (item := await outbox.get()) is not None:
+        items.append(item)
+    return items
+
+
+@pytest.mark.anyio
+async def test_outbox_sheds_superseded_updates_never_finals() -> None:
+    outbox = Outbox(max_updates=3, max_errors=1)
+    outbox.put_update(_update("a", 0))
+    outbox.put_update(_update("b", 0))
+    outbox.put_update(_update("a", 1))
+    outbox.put_update(_update("a", 2, final=True))  # sheds a/0, superseded by a/1
+    outbox.put_update(_update("a", 3, final=True, segment=1))  # sheds b/0, the oldest
+    outbox.put_update(_update("a", 4, final=True, segment=2))  # sheds a/1
+    outbox.put_update(_update("a", 5, final=True, segment=3))  # all finals: kept
+    assert outbox.put_error(ErrorMessage("internal", "x"))
+    assert not outbox.put_error(ErrorMessage("internal", "y"))
+    items = await _drain(outbox)
+    assert [(u.stream_id, u.seq) for u in items[:4]] == [("a", 2), ("a", 3), ("a", 4), ("a", 5)]
+    assert isinstance(items[4], ErrorMessage)
+    assert (outbox.dropped_updates, outbox.dropped_errors) == (3, 1)
+
+
+# --- a real server on loopback -----------------------------------------------------------
+
+SENTENCE = "I will meet Tom at three"
+PREFIXES = ["I", "I will", "I will meet", "I will meet Tom", "I will meet Tom at"]
+# Bounded decodes keep these tests quick whatever the model; the fixture's translations
+# are far shorter than this.
+STREAMING = StreamingOptions(decode=DecodeOptions(max_new_tokens=32))
+
+
+@pytest.fixture(scope="module")
+def translator() -> Translator:
+
+    needs_fixture()
+    return Translator.from_dir(FIXTURE_MODEL)
+
+
+@pytest.fixture(scope="module")
+def expected(translator: Translator) -> str:
+    return translator.translate([SENTENCE], STREAMING.decode)[0].text
+
+
+@asynccontextmanager
+async def serving(
+    translator: Translator, *, max_streams: int = 64, **options: Any
+) -> AsyncIterator[SubtitleServer]:
+    options.setdefault("limits", Limits(rate_limit=None))
+    options.setdefault("port", 0)
+    async with (
+        IncrementalTranslator(translator, STREAMING, max_streams=max_streams) as nmt,
+        SubtitleServer(nmt, ServerOptions(**options)) as server,
+    ):
+        yield server
+
+
+def ws_url(server: SubtitleServer, query: str = "") -> str:
+    return f"ws://127.0.0.1:{server.port}/ws{query}"
+
+
+async def recv(ws: ClientConnection, timeout: float = 20.0) -> dict[str, Any]:
+    with anyio.fail_after(timeout):
+        data = await ws.recv()
+    assert isinstance(data, str)
+    message: dict[str, Any] = json.loads(data)
+    return message
+
+
+async def until_final(ws: ClientConnection, stream: str = "s1") -> list[dict[str, Any]]:
+    """Messages received until the final update of `stream` (errors included)."""
+    seen = []
+    while True:
+        message = await recv(ws)
+        seen.append(message)
+        is_update = message["type"] == "translation_update"
+        if is_update and message["stream_id"] == stream and message["is_final"]:
+            return seen
+
+
+async def send_sentence(ws: ClientConnection, stream: str = "s1", seq0: int = 0) -> None:
+    for i, text in enumerate([*PREFIXES, SENTENCE]):
+        await ws.send(_partial(stream, seq0 + i, text, final=text == SENTENCE))
+
+
+@dataclass
+class HttpResult:
+    status: int
+    headers: dict[str, str]
+    body: str
+
+
+async def http_get(server: SubtitleServer, path: str, **headers: str) -> HttpResult:
+    def fetch() -> HttpResult:
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return HttpResult(response.status, dict(response.headers), response.read().decode())
+        except urllib.error.HTTPError as exc:
+            return HttpResult(exc.code, dict(exc.headers), exc.read().decode())
+
+    return await anyio.to_thread.run_sync(fetch)
+
+
+@contextmanager
+def refused_with(status: int) -> Iterator[None]:
+    with pytest.raises(InvalidStatus) as info:
+        yield
+    assert info.value.response.status_code == status
+
+
+async def wait_for(condition: Any, timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while not condition():
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_round_trip_and_viewer(translator: Translator, expected: str) -> None:
+    async with (
+        serving(translator) as server,
+        connect(ws_url(server)) as writer,
+        connect(ws_url(server)) as viewer,
+    ):
+        await viewer.send(json.dumps({"type": "subscribe", "stream_id": "s1"}))
+        await wait_for(lambda: server.role_counts()["viewer"] == 1)
+        await send_sentence(writer)
+        written = await until_final(writer)
+        viewed = await until_final(viewer)
+    assert all(m["type"] == "translation_update" for m in written)
+    final = written[-1]
+    assert final["stable_text"] == expected == "我三点见汤姆" and final["unstable_text"] == ""
+    assert viewed[-1] == final  # the same final, field for field
+    # The viewer saw the writer's updates (it may skip superseded ones, never add any).
+    assert all(m in written for m in viewed)
+    stable = [m["stable_text"] for m in written]
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(stable))
+
+
+@pytest.mark.anyio
+async def test_token_required_by_header_or_query(translator: Translator) -> None:
+    async with serving(translator, token="s3cret") as server:
+        with refused_with(401):
+            async with connect(ws_url(server)):
+                pass
+        with refused_with(401):
+            async with connect(ws_url(server, "?token=wrong")):
+                pass
+        with refused_with(401):
+            async with connect(ws_url(server), additional_headers={"Authorization": "Bearer x"}):
+                pass
+        async with connect(ws_url(server), additional_headers={"Authorization": "Bearer s3cret"}):
+            pass
+        async with connect(ws_url(server, "?token=s3cret")) as ws:
+            await send_sentence(ws)
+            assert (await until_final(ws))[-1]["is_final"]
+        assert (await http_get(server, "/metrics")).status == 401
+        ok = await http_get(server, "/metrics", Authorization="Bearer s3cret")
+        assert ok.status == 200
+        assert (await http_get(server, "/healthz")).status == 200  # probes need no token
+        assert (await http_get(server, "/")).status == 200  # the page holds no data
+
+
+@pytest.mark.anyio
+async def test_origin_allowlist(translator: Translator) -> None:
+    async with serving(translator, allowed_origins=("http://studio.example",)) as server:
+        with refused_with(403):
+            async with connect(ws_url(server), origin="http://evil.example"):  # type: ignore[arg-type]
+                pass
+        async with connect(ws_url(server), origin="http://studio.example"):  # type: ignore[arg-type]
+            pass
+        async with connect(ws_url(server)):  # no Origin: not a browser
+            pass
+
+
+@pytest.mark.anyio
+async def test_bad_messages_get_errors_and_the_connection_goes_on(
+    translator: Translator, expected: str
+) -> None:
+    limits = Limits(rate_limit=None, max_message_bytes=2000, max_text_chars=200)
+    async with serving(translator, limits=limits) as server, connect(ws_url(server)) as ws:
+        await ws.send(_partial("s1", 0, "I will"))
+        bad = {
+            "{not json": ("invalid_json", None),
+            '{"type": "shout", "stream_id": "s1"}': ("unknown_type", "type"),
+            _partial("s1", 1).replace('"seq": 1', '"seq": "one"'): ("invalid_message", "seq"),
+            _partial("s1", 2, "x" * 300): ("too_large", "text"),
+            _partial("s1", 3, "y" * 3000): ("too_large", None),  # whole message > 2000 bytes
+        }
+        for data in bad:
+            await ws.send(data)
+        await ws.send(b"\x89PNG binary")
+        await ws.send(_partial("s1", 4, "I will meet"))
+        await ws.send(_partial("s1", 2, "I will meet Tom"))  # seq going back
+        await ws.send(_partial("s1", 9, SENTENCE, final=True))
+        messages = await until_final(ws)
+        errors = [m for m in messages if m["type"] == "error"]
+        assert [(e["code"], e.get("field")) for e in errors[:5]] == list(bad.values())
+        assert errors[5]["code"] == "invalid_message" and "binary" in errors[5]["message"]
+        assert (errors[6]["code"], errors[6]["seq"]) == ("out_of_order", 2)
+        assert messages[-1]["stable_text"] == expected
+        # Over the socket's frame limit (4 x 2000 bytes) the connection is closed (1009).
+        await ws.send("z" * 9000)
+        with pytest.raises(ConnectionClosed) as closed:
+            await recv(ws)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+        metrics = (await http_get(server, "/metrics")).body
+    assert 'nmt_server_errors_total{code="too_large"} 2.0' in metrics
+    assert 'nmt_server_messages_received_total{type="invalid"} 6.0' in metrics
+
+
+@pytest.mark.anyio
+async def test_rate_limit_drops_messages_over_it(translator: Translator) -> None:
+    async with (
+        serving(translator, limits=Limits(rate_limit=2.0)) as server,
+        connect(ws_url(server)) as ws,
+    ):
+        for seq, text in enumerate(PREFIXES * 3):  # 15 messages at once; bursts of 2
+            await ws.send(_partial("s1", seq, text))
+        await anyio.sleep(1.2)  # refill
+        await ws.send(_partial("s1", 20, SENTENCE, final=True))
+        messages = await until_final(ws)
+    limited = [m["seq"] for m in messages if m.get("code") == "rate_limited"]
+    assert len(limited) >= 8 and limited == sorted(limited) and limited[-1] == 14
+    assert messages[-1]["is_final"] and messages[-1]["seq"] == 20
+
+
+@pytest.mark.anyio
+async def test_stream_ownership(translator: Translator) -> None:
+    async with (
+        serving(translator) as server,
+        connect(ws_url(server)) as owner,
+        connect(ws_url(server)) as intruder,
+    ):
+        await owner.send(_partial("s1", 0))
+        await wait_for(lambda: "s1" in server.registry.owners)
+        await intruder.send(_partial("s1", 1, "injected"))
+        await intruder.send(json.dumps({"type": "close_stream", "stream_id": "s1"}))
+        codes = [(await recv(intruder))["code"] for _ in range(2)]
+        assert codes == ["forbidden", "forbidden"]
+        await owner.send(_partial("s1", 1, SENTENCE, final=True))
+        messages = await until_final(owner)
+        assert "injected" not in json.dumps(messages)
+
+
+@pytest.mark.anyio
+async def test_stream_limits_per_connection_and_in_total(translator: Translator) -> None:
+    limits = Limits(rate_limit=None, max_streams_per_connection=2)
+    async with (
+        serving(translator, limits=limits, max_streams=3) as server,
+        connect(ws_url(server)) as a,
+        connect(ws_url(server)) as b,
+    ):
+        for stream in ("a1", "a2", "a3"):
+            await a.send(_partial(stream, 0))
+        error = await recv(a)
+        while error["type"] != "error":
+            error = await recv(a)
+        assert (error["code"], error["stream_id"]) == ("limit_exceeded", "a3")
+        for stream in ("b1", "b2"):
+            await b.send(_partial(stream, 0))
+        error = await recv(b)
+        while error["type"] != "error":
+            error = await recv(b)
+        assert (error["code"], error["stream_id"]) == ("limit_exceeded", "b2")  # 3 in total
+        await wait_for(lambda: sorted(server.registry.owners) == ["a1", "a2", "b1"])
+        await a.send(json.dumps({"type": "close_stream", "stream_id": "a1"}))
+        await wait_for(lambda: "a1" not in server.registry.owners)
+        await b.send(_partial("b2", 1, SENTENCE, final=True))
+        assert (await until_final(b, "b2"))[-1]["is_final"]
+
+
+@pytest.mark.anyio
+async def test_disconnect_mid_stream_frees_streams_and_finishes_finals(
+    translator: Translator, expected: str
+) -> None:
+    async with serving(translator) as server, connect(ws_url(server)) as viewer:
+        await viewer.send(json.dumps({"type": "subscribe", "stream_id": "s1"}))
+        async with connect(ws_url(server)) as writer:
+            await send_sentence(writer)
+            await writer.send(
+                json.dumps(
+                    {
+                        "type": "partial_transcript",
+                        "stream_id": "s1",
+                        "segment_id": 1,
+                        "seq": 10,
+                        "text": "Tom reads",
+                        "is_final": False,
+                    }
+                )
+            )
+        # Gone without close_stream, its last segment unfinished.
+        finals = [m for m in await until_final(viewer) if m["is_final"]]
+        assert finals[-1]["stable_text"] == expected
+        await wait_for(lambda: not server.registry.owners and server.engine is not None)
+        assert server.engine is not None
+        await wait_for(lambda: server.engine is not None and not server.engine.streams)
+        async with connect(ws_url(server)) as other:  # the id is free for anyone now
+            await send_sentence(other)
+            assert (await until_final(other))[-1]["stable_text"] == expected
+
+
+@pytest.mark.anyio
+async def test_shutdown_delivers_pending_finals_then_closes_1001(
+    translator: Translator, expected: str
+) -> None:
+    async with serving(translator) as server:
+        writer = await connect(ws_url(server))
+        viewer = await connect(ws_url(server))
+        await viewer.send(json.dumps({"type": "subscribe", "stream_id": "s2"}))
+        await wait_for(lambda: server.role_counts()["viewer"] == 1)
+        await send_sentence(writer, "s1")
+        await send_sentence(writer, "s2")
+        await wait_for(lambda: len(server.registry.owners) == 2)
+        await server.shutdown()
+        assert not server.ready
+        finals: dict[str, list[str]] = {}
+        for ws, name in ((writer, "writer"), (viewer, "viewer")):
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    message = await recv(ws)
+                    if message.get("is_final"):
+                        finals.setdefault(name, []).append(message["stream_id"])
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+    assert sorted(finals["writer"]) == ["s1", "s2"] and finals["viewer"] == ["s2"]
+
+
+@pytest.mark.anyio
+async def test_http_endpoints(translator: Translator) -> None:
+    async with serving(translator) as server:
+        health = await http_get(server, "/healthz")
+        ready = await http_get(server, "/readyz")
+        assert (health.status, ready.status) == (200, 200)
+        page = await http_get(server, "/?stream=s1&bg=transparent")
+        assert page.status == 200 and page.headers["Content-Type"].startswith("text/html")
+        assert "subtitles.js" in page.body and "Content-Security-Policy" in page.headers
+        script = await http_get(server, "/subtitles.js")
+        assert script.status == 200 and "javascript" in script.headers["Content-Type"]
+        assert (await http_get(server, "/missing")).status == 404
+        async with connect(ws_url(server)) as ws:
+            await send_sentence(ws)
+            await ws.send("{")
+            await until_final(ws)
+            metrics = await http_get(server, "/metrics")
+    assert metrics.status == 200 and metrics.headers["Content-Type"].startswith("text/plain")
+    body = metrics.body
+    for line in (
+        'nmt_server_connections{role="writer"} 1.0',
+        "nmt_server_open_streams 1.0",
+        'nmt_server_messages_received_total{type="partial_transcript"} 6.0',
+        'nmt_server_messages_received_total{type="invalid"} 1.0',
+        'nmt_server_errors_total{code="invalid_json"} 1.0',
+        "nmt_server_dropped_updates_total 0.0",
+        'nmt_engine_events_total{kind="events"} 6.0',
+    ):
+        assert line in body, line
+    assert 'nmt_server_messages_sent_total{type="translation_update"}' in body
+    count = next(x for x in body.splitlines() if x.startswith("nmt_update_latency_seconds_count"))
+    assert float(count.split()[1]) >= 1
+
+
+@pytest.mark.anyio
+async def test_not_ready_until_a_model_is_attached() -> None:
+    async with SubtitleServer(None, ServerOptions(port=0)) as server:
+        assert (await http_get(server, "/healthz")).status == 200
+        ready = await http_get(server, "/readyz")
+        assert ready.status == 503 and "loading" in ready.body
+        with refused_with(503):
+            async with connect(ws_url(server)):
+                pass
