@@ -25,6 +25,8 @@ from engine.evaluation.translogs import (
     references_output_path,
     write_log,
 )
+from engine.hub import resolve_model
+from engine.hub.cli import add_models_parser, run_models
 from engine.server.cli import add_serve_parser, run_serve
 from engine.translator import Translator
 
@@ -73,7 +75,11 @@ def _stream_id(value: str) -> str:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Options every model-using command shares."""
-    parser.add_argument("--model", required=True, help="model directory (Optimum ONNX layout)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="model directory, or a catalog name such as en-zh (downloaded on first use)",
+    )
     parser.add_argument("--quantized", action="store_true", help="use the *_quantized ONNX files")
     parser.add_argument(
         "--no-cache", action="store_true", help="re-run the whole prefix every step (slow)"
@@ -83,7 +89,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_translator(args: argparse.Namespace) -> Translator:
     return Translator.from_dir(
-        args.model,
+        resolve_model(args.model, quantized=args.quantized),
         quantized=args.quantized,
         use_cache=not args.no_cache,
         intra_op_threads=args.threads,
@@ -319,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--out", required=True, help="merged log to write")
 
     add_serve_parser(commands)
+    add_models_parser(commands)
     return parser
 
 
@@ -342,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_logs_merge(args, sys.stderr)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "models":
+            return run_models(args)
     except (EngineError, TranscriptLogError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

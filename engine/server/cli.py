@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import math
 import os
@@ -18,6 +17,7 @@ import anyio
 
 import protocol
 from engine.errors import EngineError
+from engine.hub import resolve_model
 from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.connection import Limits
 from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
@@ -61,7 +61,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
             "/metrics. Stops gracefully on SIGINT/SIGTERM, delivering pending finals."
         ),
     )
-    p.add_argument("--model", required=True, help="model directory (Optimum ONNX layout)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="model directory, or a catalog name such as en-zh (downloaded on first use)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=_port, default=8765, help="port (0: any free port)")
     p.add_argument(
@@ -197,9 +201,15 @@ async def _serve_until(
 async def _load(args: argparse.Namespace, stop: anyio.Event) -> Translator | None:
     """Load the model in a thread (health checks answer meanwhile); None if a signal
     came first or the model cannot be loaded."""
-    load = functools.partial(
-        Translator.from_dir, args.model, quantized=args.quantized, intra_op_threads=args.threads
-    )
+
+    def load() -> Translator:
+        # Resolving a catalog name may download: in the thread too, not on the event loop.
+        return Translator.from_dir(
+            resolve_model(args.model, quantized=args.quantized),
+            quantized=args.quantized,
+            intra_op_threads=args.threads,
+        )
+
     result: Translator | None = None
     async with anyio.create_task_group() as tg:
 

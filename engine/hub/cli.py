@@ -1,0 +1,242 @@
+"""`nmt-incremental models ...`: pull, list, verify and export models.
+
+A thin I/O layer: `add_models_parser` adds the subcommands to the main parser and
+`run_models` runs them; the work is in `engine.hub.download` and `engine.hub.export`.
+Results go to stdout (the last line of `pull` is the model directory, for scripts);
+progress and diagnostics go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from engine.config import PROJECT_CONFIG
+from engine.errors import EngineError
+from engine.hub.catalog import ONNX_FILES, OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES, load_catalog
+from engine.hub.download import (
+    HubSettings,
+    cache_status,
+    cached_etag,
+    file_digest,
+    fmt_size,
+    pull,
+    resolve_model,
+)
+
+__all__ = ["add_models_parser", "resolve_model", "run_models"]
+
+# A sentence per source language for `verify`; others fall back to English.
+SAMPLE_TEXT = {
+    "en": "I will meet Tom at three",
+    "zh": "我三点见汤姆。",
+    "de": "Ich treffe Tom um drei.",
+}
+
+
+def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add `models {pull,list,verify,export}` to the main parser's subcommands."""
+    models = subparsers.add_parser(
+        "models",
+        help="get, list, check and export models",
+        description="Get OPUS-MT models from the Hugging Face hub, list and check them, "
+        "or export a MarianMT checkpoint to ONNX.",
+    )
+    commands = models.add_subparsers(dest="models_command", required=True)
+
+    pull_cmd = commands.add_parser(
+        "pull",
+        help="download a catalog model (e.g. en-zh) into the cache",
+        description="Download a model named in models/catalog.json (or given by one of its "
+        "repo ids) into the Hugging Face cache and print the model directory. Honours "
+        "HF_ENDPOINT, HF_HOME/HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE; an interrupted "
+        "download resumes when run again.",
+    )
+    pull_cmd.add_argument("model", metavar="PAIR_OR_REPO", help="e.g. en-zh, zh-en, or a repo id")
+    pull_cmd.add_argument(
+        "--quantized", action="store_true", help="get the int8 ONNX files instead of fp32"
+    )
+    pull_cmd.add_argument(
+        "--refresh", action="store_true", help="ask the hub for newer files even when cached"
+    )
+
+    commands.add_parser(
+        "list",
+        help="list catalog models and what is cached",
+        description="List the catalog's models, which variants are cached and their sizes.",
+    )
+
+    verify = commands.add_parser(
+        "verify",
+        help="check a model directory: files, checksums, signatures, a test translation",
+        description="Check a model directory (or a cached catalog model): its files, the "
+        "checksums of files linked from the hub cache, the ONNX signatures (by loading it) "
+        "and a test translation of each ONNX variant present.",
+    )
+    verify.add_argument("model", metavar="DIR", help="model directory or cached catalog name")
+    verify.add_argument("--text", default=None, help="sentence to translate (default: a sample)")
+
+    export = commands.add_parser(
+        "export",
+        help="export a MarianMT checkpoint to ONNX and check it (needs the export extra)",
+        description="Export a PyTorch MarianMT checkpoint to an Optimum-layout ONNX model "
+        "directory, optionally quantize it to int8, copy the tokenizer files, and compare "
+        "ONNX greedy output and first-step logits with PyTorch. Needs the `export` extra: "
+        "pip install 'nmt-incremental[export]'.",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", type=Path)
+    export.add_argument("out", metavar="OUT_DIR", type=Path)
+    export.add_argument("--quantize", action="store_true", help="also write *_quantized int8")
+    export.add_argument(
+        "--check-text",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="sentence for the PyTorch/ONNX comparison (repeatable; default: samples)",
+    )
+    export.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-3,
+        help="largest first-step logit difference accepted for fp32 (default 1e-3)",
+    )
+
+
+def run_models(args: argparse.Namespace) -> int:
+    """Run a `models` subcommand; 0 on success, 1 when a check fails, 2 on errors."""
+    try:
+        if args.models_command == "pull":
+            return _pull(args, sys.stdout)
+        if args.models_command == "list":
+            return _list(sys.stdout)
+        if args.models_command == "verify":
+            return _verify(args, sys.stdout)
+        if args.models_command == "export":
+            from engine.hub.export import run_export
+
+            return run_export(args, sys.stdout)
+    except KeyboardInterrupt:
+        print(
+            "interrupted; finished files and partial downloads are kept in the cache, "
+            "run the same command again to resume",
+            file=sys.stderr,
+        )
+        return 130
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"error: unknown models command {args.models_command!r}", file=sys.stderr)
+    return 2
+
+
+def _pull(args: argparse.Namespace, out: TextIO) -> int:
+    entry = load_catalog().lookup(args.model)
+    settings = HubSettings.from_env()
+    result = pull(entry, quantized=args.quantized, settings=settings, refresh=args.refresh)
+    variant = "int8" if args.quantized else "fp32"
+    if result.from_cache:
+        how = "already cached, no download"
+    else:
+        how = f"downloaded {len(result.downloaded)} files"
+    commits = ", ".join(f"{repo}@{commit[:10]}" for repo, commit in result.commits.items())
+    print(
+        f"{entry.name} ({entry.pair}, {variant}): {how}; {len(result.verified)} files "
+        f"match their checksums; {commits}",
+        file=sys.stderr,
+    )
+    print(result.model_dir, file=out)
+    return 0
+
+
+def _list(out: TextIO) -> int:
+    catalog = load_catalog()
+    settings = HubSettings.from_env()
+    mode = " (offline)" if settings.offline else ""
+    print(f"catalog: {catalog.source}", file=out)
+    print(f"hub: {settings.endpoint}{mode}; cache: {settings.hub_cache}", file=out)
+    print(f"model directories: {settings.models_root}", file=out)
+    rows = [("NAME", "PAIR", "ONNX REPO", "TOKENIZER REPO", "CACHED")]
+    for entry in catalog.entries:
+        status = cache_status(entry, settings)
+        cached = ", ".join(f"{v} {fmt_size(size)}" for v, size in status.variants.items())
+        rows.append((entry.name, entry.pair, entry.onnx.repo, entry.tokenizer.repo, cached or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[-1]]).rstrip(), file=out)
+    return 0
+
+
+def _verify(args: argparse.Namespace, out: TextIO) -> int:
+    from engine.translator import Translator
+
+    model_dir = resolve_model(args.model, download=False)
+    print(f"model directory: {model_dir}", file=out)
+    problems = 0
+    required = [*TOKENIZER_FILES]
+    optional = [*OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG]
+    onnx_root = model_dir / "onnx" if (model_dir / "onnx").is_dir() else model_dir
+    variants = {
+        variant: [onnx_root / name for name in names] for variant, names in ONNX_FILES.items()
+    }
+    print("files:", file=out)
+    for name in [*required, *optional]:
+        problems += _check_file(model_dir / name, name in required, model_dir, out)
+    present = []
+    for variant, paths in variants.items():
+        if any(path.exists() for path in paths):
+            for path in paths:
+                problems += _check_file(path, True, model_dir, out)
+            if all(path.is_file() for path in paths):
+                present.append(variant)
+    if not present:
+        print("  no complete ONNX variant (encoder_model + decoder_model_merged)", file=out)
+        problems += 1
+    for variant in present:
+        try:
+            translator = Translator.from_dir(model_dir, quantized=variant == "int8")
+        except EngineError as exc:
+            print(f"{variant}: does not load: {exc}", file=out)
+            problems += 1
+            continue
+        config = translator.config
+        text = args.text or SAMPLE_TEXT.get(config.source_lang or "", SAMPLE_TEXT["en"])
+        started = time.perf_counter()
+        result = translator.translate([text])[0]
+        elapsed = time.perf_counter() - started
+        print(
+            f"{variant}: loads; decoder {translator.model.layout.value}, "
+            f"{config.decoder_layers} decoder layers, d_model {config.d_model}, "
+            f"vocab {config.vocab_size}, source prefix {config.source_prefix or '(none)'}",
+            file=out,
+        )
+        print(f"  {text!r} -> {result.text!r} ({elapsed:.2f} s)", file=out)
+    print("ok" if not problems else f"{problems} problem(s)", file=out)
+    return 0 if not problems else 1
+
+
+def _check_file(path: Path, required: bool, model_dir: Path, out: TextIO) -> int:
+    """Print one file's state; 1 if it is a problem (missing, broken link, bad checksum)."""
+    name = path.relative_to(model_dir).as_posix()
+    if not path.is_file():
+        if path.is_symlink():
+            print(f"  BROKEN  {name}: link to {path.readlink()} that does not exist", file=out)
+            return 1
+        if required:
+            print(f"  MISSING {name}", file=out)
+            return 1
+        print(f"  -       {name} (absent, optional)", file=out)
+        return 0
+    etag = cached_etag(path)
+    check = ""
+    if etag is not None:
+        actual = file_digest(path, etag)
+        if actual is not None and actual != etag:
+            print(f"  CORRUPT {name}: hashes to {actual}, the hub's ETag is {etag}", file=out)
+            return 1
+        check = "  checksum ok" if actual is not None else ""
+    print(f"  ok      {name} ({fmt_size(path.stat().st_size)}){check}", file=out)
+    return 0

@@ -1,0 +1,82 @@
+"""Errors of getting models: each says what went wrong and what the user can do about it.
+
+They derive from `EngineError` so that every command line entry point reports them as
+`error: ...` lines instead of tracebacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.errors import EngineError
+
+OFFLINE_HELP = (
+    "to get models without direct access to the hub: set HF_ENDPOINT to a mirror, or run "
+    "`nmt-incremental models pull {name}` on a machine with internet access, copy its "
+    "Hugging Face cache ({cache}) to the same place here (or point HF_HUB_CACHE at the "
+    "copy) and set HF_HUB_OFFLINE=1"
+)
+
+
+class HubError(EngineError):
+    """Base class of the errors raised while resolving or downloading a model."""
+
+
+class CatalogError(HubError):
+    """`models/catalog.json` is missing or malformed."""
+
+
+class UnknownModelError(HubError, LookupError):
+    """A model name or repo id that is neither a directory nor in the catalog."""
+
+    def __init__(self, spec: str, known: Sequence[str]) -> None:
+        super().__init__(
+            f"unknown model {spec!r}: not a model directory and not in the catalog; "
+            f"known models: {', '.join(known) or '(none)'} "
+            "(a catalog name such as en-zh, one of its repo ids, or a model directory)"
+        )
+        self.spec = spec
+        self.known = tuple(known)
+
+
+class OfflineError(HubError):
+    """Downloads are needed but HF_HUB_OFFLINE forbids them."""
+
+
+class NetworkError(HubError, ConnectionError):
+    """The hub (or mirror) cannot be reached, or a transfer broke off."""
+
+
+class RepoAccessError(HubError):
+    """A repository or revision does not exist, or needs a token we do not have."""
+
+
+class MissingFileError(HubError, FileNotFoundError):
+    """A repository lacks a file the model needs."""
+
+    def __init__(self, repo: str, path: str, revision: str, endpoint: str) -> None:
+        super().__init__(
+            f"repository {repo} (revision {revision}) on {endpoint} has no file {path!r}, "
+            "which the model needs; check the repo id and revision in models/catalog.json"
+        )
+        self.repo = repo
+        self.path = path
+
+
+class ChecksumError(HubError):
+    """A downloaded file does not hash to the ETag the hub announced."""
+
+    def __init__(self, repo: str, path: str, expected: str, actual: str) -> None:
+        super().__init__(
+            f"checksum mismatch for {repo}/{path}: the hub's ETag is {expected} but the "
+            f"downloaded file hashes to {actual}; the corrupt copy was deleted from the "
+            "cache, run the same command again to download it afresh"
+        )
+        self.repo = repo
+        self.path = path
+        self.expected = expected
+        self.actual = actual
+
+
+class DiskFullError(HubError, OSError):
+    """The cache's disk has no room for the download (ENOSPC, or too little free space)."""

@@ -1,0 +1,554 @@
+"""Getting models from a hub: the real download code against a fake hub on loopback.
+
+The fake hub (a threaded `http.server`) speaks the parts of the Hugging Face protocol that
+`huggingface_hub` uses: HEAD/GET on `/{repo}/resolve/{revision}/{path}` with
+`X-Repo-Commit`, `ETag` (git blob sha1) for small files, and for LFS files a 302 to a CDN URL
+with `X-Linked-Etag` (sha256) and `X-Linked-Size`; `Range` requests; `X-Error-Code` on 404s.
+It serves the fixture model's files as a `Xenova`-style ONNX repo and a `Helsinki-NLP`-style
+tokenizer repo, records every request, and can cut a transfer short or corrupt a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import hashlib
+import io
+import json
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from engine.errors import ModelLoadError
+from engine.hub import (
+    CatalogError,
+    ChecksumError,
+    DiskFullError,
+    HubSettings,
+    MissingFileError,
+    NetworkError,
+    OfflineError,
+    UnknownModelError,
+    load_catalog,
+    pull,
+    resolve_model,
+)
+from engine.hub import download as hub_download
+from engine.hub.catalog import parse_catalog
+from engine.hub.cli import add_models_parser, run_models
+from engine.translator import Translator
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+
+ONNX_REPO = "Xenova/opus-mt-en-zh"
+TOKENIZER_REPO = "Helsinki-NLP/opus-mt-en-zh"
+SENTENCE = "I will meet Tom at three"
+ENCODER = f"{ONNX_REPO}/onnx/encoder_model.onnx"
+LFS_SUFFIXES = (".onnx", ".spm", ".bin")
+
+
+def git_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    range: str | None
+    auth: str | None = None
+
+
+@dataclass
+class FakeHub:
+    """Repos by id -> {path in repo: bytes}; fault injection by 'repo/path' label."""
+
+    repos: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    commits: dict[str, str] = field(default_factory=dict)
+    requests: list[Seen] = field(default_factory=list)
+    cut_once: set[str] = field(default_factory=set)
+    corrupt: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    server: ThreadingHTTPServer | None = None
+
+    def add_repo(self, repo: str, files: dict[str, bytes]) -> None:
+        self.repos[repo] = files
+        self.commits[repo] = hashlib.sha1(repo.encode(), usedforsecurity=False).hexdigest()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        host, port = self.server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def gets(self, fragment: str = "") -> list[Seen]:
+        with self.lock:
+            return [r for r in self.requests if r.method == "GET" and fragment in r.path]
+
+    def start(self) -> None:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self.handle_any(send_body=False)
+
+            def do_GET(self) -> None:
+                self.handle_any(send_body=True)
+
+            def handle_any(self, send_body: bool) -> None:
+                with hub.lock:
+                    seen = Seen(
+                        self.command,
+                        self.path,
+                        self.headers.get("Range"),
+                        self.headers.get("Authorization"),
+                    )
+                    hub.requests.append(seen)
+                if self.path.startswith("/cdn/"):
+                    self.serve_cdn(send_body)
+                    return
+                match = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", self.path)
+                if match is None:
+                    self.error(404, "RepoNotFound", None)
+                    return
+                repo, revision, path = match.groups()
+                files = hub.repos.get(repo)
+                if files is None:
+                    self.error(404, "RepoNotFound", None)
+                    return
+                commit = hub.commits[repo]
+                if revision not in ("main", commit):
+                    self.error(404, "RevisionNotFound", commit)
+                    return
+                if path not in files:
+                    self.error(404, "EntryNotFound", commit)
+                    return
+                data = files[path]
+                if path.endswith(LFS_SUFFIXES):
+                    sha = hashlib.sha256(data).hexdigest()
+                    self.send_response(302)
+                    self.send_header("Location", f"{hub.url}/cdn/{repo}/{path}?sha={sha}")
+                    self.send_header("X-Repo-Commit", commit)
+                    self.send_header("X-Linked-Etag", f'"{sha}"')
+                    self.send_header("X-Linked-Size", str(len(data)))
+                    self.send_header("ETag", f'W/"{git_sha1(sha.encode())}"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_file(f"{repo}/{path}", data, commit, git_sha1(data), send_body)
+
+            def serve_cdn(self, send_body: bool) -> None:
+                label = self.path[len("/cdn/") :].split("?")[0]
+                repo_id = "/".join(label.split("/")[:2])
+                path = "/".join(label.split("/")[2:])
+                data = hub.repos.get(repo_id, {}).get(path)
+                if data is None:
+                    self.error(404, None, None)
+                    return
+                commit = hub.commits[repo_id]
+                self.send_file(label, data, commit, hashlib.sha256(data).hexdigest(), send_body)
+
+            def send_file(
+                self, label: str, data: bytes, commit: str, etag: str, send_body: bool
+            ) -> None:
+                if label in hub.corrupt:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
+                start = 0
+                wanted = self.headers.get("Range")
+                if wanted:
+                    start = int(re.match(r"bytes=(\d+)-", wanted).group(1))  # type: ignore[union-attr]
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                else:
+                    self.send_response(200)
+                self.send_header("X-Repo-Commit", commit)
+                self.send_header("ETag", f'"{etag}"')
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("Content-Length", str(len(data) - start))
+                self.end_headers()
+                if not send_body:
+                    return
+                body = data[start:]
+                with hub.lock:
+                    cut = label in hub.cut_once
+                    hub.cut_once.discard(label)
+                if cut:
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
+                self.wfile.write(body)
+
+            def error(self, status: int, code: str | None, commit: str | None) -> None:
+                body = json.dumps({"error": code or "not found"}).encode()
+                self.send_response(status)
+                if code:
+                    self.send_header("X-Error-Code", code)
+                if commit:
+                    self.send_header("X-Repo-Commit", commit)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+def fixture_repos() -> dict[str, dict[str, bytes]]:
+    """The fixture's files laid out like the real ONNX and tokenizer repos."""
+    onnx = {
+        f"onnx/{name}": (FIXTURE_MODEL / name).read_bytes()
+        for name in (
+            "encoder_model.onnx",
+            "decoder_model_merged.onnx",
+            "encoder_model_quantized.onnx",
+            "decoder_model_merged_quantized.onnx",
+        )
+    }
+    onnx["config.json"] = (FIXTURE_MODEL / "config.json").read_bytes()
+    tokenizer = {"README.md": b"fake Helsinki-NLP repo\n"}
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "source.spm",
+        "target.spm",
+        "vocab.json",
+        "tokenizer_config.json",
+    ):
+        if (FIXTURE_MODEL / name).is_file():
+            tokenizer[name] = (FIXTURE_MODEL / name).read_bytes()
+    return {ONNX_REPO: onnx, TOKENIZER_REPO: tokenizer}
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    """A running fake hub, with HF_ENDPOINT and all caches pointed at it / tmp_path."""
+    needs_fixture()
+    import huggingface_hub.constants
+    from huggingface_hub.utils import reset_sessions
+
+    server = FakeHub()
+    for repo, files in fixture_repos().items():
+        server.add_repo(repo, files)
+    server.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("NMT_INCREMENTAL_HOME", str(tmp_path / "nmt"))
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("NMT_INCREMENTAL_CATALOG", raising=False)
+    # huggingface_hub froze HF_HUB_OFFLINE (set by CI) into its HTTP sessions at import.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    reset_sessions()
+    yield server
+    server.stop()
+    reset_sessions()
+
+
+def en_zh_pull(**kwargs: object) -> hub_download.PullResult:
+    return pull(load_catalog().lookup("en-zh"), log=lambda _: None, **kwargs)  # type: ignore[arg-type]
+
+
+def fixture_translation() -> str:
+    return Translator.from_dir(FIXTURE_MODEL).translate([SENTENCE])[0].text
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="nmt-incremental")
+    add_models_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = run_models(args)
+    return status, out.getvalue(), err.getvalue()
+
+
+# -- pulling ----------------------------------------------------------------------------
+
+
+def test_pull_gives_a_directory_the_engine_loads(hub: FakeHub, tmp_path: Path) -> None:
+    result = en_zh_pull()
+    model_dir = result.model_dir
+    assert model_dir == tmp_path / "nmt" / "models" / "en-zh"
+    assert Translator.from_dir(model_dir).translate([SENTENCE])[0].text == fixture_translation()
+    # Files are links into the Hugging Face cache, the target-language token comes from the
+    # catalog (the fake repos do not carry nmt-incremental.json), commits are recorded.
+    encoder = model_dir / "onnx" / "encoder_model.onnx"
+    assert encoder.is_symlink()
+    assert (tmp_path / "hf" / "hub") in encoder.resolve().parents
+    project = json.loads((model_dir / "nmt-incremental.json").read_text())
+    assert project["source_prefix"] == ">>cmn_Hans<<"
+    assert project["sources"]["onnx"]["commit"] == hub.commits[ONNX_REPO]
+    assert project["sources"]["tokenizer"]["commit"] == hub.commits[TOKENIZER_REPO]
+    assert sorted(result.downloaded) == sorted(
+        [
+            f"{ONNX_REPO}/onnx/encoder_model.onnx",
+            f"{ONNX_REPO}/onnx/decoder_model_merged.onnx",
+            *(
+                f"{TOKENIZER_REPO}/{name}"
+                for name in hub.repos[TOKENIZER_REPO]
+                if name != "README.md"
+            ),
+        ]
+    )
+    assert set(result.verified) >= set(result.downloaded)
+    # Only the fp32 variant was asked for.
+    assert not (model_dir / "onnx" / "encoder_model_quantized.onnx").exists()
+
+
+def test_pull_cli_prints_the_directory_and_quantized_adds_int8(hub: FakeHub) -> None:
+    status, out, err = run_cli("models", "pull", "en-zh")
+    assert status == 0, err
+    model_dir = Path(out.strip().splitlines()[-1])
+    assert "downloaded" in err
+    status, out, err = run_cli("models", "pull", "en-zh", "--quantized")
+    assert status == 0, err
+    assert Path(out.strip().splitlines()[-1]) == model_dir
+    both = [Translator.from_dir(model_dir, quantized=q) for q in (False, True)]
+    assert all(t.translate([SENTENCE])[0].text for t in both)
+    assert len(hub.gets("encoder_model_quantized.onnx")) == 1
+
+
+def test_second_pull_and_resolve_make_no_request(hub: FakeHub, tmp_path: Path) -> None:
+    first = en_zh_pull()
+    hub.requests.clear()
+    second = en_zh_pull()
+    assert second.from_cache and second.model_dir == first.model_dir
+    assert resolve_model("en-zh", log=lambda _: None) == first.model_dir
+    assert resolve_model(ONNX_REPO, log=lambda _: None) == first.model_dir  # by repo id
+    # The model directory is rebuilt from the hub cache alone, e.g. after copying a cache.
+    for path in sorted((tmp_path / "nmt").rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+    assert resolve_model("en-zh", log=lambda _: None) == first.model_dir
+    assert Translator.from_dir(first.model_dir).translate([SENTENCE])[0].text
+    assert hub.requests == []
+
+
+def test_refresh_asks_the_hub_but_downloads_nothing_new(hub: FakeHub) -> None:
+    en_zh_pull()
+    hub.requests.clear()
+    result = en_zh_pull(refresh=True)
+    assert result.from_cache
+    assert hub.requests and hub.gets() == []
+
+
+def test_token_from_the_environment_is_sent(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    en_zh_pull()
+    assert hub.requests
+    assert {r.auth for r in hub.requests} == {"Bearer hf_test_token"}
+
+
+def test_offline_with_warm_cache_works(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = en_zh_pull().model_dir
+    hub.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert en_zh_pull().model_dir == model_dir
+    assert resolve_model("en-zh", log=lambda _: None) == model_dir
+    translator = Translator.from_dir(resolve_model("en-zh", log=lambda _: None))
+    assert translator.translate([SENTENCE])[0].text == fixture_translation()
+    # int8 was never pulled: offline, that is a clear error rather than a download.
+    with pytest.raises(OfflineError, match=r"encoder_model_quantized\.onnx"):
+        resolve_model("en-zh", quantized=True, log=lambda _: None)
+    assert hub.requests == []
+
+
+def test_offline_with_cold_cache_fails_clearly(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OfflineError) as caught:
+        en_zh_pull()
+    message = str(caught.value)
+    needed_parts = ("HF_HUB_OFFLINE", "HF_ENDPOINT", "models pull en-zh", "copy")
+    for needed in (*needed_parts, f"{ONNX_REPO}/onnx/encoder_model.onnx"):
+        assert needed in message
+    status, _, err = run_cli("models", "pull", "en-zh")
+    assert status == 2 and "error: en-zh is not fully cached" in err
+    assert hub.requests == []
+
+
+def test_unreachable_hub_fails_fast_with_advice(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port}")
+    with pytest.raises(NetworkError) as caught:
+        en_zh_pull()
+    assert "cannot reach" in str(caught.value)
+    assert "HF_ENDPOINT" in str(caught.value) and "HF_HUB_OFFLINE=1" in str(caught.value)
+
+
+def test_missing_file_names_repo_and_file_before_downloading(hub: FakeHub) -> None:
+    del hub.repos[ONNX_REPO]["onnx/decoder_model_merged.onnx"]
+    with pytest.raises(MissingFileError) as caught:
+        en_zh_pull()
+    assert ONNX_REPO in str(caught.value)
+    assert "onnx/decoder_model_merged.onnx" in str(caught.value)
+    assert hub.gets() == []  # every file is checked with a HEAD before any download
+
+
+def test_optional_file_may_be_absent(hub: FakeHub) -> None:
+    hub.repos[TOKENIZER_REPO].pop("generation_config.json", None)
+    model_dir = en_zh_pull().model_dir
+    assert not (model_dir / "generation_config.json").exists()
+    assert Translator.from_dir(model_dir).translate([SENTENCE])[0].text
+    hub.requests.clear()
+    en_zh_pull()  # the cache remembers the file does not exist: still no request
+    assert hub.requests == []
+
+
+def test_interrupted_download_resumes_on_next_call(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # huggingface_hub writes what it receives in 10 MB chunks and drops a chunk cut short;
+    # the fixture's files are smaller than that, so read in smaller chunks here.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)
+    hub.cut_once.add(ENCODER)
+    with pytest.raises(NetworkError, match="again to resume"):
+        en_zh_pull()
+    partial = list((tmp_path / "hf" / "hub").rglob("*.incomplete"))
+    assert len(partial) == 1 and partial[0].stat().st_size > 0
+    kept = partial[0].stat().st_size
+    result = en_zh_pull()
+    resumed = [r for r in hub.gets("encoder_model.onnx") if r.range]
+    assert [r.range for r in resumed] == [f"bytes={kept}-"]
+    encoder = result.model_dir / "onnx" / "encoder_model.onnx"
+    assert encoder.read_bytes() == (FIXTURE_MODEL / "encoder_model.onnx").read_bytes()
+    assert Translator.from_dir(result.model_dir).translate([SENTENCE])[0].text
+
+
+def test_checksum_mismatch_is_detected_and_not_kept(hub: FakeHub, tmp_path: Path) -> None:
+    hub.corrupt.add(ENCODER)
+    with pytest.raises(ChecksumError) as caught:
+        en_zh_pull()
+    error = caught.value
+    assert (error.repo, error.path) == (ONNX_REPO, "onnx/encoder_model.onnx")
+    expected = hashlib.sha256((FIXTURE_MODEL / "encoder_model.onnx").read_bytes()).hexdigest()
+    assert error.expected == expected and error.actual != expected
+    blobs = tmp_path / "hf" / "hub" / "models--Xenova--opus-mt-en-zh" / "blobs"
+    assert not (blobs / expected).exists()
+    hub.corrupt.clear()
+    assert Translator.from_dir(en_zh_pull().model_dir).translate([SENTENCE])[0].text
+
+
+def test_corrupt_cache_file_is_reported_by_verify(hub: FakeHub) -> None:
+    model_dir = en_zh_pull().model_dir
+    status, out, _ = run_cli("models", "verify", str(model_dir))
+    assert status == 0, out
+    assert fixture_translation() in out and "checksum ok" in out
+    blob = (model_dir / "source.spm").resolve()
+    blob.chmod(0o644)
+    data = blob.read_bytes()
+    blob.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+    status, out, _ = run_cli("models", "verify", "en-zh")
+    assert status == 1 and "CORRUPT source.spm" in out
+    with pytest.raises(ChecksumError):
+        en_zh_pull()  # pull checks the cache too, and drops the bad copy...
+    assert en_zh_pull().model_dir == model_dir  # ...so that the next pull fetches it again
+
+
+def test_disk_full(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as patch:
+        patch.setattr(hub_download, "_free_bytes", lambda path: 1000)
+        with pytest.raises(DiskFullError, match="HF_HUB_CACHE"):
+            en_zh_pull()
+    assert hub.gets() == []
+
+    def no_space(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    import huggingface_hub.file_download
+
+    monkeypatch.setattr(huggingface_hub.file_download, "http_get", no_space)
+    with pytest.raises(DiskFullError, match="no space left"):
+        en_zh_pull()
+
+
+# -- names, catalog, listing ------------------------------------------------------------
+
+
+def test_unknown_pair_lists_the_known_ones(hub: FakeHub) -> None:
+    with pytest.raises(UnknownModelError) as caught:
+        resolve_model("xx-yy")
+    assert "en-zh" in str(caught.value) and "zh-en" in str(caught.value)
+    status, _, err = run_cli("models", "pull", "xx-yy")
+    assert status == 2 and "unknown model 'xx-yy'" in err and "en-zh" in err
+    with pytest.raises(UnknownModelError):
+        resolve_model("Someone/opus-mt-xx-yy")
+    assert hub.requests == []
+
+
+def test_directories_resolve_as_themselves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_model(str(tmp_path)) == tmp_path
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "en-zh").mkdir()  # an existing directory wins over a catalog name
+    assert resolve_model("en-zh") == Path("en-zh")
+    with pytest.raises(ModelLoadError, match="not a model directory"):
+        resolve_model("./no/such/model")
+
+
+def test_list_shows_catalog_and_cache(hub: FakeHub) -> None:
+    status, out, _ = run_cli("models", "list")
+    assert status == 0
+    assert re.search(
+        r"^en-zh\s+en->zh\s+Xenova/opus-mt-en-zh\s+Helsinki-NLP/opus-mt-en-zh\s+-$", out, re.M
+    )
+    en_zh_pull(quantized=True)
+    status, out, _ = run_cli("models", "list")
+    line = next(row for row in out.splitlines() if row.startswith("en-zh"))
+    assert "int8" in line and "fp32" not in line and re.search(r"\d+(\.\d)? [KM]B", line)
+    assert re.search(r"^zh-en\s.*\s-$", out, re.M)
+
+
+def test_catalog() -> None:
+    catalog = load_catalog()
+    en_zh = catalog.lookup("en-zh")
+    assert en_zh.source_prefix == ">>cmn_Hans<<"
+    assert (en_zh.onnx.repo, en_zh.onnx.subfolder) == (ONNX_REPO, "onnx")
+    assert en_zh.tokenizer.repo == TOKENIZER_REPO
+    assert catalog.lookup("HELSINKI-NLP/opus-mt-zh-en").name == "zh-en"
+    assert catalog.lookup("zh-en").source_prefix == ""
+    with pytest.raises(CatalogError, match=r"models\.bad\.onnx\.repo"):
+        parse_catalog(
+            {"models": {"bad": {"source_lang": "en", "target_lang": "zh", "onnx": {"repo": "x"}}}}
+        )
+
+
+def test_settings_are_read_at_call_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example/")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    settings = HubSettings.from_env()
+    assert settings.endpoint == "http://mirror.example"
+    assert settings.hub_cache == tmp_path / "home" / "hub"
+    assert settings.offline
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    settings = HubSettings.from_env()
+    assert settings.hub_cache == tmp_path / "elsewhere" and not settings.offline
