@@ -15,6 +15,7 @@ torch, transformers and optimum are imported lazily: the runtime never needs the
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -255,7 +256,10 @@ def _export_decoder(checkpoint_dir: str | Path, out_path: str | Path, with_past:
 
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # The TorchScript exporter is deprecated but is the one that takes dynamic_axes and
+        # names inputs exactly; it is what Optimum uses too.
+        warnings.filterwarnings("ignore", message=".*TorchScript-based ONNX export.*")
         torch.onnx.export(
             module,
             tuple(args),
