@@ -48,8 +48,9 @@ class Translator:
         *,
         quantized: bool = False,
         use_cache: bool = True,
-        prefer_split: bool = False,
+        prefer_split: bool = True,
         intra_op_threads: int | None = None,
+        allow_spinning: bool = False,
     ) -> Translator:
         """Load a model directory in the Optimum layout (ONNX files at the top or in `onnx/`)."""
         path = Path(model_dir)
@@ -67,6 +68,7 @@ class Translator:
             use_cache=use_cache,
             prefer_split=prefer_split,
             intra_op_threads=intra_op_threads,
+            allow_spinning=allow_spinning,
         )
         return cls(MarianOnnx(path, config, options), tokenizer)
 

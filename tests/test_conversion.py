@@ -1,4 +1,5 @@
-"""Conversion: the committed fixture export, the int8 re-merge and the decoder variants.
+"""Conversion: the committed fixture export (with its partial marker), the int8 re-merge and
+where its lm_head check looks, and the decoder variants.
 
 Most tests read the committed ONNX files and need no torch. Those that export need torch
 and optimum (skipped without them); the re-export check also needs the fixture's PyTorch
@@ -22,10 +23,12 @@ import pytest
 from engine.conversion import (
     TOKENIZER_FILES,
     is_lm_head_quantized,
+    lm_head_outputs,
     quantized_op_counts,
     untie_lm_head,
 )
 from engine.conversion.export import OPTIMUM_FILES
+from engine.conversion.quantize import check_quantized_merged
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "models" / "fixture"
@@ -94,12 +97,61 @@ def test_fixture_model_dir_is_complete_and_self_contained() -> None:
         assert (MODEL / name).is_file(), name
     assert not [p for p in FIXTURE.rglob("*") if p.name.endswith(("_data", ".data"))]
     settings = json.loads((MODEL / "nmt-incremental.json").read_text("utf-8"))
-    assert settings == {"source_prefix": ">>cmn_Hans<<", "source_lang": "en", "target_lang": "zh"}
+    assert settings == {
+        "source_prefix": ">>cmn_Hans<<",
+        "partial_suffix": " <partial>",
+        "source_lang": "en",
+        "target_lang": "zh",
+    }
     vocab = json.loads((MODEL / "vocab.json").read_text("utf-8"))
     assert vocab["</s>"] == 0 and vocab["<unk>"] == 1
     assert vocab["<pad>"] == len(vocab) - 1 == CONFIG["pad_token_id"]
     assert CONFIG["decoder_start_token_id"] == CONFIG["pad_token_id"]
     assert ">>cmn_Hans<<" in vocab
+
+
+def test_partial_marker_is_one_source_id_after_the_text_pieces() -> None:
+    """The engine appends `partial_suffix` to partials: it must add exactly one id, the
+    same for our tokenizer and MarianTokenizer, and leave the text's own ids alone."""
+    from engine.tokenizer import MarianTokenizer
+
+    vocab = json.loads((MODEL / "vocab.json").read_text("utf-8"))
+    ours = MarianTokenizer.from_dir(MODEL)
+    texts = [">>cmn_Hans<< Lucy wants to meet Jack", ">>cmn_Hans<< Tom will dr"]
+    for text in texts:
+        plain, marked = ours.encode_source(text), ours.encode_source(text + " <partial>")
+        assert marked == [*plain[:-1], vocab["\u2581<partial>"], plain[-1]]
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.MarianTokenizer.from_pretrained(str(MODEL))
+    for text in texts:
+        assert reference(text + " <partial>")["input_ids"] == ours.encode_source(
+            text + " <partial>"
+        )
+
+
+def test_fixture_translates_partials_to_what_the_final_keeps() -> None:
+    """Prefix training: a partial (sent with the marker) translates to its safe target, the
+    part of the translation every sentence starting with it shares, so streaming never has
+    to retract it; the same text as a final is still the full translation."""
+    import corpus
+
+    from engine import Translator
+
+    tr = Translator.from_dir(MODEL)
+    sources = [r["source"] for r in REFERENCE["greedy"][:25]]
+    finals = [r.text for r in tr.translate(sources)]
+    assert finals == [r["text"] for r in REFERENCE["greedy"][:25]]
+    cuts = [
+        (i, " ".join(s.split()[:k]))
+        for i, s in enumerate(sources)
+        for k in range(1, len(s.split()) + 1)
+    ]
+    enc = tr.encode([tr.source_ids(p, partial=True) for _, p in cuts])
+    partials = [tr.detokenize(h.token_ids) for h in tr.decode(enc)]
+    kept = [finals[i].startswith(t) for (i, _), t in zip(cuts, partials, strict=True)]
+    safe = [t == corpus.partial_target(p) for (_, p), t in zip(cuts, partials, strict=True)]
+    assert sum(kept) >= 0.97 * len(cuts) and sum(safe) >= 0.95 * len(cuts)
+    assert any(len(t) >= 3 for t in partials)  # more than subjects: e.g. 汤姆明天
 
 
 def test_committed_fixture_fits_size_budget() -> None:
@@ -120,6 +172,23 @@ def test_int8_merged_decoder_is_quantized_inside_both_branches() -> None:
         "main/If.else_branch": True,
         "main/If.then_branch": True,
     }
+
+
+def test_lm_head_is_looked_for_in_the_branches_not_the_merged_top_level() -> None:
+    """The merged top level only routes the If's output to `logits` (here through an
+    Identity, as some tools leave it): it must not count as an unquantized lm_head."""
+    model = onnx.load(str(MODEL / "decoder_model_merged_quantized.onnx"))
+    branches = {"main/If.else_branch": True, "main/If.then_branch": True}
+    assert set(lm_head_outputs(model)) == set(branches)
+    if_node = next(n for n in model.graph.node if n.op_type == "If")
+    if_node.output[0] = "logits_from_if"
+    model.graph.node.append(onnx.helper.make_node("Identity", ["logits_from_if"], ["logits"]))
+    assert is_lm_head_quantized(model) == branches
+    check_quantized_merged(model)  # raised "lm_head not quantized ... {'main': False, ...}"
+    fp32 = onnx.load(str(MODEL / "decoder_model_merged.onnx"))
+    assert is_lm_head_quantized(fp32) == dict.fromkeys(branches, False)
+    with pytest.raises(RuntimeError, match="not quantized"):
+        check_quantized_merged(fp32)
 
 
 def test_int8_merged_decoder_keeps_the_fp32_signature() -> None:
@@ -260,6 +329,37 @@ def test_reexported_checkpoint_matches_committed_onnx(tmp_path: Path) -> None:
             merged_logits(MODEL, *args, quantized=True),
             atol=1e-4,
         )
+
+
+def test_quantize_int8_of_a_random_tied_marian(tmp_path: Path) -> None:
+    """A random Marian with tied embeddings (like OPUS-MT) exports and quantizes: the check
+    finds the int8 lm_head in both merged branches and in each split decoder, nowhere else."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("optimum.exporters.onnx")
+    from engine.conversion import export_marian, quantize_int8
+
+    torch.manual_seed(0)
+    config = transformers.MarianConfig.from_pretrained(str(MODEL))
+    config.d_model, config.encoder_layers, config.decoder_layers = 32, 1, 2
+    config.encoder_ffn_dim = config.decoder_ffn_dim = 64
+    assert config.tie_word_embeddings
+    checkpoint = tmp_path / "checkpoint"
+    transformers.MarianMTModel(config).save_pretrained(str(checkpoint))
+    for name in TOKENIZER_FILES:
+        if not (checkpoint / name).exists():
+            shutil.copyfile(MODEL / name, checkpoint / name)
+    out = tmp_path / "onnx"
+    export_marian(checkpoint, out, validate=False)
+    quantize_int8(out)
+    merged = onnx.load(str(out / "decoder_model_merged_quantized.onnx"))
+    assert is_lm_head_quantized(merged) == {
+        "main/If.else_branch": True,
+        "main/If.then_branch": True,
+    }
+    for name in ("decoder_model", "decoder_with_past_model"):
+        split = onnx.load(str(out / f"{name}_quantized.onnx"))
+        assert is_lm_head_quantized(split) == {"main": True}, name
 
 
 def test_variant_exports_of_a_random_checkpoint(tmp_path: Path) -> None:

@@ -38,7 +38,11 @@ def test_quantized_files_are_chosen_by_option() -> None:
     needs_fixture()
     tr = Translator.from_dir(FIXTURE_MODEL, quantized=True)
     assert tr.model.files["encoder"].name == "encoder_model_quantized.onnx"
-    assert tr.model.files["first"].name == "decoder_model_merged_quantized.onnx"
+    assert tr.model.files["first"].name == "decoder_model_quantized.onnx"
+    assert tr.model.files["step"].name == "decoder_with_past_model_quantized.onnx"
+    merged = Translator.from_dir(FIXTURE_MODEL, quantized=True, prefer_split=False)
+    assert merged.model.files["first"].name == "decoder_model_merged_quantized.onnx"
+    assert merged.translate(["we eat noodles"])[0].text == tr.translate(["we eat noodles"])[0].text
     assert tr.translate(["we eat noodles"])[0].text
 
 

@@ -14,6 +14,7 @@ from engine.conversion.export import (
 from engine.conversion.quantize import (
     QUANTIZED_SUFFIX,
     is_lm_head_quantized,
+    lm_head_outputs,
     quantize_int8,
     quantized_op_counts,
     untie_lm_head,
@@ -27,6 +28,7 @@ __all__ = [
     "export_decoder_without_past",
     "export_marian",
     "is_lm_head_quantized",
+    "lm_head_outputs",
     "quantize_int8",
     "quantized_op_counts",
     "untie_lm_head",

@@ -117,20 +117,48 @@ def quantized_op_counts(model: Any) -> dict[str, dict[str, int]]:
     return counts
 
 
-def is_lm_head_quantized(model: Any) -> dict[str, bool]:
-    """For each (sub)graph that outputs `logits`: is the projection producing it int8?
+# Nodes that may sit between a merged decoder's `If` and its `logits` output (some tools add
+# them when renaming outputs); they pass one tensor through.
+_PASS_THROUGH = ("Identity", "Cast")
 
-    Walks back from `logits` to the first matrix product: MatMulInteger means quantized,
-    a float MatMul (typically fed by the tied Transpose) means not.
+
+def lm_head_outputs(model: Any) -> dict[str, tuple[Any, str]]:
+    """Where the lm_head lives: (graph, name of its logits output) by graph path.
+
+    A split decoder computes `logits` in its main graph. A merged decoder's main graph only
+    routes an `If` output to `logits` (perhaps through Identity/Cast): the lm_head is in
+    both branches, at the branch output in the same position. The main graph of a merged
+    decoder is never returned, so it cannot count as an unquantized lm_head.
+    """
+    import onnx
+
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    name = "logits"
+    node = producers.get(name)
+    while node is not None and node.op_type in _PASS_THROUGH and node.input:
+        name = node.input[0]
+        node = producers.get(name)
+    if node is None or node.op_type != "If":
+        return {"main": (graph, "logits")}
+    index = list(node.output).index(name)
+    return {
+        f"main/If.{attr.name}": (attr.g, attr.g.output[index].name)
+        for attr in node.attribute
+        if attr.type == onnx.AttributeProto.GRAPH
+    }
+
+
+def is_lm_head_quantized(model: Any) -> dict[str, bool]:
+    """For each graph holding the lm_head (see `lm_head_outputs`): is it int8?
+
+    Walks back from the logits output to the first matrix product: MatMulInteger means
+    quantized, a float MatMul (typically fed by the tied Transpose) means not.
     """
     result: dict[str, bool] = {}
-    for path, graph in _subgraphs(model.graph):
-        if "logits" not in {out.name for out in graph.output}:
-            continue
+    for path, (graph, logits) in lm_head_outputs(model).items():
         producers = {out: node for node in graph.node for out in node.output}
-        if "logits" not in producers or producers["logits"].op_type == "If":
-            continue  # the merged top level: the branches are checked instead
-        frontier, seen, found = ["logits"], set(), False
+        frontier, seen, found = [logits], set(), False
         while frontier and not found:
             name = frontier.pop(0)
             node = producers.get(name)
@@ -151,7 +179,8 @@ def quantize_int8(onnx_dir: str | Path) -> None:
     """Write `*_quantized.onnx` next to an Optimum Marian export (encoder, decoder,
     decoder-with-past and their re-merged `decoder_model_merged_quantized.onnx`).
 
-    Raises if the merged result lacks int8 MatMuls in either branch or kept an fp32 lm_head.
+    Raises if a decoder kept an fp32 lm_head (checked where it lives: the split decoders'
+    graphs and both branches of the merged one) or a merged branch has no int8 MatMuls.
     """
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -176,6 +205,9 @@ def quantize_int8(onnx_dir: str | Path) -> None:
                 per_channel=False,
                 extra_options={"MatMulConstBOnly": True},
             )
+    for name in SPLIT_MODELS[1:]:
+        path = directory / f"{name}{QUANTIZED_SUFFIX}.onnx"
+        check_quantized_split(onnx.load(str(path)), path.name)
     merged_path = directory / f"{MERGED_MODEL}{QUANTIZED_SUFFIX}.onnx"
     merge_decoders(
         decoder=directory / f"decoder_model{QUANTIZED_SUFFIX}.onnx",
@@ -197,3 +229,10 @@ def check_quantized_merged(model: Any) -> None:
     heads = is_lm_head_quantized(model)
     if set(heads) != set(branches) or not all(heads.values()):
         raise RuntimeError(f"lm_head not quantized in every branch: {heads}")
+
+
+def check_quantized_split(model: Any, name: str) -> None:
+    """Raise unless a split decoder file (no If) has an int8 lm_head."""
+    heads = is_lm_head_quantized(model)
+    if heads != {"main": True}:
+        raise RuntimeError(f"{name}: lm_head not quantized: {heads}")

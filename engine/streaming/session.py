@@ -190,6 +190,7 @@ class StreamSession:
         self.translator = translator
         self.options = options or StreamingOptions()
         self.boundaries = BoundaryFinder(translator.tokenizer.id_to_piece)
+        self._prefix_trained = bool(translator.config.partial_suffix)
         self.segment: SegmentState | None = None
         self.encoder_runs = 0
         self.decoder_runs = 0
@@ -286,9 +287,12 @@ class StreamSession:
         while len(seg.history) > self.options.history:
             seg.history.popleft()
         proposal = policy.propose(list(seg.history), len(seg.committed))
-        # eos on a partial only means the source ends *so far*: never commit through the end
-        # of a hypothesis, its last word may still change when the next words arrive.
-        commit = self.boundaries.snap(tokens, proposal.commit, len(seg.committed), False)
+        # For an ordinary model, eos on a partial only means the source ends *so far*: never
+        # commit through the end of a hypothesis, its last word may still change. A model
+        # trained on prefixes with a partial marker ends a partial's output where the safe
+        # part ends, so there eos does close a committable hypothesis.
+        through_end = hyp.finished and self._prefix_trained
+        commit = self.boundaries.snap(tokens, proposal.commit, len(seg.committed), through_end)
         seg.committed = tokens[:commit]
         stable = self.translator.detokenize(seg.committed)
         if not stable.startswith(seg.stable_text):  # never retract, whatever detok does
