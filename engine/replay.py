@@ -40,7 +40,7 @@ from engine.evaluation.metrics import (
     simulated_done_times,
 )
 from engine.evaluation.translogs import PathLike, TranscriptLogError, read_log, read_references
-from engine.streaming import IncrementalTranslator, StreamingOptions
+from engine.streaming import IncrementalTranslator, StreamingOptions, normalize_source
 from engine.translator import Translator
 from protocol import (
     ErrorCode,
@@ -212,7 +212,7 @@ class ReplayResult:
         for m in self.mismatches[:5]:
             lines.append(
                 f"final mismatch {m.stream_id}/{m.segment_id}: "
-                f"streamed {m.streamed!r} offline {m.offline!r}"
+                f"streamed {_clip(m.streamed)} offline {_clip(m.offline)}"
             )
         return "\n".join(lines)
 
@@ -443,7 +443,10 @@ def _check_finals(
     expected = [line for line in run.accepted.values() if line["is_final"]]
     mismatches = []
     for line in tqdm(expected, disable=not show, file=sys.stderr, desc="finals", leave=False):
-        offline = translator.translate([line["text"]], options.streaming.decode)[0].text
+        # Same options as the stream's final (a forced length depends on the source length).
+        n_source = len(translator.source_ids(normalize_source(line["text"])))
+        decode = options.streaming.decode_for(n_source)
+        offline = translator.translate([line["text"]], decode)[0].text
         streamed = finals.get((line["stream_id"], line["segment_id"]))
         got = streamed.stable_text if streamed is not None else None
         if got != offline:
@@ -531,3 +534,9 @@ def replay_file(
     lines = read_log(log_path)
     refs = read_references(references_path) if references_path is not None else None
     return replay(translator, lines, options, references=refs, on_update=on_update)
+
+
+def _clip(text: str | None, limit: int = 80) -> str:
+    """A text for a one-line message: repr, cut to `limit` characters."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
