@@ -85,6 +85,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-cache", action="store_true", help="re-run the whole prefix every step (slow)"
     )
     parser.add_argument("--threads", type=_positive, default=None, help="ONNX Runtime threads")
+    parser.add_argument(
+        "--spin",
+        action="store_true",
+        help="let ONNX Runtime threads busy-wait: lower latency on a dedicated machine, "
+        "worse when other work shares the cores",
+    )
 
 
 def load_translator(args: argparse.Namespace) -> Translator:
@@ -93,6 +99,7 @@ def load_translator(args: argparse.Namespace) -> Translator:
         quantized=args.quantized,
         use_cache=not args.no_cache,
         intra_op_threads=args.threads,
+        allow_spinning=args.spin,
     )
 
 

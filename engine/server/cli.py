@@ -79,6 +79,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "--threads", type=_positive_int, default=None, metavar="N", help="ONNX Runtime threads"
     )
     p.add_argument(
+        "--spin",
+        action="store_true",
+        help="let ONNX Runtime threads busy-wait (lower latency on a dedicated machine)",
+    )
+    p.add_argument(
         "--allow-origin",
         action="extend",
         nargs="+",
@@ -208,6 +213,7 @@ async def _load(args: argparse.Namespace, stop: anyio.Event) -> Translator | Non
             resolve_model(args.model, quantized=args.quantized),
             quantized=args.quantized,
             intra_op_threads=args.threads,
+            allow_spinning=args.spin,
         )
 
     result: Translator | None = None
