@@ -29,6 +29,7 @@ from protocol import (
     load_schema,
     schema_path,
 )
+from tests.test_protocol_codec import ER, PT, TU, with_, without
 
 SCHEMA = load_schema()
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
@@ -99,35 +100,6 @@ def test_schema_describes_exactly_the_codecs_messages() -> None:
 
 
 # --- a table of cases -------------------------------------------------------------------
-
-PT = {
-    "type": "partial_transcript",
-    "stream_id": "mic-1",
-    "segment_id": 0,
-    "seq": 5,
-    "text": "hi",
-    "is_final": False,
-}
-TU = {
-    "type": "translation_update",
-    "stream_id": "mic-1",
-    "segment_id": 0,
-    "seq": 5,
-    "stable_text": "",
-    "unstable_text": "x",
-    "is_final": False,
-    "latency_ms": 1.0,
-    "compute_ms": 1.0,
-}
-ER = {"type": "error", "code": "internal", "message": "boom"}
-
-
-def with_(base: dict[str, Any], **changes: Any) -> str:
-    return json.dumps({**base, **changes})
-
-
-def without(base: dict[str, Any], key: str) -> str:
-    return json.dumps({k: v for k, v in base.items() if k != key})
 
 
 UNPRINTABLE = "\x00\t\n\x1f\x7f\x85\x9f\u2028\u2029\u202a\u202e\u2066\u2069"
