@@ -2,14 +2,15 @@
 where its lm_head check looks, and the decoder variants.
 
 Most tests read the committed ONNX files and need no torch. Those that export need torch
-and optimum (skipped without them); the re-export check also needs the fixture's PyTorch
-checkpoint (`python models/fixture/train.py`, kept out of git; skipped when absent).
+and optimum (skipped without them). The re-export check exports the committed PyTorch
+checkpoint (`models/fixture/checkpoint/`) and compares with the committed ONNX: both are
+files in git, so the check means the same on every machine (a retrain would not: training
+is deterministic on one CPU, not across CPUs).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -29,13 +30,13 @@ from engine.conversion import (
 )
 from engine.conversion.export import OPTIMUM_FILES
 from engine.conversion.quantize import check_quantized_merged
+from tests.conftest import FIXTURE_CHECKPOINT as CHECKPOINT
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "models" / "fixture"
 MODEL = FIXTURE / "model"
 NO_KV = FIXTURE / "variants" / "no_encoder_kv" / "decoder_model.onnx"
 NO_PAST = FIXTURE / "variants" / "no_past" / "decoder_model.onnx"
-CHECKPOINT = Path(os.environ.get("NMT_FIXTURE_CHECKPOINT", REPO / ".cache" / "fixture-checkpoint"))
 if not (FIXTURE / "reference_outputs.json").is_file():
     pytest.skip("fixture model not built (models/fixture/build.py)", allow_module_level=True)
 CONFIG = json.loads((MODEL / "config.json").read_text("utf-8"))
@@ -46,6 +47,7 @@ REFERENCE = json.loads((FIXTURE / "reference_outputs.json").read_text("utf-8"))
 
 sys.path.insert(0, str(FIXTURE))
 from ort_greedy import OrtGreedy  # noqa: E402
+from recover_checkpoint import recover  # noqa: E402
 
 
 def session(path: Path) -> ort.InferenceSession:
@@ -305,11 +307,30 @@ def test_variants_match_pytorch_reference(case: int) -> None:
 # --- exporting (torch) -----------------------------------------------------------------
 
 
+def test_committed_checkpoint_holds_the_committed_onnx_weights() -> None:
+    """Every parameter of the committed checkpoint, bit for bit, is the one the committed
+    fp32 ONNX files hold (read back by name, MatMul weights transposed)."""
+    safetensors = pytest.importorskip("safetensors.numpy")
+    state = safetensors.load_file(str(CHECKPOINT / "model.safetensors"))
+    onnx_params = recover(MODEL)
+    # Marian's sinusoidal position tables are computed from the config at load, not saved
+    # (the re-export test below shows the computed ones equal the exported ones).
+    positions = {name for name in onnx_params if name.endswith("embed_positions.weight")}
+    assert len(positions) == 2 and not positions & set(state)
+    onnx_params = {k: v for k, v in onnx_params.items() if k not in positions}
+    assert set(onnx_params) <= set(state)
+    # What the file has beyond the ONNX parameters are the tied copies of the embedding.
+    for name in set(state) - set(onnx_params):
+        assert name.endswith(("embed_tokens.weight", "lm_head.weight")), name
+        np.testing.assert_array_equal(state[name], onnx_params["model.shared.weight"])
+    for name, value in onnx_params.items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+
+
 def test_reexported_checkpoint_matches_committed_onnx(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("optimum.exporters.onnx")
-    if not (CHECKPOINT / "config.json").is_file():
-        pytest.skip(f"no fixture checkpoint at {CHECKPOINT} (python models/fixture/train.py)")
+    assert (CHECKPOINT / "model.safetensors").is_file(), f"no fixture checkpoint at {CHECKPOINT}"
     from engine.conversion import export_marian, quantize_int8
 
     out = tmp_path / "model"

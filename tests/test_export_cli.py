@@ -1,8 +1,9 @@
 """`nmt-incremental models export`: the fixture checkpoint, exported again through the CLI,
 must reproduce the committed ONNX model's outputs and PyTorch's (reference_outputs.json).
 
-Skipped without the `export` extra (torch, transformers, optimum-onnx) or without the
-fixture's PyTorch checkpoint (`.cache/fixture-checkpoint`, made by models/fixture/train.py).
+Skipped without the `export` extra (torch, transformers, optimum-onnx). The checkpoint is
+the committed one (`models/fixture/checkpoint/`, the weights the committed ONNX holds), so
+the comparison means the same on every machine.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import pytest
 from engine.hub import export as hub_export
 from engine.hub.cli import add_models_parser, run_models
 from engine.translator import Translator
-from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT
+from tests.conftest import FIXTURE_CHECKPOINT as CHECKPOINT
+from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL
 
-CHECKPOINT = ROOT / ".cache" / "fixture-checkpoint"
 REFERENCE = FIXTURE_DIR / "reference_outputs.json"
 SOURCES = 40  # held-out sentences compared (of the 200 in reference_outputs.json)
 
@@ -42,8 +43,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     missing = hub_export.missing_export_modules()
     if missing:
         pytest.skip(f"export extra not installed ({', '.join(missing)})")
-    if not (CHECKPOINT / "config.json").is_file():
-        pytest.skip(f"fixture checkpoint not built ({CHECKPOINT}: models/fixture/train.py)")
+    assert (CHECKPOINT / "model.safetensors").is_file(), f"no checkpoint at {CHECKPOINT}"
     if not REFERENCE.is_file() or not (FIXTURE_MODEL / "encoder_model.onnx").is_file():
         pytest.skip("fixture model not built (models/fixture/export.py)")
     out = tmp_path_factory.mktemp("export") / "model"

@@ -1,0 +1,58 @@
+"""Reproducibility of the fixture's training, without asking for bit-equality.
+
+Training is deterministic on one machine (same CPU, same software: byte-identical
+checkpoints), not across CPUs: float reductions run in another order on another CPU, and
+after 2400 AdamW steps the weights differ. So CI never retrains; the export tests compare
+the committed checkpoint with the committed ONNX instead. What a fresh retrain on any
+machine must still give is the quality the fixture documents, checked here. It takes about
+5 minutes on 2 cores, so it is marked `slow` and left out of the default run:
+
+    python -m pytest -m slow tests/test_fixture_training.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIXTURE_DIR
+
+sys.path.insert(0, str(FIXTURE_DIR))
+import corpus
+
+EVAL_SEED = 987  # not the training seed (1) nor the dev seed monitored while training (2)
+EVAL_SENTENCES = 300
+
+
+@pytest.mark.slow
+def test_fresh_training_reaches_the_documented_exact_match(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    # By path: "evaluate" is also the name of a Hugging Face package.
+    spec = importlib.util.spec_from_file_location("fixture_evaluate", FIXTURE_DIR / "evaluate.py")
+    assert spec is not None and spec.loader is not None
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    translate_torch = evaluate.translate_torch
+
+    checkpoint = tmp_path / "checkpoint"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    subprocess.run(
+        [sys.executable, str(FIXTURE_DIR / "train.py"), "--out", str(checkpoint)],
+        check=True,
+        env=env,
+    )
+    pairs = corpus.unseen(EVAL_SEED, EVAL_SENTENCES)
+    finals = translate_torch(checkpoint, [en for en, _ in pairs])
+    exact = sum(h == zh for h, (_, zh) in zip(finals, pairs, strict=True)) / len(pairs)
+    partials = corpus.partial_pairs(pairs, EVAL_SEED, EVAL_SENTENCES)
+    hyps = translate_torch(checkpoint, [en for en, _ in partials], partial=True)
+    safe = sum(h == t for h, (_, t) in zip(hyps, partials, strict=True)) / len(partials)
+    print(f"unseen seed {EVAL_SEED}: full sentences {exact:.1%}, partials {safe:.1%}")
+    assert exact >= 0.95, exact
+    assert safe >= 0.90, safe
