@@ -344,7 +344,8 @@ def _describe_os_error(exc: OSError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _setup_logging()
+    if args.command != "serve":  # serve logs at its own --log-level, with timestamps
+        _setup_logging()
     try:
         if args.command == "translate":
             return run_translate(args, sys.stdin.buffer, sys.stdout)

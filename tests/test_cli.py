@@ -230,3 +230,51 @@ def test_logs_merge(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     assert main(["logs", "merge", str(a), str(a), "--out", str(merged)]) == 2
     assert "appears in logs 1 and 2" in capsys.readouterr().err
+
+
+def test_serve_says_where_it_is_and_when_it_is_ready_then_stops_on_sigterm() -> None:
+    """A user who runs `serve` sees the subtitle page and WebSocket URLs, the model and
+    "ready" (the URLs are real: /readyz answers 200 there), and after SIGTERM a summary and
+    "stopped", exit status 0."""
+    import re
+    import signal
+    import threading
+    import urllib.request
+
+    needs_fixture()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", str(FIXTURE_MODEL), "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stderr is not None
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line.rstrip("\n"))
+            if line.rstrip().endswith(" ready"):
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(60), "\n".join(lines)
+        text = "\n".join(lines)
+        page = re.search(r"subtitle page: (http://127\.0\.0\.1:(\d+)/)\?stream=demo", text)
+        assert page, text
+        assert f"websocket: ws://127.0.0.1:{page.group(2)}/ws" in text
+        assert re.search(r"model: .*fixture/model \(en->zh, split decoder: ", text), text
+        with urllib.request.urlopen(page.group(1) + "readyz", timeout=10) as response:
+            assert response.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        reader.join(10)
+        assert lines[-1].endswith("stopped") and "delivered 0 updates" in lines[-1], lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -24,6 +24,7 @@ from engine.streaming import IncrementalTranslator, StreamingOptions, parse_poli
 from engine.translator import Translator
 
 log = logging.getLogger("engine.server")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 TOKEN_ENV = "NMT_INCREMENTAL_TOKEN"
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -121,6 +122,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "%(default)s)",
     )
     p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="what to log on stderr (default %(default)s: the URLs, ready, shutdown summary)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         metavar="SECONDS",
@@ -145,11 +152,20 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     )
 
 
+def setup_logging(level: str) -> None:
+    """Log at `level` on stderr. `nmt-incremental` installs its handler (WARNING) before it
+    knows the command, so the level is set here whatever handlers exist; a server's log
+    lines carry a timestamp. websockets' own INFO lines (one per connection) stay off."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root.setLevel(level.upper())
+    logging.getLogger("websockets").setLevel(max(logging.WARNING, root.level))
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until a signal; 0 after a graceful stop, 2 on a bad model/option."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-        logging.getLogger("websockets").setLevel(logging.WARNING)
+    setup_logging(args.log_level)
     try:
         policy = parse_policy(args.policy)
         options = options_from_args(args)
@@ -187,7 +203,9 @@ async def _serve_until(
 ) -> int:
     async with SubtitleServer(None, options) as server:
         ws_url = server.url.replace("http", "ws", 1) + "ws"
-        log.info("subtitle page %s?stream=ID  websocket %s", server.url, ws_url)
+        log.info("subtitle page: %s?stream=demo (any stream id)", server.url)
+        log.info("websocket: %s (writers send partial_transcript, viewers subscribe)", ws_url)
+        log.info("loading model %s", args.model)
         translator = await _load(args, stop)
         if translator is None:
             return 0 if stop.is_set() else 2
@@ -195,12 +213,33 @@ async def _serve_until(
             translator, streaming, max_streams=args.max_streams
         ) as nmt:
             server.attach(nmt)
-            log.info("model %s loaded; ready", args.model)
+            log.info("model: %s", describe_model(translator))
+            log.info("ready")
             await stop.wait()
-            log.info("shutting down: finishing pending finals")
+            log.info(
+                "shutting down: finishing pending finals (--shutdown-timeout %gs)",
+                options.shutdown_timeout,
+            )
             await server.shutdown()
-    log.info("stopped")
+        stats = nmt.stats
+    log.info(
+        "delivered %d updates (%d finals) for %d transcripts; %d errors; stopped",
+        stats["updates"],
+        stats["finals"],
+        stats["events"],
+        stats["errors"] + stats["rejected"],
+    )
     return 0
+
+
+def describe_model(translator: Translator) -> str:
+    """One line on what was loaded: where from, the language pair, the decoder layout and
+    the files it runs (which of merged/split and fp32/int8 a directory offers is chosen at
+    load, so the user should see it)."""
+    model, config = translator.model, translator.config
+    pair = f"{config.source_lang or '?'}->{config.target_lang or '?'}"
+    files = ", ".join(sorted({path.name for path in model.files.values()}))
+    return f"{model.model_dir} ({pair}, {model.layout.value} decoder: {files})"
 
 
 async def _load(args: argparse.Namespace, stop: anyio.Event) -> Translator | None:

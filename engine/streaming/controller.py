@@ -301,6 +301,8 @@ class IncrementalTranslator:
     def _publish(self, stream: _Stream, update: TranslationUpdate) -> None:
         stream.last_update = update
         self.stats["updates"] += 1
+        if update.is_final:
+            self.stats["finals"] += 1
         for key in (update.stream_id, None):
             for sub in self._subscriptions.get(key, ()):
                 sub.put(update)
