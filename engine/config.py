@@ -15,7 +15,15 @@ from typing import Any
 
 from engine.errors import ModelLoadError
 
+# A model directory's files besides its ONNX files, in one table for everything that
+# handles them: the loader reads them, `models pull` fetches them from the tokenizer repo,
+# export copies them from a checkpoint, `models verify` checks them.
+TOKENIZER_FILES = ("config.json", "source.spm", "target.spm", "vocab.json")
+"""Required."""
+OPTIONAL_TOKENIZER_FILES = ("generation_config.json", "tokenizer_config.json")
+"""Used when present (generation settings of newer exports; MarianTokenizer's settings)."""
 PROJECT_CONFIG = "nmt-incremental.json"
+"""The engine's own settings (target-language token, partial marker, languages); optional."""
 
 
 def _read_json(path: Path, model_dir: Path) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import sentencepiece as spm
 from engine.errors import ModelLoadError
 
 PIECE_MARKER = "\u2581"
-TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json")
 
 
 def _load_spm(path: Path, model_dir: Path) -> spm.SentencePieceProcessor:

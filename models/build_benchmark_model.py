@@ -21,10 +21,15 @@ import shutil
 import sys
 from pathlib import Path
 
+from engine.config import TOKENIZER_FILES
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_DIR = REPO_ROOT.parent / "shared" / "opus-mt-zh-en"
 DEFAULT_OUT = REPO_ROOT / ".cache" / "benchmark-model"
-TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json")
+# Copied from the real model's directory: the tokenizer and its settings. Not config.json
+# (save_pretrained writes it) nor generation_config.json: the benchmark model keeps the
+# generation settings transformers derives from the config.
+SIDE_FILES = (*(n for n in TOKENIZER_FILES if n != "config.json"), "tokenizer_config.json")
 CT2_QUANTIZATIONS = ("float32", "int8")
 ONNX_STEMS = ("encoder_model", "decoder_model", "decoder_with_past_model", "decoder_model_merged")
 
@@ -56,7 +61,7 @@ def build_checkpoint(config_dir: Path, out: Path, seed: int, force: bool) -> Pat
     config = MarianConfig.from_pretrained(str(config_dir))
     model = MarianMTModel(config)
     model.save_pretrained(str(ckpt))
-    for name in TOKENIZER_FILES:
+    for name in SIDE_FILES:
         shutil.copy2(config_dir / name, ckpt / name)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"checkpoint: {n_params / 1e6:.1f} M parameters, seed {seed} -> {ckpt}")
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     config_dir: Path = args.config_dir
-    missing = [n for n in ("config.json", *TOKENIZER_FILES) if not (config_dir / n).is_file()]
+    wanted = dict.fromkeys((*TOKENIZER_FILES, *SIDE_FILES))
+    missing = [n for n in wanted if not (config_dir / n).is_file()]
     if missing:
         print(
             f"error: {config_dir} lacks {', '.join(missing)}; the benchmark model needs the "

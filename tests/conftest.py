@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_DIR = ROOT / "models" / "fixture"
 FIXTURE_MODEL = FIXTURE_DIR / "model"
@@ -19,15 +21,7 @@ ZH_EN = SHARED / "opus-mt-zh-en"
 FLORES = SHARED / "flores200-devtest"
 
 # Files a model directory needs besides its ONNX files.
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "source.spm",
-    "target.spm",
-    "vocab.json",
-    "tokenizer_config.json",
-    "nmt-incremental.json",
-)
+SIDE_FILES = (*TOKENIZER_FILES, *OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG)
 
 
 def needs_fixture() -> None:

@@ -4,8 +4,8 @@ Build-time only: torch, transformers and optimum are imported inside the functio
 need them, so importing this package (or the runtime) never pulls them in.
 """
 
+from engine.config import TOKENIZER_FILES
 from engine.conversion.export import (
-    TOKENIZER_FILES,
     copy_tokenizer_files,
     export_decoder_without_encoder_kv,
     export_decoder_without_past,

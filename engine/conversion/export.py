@@ -19,22 +19,11 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
-
-TOKENIZER_FILES = (
-    "source.spm",
-    "target.spm",
-    "vocab.json",
-    "tokenizer_config.json",
-    "config.json",
-    "generation_config.json",
-)
-"""Files the engine reads next to the ONNX files (all required)."""
-
-OPTIONAL_FILES = ("nmt-incremental.json",)
-"""Engine settings (e.g. the target-language token to prepend); copied when present."""
 
 OPTIMUM_FILES = (
     "encoder_model.onnx",
@@ -54,7 +43,7 @@ def copy_tokenizer_files(checkpoint_dir: str | Path, out_dir: str | Path) -> Non
     if missing:
         raise FileNotFoundError(f"{src} lacks {', '.join(missing)}")
     dst.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES + OPTIONAL_FILES:
+    for name in (*TOKENIZER_FILES, *OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG):
         if (src / name).is_file() and (src / name).resolve() != (dst / name).resolve():
             shutil.copyfile(src / name, dst / name)
 

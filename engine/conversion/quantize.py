@@ -2,9 +2,12 @@
 
 Two traps make the obvious `quantize_dynamic(decoder_model_merged.onnx)` useless:
 
-* ONNX Runtime's quantizer does not descend into the merged decoder's `If` branches, so the
-  merged file comes out unquantized. We quantize the decoder and decoder-with-past apart
-  and merge them again with Optimum's merger (same inputs and outputs as the fp32 file).
+* By default ONNX Runtime's quantizer does not descend into the merged decoder's `If`
+  branches, so the merged file comes out unquantized. It does with
+  `extra_options={"EnableSubgraph": True}` (how Xenova's hub `_quantized` files were made),
+  but we quantize the decoder and decoder-with-past apart and merge them again with
+  Optimum's merger instead: the same inputs and outputs as the fp32 file, each branch
+  quantized as the split files are, so split and merged int8 give the same results.
 * The output projection is tied to the embedding: it is a MatMul fed by a Transpose of the
   embedding initializer, which the quantizer skips (its B is not a constant). Giving it its
   own pre-transposed initializer first lets it become int8; the vocabulary projection is

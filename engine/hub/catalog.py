@@ -23,9 +23,6 @@ CATALOG_ENV = "NMT_INCREMENTAL_CATALOG"
 _PACKAGED = Path(__file__).resolve().parent / "catalog.json"
 _SOURCE_TREE = Path(__file__).resolve().parents[2] / "models" / "catalog.json"
 
-# Files a model directory takes from the tokenizer repo: required, then used when present.
-TOKENIZER_FILES = ("config.json", "source.spm", "target.spm", "vocab.json")
-OPTIONAL_TOKENIZER_FILES = ("generation_config.json", "tokenizer_config.json")
 # ONNX files per variant (`--quantized` selects int8), as named in Optimum exports.
 ONNX_FILES: Mapping[str, tuple[str, ...]] = {
     "fp32": ("encoder_model.onnx", "decoder_model_merged.onnx"),

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from engine.config import PROJECT_CONFIG
+from engine.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
 from engine.errors import EngineError
-from engine.hub.catalog import ONNX_FILES, OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES, load_catalog
+from engine.hub.catalog import ONNX_FILES, load_catalog
 from engine.hub.download import (
     HubSettings,
     cache_status,

@@ -33,12 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config import PROJECT_CONFIG
+from engine.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
 from engine.errors import ModelLoadError
 from engine.hub.catalog import (
     ONNX_FILES,
-    OPTIONAL_TOKENIZER_FILES,
-    TOKENIZER_FILES,
     Catalog,
     CatalogEntry,
     RepoRef,
