@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.hub import export as hub_export
+from engine.conversion import verify as export_verify
 from engine.hub.cli import add_models_parser, run_models
 from engine.translator import Translator
 from tests.conftest import FIXTURE_CHECKPOINT as CHECKPOINT
@@ -40,7 +40,7 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """The fixture checkpoint exported (fp32 + int8) with `models export`, and its report."""
-    missing = hub_export.missing_export_modules()
+    missing = export_verify.missing_export_modules()
     if missing:
         pytest.skip(f"export extra not installed ({', '.join(missing)})")
     assert (CHECKPOINT / "model.safetensors").is_file(), f"no checkpoint at {CHECKPOINT}"
@@ -136,7 +136,7 @@ def test_int8_export_translates_like_the_committed_int8(
 
 
 def test_missing_export_extra_is_explained(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(hub_export, "missing_export_modules", lambda: ["torch", "optimum"])
+    monkeypatch.setattr(export_verify, "missing_export_modules", lambda: ["torch", "optimum"])
     status, _, err = run_cli("models", "export", str(tmp_path), str(tmp_path / "out"))
     assert status == 2
     assert "needs the `export` extra" in err and "pip install 'nmt-incremental[export]'" in err
@@ -146,7 +146,7 @@ def test_missing_export_extra_is_explained(monkeypatch: pytest.MonkeyPatch, tmp_
 def test_incomplete_checkpoint_fails_before_exporting(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(hub_export, "missing_export_modules", lambda: [])
+    monkeypatch.setattr(export_verify, "missing_export_modules", lambda: [])
     (tmp_path / "config.json").write_text("{}")
     status, _, err = run_cli("models", "export", str(tmp_path), str(tmp_path / "out"))
     assert status == 2 and "checkpoint lacks" in err and "source.spm" in err

@@ -1,7 +1,8 @@
 """`nmt-incremental models ...`: pull, list, verify and export models.
 
 A thin I/O layer: `add_models_parser` adds the subcommands to the main parser and
-`run_models` runs them; the work is in `engine.hub.download` and `engine.hub.export`.
+`run_models` runs them; the work is in `engine.hub.download`, `engine.hub.export` (the
+`models export` stages) and `engine.conversion`.
 Results go to stdout (the last line of `pull` is the model directory, for scripts);
 progress and diagnostics go to stderr.
 """
