@@ -44,7 +44,7 @@ from engine.hub import download as hub_download
 from engine.hub.catalog import parse_catalog
 from engine.hub.cli import add_models_parser, run_models
 from engine.translator import Translator
-from tests.conftest import FIXTURE_MODEL, needs_fixture
+from tests.conftest import FIXTURE_MODEL, model_copy, needs_fixture
 
 ONNX_REPO = "Xenova/opus-mt-en-zh"
 TOKENIZER_REPO = "Helsinki-NLP/opus-mt-en-zh"
@@ -470,6 +470,36 @@ def test_corrupt_cache_file_is_reported_by_verify(hub: FakeHub) -> None:
     with pytest.raises(ChecksumError):
         en_zh_pull()  # pull checks the cache too, and drops the bad copy...
     assert en_zh_pull().model_dir == model_dir  # ...so that the next pull fetches it again
+
+
+def test_verify_lists_the_files_it_loads_and_checks_the_cache_against_no_cache() -> None:
+    needs_fixture()
+    status, out, _ = run_cli("models", "verify", str(FIXTURE_MODEL))
+    assert status == 0, out
+    fp32 = out[out.index("fp32: loads; decoder split") : out.index("int8: loads")]
+    assert "decoder_model.onnx" in fp32 and "decoder_with_past_model.onnx" in fp32
+    assert "decoder_model_merged.onnx" not in out  # present, but not what split loads
+    assert out.count("with and without the KV cache: the same tokens on 3/3 sentences") == 2
+    assert "int8 vs fp32: the same tokens on" in out and out.rstrip().endswith("ok")
+
+
+def test_verify_finds_a_with_past_decoder_that_disagrees(tmp_path: Path) -> None:
+    """A decoder-with-past whose weights differ from the first-step decoder's (a bad
+    export, a mixed-up download) loads fine; only comparing with uncached decoding shows it."""
+    onnx = pytest.importorskip("onnx")
+    needs_fixture()
+    names = ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx")
+    model_dir = model_copy(tmp_path / "model", {n: FIXTURE_MODEL / n for n in names})
+    step = onnx.load(str(model_dir / "decoder_with_past_model.onnx"))
+    for init in step.graph.initializer:
+        if init.name == "final_logits_bias":  # steps after the first now favour token 7
+            bias = onnx.numpy_helper.to_array(init).copy()
+            bias[0, 7] += 100.0
+            init.CopyFrom(onnx.numpy_helper.from_array(bias, init.name))
+    onnx.save(step, str(model_dir / "decoder_with_past_model.onnx"))
+    status, out, _ = run_cli("models", "verify", str(model_dir))
+    assert status == 1, out
+    assert "PROBLEM: they must agree" in out and "1 problem(s)" in out
 
 
 def test_disk_full(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:

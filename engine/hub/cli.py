@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 from engine.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+from engine.conversion.verify import CHECK_TEXTS
 from engine.errors import EngineError
 from engine.hub.catalog import ONNX_FILES, load_catalog
 from engine.hub.download import (
@@ -29,14 +30,6 @@ from engine.hub.download import (
 )
 
 __all__ = ["add_models_parser", "resolve_model", "run_models"]
-
-# A sentence per source language for `verify`; others fall back to English.
-SAMPLE_TEXT = {
-    "en": "I will meet Tom at three",
-    "zh": "我三点见汤姆。",
-    "de": "Ich treffe Tom um drei.",
-}
-
 
 def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `models {pull,list,verify,export}` to the main parser's subcommands."""
@@ -172,49 +165,63 @@ def _list(out: TextIO) -> int:
 
 
 def _verify(args: argparse.Namespace, out: TextIO) -> int:
+    """Files and checksums, then per ONNX variant: what loads (the files the loader picked),
+    a translation, and self-consistency: decoding with the KV cache must give the tokens
+    decoding without it gives (a broken with-past graph or cache bookkeeping shows here),
+    and int8 is compared with fp32 when both are present (reported, not judged: int8 may
+    legitimately differ)."""
+    from engine.runtime import onnx_dir
     from engine.translator import Translator
 
     model_dir = resolve_model(args.model, download=False)
     print(f"model directory: {model_dir}", file=out)
     problems = 0
-    required = [*TOKENIZER_FILES]
-    optional = [*OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG]
-    onnx_root = model_dir / "onnx" if (model_dir / "onnx").is_dir() else model_dir
-    variants = {
-        variant: [onnx_root / name for name in names] for variant, names in ONNX_FILES.items()
-    }
     print("files:", file=out)
-    for name in [*required, *optional]:
-        problems += _check_file(model_dir / name, name in required, model_dir, out)
-    present = []
-    for variant, paths in variants.items():
-        if any(path.exists() for path in paths):
-            for path in paths:
-                problems += _check_file(path, True, model_dir, out)
-            if all(path.is_file() for path in paths):
-                present.append(variant)
-    if not present:
-        print("  no complete ONNX variant (encoder_model + decoder_model_merged)", file=out)
-        problems += 1
-    for variant in present:
+    for name in [*TOKENIZER_FILES, *OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG]:
+        problems += _check_file(model_dir / name, name in TOKENIZER_FILES, model_dir, out)
+    outputs: dict[str, list[tuple[int, ...]]] = {}
+    for variant in ONNX_FILES:
+        quantized = variant == "int8"
         try:
-            translator = Translator.from_dir(model_dir, quantized=variant == "int8")
+            translator = Translator.from_dir(model_dir, quantized=quantized)
         except EngineError as exc:
-            print(f"{variant}: does not load: {exc}", file=out)
-            problems += 1
+            if (onnx_dir(model_dir) / ONNX_FILES[variant][0]).is_file():  # there, yet broken
+                print(f"{variant}: does not load: {exc}", file=out)
+                problems += 1
             continue
         config = translator.config
-        text = args.text or SAMPLE_TEXT.get(config.source_lang or "", SAMPLE_TEXT["en"])
-        started = time.perf_counter()
-        result = translator.translate([text])[0]
-        elapsed = time.perf_counter() - started
         print(
             f"{variant}: loads; decoder {translator.model.layout.value}, "
             f"{config.decoder_layers} decoder layers, d_model {config.d_model}, "
             f"vocab {config.vocab_size}, source prefix {config.source_prefix or '(none)'}",
             file=out,
         )
-        print(f"  {text!r} -> {result.text!r} ({elapsed:.2f} s)", file=out)
+        for path in dict.fromkeys(translator.model.files.values()):
+            problems += _check_file(path, True, model_dir, out)
+        texts = [args.text] if args.text else CHECK_TEXTS.get(config.source_lang or "", [])
+        texts = texts or CHECK_TEXTS["en"]
+        started = time.perf_counter()
+        cached = translator.translate(texts)
+        elapsed = time.perf_counter() - started
+        for text, result in zip(texts, cached, strict=True):
+            print(f"  {text!r} -> {result.text!r}", file=out)
+        print(f"  {len(texts)} sentences in {elapsed:.2f} s", file=out)
+        uncached = Translator.from_dir(model_dir, quantized=quantized, use_cache=False)
+        plain = uncached.translate(texts)
+        agree = sum(a.token_ids == b.token_ids for a, b in zip(cached, plain, strict=True))
+        print(
+            f"  with and without the KV cache: the same tokens on {agree}/{len(texts)} "
+            "sentences" + ("" if agree == len(texts) else "  PROBLEM: they must agree"),
+            file=out,
+        )
+        problems += agree < len(texts)
+        outputs[variant] = [result.token_ids for result in cached]
+    if not outputs:
+        print("  no ONNX variant loads (encoder_model + a decoder)", file=out)
+        problems += 1
+    if len(outputs) == 2:
+        same = sum(a == b for a, b in zip(outputs["fp32"], outputs["int8"], strict=True))
+        print(f"int8 vs fp32: the same tokens on {same}/{len(outputs['fp32'])} sentences", file=out)
     print("ok" if not problems else f"{problems} problem(s)", file=out)
     return 0 if not problems else 1
 
