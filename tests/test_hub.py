@@ -67,10 +67,12 @@ class Seen:
 
 @dataclass
 class FakeHub:
-    """Repos by id -> {path in repo: bytes}; fault injection by 'repo/path' label."""
+    """Repos by id -> {path in repo: bytes} at main; fault injection by 'repo/path' label.
+    `push` makes a new main commit and keeps the old one reachable by its hash."""
 
     repos: dict[str, dict[str, bytes]] = field(default_factory=dict)
     commits: dict[str, str] = field(default_factory=dict)
+    history: dict[str, dict[str, dict[str, bytes]]] = field(default_factory=dict)
     requests: list[Seen] = field(default_factory=list)
     cut_once: set[str] = field(default_factory=set)
     corrupt: set[str] = field(default_factory=set)
@@ -80,6 +82,23 @@ class FakeHub:
     def add_repo(self, repo: str, files: dict[str, bytes]) -> None:
         self.repos[repo] = files
         self.commits[repo] = hashlib.sha1(repo.encode(), usedforsecurity=False).hexdigest()
+        self.history[repo] = {self.commits[repo]: files}
+
+    def push(self, repo: str, changes: dict[str, bytes]) -> str:
+        """A new commit on main with `changes` applied; returns its hash."""
+        files = {**self.repos[repo], **changes}
+        commit = hashlib.sha1(
+            f"{repo}:{len(self.history[repo])}".encode(), usedforsecurity=False
+        ).hexdigest()
+        self.repos[repo], self.commits[repo] = files, commit
+        self.history[repo][commit] = files
+        return commit
+
+    def snapshot(self, repo: str, revision: str) -> tuple[str, dict[str, bytes]] | None:
+        """(commit, files) of a revision: main or a commit hash."""
+        commit = self.commits[repo] if revision == "main" else revision
+        files = self.history[repo].get(commit)
+        return None if files is None else (commit, files)
 
     @property
     def url(self) -> str:
@@ -123,14 +142,14 @@ class FakeHub:
                     self.error(404, "RepoNotFound", None)
                     return
                 repo, revision, path = match.groups()
-                files = hub.repos.get(repo)
-                if files is None:
+                if repo not in hub.repos:
                     self.error(404, "RepoNotFound", None)
                     return
-                commit = hub.commits[repo]
-                if revision not in ("main", commit):
-                    self.error(404, "RevisionNotFound", commit)
+                found = hub.snapshot(repo, revision)
+                if found is None:
+                    self.error(404, "RevisionNotFound", None)
                     return
+                commit, files = found
                 if path not in files:
                     self.error(404, "EntryNotFound", commit)
                     return
@@ -138,7 +157,8 @@ class FakeHub:
                 if path.endswith(LFS_SUFFIXES):
                     sha = hashlib.sha256(data).hexdigest()
                     self.send_response(302)
-                    self.send_header("Location", f"{hub.url}/cdn/{repo}/{path}?sha={sha}")
+                    location = f"{hub.url}/cdn/{repo}/{commit}/{path}?sha={sha}"
+                    self.send_header("Location", location)
                     self.send_header("X-Repo-Commit", commit)
                     self.send_header("X-Linked-Etag", f'"{sha}"')
                     self.send_header("X-Linked-Size", str(len(data)))
@@ -149,14 +169,13 @@ class FakeHub:
                 self.send_file(f"{repo}/{path}", data, commit, git_sha1(data), send_body)
 
             def serve_cdn(self, send_body: bool) -> None:
-                label = self.path[len("/cdn/") :].split("?")[0]
-                repo_id = "/".join(label.split("/")[:2])
-                path = "/".join(label.split("/")[2:])
-                data = hub.repos.get(repo_id, {}).get(path)
+                parts = self.path[len("/cdn/") :].split("?")[0].split("/")
+                repo_id, commit, path = "/".join(parts[:2]), parts[2], "/".join(parts[3:])
+                data = hub.history.get(repo_id, {}).get(commit, {}).get(path)
                 if data is None:
                     self.error(404, None, None)
                     return
-                commit = hub.commits[repo_id]
+                label = f"{repo_id}/{path}"
                 self.send_file(label, data, commit, hashlib.sha256(data).hexdigest(), send_body)
 
             def send_file(
@@ -500,6 +519,39 @@ def test_verify_finds_a_with_past_decoder_that_disagrees(tmp_path: Path) -> None
     status, out, _ = run_cli("models", "verify", str(model_dir))
     assert status == 1, out
     assert "PROBLEM: they must agree" in out and "1 problem(s)" in out
+
+
+def test_a_pinned_revision_is_what_gets_downloaded(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Upstream edits a file after the catalog pinned a commit (as the Helsinki repos did
+    to generation_config.json): pulls keep getting the pinned files; `--revision` /
+    `--tokenizer-revision` choose another, and nmt-incremental.json records the commit."""
+    pinned = hub.commits[TOKENIZER_REPO]
+    old = hub.repos[TOKENIZER_REPO]["generation_config.json"]
+    new = old.replace(b'"num_beams": 4', b'"num_beams": 6')
+    assert new != old
+    newer = hub.push(TOKENIZER_REPO, {"generation_config.json": new})
+    catalog = json.loads(Path(load_catalog().source).read_text(encoding="utf-8"))
+    catalog["models"]["en-zh"]["tokenizer"]["revision"] = pinned
+    path = tmp_path / "catalog.json"
+    path.write_text(json.dumps(catalog), encoding="utf-8")
+    monkeypatch.setenv("NMT_INCREMENTAL_CATALOG", str(path))
+
+    model_dir = en_zh_pull().model_dir
+    assert (model_dir / "generation_config.json").read_bytes() == old
+    sources = json.loads((model_dir / "nmt-incremental.json").read_text())["sources"]
+    assert sources["tokenizer"] == {"repo": TOKENIZER_REPO, "revision": pinned, "commit": pinned}
+
+    status, out, err = run_cli("models", "pull", "en-zh", "--tokenizer-revision", "main")
+    assert out.strip() == str(model_dir)
+    assert status == 0, err
+    assert (model_dir / "generation_config.json").read_bytes() == new
+    sources = json.loads((model_dir / "nmt-incremental.json").read_text())["sources"]
+    assert sources["tokenizer"]["commit"] == newer
+
+    status, _, err = run_cli("models", "pull", "en-zh", "--revision", "0" * 40)
+    assert status == 2 and f"{ONNX_REPO}" in err and "has no revision" in err, err
 
 
 def test_disk_full(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:

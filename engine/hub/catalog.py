@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.hub.errors import CatalogError, UnknownModelError
@@ -72,6 +72,14 @@ class CatalogEntry:
     @property
     def pair(self) -> str:
         return f"{self.source_lang}->{self.target_lang}"
+
+    def at(self, onnx: str | None = None, tokenizer: str | None = None) -> CatalogEntry:
+        """This entry with other revisions (branch, tag or commit) of its repos; for one
+        repo holding both, `onnx` moves both."""
+        onnx_ref = replace(self.onnx, revision=onnx) if onnx else self.onnx
+        tok_rev = tokenizer or (onnx if self.tokenizer.repo == self.onnx.repo else None)
+        tok_ref = replace(self.tokenizer, revision=tok_rev) if tok_rev else self.tokenizer
+        return replace(self, onnx=onnx_ref, tokenizer=tok_ref)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,17 @@ def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     pull_cmd.add_argument(
         "--refresh", action="store_true", help="ask the hub for newer files even when cached"
     )
+    pull_cmd.add_argument(
+        "--revision",
+        metavar="REV",
+        help="branch, tag or commit of the ONNX repo instead of the catalog's pin "
+        "(e.g. refs/pr/21)",
+    )
+    pull_cmd.add_argument(
+        "--tokenizer-revision",
+        metavar="REV",
+        help="the same for the tokenizer repo, when it is another repo",
+    )
 
     commands.add_parser(
         "list",
@@ -127,7 +138,7 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace, out: TextIO) -> int:
-    entry = load_catalog().lookup(args.model)
+    entry = load_catalog().lookup(args.model).at(args.revision, args.tokenizer_revision)
     settings = HubSettings.from_env()
     result = pull(entry, quantized=args.quantized, settings=settings, refresh=args.refresh)
     variant = "int8" if args.quantized else "fp32"
