@@ -18,6 +18,7 @@ import json
 import re
 import socket
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from engine.hub import (
     MissingFileError,
     NetworkError,
     OfflineError,
+    RepoAccessError,
     UnknownModelError,
     load_catalog,
     pull,
@@ -73,6 +75,7 @@ class FakeHub:
     repos: dict[str, dict[str, bytes]] = field(default_factory=dict)
     commits: dict[str, str] = field(default_factory=dict)
     history: dict[str, dict[str, dict[str, bytes]]] = field(default_factory=dict)
+    branches: dict[str, dict[str, str]] = field(default_factory=dict)  # e.g. refs/pr/1
     requests: list[Seen] = field(default_factory=list)
     cut_once: set[str] = field(default_factory=set)
     corrupt: set[str] = field(default_factory=set)
@@ -94,9 +97,19 @@ class FakeHub:
         self.history[repo][commit] = files
         return commit
 
+    def branch(self, repo: str, name: str, changes: dict[str, bytes]) -> str:
+        """A commit on top of main that main does not have (like a pull request's)."""
+        main = self.commits[repo]
+        commit = self.push(repo, changes)
+        self.repos[repo], self.commits[repo] = self.history[repo][main], main
+        self.branches.setdefault(repo, {})[name] = commit
+        return commit
+
     def snapshot(self, repo: str, revision: str) -> tuple[str, dict[str, bytes]] | None:
-        """(commit, files) of a revision: main or a commit hash."""
+        """(commit, files) of a revision: main, a branch or a commit hash."""
+        revision = urllib.parse.unquote(revision)
         commit = self.commits[repo] if revision == "main" else revision
+        commit = self.branches.get(repo, {}).get(revision, commit)
         files = self.history[repo].get(commit)
         return None if files is None else (commit, files)
 
@@ -137,6 +150,9 @@ class FakeHub:
                 if self.path.startswith("/cdn/"):
                     self.serve_cdn(send_body)
                     return
+                if self.path.startswith("/api/models/"):
+                    self.serve_tree()
+                    return
                 match = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", self.path)
                 if match is None:
                     self.error(404, "RepoNotFound", None)
@@ -167,6 +183,30 @@ class FakeHub:
                     self.end_headers()
                     return
                 self.send_file(f"{repo}/{path}", data, commit, git_sha1(data), send_body)
+
+            def serve_tree(self) -> None:
+                """GET /api/models/OWNER/NAME/tree/REVISION?recursive=True: every file."""
+                url = urllib.parse.urlsplit(self.path)
+                match = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)$", url.path)
+                if match is None or match.group(1) not in hub.repos:
+                    self.error(404, "RepoNotFound", None)
+                    return
+                found = hub.snapshot(match.group(1), match.group(2))
+                if found is None:
+                    self.error(404, "RevisionNotFound", None)
+                    return
+                commit, files = found
+                entries = [
+                    {"type": "file", "path": path, "size": len(data), "oid": git_sha1(data)}
+                    for path, data in sorted(files.items())
+                ]
+                body = json.dumps(entries).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("X-Repo-Commit", commit)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def serve_cdn(self, send_body: bool) -> None:
                 parts = self.path[len("/cdn/") :].split("?")[0].split("/")
@@ -580,9 +620,10 @@ def test_unknown_pair_lists_the_known_ones(hub: FakeHub) -> None:
     assert "en-zh" in str(caught.value) and "zh-en" in str(caught.value)
     status, _, err = run_cli("models", "pull", "xx-yy")
     assert status == 2 and "unknown model 'xx-yy'" in err and "en-zh" in err
-    with pytest.raises(UnknownModelError):
+    assert hub.requests == []  # a name that is no repo id never reaches the hub
+    # A repo id the catalog does not know is looked for on the hub.
+    with pytest.raises(RepoAccessError, match="repository Someone/opus-mt-xx-yy not found"):
         resolve_model("Someone/opus-mt-xx-yy")
-    assert hub.requests == []
 
 
 def test_directories_resolve_as_themselves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

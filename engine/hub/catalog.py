@@ -18,16 +18,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.hub.errors import CatalogError, UnknownModelError
+from engine.hub.layout import VARIANT_SUFFIX, onnx_files
 
 CATALOG_ENV = "NMT_INCREMENTAL_CATALOG"
 _PACKAGED = Path(__file__).resolve().parent / "catalog.json"
 _SOURCE_TREE = Path(__file__).resolve().parents[2] / "models" / "catalog.json"
 
-# ONNX files per variant (`--quantized` selects int8), as named in Optimum exports.
-ONNX_FILES: Mapping[str, tuple[str, ...]] = {
-    "fp32": ("encoder_model.onnx", "decoder_model_merged.onnx"),
-    "int8": ("encoder_model_quantized.onnx", "decoder_model_merged_quantized.onnx"),
-}
+# ONNX files per variant (`--quantized` selects int8) of a catalog entry (merged decoder).
+ONNX_FILES: Mapping[str, tuple[str, ...]] = {v: onnx_files(v) for v in VARIANT_SUFFIX}
 
 
 def variant_name(quantized: bool) -> str:
@@ -57,6 +55,7 @@ class CatalogEntry:
     tokenizer: RepoRef
     source_prefix: str = ""
     notes: str = ""
+    decoder: str = "merged"  # which decoder files to fetch: a key of layout.DECODER_STEMS
 
     @property
     def repos(self) -> tuple[str, ...]:
@@ -71,7 +70,7 @@ class CatalogEntry:
 
     @property
     def pair(self) -> str:
-        return f"{self.source_lang}->{self.target_lang}"
+        return f"{self.source_lang or '?'}->{self.target_lang or '?'}"
 
     def at(self, onnx: str | None = None, tokenizer: str | None = None) -> CatalogEntry:
         """This entry with other revisions (branch, tag or commit) of its repos; for one

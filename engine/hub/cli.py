@@ -26,8 +26,10 @@ from engine.hub.download import (
     file_digest,
     fmt_size,
     pull,
+    repo_entry,
     resolve_model,
 )
+from engine.hub.errors import UnknownModelError
 
 __all__ = ["add_models_parser", "resolve_model", "run_models"]
 
@@ -44,12 +46,15 @@ def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     pull_cmd = commands.add_parser(
         "pull",
         help="download a catalog model (e.g. en-zh) into the cache",
-        description="Download a model named in models/catalog.json (or given by one of its "
-        "repo ids) into the Hugging Face cache and print the model directory. Honours "
-        "HF_ENDPOINT, HF_HOME/HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE; an interrupted "
-        "download resumes when run again.",
+        description="Download a model named in models/catalog.json, or any hub repo that "
+        "holds an ONNX export (ONNX files under onnx/ or at the top, or one folder per model: "
+        "see --subfolder), into the Hugging Face cache and print the model directory. "
+        "Honours HF_ENDPOINT, HF_HOME/HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE; an "
+        "interrupted download resumes when run again.",
     )
-    pull_cmd.add_argument("model", metavar="PAIR_OR_REPO", help="e.g. en-zh, zh-en, or a repo id")
+    pull_cmd.add_argument(
+        "model", metavar="PAIR_OR_REPO", help="e.g. en-zh, zh-en, or a repo id (owner/name)"
+    )
     pull_cmd.add_argument(
         "--quantized", action="store_true", help="get the int8 ONNX files instead of fp32"
     )
@@ -66,6 +71,18 @@ def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "--tokenizer-revision",
         metavar="REV",
         help="the same for the tokenizer repo, when it is another repo",
+    )
+    pull_cmd.add_argument(
+        "--subfolder",
+        metavar="FOLDER",
+        help="for a repo that is not in the catalog and holds one model per folder: which",
+    )
+    pull_cmd.add_argument(
+        "--source-prefix",
+        metavar="TOKEN",
+        default="",
+        help="for a repo that is not in the catalog: the target-language token multi-target "
+        "models need at the start of every source, e.g. '>>cmn_Hans<<'",
     )
 
     commands.add_parser(
@@ -138,8 +155,22 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace, out: TextIO) -> int:
-    entry = load_catalog().lookup(args.model).at(args.revision, args.tokenizer_revision)
+    catalog = load_catalog()
     settings = HubSettings.from_env()
+    entry = catalog.find(args.model)
+    if entry is not None:
+        entry = entry.at(args.revision, args.tokenizer_revision)
+    elif "/" in args.model:
+        entry = repo_entry(
+            args.model,
+            revision=args.revision or "main",
+            subfolder=args.subfolder,
+            quantized=args.quantized,
+            source_prefix=args.source_prefix,
+            settings=settings,
+        )
+    else:
+        raise UnknownModelError(args.model, catalog.names())
     result = pull(entry, quantized=args.quantized, settings=settings, refresh=args.refresh)
     variant = "int8" if args.quantized else "fp32"
     if result.from_cache:

@@ -36,7 +36,6 @@ from typing import Any
 from engine.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
 from engine.errors import ModelLoadError
 from engine.hub.catalog import (
-    ONNX_FILES,
     Catalog,
     CatalogEntry,
     RepoRef,
@@ -54,6 +53,7 @@ from engine.hub.errors import (
     RepoAccessError,
     UnknownModelError,
 )
+from engine.hub.layout import DECODER_STEMS, VARIANT_SUFFIX, LayoutError, discover, onnx_files
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 HOME_ENV = "NMT_INCREMENTAL_HOME"
@@ -135,7 +135,8 @@ def model_files(entry: CatalogEntry, variants: Iterable[str]) -> list[HubFile]:
     ]
     for variant in variants:
         files += [
-            HubFile(entry.onnx, name, f"onnx/{name}", True, model) for name in ONNX_FILES[variant]
+            HubFile(entry.onnx, name, f"onnx/{name}", True, model)
+            for name in onnx_files(variant, entry.decoder)
         ]
     return files
 
@@ -160,10 +161,15 @@ def model_dir_for(entry: CatalogEntry, settings: HubSettings) -> Path:
 
 
 def is_complete(model_dir: Path, quantized: bool) -> bool:
-    """Whether a pulled directory has everything one variant needs (links must resolve)."""
-    needed = [*TOKENIZER_FILES, PROJECT_CONFIG]
-    needed += [f"onnx/{name}" for name in ONNX_FILES[variant_name(quantized)]]
-    return all((model_dir / name).is_file() for name in needed)
+    """Whether a pulled directory has everything one variant needs, with either decoder
+    layout (links must resolve)."""
+    if not all((model_dir / name).is_file() for name in (*TOKENIZER_FILES, PROJECT_CONFIG)):
+        return False
+    variant = variant_name(quantized)
+    return any(
+        all((model_dir / "onnx" / name).is_file() for name in onnx_files(variant, decoder))
+        for decoder in DECODER_STEMS
+    )
 
 
 # -- checksums ------------------------------------------------------------------------
@@ -466,7 +472,12 @@ def _compose(
     for local, path in found.items():
         _link(path, model_dir / local)
     sources = {
-        role: {"repo": ref.repo, "revision": ref.revision, "commit": commits.get(ref.repo)}
+        role: {
+            "repo": ref.repo,
+            "revision": ref.revision,
+            "commit": commits.get(ref.repo),
+            **({"subfolder": ref.subfolder} if ref.subfolder else {}),
+        }
         for role, ref in (("onnx", entry.onnx), ("tokenizer", entry.tokenizer))
     }
     _write_json(
@@ -484,7 +495,7 @@ def _compose(
 
 def _all_cached(entry: CatalogEntry, settings: HubSettings) -> dict[str, Path]:
     """Every file of every variant that the cache holds (a directory gets them all)."""
-    found, _ = _cached_files(model_files(entry, ONNX_FILES), settings)
+    found, _ = _cached_files(model_files(entry, VARIANT_SUFFIX), settings)
     return found
 
 
@@ -537,7 +548,7 @@ def pull(
     found = _all_cached(entry, settings)
     if verify:
         checked = set(result.verified)
-        for file in model_files(entry, ONNX_FILES):
+        for file in model_files(entry, VARIANT_SUFFIX):
             path = found.get(file.local)
             if path is not None and file.label not in checked and _verify(file, path, None):
                 result.verified.append(file.label)
@@ -587,6 +598,73 @@ def _fetch(missing: list[HubFile], settings: HubSettings, result: PullResult, lo
                 result.downloaded.append(file.label)
 
 
+def repo_model_name(repo: str, subfolder: str | None = None) -> str:
+    """The model directory name of a repo pulled by id (one per repo and subfolder)."""
+    parts = [repo, *([subfolder.strip("/")] if subfolder and subfolder.strip("/") else [])]
+    return "--".join(part.replace("/", "--") for part in parts)
+
+
+def _list_repo(repo: str, revision: str, settings: HubSettings) -> list[str]:
+    """Paths of every file of a repo at a revision (one API call per page)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    api = HfApi(endpoint=settings.endpoint, token=settings.token)
+    listing = HubFile(RepoRef(repo, revision), "(file listing)", "", True, repo)
+    try:
+        tree = api.list_repo_tree(repo, revision=revision, recursive=True)
+        return [item.path for item in tree if isinstance(item, RepoFile)]
+    except Exception as exc:
+        mapped = _map_error(exc, listing, settings)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+def repo_entry(
+    repo: str,
+    *,
+    revision: str = "main",
+    subfolder: str | None = None,
+    quantized: bool = False,
+    source_prefix: str = "",
+    settings: HubSettings | None = None,
+) -> CatalogEntry:
+    """An entry for a repo the catalog does not know, from its file listing (see
+    `engine.hub.layout` for the layouts understood). Needs the network."""
+    settings = settings or HubSettings.from_env()
+    name = repo_model_name(repo, subfolder)
+    if settings.offline:
+        raise OfflineError(
+            f"{repo} is not in the catalog and HF_HUB_OFFLINE=1 forbids listing its files; "
+            + settings.offline_help(name)
+        )
+    _check_reachable(settings, name)
+    layout = discover(repo, _list_repo(repo, revision, settings), subfolder)
+    variant = variant_name(quantized)
+    if variant not in layout.variants:
+        where = layout.onnx_folder or "its top level"
+        raise LayoutError(
+            f"{repo} has no {variant} files in {where} (it has: {', '.join(layout.variants)}; "
+            "some repos keep int8 files under the plain names: then pull without --quantized)"
+        )
+    return CatalogEntry(
+        name=name,
+        source_lang="",  # the tokenizer's own tokenizer_config.json says (see ModelConfig)
+        target_lang="",
+        onnx=RepoRef(repo, revision, layout.onnx_folder),
+        tokenizer=RepoRef(repo, revision, layout.tokenizer_folder),
+        source_prefix=source_prefix,
+        notes=f"pulled by repo id ({layout.decoder} decoder)",
+        decoder=layout.decoder,
+    )
+
+
+def _is_repo_id(spec: str) -> bool:
+    owner, _, name = spec.partition("/")
+    return bool(owner and name) and "/" not in name and not spec.startswith((".", "~"))
+
+
 def _looks_like_path(spec: str) -> bool:
     """Whether a spec that is no directory was meant as one (rather than a model name)."""
     return spec.startswith((".", "~", "/", os.sep)) or spec.count("/") > 1 or "\\" in spec
@@ -612,11 +690,19 @@ def resolve_model(
         return path
     catalog = catalog or load_catalog()
     entry = catalog.find(spec)
+    settings = settings or HubSettings.from_env()
+    if entry is None and _is_repo_id(spec) and not path.exists():
+        # A repo the catalog does not know: its directory if an earlier pull made it,
+        # otherwise list the repo and pull it.
+        model_dir = settings.models_root / repo_model_name(spec)
+        if is_complete(model_dir, quantized):
+            return model_dir
+        if download:
+            entry = repo_entry(spec, quantized=quantized, settings=settings)
     if entry is None:
         if _looks_like_path(spec) or path.exists():
             raise ModelLoadError(f"{spec}: not a model directory")
         raise UnknownModelError(spec, catalog.names())
-    settings = settings or HubSettings.from_env()
     model_dir = model_dir_for(entry, settings)
     if is_complete(model_dir, quantized):
         return model_dir
@@ -640,8 +726,8 @@ def cache_status(entry: CatalogEntry, settings: HubSettings) -> CacheStatus:
     found = _all_cached(entry, settings)
     shared = sum(found[f.local].stat().st_size for f in model_files(entry, []) if f.local in found)
     variants = {}
-    for variant, names in ONNX_FILES.items():
-        locals_ = [f"onnx/{name}" for name in names]
+    for variant in VARIANT_SUFFIX:
+        locals_ = [f"onnx/{name}" for name in onnx_files(variant, entry.decoder)]
         required_tok = all(name in found for name in TOKENIZER_FILES)
         if required_tok and all(name in found for name in locals_):
             variants[variant] = shared + sum(found[name].stat().st_size for name in locals_)

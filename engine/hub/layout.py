@@ -1,0 +1,139 @@
+"""Where a hub repo keeps a model's files, from its file listing alone (no I/O here).
+
+The catalog describes the repos it knows. Repos people point `models pull REPO` at are laid
+out in other ways, and each must either pull or fail saying what was found:
+
+- the Optimum layout of Xenova / onnx-community: ONNX files under `onnx/`, tokenizer and
+  config files at the top;
+- everything at the top, no `onnx/` (e.g. Infomaniak-AI/onnx-opus-mt-en-de);
+- one folder per language pair, each with its ONNX and tokenizer files, split decoders
+  only, int8 files under the plain names (e.g. Zweiarm/opus-mt-onnx-int8): the folder must
+  be chosen (`--subfolder`), the error lists them;
+- a pull-request branch of a Helsinki-NLP repo adding an `onnx/` folder (`--revision
+  refs/pr/N`): the first layout at another revision.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from engine.config import TOKENIZER_FILES
+from engine.hub.errors import HubError
+
+ENCODER_STEM = "encoder_model"
+# Decoder files by layout, in the order they are preferred when a folder has both: the
+# merged file is one download instead of two.
+DECODER_STEMS: Mapping[str, tuple[str, ...]] = {
+    "merged": ("decoder_model_merged",),
+    "split": ("decoder_model", "decoder_with_past_model"),
+}
+VARIANT_SUFFIX: Mapping[str, str] = {"fp32": "", "int8": "_quantized"}
+
+
+def onnx_files(variant: str, decoder: str = "merged") -> tuple[str, ...]:
+    """The ONNX file names one variant ('fp32', 'int8') of one decoder layout needs."""
+    suffix = VARIANT_SUFFIX[variant]
+    return tuple(f"{stem}{suffix}.onnx" for stem in (ENCODER_STEM, *DECODER_STEMS[decoder]))
+
+
+class LayoutError(HubError):
+    """A repo's listing holds no model the engine can load, or more than one to choose from."""
+
+
+@dataclass(frozen=True)
+class RepoLayout:
+    """Where one model's files are inside a repo (folders relative to the repo root)."""
+
+    onnx_folder: str
+    tokenizer_folder: str
+    decoder: str  # a key of DECODER_STEMS
+    variants: tuple[str, ...]  # of VARIANT_SUFFIX, the complete ones
+
+
+def _folder(path: str) -> str:
+    return posixpath.dirname(path.strip("/"))
+
+
+def _describe(paths: list[str], limit: int = 12) -> str:
+    shown = ", ".join(paths[:limit])
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return shown + more if paths else "no files"
+
+
+def discover(repo: str, paths: Iterable[str], subfolder: str | None = None) -> RepoLayout:
+    """The layout of `repo` from the paths of its files (as `list_repo_tree` gives them).
+
+    Raises `LayoutError` naming what was found when no folder holds an encoder and a
+    decoder, when several do and `subfolder` does not pick one, or when no tokenizer files
+    go with them.
+    """
+    files = sorted({p.strip("/") for p in paths})
+    present = set(files)
+    candidates = sorted({_folder(p) for p in files if _is_encoder(p)})
+    if subfolder is not None:
+        wanted = subfolder.strip("/")
+        candidates = [f for f in candidates if f in (wanted, posixpath.join(wanted, "onnx"))]
+        if not candidates:
+            onnx = [p for p in files if p.endswith(".onnx")]
+            raise LayoutError(
+                f"{repo} has no {ENCODER_STEM}*.onnx in {wanted}/ or {wanted}/onnx/; "
+                f"its ONNX files: {_describe(onnx)}"
+            )
+    usable = [(f, _decoder_and_variants(f, present)) for f in candidates]
+    usable = [(f, found) for f, found in usable if found is not None]
+    if not usable:
+        onnx = [p for p in files if p.endswith(".onnx")]
+        raise LayoutError(
+            f"{repo} holds no loadable ONNX model (an {ENCODER_STEM}.onnx with "
+            "decoder_model_merged.onnx, or with decoder_model.onnx and "
+            f"decoder_with_past_model.onnx, or their _quantized versions); its ONNX files: "
+            f"{_describe(onnx)}; top level: {_describe([p for p in files if '/' not in p])}"
+        )
+    if len(usable) > 1:
+        folders = [f"{f}/" if f else "(top level)" for f, _ in usable]
+        raise LayoutError(
+            f"{repo} holds {len(usable)} models, in {', '.join(folders)}: choose one with "
+            f"--subfolder, e.g. `models pull {repo} --subfolder {usable[0][0] or '.'}`"
+        )
+    folder, found = usable[0]
+    assert found is not None
+    decoder, variants = found
+    return RepoLayout(folder, _tokenizer_folder(repo, folder, present), decoder, variants)
+
+
+def _is_encoder(path: str) -> bool:
+    name = posixpath.basename(path)
+    return name in {f"{ENCODER_STEM}{suffix}.onnx" for suffix in VARIANT_SUFFIX.values()}
+
+
+def _decoder_and_variants(folder: str, present: set[str]) -> tuple[str, tuple[str, ...]] | None:
+    """The preferred decoder layout of a folder and its complete variants, if any."""
+    for decoder in DECODER_STEMS:
+        variants = tuple(
+            variant
+            for variant in VARIANT_SUFFIX
+            if all(posixpath.join(folder, n) in present for n in onnx_files(variant, decoder))
+        )
+        if variants:
+            return decoder, variants
+    return None
+
+
+def _tokenizer_folder(repo: str, onnx_folder: str, present: set[str]) -> str:
+    """The ONNX folder itself or the nearest folder above it that has the tokenizer files
+    (Optimum puts them one level above `onnx/`)."""
+    folder = onnx_folder
+    while True:
+        if all(posixpath.join(folder, name) in present for name in TOKENIZER_FILES):
+            return folder
+        if not folder:
+            break
+        folder = _folder(folder)
+    where = onnx_folder or "the top level"
+    found = sorted(p for p in present if posixpath.basename(p) in TOKENIZER_FILES)
+    raise LayoutError(
+        f"{repo} has ONNX files in {where} but no complete set of tokenizer files "
+        f"({', '.join(TOKENIZER_FILES)}) there or above; found: {_describe(found)}"
+    )
