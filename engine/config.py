@@ -9,7 +9,7 @@ prefixes the marker that tells them a source is an unfinished partial).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +60,11 @@ class ModelConfig:
     decoder_attention_heads: int
     max_position_embeddings: int
     max_length: int
-    num_beams: int = 1
     bad_token_ids: tuple[int, ...] = ()
     source_prefix: str = ""
     partial_suffix: str = ""
     source_lang: str | None = None
     target_lang: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def head_dim(self) -> int:
@@ -118,11 +116,9 @@ class ModelConfig:
             ),
             max_position_embeddings=max_pos,
             max_length=min(int(max_length), max_pos),
-            num_beams=int(pick("num_beams", 1) or 1),
             bad_token_ids=tuple(bad),
             source_prefix=str(project.get("source_prefix", "") or ""),
             partial_suffix=str(project.get("partial_suffix", "") or ""),
             source_lang=_lang_code(project.get("source_lang") or tokenizer.get("source_lang")),
             target_lang=_lang_code(project.get("target_lang") or tokenizer.get("target_lang")),
-            extra=project,
         )

@@ -175,15 +175,18 @@ def test_malformed_lines_name_the_line(tmp_path: Path) -> None:
     with pytest.raises(TranscriptLogError, match=r":2: missing field 'text'"):
         read_log(path)
 
-    for key, value, why in [
-        ("is_final", "no", "'is_final' must be true or false"),
-        ("seq", -1, "'seq' must be a non-negative integer"),
-        ("segment_id", True, "'segment_id' must be a non-negative integer"),
-        ("emit_ms", "soon", "'emit_ms' must be a finite number"),
-        ("type", "translation_update", "'type' must be 'partial_transcript'"),
-        ("end_ms", -5.0, "'end_ms' .* is before 'start_ms'"),
+    # The message fields are the protocol's checks (PartialTranscript), so a log is refused
+    # for exactly what replay would refuse, e.g. an empty final.
+    for changes, why in [
+        ({"is_final": "no"}, "is_final must be a boolean"),
+        ({"seq": -1}, "seq must be between 0 and"),
+        ({"segment_id": True}, "segment_id must be an integer"),
+        ({"emit_ms": "soon"}, "'emit_ms' must be a finite number"),
+        ({"type": "translation_update"}, "'type' must be 'partial_transcript'"),
+        ({"start_ms": 100.0, "end_ms": 50.0}, r"end_ms \(50.0\) is before start_ms"),
+        ({"is_final": True, "text": ""}, "text must not be empty in a final transcript"),
     ]:
-        bad = {**json.loads(good), key: value}
+        bad = {**json.loads(good), **changes}
         path.write_text(json.dumps(bad) + "\n", encoding="utf-8")
         with pytest.raises(TranscriptLogError, match=rf":1: {why}"):
             read_log(path)
@@ -197,7 +200,7 @@ def test_write_log_rejects_bad_lines_before_writing(tmp_path: Path) -> None:
     lines = generate_log(["a b"], "en")
     lines[1] = {**lines[1], "text": None}
     path = tmp_path / "out.jsonl"
-    with pytest.raises(TranscriptLogError, match=r"out\.jsonl:2: 'text' must be a string"):
+    with pytest.raises(TranscriptLogError, match=r"out\.jsonl:2: text must be a string"):
         write_log(path, lines)
     assert not path.exists()
 

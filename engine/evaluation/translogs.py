@@ -17,6 +17,7 @@ ASR delay); ``seq`` increases per stream across segments.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,10 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from engine.evaluation.units import Lang, is_cjk, normalize_lang, unit_spans
+from protocol import PartialTranscript
 
 PathLike = str | os.PathLike[str]
 
 MESSAGE_TYPE = "partial_transcript"
+_FIELDS = tuple(f.name for f in dataclasses.fields(PartialTranscript))
+_REQUIRED_FIELDS = tuple(
+    f.name for f in dataclasses.fields(PartialTranscript) if f.default is dataclasses.MISSING
+)
 
 
 class TranscriptLogError(ValueError):
@@ -238,31 +244,21 @@ def _is_number(value: object) -> bool:
 def validate_message(obj: object) -> dict[str, Any]:
     """Check one log line's shape; returns it typed as a dict or raises ValueError saying why.
 
-    ``start_ms``/``end_ms`` are optional (not every recogniser reports audio times);
-    extra keys are kept so that logs can carry annotations.
+    The message fields are checked by `protocol.PartialTranscript` itself, so a log is
+    refused here for exactly what the engine would refuse at replay. ``start_ms``/``end_ms``
+    are optional (not every recogniser reports audio times); ``emit_ms`` is required; other
+    keys are kept so that logs can carry annotations.
     """
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     if obj.get("type") != MESSAGE_TYPE:
         raise ValueError(f"'type' must be {MESSAGE_TYPE!r}, got {obj.get('type')!r}")
-    for key in ("stream_id", "segment_id", "seq", "text", "is_final", "emit_ms"):
+    for key in (*_REQUIRED_FIELDS, "emit_ms"):
         if key not in obj:
             raise ValueError(f"missing field {key!r}")
-    if not isinstance(obj["stream_id"], str) or not obj["stream_id"]:
-        raise ValueError("'stream_id' must be a non-empty string")
-    for key in ("segment_id", "seq"):
-        value = obj[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{key!r} must be a non-negative integer, got {value!r}")
-    if not isinstance(obj["text"], str):
-        raise ValueError("'text' must be a string")
-    if not isinstance(obj["is_final"], bool):
-        raise ValueError(f"'is_final' must be true or false, got {obj['is_final']!r}")
-    for key in ("emit_ms", "start_ms", "end_ms"):
-        if (key == "emit_ms" or key in obj) and not _is_number(obj[key]):
-            raise ValueError(f"{key!r} must be a finite number, got {obj[key]!r}")
-    if "start_ms" in obj and "end_ms" in obj and obj["end_ms"] < obj["start_ms"]:
-        raise ValueError(f"'end_ms' ({obj['end_ms']}) is before 'start_ms' ({obj['start_ms']})")
+    if not _is_number(obj["emit_ms"]):
+        raise ValueError(f"'emit_ms' must be a finite number, got {obj['emit_ms']!r}")
+    PartialTranscript(**{k: obj[k] for k in _FIELDS if k in obj})  # raises InvalidMessage
     return obj
 
 
