@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES
 from engine.errors import ModelLoadError
 from engine.hub import (
     CatalogError,
@@ -286,14 +287,7 @@ def fixture_repos() -> dict[str, dict[str, bytes]]:
     }
     onnx["config.json"] = (FIXTURE_MODEL / "config.json").read_bytes()
     tokenizer = {"README.md": b"fake Helsinki-NLP repo\n"}
-    for name in (
-        "config.json",
-        "generation_config.json",
-        "source.spm",
-        "target.spm",
-        "vocab.json",
-        "tokenizer_config.json",
-    ):
+    for name in (*TOKENIZER_FILES, *OPTIONAL_TOKENIZER_FILES):
         if (FIXTURE_MODEL / name).is_file():
             tokenizer[name] = (FIXTURE_MODEL / name).read_bytes()
     return {ONNX_REPO: onnx, TOKENIZER_REPO: tokenizer}
