@@ -10,6 +10,7 @@ import math
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, TextIO
@@ -18,11 +19,13 @@ import protocol
 from engine.decoding import DecodeOptions
 from engine.errors import EngineError
 from engine.evaluation.translogs import (
+    AsrStyle,
     TranscriptLogError,
     make_log_files,
     read_log,
     read_references,
     references_output_path,
+    source_revisions,
     write_log,
 )
 from engine.hub import resolve_model
@@ -45,6 +48,16 @@ def _positive_float(value: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
     if not (number > 0 and math.isfinite(number)):
         raise argparse.ArgumentTypeError("must be a positive number")
+    return number
+
+
+def _rate(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0.0 <= number <= 1.0:
+        raise argparse.ArgumentTypeError("must be between 0 and 1")
     return number
 
 
@@ -201,6 +214,13 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
 
 def run_logs_make(args: argparse.Namespace, stderr: TextIO) -> int:
+    style = AsrStyle.realistic() if args.realistic else AsrStyle()
+    style = replace(
+        style,
+        rewrite_rate=style.rewrite_rate if args.rewrite_rate is None else args.rewrite_rate,
+        lowercase=style.lowercase or args.lowercase,
+        punctuation=style.punctuation and not args.no_punctuation,
+    )
     segments = make_log_files(
         args.source,
         args.out,
@@ -208,12 +228,14 @@ def run_logs_make(args: argparse.Namespace, stderr: TextIO) -> int:
         references_path=args.references,
         limit=args.limit,
         seed=args.seed,
+        style=style,
     )
     lines = read_log(args.out)
     if lines and lines[0]["stream_id"] != args.stream_id:  # make_log_files writes "s1"
         write_log(args.out, [{**line, "stream_id": args.stream_id} for line in lines])
     refs = f", references in {references_output_path(args.out)}" if args.references else ""
     print(f"{args.out}: {segments} segments, {len(lines)} events{refs}", file=stderr)
+    print(f"  {source_revisions(lines, args.lang).format()}", file=stderr)
     return 0
 
 
@@ -323,6 +345,21 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--limit", type=_non_negative, default=None, help="first N lines only")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--stream-id", type=_stream_id, default="s1")
+    make.add_argument(
+        "--realistic",
+        action="store_true",
+        help="like a real streaming recogniser: rewrites words it already showed (about 40%% "
+        "of changes), finals that differ from the last partial, lowercase, no punctuation",
+    )
+    make.add_argument(
+        "--rewrite-rate",
+        type=_rate,
+        default=None,
+        metavar="P",
+        help="chance per partial that shown words are rewritten (--realistic: 0.3)",
+    )
+    make.add_argument("--lowercase", action="store_true", help="lowercase text")
+    make.add_argument("--no-punctuation", action="store_true", help="drop punctuation")
     merge = log_commands.add_parser(
         "merge",
         help="interleave logs of different streams by emit time",

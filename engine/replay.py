@@ -39,7 +39,14 @@ from engine.evaluation.metrics import (
     segment_audio_span,
     simulated_done_times,
 )
-from engine.evaluation.translogs import PathLike, TranscriptLogError, read_log, read_references
+from engine.evaluation.translogs import (
+    PathLike,
+    SourceRevisions,
+    TranscriptLogError,
+    read_log,
+    read_references,
+    source_revisions,
+)
 from engine.streaming import IncrementalTranslator, StreamingOptions, normalize_source
 from engine.translator import Translator
 from protocol import (
@@ -131,6 +138,7 @@ class ReplayResult:
     wall_s: float
     emit_span_ms: float
     settings: Mapping[str, Any]
+    source: SourceRevisions | None = None  # how the log's partials changed (the input side)
 
     @property
     def latencies_ms(self) -> list[float]:
@@ -170,6 +178,7 @@ class ReplayResult:
             "emit_span_ms": self.emit_span_ms,
             "wall_rtf": self.wall_rtf,
             "refused": [asdict(r) for r in self.refused],
+            "source": None if self.source is None else asdict(self.source),
             "report": self.report.to_dict(per_segment=True),
         }
 
@@ -205,6 +214,8 @@ class ReplayResult:
         width = max(len(name) for name, _ in rows)
         lines = [header, "", self.report.format_table(), ""]
         lines += [f"{name:<{width}}  {value}" for name, value in rows]
+        if self.source is not None:
+            lines.append(f"{'source (the log)':<{width}}  {self.source.format()}")
         for r in self.refused[:10]:
             lines.append(f"refused event {r.event} ({r.stream_id} seq {r.seq}): {r.message}")
         if len(self.refused) > 10:
@@ -500,6 +511,7 @@ async def replay_async(
         wall_s=run.wall_s,
         emit_span_ms=max(emits) - min(emits) if emits else 0.0,
         settings=_settings(options),
+        source=source_revisions(lines, translator.config.source_lang) if lines else None,
     )
 
 

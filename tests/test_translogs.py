@@ -16,15 +16,19 @@ from engine.evaluation.metrics import (
     segment_audio_span,
 )
 from engine.evaluation.translogs import (
+    AsrStyle,
     TranscriptLogError,
     generate_log,
     make_log_files,
     read_log,
     read_references,
     references_output_path,
+    source_revisions,
+    validate_message,
     write_log,
 )
 from engine.evaluation.units import split_units
+from tests.conftest import FIXTURE_DIR, ROOT
 
 EN = [
     "I will go home now.",
@@ -288,3 +292,58 @@ def test_metrics_on_a_generated_log() -> None:
     assert echo.update_latency_p50_ms == pytest.approx(50.0)
     assert echo.laal_ms is not None and batch.laal_ms is not None
     assert echo.laal_ms < batch.laal_ms
+
+
+# -- recogniser-style logs -------------------------------------------------------------
+
+
+def _line(seg: int, seq: int, text: str, final: bool = False) -> dict[str, Any]:
+    return {"stream_id": "s", "segment_id": seg, "seq": seq, "text": text, "is_final": final}
+
+
+def test_source_revisions_tell_extensions_from_rewrites() -> None:
+    lines = [
+        _line(0, 0, "my"),
+        _line(0, 1, "mike"),  # rewrites 1 shown word
+        _line(0, 2, "mike ev"),
+        _line(0, 3, "mike every"),  # completes a word heard in part: not a rewrite
+        _line(0, 4, "mike every"),  # unchanged: not a change
+        _line(0, 5, "my father every", final=True),  # the final rewrites "mike"
+        _line(1, 6, "tom reads a book"),
+        _line(1, 7, "tom read", final=True),  # drops "a book" and alters "reads": 3 units
+    ]
+    stats = source_revisions(lines, "en")
+    assert (stats.segments, stats.changes, stats.revising_changes) == (2, 5, 3)
+    assert stats.revised_units == 1 + 1 + 3
+    assert stats.finals_differing == 2
+
+
+def test_default_style_reproduces_the_committed_log() -> None:
+    """The ASR style is off by default: the committed fixture log is still what it makes."""
+    committed = read_log(ROOT / "examples" / "logs" / "fixture_en_zh.jsonl")
+    rows = (FIXTURE_DIR / "heldout.tsv").read_text(encoding="utf-8").splitlines()
+    segments = len({line["segment_id"] for line in committed})
+    sources = [row.split("\t")[0] for row in rows][:segments]
+    assert generate_log(sources, "en") == committed
+
+
+def test_realistic_style_rewrites_shown_words_like_a_recogniser() -> None:
+    rows = (FIXTURE_DIR / "heldout.tsv").read_text(encoding="utf-8").splitlines()
+    sources = [row.split("\t")[0] for row in rows]
+    lines = generate_log(sources, "en", seed=3, style=AsrStyle.realistic())
+    finals = [line["text"] for line in lines if line["is_final"]]
+    assert finals == [" ".join(s.lower().split()) for s in sources]  # finals are right
+    assert all(line["text"] == line["text"].lower() for line in lines)
+    stats = source_revisions(lines, "en")
+    assert stats.revising_share is not None and 0.3 <= stats.revising_share <= 0.5
+    assert 0.3 * len(sources) <= stats.finals_differing <= 0.6 * len(sources)
+    assert 1.0 <= stats.revised_units / stats.revising_changes <= 1.6
+    plain = source_revisions(generate_log(sources, "en", seed=3), "en")
+    assert plain.finals_differing == 0 and (plain.revising_share or 0) < 0.15
+    for line in lines:
+        validate_message(line)  # every line is a valid protocol message
+
+
+def test_style_drops_punctuation_in_chinese_too() -> None:
+    lines = generate_log(["你好，世界。", "今天很好！"], "zh", style=AsrStyle(punctuation=False))
+    assert [line["text"] for line in lines if line["is_final"]] == ["你好世界", "今天很好"]

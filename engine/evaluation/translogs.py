@@ -18,11 +18,14 @@ ASR delay); ``seq`` increases per stream across segments.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
 import random
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +117,61 @@ def _chunk_sizes(n_units: int, lang: Lang, rng: random.Random) -> list[int]:
     return sizes
 
 
+FIX_SHARE = 0.8
+"""Of the rewrites made while some shown units are wrong, the share that hears them right."""
+
+
+def _rewrite(
+    rewritten: dict[int, str],
+    units: Sequence[str],
+    shown: int,
+    lang: Lang,
+    vocab: _Vocabulary,
+    style: AsrStyle,
+    rng: random.Random,
+) -> None:
+    """Rewrite units already shown (see ``AsrStyle``): hear some wrong ones right again, or
+    mishear 1..max_rewritten consecutive ones among the last ``window`` shown."""
+    if rewritten and rng.random() < FIX_SHARE:
+        for i in rng.sample(sorted(rewritten), rng.randint(1, len(rewritten))):
+            del rewritten[i]
+        return
+    count = 1
+    while count < style.max_rewritten and rng.random() < 0.35:
+        count += 1
+    first = rng.randint(max(0, shown - style.window), shown - 1)
+    for i in range(first, min(shown, first + count)):
+        if i > first and lang == "en" and rng.random() < 0.3:
+            rewritten[i] = ""  # merged into the misheard unit before it
+            continue
+        # A whole shown word is misheard as another word, never as part of one.
+        if lang == "zh" and _is_ideograph_unit(units[i]):
+            wrong = vocab.other_char(units[i], rng)
+        else:
+            wrong = vocab.similar_word(units[i], rng) if lang == "en" else None
+        if wrong is not None:
+            rewritten[i] = wrong
+
+
+def _shown_text(
+    text: str,
+    spans: Sequence[tuple[int, int]],
+    rewritten: Mapping[int, str],
+    n: int,
+    last: str | None = None,
+) -> str:
+    """The first n units of ``text`` as the recogniser shows them: its rewritten units in
+    place (``""``: merged away), and ``last`` instead of unit n when given."""
+    pieces = []
+    for i in range(n):
+        a, b = spans[i]
+        unit = last if last is not None and i == n - 1 else rewritten.get(i, text[a:b])
+        if unit:
+            pieces.append(text[spans[i - 1][1] : a] if i else "")
+            pieces.append(unit)
+    return "".join(pieces).strip()
+
+
 def _check_rate(name: str, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value}")
@@ -123,6 +181,63 @@ def _check_range(name: str, value: tuple[float, float]) -> None:
     lo, hi = value
     if not (0.0 <= lo <= hi and math.isfinite(hi)):
         raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {value}")
+
+
+@dataclass(frozen=True)
+class AsrStyle:
+    """What a recogniser does to its partials beyond revealing the words as they are spoken.
+
+    Real streaming recognisers rewrite words they already showed (in a pocketsphinx run on
+    synthetic speech, 43% of partial changes altered or removed 1.3 shown words on average,
+    up to 6, and the final differed from the last partial in 13 of 30 segments), and many
+    (Vosk, Kaldi, pocketsphinx) emit lowercase text without punctuation.
+
+    - ``rewrite_rate``: chance, per partial after the first, that words already shown are
+      rewritten: misheard (1 to ``max_rewritten`` consecutive units among the last
+      ``window`` shown, a unit sometimes merging into its neighbour as "My father" -> "Mike"
+      does) or, when some are wrong, heard right again. Wrong units that are never heard
+      right again are corrected only by the final, unless (``settle_rate``) the recogniser
+      re-decodes the segment at its end and shows it right in a last partial.
+    - ``lowercase`` / ``punctuation``: the text's casing and punctuation (finals included).
+    """
+
+    rewrite_rate: float = 0.0
+    settle_rate: float = 0.25
+    max_rewritten: int = 3
+    window: int = 6
+    lowercase: bool = False
+    punctuation: bool = True
+
+    @classmethod
+    def realistic(cls) -> AsrStyle:
+        """Rates like the recogniser measured above (see ``source_revisions``)."""
+        return cls(rewrite_rate=0.3, lowercase=True, punctuation=False)
+
+    def __post_init__(self) -> None:
+        _check_rate("rewrite_rate", self.rewrite_rate)
+        _check_rate("settle_rate", self.settle_rate)
+        if self.max_rewritten < 1 or self.window < 1:
+            raise ValueError("max_rewritten and window must be at least 1")
+
+    def render(self, text: str) -> str:
+        """The text as the recogniser writes it (casing, punctuation), spacing normalised."""
+        if not self.punctuation:
+            # Recognisers write no punctuation but keep a word's apostrophe ("don't"); a
+            # mark between words becomes a space, except next to Chinese (no spaces there).
+            chars = [
+                ch
+                if not unicodedata.category(ch).startswith("P")
+                or (ch in "'\u2019" and 0 < i < len(text) - 1 and text[i - 1].isalpha()
+                    and text[i + 1].isalpha())
+                else " "
+                for i, ch in enumerate(text)
+            ]
+            words = "".join(chars).split()
+            text = "".join(
+                (" " if i and not (is_cjk(words[i - 1][-1]) or is_cjk(word[0])) else "") + word
+                for i, word in enumerate(words)
+            )
+        return text.lower() if self.lowercase else text
 
 
 def generate_log(
@@ -140,6 +255,7 @@ def generate_log(
     final_delay_ms: tuple[float, float] = (250.0, 500.0),
     pause_ms: tuple[float, float] = (300.0, 900.0),
     start_ms: float = 0.0,
+    style: AsrStyle = AsrStyle(),
 ) -> list[dict[str, Any]]:
     """Transcript-log lines for ``sources`` (one segment each), deterministic for ``seed``.
 
@@ -154,6 +270,8 @@ def generate_log(
       ``1 +- jitter`` (punctuation a quarter); ``emit_ms = end_ms + U(asr_delay_ms)``, the
       final comes ``U(final_delay_ms)`` after the segment's audio end (endpointing) and
       segments are separated by ``U(pause_ms)`` of silence, all on one clock.
+    - ``style``: rewrites of words already shown, casing and punctuation (``AsrStyle``); the
+      default changes nothing (the same lines as before it existed, for a seed).
     """
     target: Lang = normalize_lang(lang)
     _check_rate("revision_rate", revision_rate)
@@ -173,7 +291,7 @@ def generate_log(
             raise ValueError(f"source {i} is empty: every segment needs some text")
 
     rng = random.Random(seed)
-    vocab = _Vocabulary(sources, target)
+    vocab = _Vocabulary([style.render(s) for s in sources], target)
     lines: list[dict[str, Any]] = []
     seq = 0
     last_emit = -math.inf
@@ -200,7 +318,9 @@ def generate_log(
         seq += 1
 
     for segment_id, raw in enumerate(sources):
-        text = raw.strip()
+        text = style.render(raw.strip())
+        if not text:
+            raise ValueError(f"source {segment_id} has no words once rendered as ASR text")
         spans = unit_spans(text, target)
         units = [text[a:b] for a, b in spans]
         ends: list[float] = []
@@ -211,7 +331,10 @@ def generate_log(
             ends.append(t)
         seg_start, seg_end = clock, t
         shown = 0
+        rewritten: dict[int, str] = {}  # unit index -> what is shown instead ("" merged away)
         for size in _chunk_sizes(len(units), target, rng):
+            if style.rewrite_rate and shown and rng.random() < style.rewrite_rate:
+                _rewrite(rewritten, units, shown, target, vocab, style, rng)
             shown += size
             end = ends[shown - 1]
             wrong = None
@@ -222,15 +345,102 @@ def generate_log(
                 # rest of it produces the corrected partial.
                 unit_start = ends[shown - 2] if shown >= 2 else seg_start
                 guess_end = unit_start + rng.uniform(0.5, 0.8) * (end - unit_start)
-                emit(segment_id, text[: spans[shown - 1][0]] + wrong, False, seg_start, guess_end)
-            emit(segment_id, text[: spans[shown - 1][1]], False, seg_start, end)
+                guess = (
+                    _shown_text(text, spans, rewritten, shown, wrong)
+                    if rewritten
+                    else text[: spans[shown - 1][0]] + wrong
+                )
+                emit(segment_id, guess, False, seg_start, guess_end)
+            current = (
+                _shown_text(text, spans, rewritten, shown)
+                if rewritten
+                else text[: spans[shown - 1][1]]
+            )
+            emit(segment_id, current, False, seg_start, end)
             if rng.random() < repeat_rate:
                 next_end = ends[shown] if shown < len(units) else seg_end
                 later = end + rng.uniform(0.3, 0.7) * (next_end - end)
-                emit(segment_id, text[: spans[shown - 1][1]], False, seg_start, later)
+                emit(segment_id, current, False, seg_start, later)
+        if rewritten and rng.random() < style.settle_rate:
+            emit(segment_id, text, False, seg_start, seg_end)
         emit(segment_id, text, True, seg_start, seg_end)
         clock = seg_end + rng.uniform(*pause_ms)
     return lines
+
+
+@dataclass(frozen=True)
+class SourceRevisions:
+    """How a log's partials change, seen from the source side (what the recogniser did).
+
+    A change is two consecutive messages of a segment (the final included) with different
+    text. It *revises* shown words when the earlier text is not a prefix of the later one
+    unit by unit, allowing its last unit to be completed ("dr" -> "draw" is still being
+    heard, not revised); ``revised_units`` counts the units of the earlier text that the
+    later one alters or drops (on a unit alignment).
+    """
+
+    segments: int
+    changes: int
+    revising_changes: int
+    revised_units: int
+    finals_differing: int  # segments whose final is not the text of their last partial
+
+    @property
+    def revising_share(self) -> float | None:
+        return self.revising_changes / self.changes if self.changes else None
+
+    def format(self) -> str:
+        share = self.revising_share
+        mean = self.revised_units / self.revising_changes if self.revising_changes else 0.0
+        return (
+            f"{self.changes} source changes, {self.revising_changes} revising shown units "
+            f"({'-' if share is None else f'{share:.0%}'}, {mean:.1f} units each); "
+            f"{self.finals_differing}/{self.segments} finals differ from their last partial"
+        )
+
+
+def _revised_units(old: str, new: str, lang: Lang | None) -> int:
+    """Units of ``old`` that ``new`` alters or drops (0 when it only extends it), counted
+    on a unit alignment (difflib), so one misheard word early on counts once."""
+    before = [old[a:b] for a, b in unit_spans(old, lang)]
+    after = [new[a:b] for a, b in unit_spans(new, lang)]
+    same = 0
+    while same < min(len(before), len(after)) and before[same] == after[same]:
+        same += 1
+    if same == len(before):
+        return 0
+    if same == len(before) - 1 and len(after) > same and after[same].startswith(before[same]):
+        return 0  # the last unit was only heard in part
+    matcher = difflib.SequenceMatcher(a=before, b=after, autojunk=False)
+    kept = sum(block.size for block in matcher.get_matching_blocks())
+    return max(1, len(before) - kept)
+
+
+def source_revisions(
+    lines: Sequence[Mapping[str, Any]], lang: str | None = None
+) -> SourceRevisions:
+    """``SourceRevisions`` of a transcript log (any number of streams); ``lang`` None
+    guesses each text's language."""
+    target = normalize_lang(lang) if lang else None
+    last: dict[tuple[str, int], str] = {}
+    last_partial: dict[tuple[str, int], str | None] = {}
+    changes = revising = units = differing = 0
+    for line in lines:
+        key = (str(line["stream_id"]), int(line["segment_id"]))
+        text = str(line["text"])
+        previous = last.get(key)
+        if previous is not None and previous != text:
+            changes += 1
+            revised = _revised_units(previous, text, target)
+            revising += revised > 0
+            units += revised
+        last[key] = text
+        if line["is_final"]:
+            partial = last_partial.get(key)
+            differing += partial is not None and partial != text
+        else:
+            last_partial[key] = text
+    return SourceRevisions(len(last), changes, revising, units, differing)
 
 
 # ---------------------------------------------------------------------------------------
@@ -330,6 +540,7 @@ def make_log_files(
     references_path: PathLike | None = None,
     limit: int | None = None,
     seed: int = 0,
+    style: AsrStyle = AsrStyle(),
 ) -> int:
     """Write a synthetic transcript log for the first ``limit`` lines of ``source_path``.
 
@@ -353,7 +564,7 @@ def make_log_files(
                 f"{len(sources)} source lines in {source_path}"
             )
     chosen = sources if limit is None else sources[:limit]
-    write_log(out_path, generate_log(chosen, lang, seed=seed))
+    write_log(out_path, generate_log(chosen, lang, seed=seed, style=style))
     if references is not None:
         ref_out = references_output_path(out_path)
         ref_out.write_text("".join(r + "\n" for r in references[: len(chosen)]), encoding="utf-8")
