@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.languages import base_lang
 
 # A model directory's files besides its ONNX files, in one table for everything that
 # handles them: the loader reads them, `models pull` fetches them from the tokenizer repo,
@@ -42,9 +43,7 @@ def _lang_code(code: object) -> str | None:
     """Map OPUS/ISO codes ('zho', 'cmn_Hans', 'eng') to the short codes used for units."""
     if not isinstance(code, str) or not code:
         return None
-    base = code.lower().split("_")[0].split("-")[0]
-    aliases = {"zho": "zh", "cmn": "zh", "yue": "zh", "wuu": "zh", "eng": "en"}
-    return aliases.get(base, base)
+    return base_lang(code)
 
 
 @dataclass(frozen=True)

@@ -12,65 +12,23 @@ from __future__ import annotations
 
 from typing import Literal
 
+from engine.languages import base_lang, is_cjk, is_ideograph
+
+__all__ = ["Lang", "guess_lang", "is_cjk", "normalize_lang", "split_units", "unit_spans"]
+
 Lang = Literal["en", "zh"]
-
-_LANG_ALIASES: dict[str, Lang] = {
-    "en": "en",
-    "eng": "en",
-    "english": "en",
-    "zh": "zh",
-    "zho": "zh",
-    "cmn": "zh",
-    "chi": "zh",
-    "chinese": "zh",
-}
-
-# Ideographs, kana, hangul, CJK symbols/punctuation and full-width forms: each is one unit.
-_CJK_RANGES: tuple[tuple[int, int], ...] = (
-    (0x2E80, 0x2FDF),  # radicals
-    (0x3000, 0x303F),  # CJK symbols and punctuation
-    (0x3040, 0x30FF),  # hiragana, katakana
-    (0x3100, 0x31BF),  # bopomofo
-    (0x3400, 0x4DBF),  # extension A
-    (0x4E00, 0x9FFF),  # unified ideographs
-    (0xAC00, 0xD7AF),  # hangul syllables
-    (0xF900, 0xFAFF),  # compatibility ideographs
-    (0xFE30, 0xFE4F),  # compatibility forms (vertical punctuation)
-    (0xFF00, 0xFFEF),  # half-width and full-width forms
-    (0x20000, 0x3134F),  # extensions B..H
-)
-
-# Only ideographs vote for "this text is Chinese"; shared punctuation must not.
-_IDEOGRAPH_RANGES: tuple[tuple[int, int], ...] = (
-    (0x3400, 0x4DBF),
-    (0x4E00, 0x9FFF),
-    (0xF900, 0xFAFF),
-    (0x20000, 0x3134F),
-)
-
 
 def normalize_lang(lang: str) -> Lang:
     """Map a language code (``en``, ``eng_Latn``, ``zh-CN``, ``cmn_Hans``...) to ``en``/``zh``.
 
     Raises ValueError for anything else so that a typo does not silently change the units.
     """
-    key = lang.strip().lower().replace("-", "_").split("_", 1)[0]
-    try:
-        return _LANG_ALIASES[key]
-    except KeyError:
-        raise ValueError(
-            f"unsupported language {lang!r}: expected one of en/eng or zh/zho/cmn"
-        ) from None
-
-
-def _in_ranges(ch: str, ranges: tuple[tuple[int, int], ...]) -> bool:
-    cp = ord(ch)
-    return any(lo <= cp <= hi for lo, hi in ranges)
-
-
-def is_cjk(ch: str) -> bool:
-    """True for a character that is a unit of its own in Chinese text (ideograph, CJK mark)."""
-    return _in_ranges(ch, _CJK_RANGES)
+    base = base_lang(lang)
+    if base == "en":
+        return "en"
+    if base == "zh":
+        return "zh"
+    raise ValueError(f"unsupported language {lang!r}: expected one of en/eng or zh/zho/cmn")
 
 
 def guess_lang(text: str, *, threshold: float = 0.3) -> Lang:
@@ -82,7 +40,7 @@ def guess_lang(text: str, *, threshold: float = 0.3) -> Lang:
     chars = [ch for ch in text if not ch.isspace()]
     if not chars:
         return "en"
-    ideographs = sum(1 for ch in chars if _in_ranges(ch, _IDEOGRAPH_RANGES))
+    ideographs = sum(1 for ch in chars if is_ideograph(ch))
     return "zh" if ideographs / len(chars) >= threshold else "en"
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.decoding import DecodeOptions
 from engine.errors import InputTooLongError
+from engine.languages import is_cjk
 from engine.runtime import EncoderOutput
 from engine.streaming.policies import LocalAgreement, Policy
 from engine.translator import Translator
@@ -66,20 +67,9 @@ class StreamingOptions:
         return self.decode
 
 
-def _is_cjk(ch: str) -> bool:
-    o = ord(ch)
-    return (
-        0x2E80 <= o <= 0x9FFF
-        or 0xAC00 <= o <= 0xD7AF
-        or 0xF900 <= o <= 0xFAFF
-        or 0xFF00 <= o <= 0xFFEF
-        or 0x20000 <= o <= 0x3FFFF
-    )
-
-
 def _word_char(ch: str) -> bool:
     """A character that belongs to a space-delimited word (CJK characters stand alone)."""
-    return ch.isalnum() and not _is_cjk(ch)
+    return ch.isalnum() and not is_cjk(ch)
 
 
 def _is_byte_piece(piece: str) -> bool:
