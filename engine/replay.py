@@ -419,21 +419,23 @@ def _traces(
                 compute_ms=u.compute_ms,
             )
         )
-    traces = []
-    for key in segment_order(lines):
-        start, end = segment_audio_span(partials[key])
-        traces.append(
-            SegmentTrace(
-                updates=points.get(key, []),
-                audio_start_ms=start,
-                audio_end_ms=end,
-                source_lang=src_lang,
-                target_lang=tgt_lang,
-                stream_id=key[0],
-                segment_id=key[1],
-            )
+    spans = {key: segment_audio_span(partials[key]) for key in segment_order(lines)}
+    recording_end: dict[str, float] = {}  # a stream's recording ends with its last segment
+    for (stream, _), (_, end) in spans.items():
+        recording_end[stream] = max(end, recording_end.get(stream, end))
+    return [
+        SegmentTrace(
+            updates=points.get(key, []),
+            audio_start_ms=start,
+            audio_end_ms=end,
+            source_lang=src_lang,
+            target_lang=tgt_lang,
+            stream_id=key[0],
+            segment_id=key[1],
+            recording_end_ms=recording_end[key[0]],
         )
-    return traces
+        for key, (start, end) in spans.items()
+    ]
 
 
 def _check_finals(

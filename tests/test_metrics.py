@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -25,6 +26,7 @@ from engine.evaluation.metrics import (
     simulated_done_times,
     unit_delays,
     update_compute_ms,
+    yet_another_average_lagging,
 )
 from engine.evaluation.units import count_units, guess_lang, normalize_lang, split_units
 
@@ -142,6 +144,52 @@ def test_perfectly_simultaneous_policy_lags_zero() -> None:
     assert differentiable_average_lagging([0, 1, 2, 3], 4) == pytest.approx(0.0)
     # wait-1 (one unit out per unit read) is one unit behind the diagonal
     assert average_lagging([1, 2, 3, 4], 4) == pytest.approx(1.0)
+
+
+def test_yaal_and_long_yaal_by_hand() -> None:
+    d = [2.0, 3.0, 4.0, 4.0]  # |X| = 4, |Y| = 4, |Y*| = 5: gamma = 5/4, 1/gamma = 0.8
+    # YAAL counts only units before the source ended (d < 4): (2 - 0) + (3 - 0.8) = 4.2
+    assert yet_another_average_lagging(d, 4, 5) == pytest.approx(4.2 / 2)
+    # LAAL also counts the first unit at the end: 4.2 + (4 - 1.6) = 6.6 -> 2.2
+    assert length_adaptive_average_lagging(d, 4, 5) == pytest.approx(2.2)
+    # LongYAAL counts until the recording ends (here 4.5 after this segment's start):
+    #   4.2 + (4 - 1.6) + (4 - 2.4) = 8.2 over 4 units
+    assert yet_another_average_lagging(d, 4, 5, cutoff=4.5) == pytest.approx(8.2 / 4)
+    # A segment with nothing out before its end is left out, not scored.
+    assert yet_another_average_lagging([4.0, 4.0], 4) is None
+    # ...unless long-form: gamma = 2/4, (4 - 0) + (4 - 2) = 6 over 2 units
+    assert yet_another_average_lagging([4.0, 4.0], 4, cutoff=5.0) == pytest.approx(3.0)
+
+
+def test_yaal_agrees_with_omnisteval() -> None:
+    """OmniSTEval's own scorer on the same delays (short- and long-form)."""
+    scoring = pytest.importorskip("omnisteval.scoring")
+    from omnisteval.data import Instance
+
+    cases = [
+        ([0.5, 1.0, 2.5, 4.0, 4.0], 4.0, 6, None),
+        ([1200.0, 1900.0, 2600.0, 3100.0], 3000.0, 3, 5000.0),
+        ([300.0, 300.0, 2000.0], 1800.0, 4, 2500.0),
+        ([2500.0, 2600.0], 2000.0, 2, 9000.0),
+    ]
+    for delays, source_len, ref_len, recording_end in cases:
+        instance = Instance(
+            prediction="x",
+            reference="x" * ref_len,
+            latency_unit="char",
+            source_length=source_len,
+            emission_cu=list(delays),
+            time_to_recording_end=recording_end,
+        )
+        short = scoring.YAALScorer(is_longform=False).compute(instance)
+        long = scoring.YAALScorer(is_longform=True).compute(instance)
+        cutoff = math.inf if recording_end is None else recording_end
+        assert yet_another_average_lagging(delays, source_len, ref_len) == (
+            pytest.approx(short) if short is not None else None
+        )
+        assert yet_another_average_lagging(delays, source_len, ref_len, cutoff=cutoff) == (
+            pytest.approx(long) if long is not None else None
+        )
 
 
 def test_undefined_lagging_is_none() -> None:

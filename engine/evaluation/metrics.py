@@ -71,6 +71,7 @@ class SegmentTrace:
     reference: str | None = None
     stream_id: str = ""
     segment_id: int = 0
+    recording_end_ms: float | None = None  # end of the stream's audio (for LongYAAL)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,11 @@ class SegmentMetrics:
     dal_stable: float | None
     laal_ms: float | None
     laal_ms_stable: float | None
+    yaal: float | None
+    yaal_stable: float | None
+    yaal_ms: float | None
+    long_yaal_ms: float | None
+    long_yaal_ms_stable: float | None
     erased_units: int
     normalized_erasure: float | None
     early_stable: bool
@@ -206,6 +212,36 @@ def length_adaptive_average_lagging(
     earning a lower lag; without a reference ``|Y*| = |Y|`` and LAAL equals AL.
     """
     return _lagging(delays, source_len, max(len(delays), reference_len or 0))
+
+
+def yet_another_average_lagging(
+    delays: Sequence[float],
+    source_len: float,
+    reference_len: int | None = None,
+    *,
+    cutoff: float | None = None,
+) -> float | None:
+    """YAAL (Polák et al. 2025, "Better Late Than Never", arXiv 2509.17349), as OmniSTEval
+    computes it: LAAL's ``gamma = max(|Y|, |Y*|)/|X|``, but only units emitted *before* the
+    source ended count (LAAL also counts the first one after), and a segment whose first
+    unit came after it is left out (``None``) rather than scored.
+
+    LongYAAL (``cutoff``): for long-form speech the output of one segment may lawfully come
+    while the next is spoken, so units count until ``cutoff`` (the end of the whole
+    recording, measured from this segment's start) instead of until the segment's end.
+    """
+    if not delays or source_len <= 0:
+        return None
+    end = source_len if cutoff is None else cutoff
+    if delays[0] >= end:
+        return None
+    gamma = max(len(delays), reference_len or 0) / source_len
+    terms = []
+    for i, d in enumerate(delays):
+        if d >= end:
+            break
+        terms.append(d - i / gamma)
+    return sum(terms) / len(terms)
 
 
 def differentiable_average_lagging(delays: Sequence[float], source_len: float) -> float | None:
@@ -371,7 +407,8 @@ def segment_metrics(trace: SegmentTrace, reference: str | None = None) -> Segmen
         return SegmentMetrics(
             stream_id=trace.stream_id, segment_id=trace.segment_id, updates=0,
             source_units=0, target_units=0, al=None, laal=None, dal=None, al_stable=None,
-            laal_stable=None, dal_stable=None, laal_ms=None, laal_ms_stable=None,
+            laal_stable=None, dal_stable=None, laal_ms=None, laal_ms_stable=None, yaal=None,
+            yaal_stable=None, yaal_ms=None, long_yaal_ms=None, long_yaal_ms_stable=None,
             erased_units=0, normalized_erasure=None, early_stable=False, revised_final=False,
             stable_retractions=0, audio_ms=audio_ms, compute_ms=0.0,
         )  # fmt: skip
@@ -397,6 +434,9 @@ def segment_metrics(trace: SegmentTrace, reference: str | None = None) -> Segmen
     d_stable = unit_delays(stable_outputs, reads)
     d_ms = unit_delays(shown, reads_ms)
     d_ms_stable = unit_delays(stable_outputs, reads_ms)
+    # LongYAAL counts output until the recording ends (without end: all of it).
+    end = trace.recording_end_ms
+    recording = math.inf if end is None else end - trace.audio_start_ms
 
     non_final = stable[:-1]
     retractions = sum(1 for prev, cur in pairwise(non_final) if not _prefix_of(prev, cur))
@@ -415,6 +455,13 @@ def segment_metrics(trace: SegmentTrace, reference: str | None = None) -> Segmen
         dal_stable=differentiable_average_lagging(d_stable, source_len),
         laal_ms=length_adaptive_average_lagging(d_ms, audio_ms, ref_len),
         laal_ms_stable=length_adaptive_average_lagging(d_ms_stable, audio_ms, ref_len),
+        yaal=yet_another_average_lagging(d_shown, source_len, ref_len),
+        yaal_stable=yet_another_average_lagging(d_stable, source_len, ref_len),
+        yaal_ms=yet_another_average_lagging(d_ms, audio_ms, ref_len),
+        long_yaal_ms=yet_another_average_lagging(d_ms, audio_ms, ref_len, cutoff=recording),
+        long_yaal_ms_stable=yet_another_average_lagging(
+            d_ms_stable, audio_ms, ref_len, cutoff=recording
+        ),
         erased_units=erased_units(shown),
         normalized_erasure=normalized_erasure(shown),
         early_stable=any(non_final),
@@ -470,6 +517,11 @@ class StreamingReport:
     rtf: float | None
     bleu: float | None = None
     chrf: float | None = None
+    yaal: float | None = None
+    yaal_stable: float | None = None
+    yaal_ms: float | None = None
+    long_yaal_ms: float | None = None
+    long_yaal_ms_stable: float | None = None
     per_segment: tuple[SegmentMetrics, ...] = field(default=(), repr=False)
 
     def to_dict(self, *, per_segment: bool = False) -> dict[str, Any]:
@@ -504,6 +556,12 @@ class StreamingReport:
             ("DAL (stable, units)", num(self.dal_stable)),
             ("LAAL compute-aware (displayed, ms)", num(self.laal_ms, 0)),
             ("LAAL compute-aware (stable, ms)", num(self.laal_ms_stable, 0)),
+            ("YAAL (displayed / stable, units)", f"{num(self.yaal)} / {num(self.yaal_stable)}"),
+            ("YAAL compute-aware (displayed, ms)", num(self.yaal_ms, 0)),
+            (
+                "LongYAAL compute-aware (displayed / stable, ms)",
+                f"{num(self.long_yaal_ms, 0)} / {num(self.long_yaal_ms_stable, 0)}",
+            ),
             ("erased units", str(self.erased_units)),
             ("normalized erasure", num(self.normalized_erasure, 3)),
             ("segments with stable text before final", str(self.segments_with_early_stable)),
@@ -579,5 +637,10 @@ def build_report(
         rtf=real_time_factor(compute, audio),
         bleu=bleu,
         chrf=chrf,
+        yaal=_mean([s.yaal for s in segs]),
+        yaal_stable=_mean([s.yaal_stable for s in segs]),
+        yaal_ms=_mean([s.yaal_ms for s in segs]),
+        long_yaal_ms=_mean([s.long_yaal_ms for s in segs]),
+        long_yaal_ms_stable=_mean([s.long_yaal_ms_stable for s in segs]),
         per_segment=segs,
     )
