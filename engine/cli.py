@@ -168,6 +168,7 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     Inputs are read before the model is loaded, so a bad log fails fast.
     """
     # Imported here so that `translate` does not pay for the anyio/tqdm imports.
+    from engine.evaluation.peers import write_simuleval, write_simulstream
     from engine.replay import ReplayOptions, replay, segment_order
     from engine.streaming import StreamingOptions, parse_policy
 
@@ -203,6 +204,17 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         result = replay(translator, lines, options, references=references, on_update=write)
         out.flush()
     print(result.format_table(), file=stderr)
+    config = translator.config
+    if args.simuleval:
+        write_simuleval(
+            args.simuleval,
+            result.report,
+            result.references,
+            source_lang=config.source_lang,
+            target_lang=config.target_lang,
+        )
+    if args.simulstream:
+        write_simulstream(args.simulstream, result.traces, target_lang=config.target_lang)
     if args.report:
         data = result.to_dict()
         data["settings"] = {"model": args.model, "log": args.log, **data["settings"]}
@@ -319,6 +331,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("--out", help="write updates here instead of stdout")
     rep.add_argument("--report", help="write the metrics as JSON here")
+    rep.add_argument(
+        "--simuleval",
+        metavar="DIR",
+        help="write SimulEval's instances.log and config.yaml here (simuleval --score-only "
+        "--output DIR scores them; OmniSTEval reads instances.log too)",
+    )
+    rep.add_argument(
+        "--simulstream",
+        metavar="FILE",
+        help="write a simulstream log (what viewers saw, retractions included) here",
+    )
     rep.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,

@@ -139,6 +139,8 @@ class ReplayResult:
     emit_span_ms: float
     settings: Mapping[str, Any]
     source: SourceRevisions | None = None  # how the log's partials changed (the input side)
+    traces: tuple[SegmentTrace, ...] = field(default=(), repr=False)  # what the report used
+    references: tuple[str, ...] | None = field(default=None, repr=False)
 
     @property
     def latencies_ms(self) -> list[float]:
@@ -494,9 +496,8 @@ async def replay_async(
     checked, mismatches = await anyio.to_thread.run_sync(
         _check_finals, translator, run, updates, options, show
     )
-    report = build_report(
-        _traces(lines, updates, translator), references, target_lang=translator.config.target_lang
-    )
+    traces = _traces(lines, updates, translator)
+    report = build_report(traces, references, target_lang=translator.config.target_lang)
     counts = {"events": len(lines), "accepted": run.stats["events"], "refused": len(run.refused)}
     for key in ("updates", "unchanged", "cancelled", "superseded", "errors"):
         counts[key] = run.stats[key]
@@ -514,6 +515,8 @@ async def replay_async(
         emit_span_ms=max(emits) - min(emits) if emits else 0.0,
         settings=_settings(options),
         source=source_revisions(lines, translator.config.source_lang) if lines else None,
+        traces=tuple(traces),
+        references=None if references is None else tuple(references),
     )
 
 

@@ -113,6 +113,11 @@ class SegmentMetrics:
     compute_ms: float
     update_latencies_ms: tuple[float, ...] = field(default=(), repr=False)
     hypothesis: str = field(default="", repr=False)
+    # For peer scorers (SimulEval, OmniSTEval): the final source and, per final output
+    # unit, the source units read and the emit-clock ms when it became stable.
+    source_text: str = field(default="", repr=False)
+    delays_stable: tuple[float, ...] = field(default=(), repr=False)
+    delays_ms_stable: tuple[float, ...] = field(default=(), repr=False)
 
 
 # ---------------------------------------------------------------------------------------
@@ -471,6 +476,9 @@ def segment_metrics(trace: SegmentTrace, reference: str | None = None) -> Segmen
         compute_ms=sum(computes),
         update_latencies_ms=latencies,
         hypothesis=final.text,
+        source_text=final.source_text,
+        delays_stable=tuple(d_stable),
+        delays_ms_stable=tuple(d_ms_stable),
     )
 
 
@@ -481,6 +489,16 @@ def segment_metrics(trace: SegmentTrace, reference: str | None = None) -> Segmen
 def _mean(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
+
+
+# Per-segment fields that hold raw sequences or texts rather than numbers.
+_RAW_FIELDS = (
+    "update_latencies_ms",
+    "hypothesis",
+    "source_text",
+    "delays_stable",
+    "delays_ms_stable",
+)
 
 
 @dataclass(frozen=True)
@@ -531,8 +549,8 @@ class StreamingReport:
             rows = []
             for seg in self.per_segment:
                 row = asdict(seg)
-                row.pop("update_latencies_ms")
-                row.pop("hypothesis")
+                for raw in _RAW_FIELDS:
+                    row.pop(raw)
                 rows.append(row)
             out["per_segment"] = rows
         return out
