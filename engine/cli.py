@@ -18,6 +18,7 @@ from typing import BinaryIO, TextIO
 import protocol
 from engine.decoding import DecodeOptions
 from engine.errors import EngineError
+from engine.evaluation.metrics import SegmentTrace
 from engine.evaluation.translogs import (
     AsrStyle,
     TranscriptLogError,
@@ -215,6 +216,10 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         )
     if args.simulstream:
         write_simulstream(args.simulstream, result.traces, target_lang=config.target_lang)
+    for path, kind in ((args.vtt, "vtt"), (args.srt, "srt")):
+        if path:
+            for written in write_subtitles(path, kind, result.traces):
+                print(f"subtitles: {written}", file=stderr)
     if args.report:
         data = result.to_dict()
         data["settings"] = {"model": args.model, "log": args.log, **data["settings"]}
@@ -223,6 +228,26 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         )
     failed = result.refused or result.mismatches or result.counts["errors"]
     return 1 if failed else 0
+
+
+def write_subtitles(path: str, kind: str, traces: Sequence[SegmentTrace]) -> list[Path]:
+    """Subtitle files of the finals in ``traces``: ``path`` itself for one stream, else one
+    per stream with the stream id before the suffix."""
+    from engine import subtitles
+
+    finals: dict[str, list[subtitles.Final]] = {}
+    for trace in traces:
+        last = trace.updates[-1] if trace.updates else None
+        if last is not None and last.is_final:
+            finals.setdefault(trace.stream_id, []).append(
+                subtitles.Final(trace.audio_start_ms, trace.audio_end_ms, last.text)
+            )
+    target = Path(path)
+    written = []
+    for stream, segments in finals.items():
+        out = target if len(finals) == 1 else target.with_suffix(f".{stream}{target.suffix}")
+        written.append(subtitles.write(out, subtitles.layout(segments), kind))
+    return written
 
 
 def run_logs_make(args: argparse.Namespace, stderr: TextIO) -> int:
@@ -337,6 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write SimulEval's instances.log and config.yaml here (simuleval --score-only "
         "--output DIR scores them; OmniSTEval reads instances.log too)",
     )
+    rep.add_argument(
+        "--vtt",
+        metavar="FILE",
+        help="write the finals as WebVTT subtitles (cue times from the log's audio times; "
+        "one file per stream, named FILE.STREAM.vtt, when the log has several)",
+    )
+    rep.add_argument("--srt", metavar="FILE", help="the same as SubRip (.srt)")
     rep.add_argument(
         "--simulstream",
         metavar="FILE",
