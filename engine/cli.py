@@ -216,6 +216,17 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         )
     if args.simulstream:
         write_simulstream(args.simulstream, result.traces, target_lang=config.target_lang)
+    if args.html:
+        from engine.evaluation.html_report import render, write_html
+
+        page = render(
+            result.report,
+            result.traces,
+            {"model": args.model, "log": args.log, **result.settings},
+            updates=[(u.emit_ms, u.latency_ms) for u in result.updates],
+            title=f"Replay of {Path(args.log).name}",
+        )
+        print(f"report: {write_html(args.html, page)}", file=stderr)
     for path, kind in ((args.vtt, "vtt"), (args.srt, "srt")):
         if path:
             for written in write_subtitles(path, kind, result.traces):
@@ -369,6 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
         "one file per stream, named FILE.STREAM.vtt, when the log has several)",
     )
     rep.add_argument("--srt", metavar="FILE", help="the same as SubRip (.srt)")
+    rep.add_argument(
+        "--html",
+        metavar="FILE",
+        help="write a self-contained HTML report (numbers, latency over time, per-segment "
+        "timelines) to open in a browser",
+    )
     rep.add_argument(
         "--simulstream",
         metavar="FILE",

@@ -555,13 +555,13 @@ class StreamingReport:
             out["per_segment"] = rows
         return out
 
-    def format_table(self) -> str:
-        """Human-readable two-column table (``-`` for undefined values)."""
+    def rows(self) -> list[tuple[str, str]]:
+        """(name, formatted value) pairs, for people (``-`` for undefined values)."""
 
         def num(v: float | None, digits: int = 2) -> str:
             return "-" if v is None else f"{v:.{digits}f}"
 
-        rows: list[tuple[str, str]] = [
+        return [
             ("segments", str(self.segments)),
             ("updates", str(self.updates)),
             ("source units", str(self.source_units)),
@@ -594,6 +594,10 @@ class StreamingReport:
             ("BLEU", num(self.bleu)),
             ("chrF", num(self.chrf)),
         ]
+
+    def format_table(self) -> str:
+        """Human-readable two-column table."""
+        rows = self.rows()
         width = max(len(name) for name, _ in rows)
         vwidth = max(len(value) for _, value in rows)
         return "\n".join(f"{name:<{width}}  {value:>{vwidth}}" for name, value in rows)
