@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
@@ -16,6 +15,15 @@ from types import TracebackType
 from typing import BinaryIO, TextIO
 
 import protocol
+from engine.cli_args import (
+    add_model_arguments,
+    add_policy_argument,
+    load_translator,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+)
 from engine.decoding import DecodeOptions
 from engine.errors import EngineError
 from engine.evaluation.metrics import SegmentTrace
@@ -29,55 +37,8 @@ from engine.evaluation.translogs import (
     source_revisions,
     write_log,
 )
-from engine.hub import resolve_model
 from engine.hub.cli import add_models_parser, run_models
 from engine.server.cli import add_serve_parser, run_serve
-from engine.translator import Translator
-
-
-def _positive(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return number
-
-
-def _positive_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not (number > 0 and math.isfinite(number)):
-        raise argparse.ArgumentTypeError("must be a positive number")
-    return number
-
-
-def _rate(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not 0.0 <= number <= 1.0:
-        raise argparse.ArgumentTypeError("must be between 0 and 1")
-    return number
-
-
-def _non_negative(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return number
-
-
-def _policy_spec(value: str) -> str:
-    """Check a policy spec while parsing, so a typo fails before the model loads."""
-    from engine.streaming import parse_policy
-
-    try:
-        parse_policy(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
 
 
 def _stream_id(value: str) -> str:
@@ -85,36 +46,6 @@ def _stream_id(value: str) -> str:
         return protocol.CloseStream(value).stream_id  # the protocol's own stream-id rules
     except protocol.InvalidMessage as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options every model-using command shares."""
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="model directory, or a catalog name such as en-zh (downloaded on first use)",
-    )
-    parser.add_argument("--quantized", action="store_true", help="use the *_quantized ONNX files")
-    parser.add_argument(
-        "--no-cache", action="store_true", help="re-run the whole prefix every step (slow)"
-    )
-    parser.add_argument("--threads", type=_positive, default=None, help="ONNX Runtime threads")
-    parser.add_argument(
-        "--spin",
-        action="store_true",
-        help="let ONNX Runtime threads busy-wait: lower latency on a dedicated machine, "
-        "worse when other work shares the cores",
-    )
-
-
-def load_translator(args: argparse.Namespace) -> Translator:
-    return Translator.from_dir(
-        resolve_model(args.model, quantized=args.quantized),
-        quantized=args.quantized,
-        use_cache=not args.no_cache,
-        intra_op_threads=args.threads,
-        allow_spinning=args.spin,
-    )
 
 
 def _stdin_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None]]:
@@ -131,8 +62,16 @@ def _stdin_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None]]:
 
 
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--beam", type=_positive, default=1, help="beam size (1 = greedy)")
-    parser.add_argument("--max-new-tokens", type=_positive, default=None)
+    parser.add_argument(
+        "--beam", type=positive_int, default=1, metavar="N", help="beam size (default 1: greedy)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="stop every decode after N tokens (default: the model's length limit)",
+    )
 
 
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
@@ -349,18 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(rep)
     add_decode_arguments(rep)
     rep.add_argument("log", help="transcript log (JSON Lines)")
-    rep.add_argument(
-        "--policy",
-        type=_policy_spec,
-        default="local-agreement:2",
-        help="stability policy: local-agreement[:n], mask[:k] or biased[:beta]",
-    )
+    add_policy_argument(rep)
     rep.add_argument("--realtime", action="store_true", help="push events at their emit times")
-    rep.add_argument("--speed", type=_positive_float, default=1.0, help="realtime speed-up factor")
+    rep.add_argument("--speed", type=positive_float, default=1.0, help="realtime speed-up factor")
     rep.add_argument("--references", help="one reference per segment, in log order")
     rep.add_argument(
         "--forced-length-ratio",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="R",
         help="benchmarking random-weight models: every decode emits ceil(R * source tokens)",
@@ -398,7 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="progress bar on stderr (default: on long logs when stderr is a terminal)",
     )
 
-    logs = commands.add_parser("logs", help="make synthetic transcript logs")
+    logs = commands.add_parser(
+        "logs",
+        help="make and merge transcript logs",
+        description="Transcript logs are what replay reads: partial_transcript messages with "
+        "the time the recogniser emitted each. `make` synthesises one from parallel text, "
+        "`merge` interleaves logs of several streams.",
+    )
     log_commands = logs.add_subparsers(dest="logs_command", required=True)
     make = log_commands.add_parser(
         "make",
@@ -414,9 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--lang", required=True, choices=["en", "zh"], help="source language")
     make.add_argument("--out", required=True, help="log to write (JSON Lines)")
     make.add_argument("--references", help="references aligned line by line with the sources")
-    make.add_argument("--limit", type=_non_negative, default=None, help="first N lines only")
-    make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--stream-id", type=_stream_id, default="s1")
+    make.add_argument("--limit", type=non_negative_int, default=None, help="first N lines only")
+    make.add_argument(
+        "--seed", type=int, default=0, help="the same seed gives the same log (default 0)"
+    )
+    make.add_argument(
+        "--stream-id", type=_stream_id, default="s1", help="stream id (default %(default)s)"
+    )
     make.add_argument(
         "--realistic",
         action="store_true",
@@ -425,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make.add_argument(
         "--rewrite-rate",
-        type=_rate,
+        type=probability,
         default=None,
         metavar="P",
         help="chance per partial that shown words are rewritten (--realistic: 0.3)",

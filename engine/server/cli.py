@@ -16,8 +16,8 @@ import sys
 import anyio
 
 import protocol
+from engine.cli_args import add_model_arguments, add_policy_argument, load_translator, positive_int
 from engine.errors import EngineError
-from engine.hub import resolve_model
 from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.connection import Limits
 from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
@@ -28,13 +28,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 TOKEN_ENV = "NMT_INCREMENTAL_TOKEN"
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
-
-
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return number
 
 
 def _port(value: str) -> int:
@@ -62,28 +55,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
             "/metrics. Stops gracefully on SIGINT/SIGTERM, delivering pending finals."
         ),
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        help="model directory, or a catalog name such as en-zh (downloaded on first use)",
-    )
+    add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=_port, default=8765, help="port (0: any free port)")
+    p.add_argument(
+        "--port", type=_port, default=8765, help="port (0: any free port; default %(default)s)"
+    )
     p.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV),
         help=f"require this secret as 'Authorization: Bearer' or ?token= (default: ${TOKEN_ENV})",
     )
-    p.add_argument("--policy", default="la2", help="stability policy: la2, mask:3, biased:0.3")
-    p.add_argument("--quantized", action="store_true", help="use the *_quantized ONNX files")
-    p.add_argument(
-        "--threads", type=_positive_int, default=None, metavar="N", help="ONNX Runtime threads"
-    )
-    p.add_argument(
-        "--spin",
-        action="store_true",
-        help="let ONNX Runtime threads busy-wait (lower latency on a dedicated machine)",
-    )
+    add_policy_argument(p)
     p.add_argument(
         "--allow-origin",
         action="extend",
@@ -94,21 +76,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
     p.add_argument(
         "--max-message-bytes",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         default=protocol.MAX_MESSAGE_BYTES,
         help="larger messages get a too_large error (default %(default)s)",
     )
     p.add_argument(
         "--max-streams-per-connection",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         default=16,
         help="streams one connection may write or view (default %(default)s)",
     )
     p.add_argument(
         "--max-streams",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         metavar="N",
         help="open streams in total (default %(default)s)",
@@ -248,12 +230,7 @@ async def _load(args: argparse.Namespace, stop: anyio.Event) -> Translator | Non
 
     def load() -> Translator:
         # Resolving a catalog name may download: in the thread too, not on the event loop.
-        return Translator.from_dir(
-            resolve_model(args.model, quantized=args.quantized),
-            quantized=args.quantized,
-            intra_op_threads=args.threads,
-            allow_spinning=args.spin,
-        )
+        return load_translator(args)
 
     result: Translator | None = None
     async with anyio.create_task_group() as tg:

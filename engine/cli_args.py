@@ -1,0 +1,109 @@
+"""Command-line pieces every `nmt-incremental` command shares, defined once.
+
+`translate`, `replay` and `serve` load a model the same way and take the same model and
+policy options; their value checks and help texts live here so that the commands (and the
+README, which a test compares with them) cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from engine.hub import resolve_model
+from engine.translator import Translator
+
+DEFAULT_POLICY = "local-agreement:2"
+POLICY_HELP = (
+    "stability policy: local-agreement[:n] (la[:n]), mask[:k] or biased[:beta] "
+    "(default %(default)s)"
+)
+
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return number
+
+
+def non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return number
+
+
+def _float(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+
+
+def positive_float(value: str) -> float:
+    number = _float(value)
+    if not (number > 0 and math.isfinite(number)):
+        raise argparse.ArgumentTypeError("must be a positive number")
+    return number
+
+
+def probability(value: str) -> float:
+    number = _float(value)
+    if not 0.0 <= number <= 1.0:
+        raise argparse.ArgumentTypeError("must be between 0 and 1")
+    return number
+
+
+def policy_spec(value: str) -> str:
+    """Check a policy spec while parsing, so a typo fails before the model loads."""
+    from engine.streaming import parse_policy
+
+    try:
+        parse_policy(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model options of every model-using command."""
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="model directory, a catalog name such as en-zh, or a hub repo id "
+        "(downloaded on first use)",
+    )
+    parser.add_argument("--quantized", action="store_true", help="use the *_quantized ONNX files")
+    parser.add_argument(
+        "--no-cache", action="store_true", help="re-run the whole prefix every step (slow)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="ONNX Runtime threads per session (default: ONNX Runtime's, one per core)",
+    )
+    parser.add_argument(
+        "--spin",
+        action="store_true",
+        help="let ONNX Runtime threads busy-wait: lower latency on a dedicated machine, "
+        "worse when other work shares the cores",
+    )
+
+
+def add_policy_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", type=policy_spec, default=DEFAULT_POLICY, help=POLICY_HELP)
+
+
+def load_translator(args: argparse.Namespace) -> Translator:
+    """The translator `add_model_arguments`' options ask for (a catalog name or repo id
+    is resolved, and downloaded when missing)."""
+    return Translator.from_dir(
+        resolve_model(args.model, quantized=args.quantized),
+        quantized=args.quantized,
+        use_cache=not args.no_cache,
+        intra_op_threads=args.threads,
+        allow_spinning=args.spin,
+    )
