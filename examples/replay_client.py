@@ -5,8 +5,10 @@ recogniser emitted it; see `engine/evaluation/translogs.py`). Each line is sent 
 `emit_ms` (divided by `--speed`) without `emit_ms`, and the updates are printed as they
 come. Needs only the `protocol` package and `websockets`, like any pipeline client:
 
-    python examples/replay_client.py examples/logs/fixture_en_zh.jsonl --speed 2
+    python examples/replay_client.py examples/logs/fixture_en_zh.jsonl --stream-id mic-1
     python examples/replay_client.py LOG --url ws://host:8765/ws --token SECRET --quiet
+
+It prints the subtitle page of each stream first (open it to watch the subtitles live).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,10 +157,40 @@ def _print_message(message: TranslationUpdate | ErrorMessage) -> None:
     )
 
 
+def page_url(ws_url: str, stream_id: str, token: str | None = None) -> str:
+    """The subtitle page of a stream on the server behind the WebSocket URL `ws_url`."""
+    parts = urllib.parse.urlsplit(ws_url)
+    scheme = "https" if parts.scheme == "wss" else "http"
+    query = {"stream": stream_id, **({"token": token} if token else {})}
+    return urllib.parse.urlunsplit(
+        (scheme, parts.netloc, "/", urllib.parse.urlencode(query), "")
+    )
+
+
+def renamer(lines: Sequence[LogLine], stream_id: str | None) -> Callable[[str], str]:
+    """`--stream-id ID`: a log's only stream becomes ID; several become ID-NAME each."""
+    if stream_id is None:
+        return str
+    streams = {line.event.stream_id for line in lines}
+    if len(streams) == 1:
+        return lambda _: stream_id
+    return lambda name: f"{stream_id}-{name}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log", help="transcript log (JSON Lines with emit_ms)")
-    parser.add_argument("--url", default="ws://127.0.0.1:8765/ws")
+    parser.add_argument(
+        "--url",
+        default="ws://127.0.0.1:8765/ws",
+        help="the server's WebSocket URL (default %(default)s)",
+    )
+    parser.add_argument(
+        "--stream-id",
+        default=None,
+        metavar="ID",
+        help="send the log's stream as ID (several streams: ID-NAME each)",
+    )
     parser.add_argument("--token", default=None, help="the server's --token")
     parser.add_argument("--speed", type=float, default=1.0, help="2 = twice real time")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -165,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.speed <= 0:
         parser.error("--speed must be positive")
     lines = read_log(args.log)
+    if args.stream_id is not None:
+        lines = read_log(args.log, renamer(lines, args.stream_id))
+    for stream in sorted({line.event.stream_id for line in lines}):
+        print(f"subtitle page: {page_url(args.url, stream, args.token)}", file=sys.stderr)
     result = asyncio.run(
         replay(
             args.url,
