@@ -193,7 +193,9 @@ def quantize_int8(onnx_dir: str | Path) -> None:
     missing = [n for n in SPLIT_MODELS if not (directory / f"{n}.onnx").is_file()]
     if missing:
         raise FileNotFoundError(f"{directory} lacks {', '.join(m + '.onnx' for m in missing)}")
-    with tempfile.TemporaryDirectory() as tmp:
+    from engine.conversion.export import known_export_noise
+
+    with tempfile.TemporaryDirectory() as tmp, known_export_noise():
         for name in SPLIT_MODELS:
             model = onnx.load(str(directory / f"{name}.onnx"))
             if name != "encoder_model":
