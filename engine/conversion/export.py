@@ -74,6 +74,9 @@ def known_export_noise() -> Iterator[None]:
         # torch.jit.TracerWarning's two messages (matched by text: quantizing needs no torch).
         warnings.filterwarnings("ignore", message="Converting a tensor to a Python")
         warnings.filterwarnings("ignore", message="torch.tensor results are registered")
+        # MarianTokenizer (Optimum loads it) suggests sacremoses, for a normaliser the
+        # engine's tokenizer, like OPUS-MT's, does not apply.
+        warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
         for logger in loggers:
             logger.addFilter(drop)
         try:
