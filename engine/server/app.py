@@ -29,6 +29,7 @@ from websockets.http11 import Request, Response
 
 import protocol
 from engine.server.connection import (
+    SINGLE_HEADERS,
     STATIC_FILES,
     Close,
     ConnectionCore,
@@ -42,6 +43,7 @@ from engine.server.connection import (
     StreamRegistry,
     Watch,
     check_handshake,
+    duplicate_headers,
     presented_token,
     request_path,
     route,
@@ -277,6 +279,11 @@ class SubtitleServer:
     # -- HTTP -----------------------------------------------------------------------
 
     def _process_request(self, ws: ServerConnection, request: Request) -> Response | None:
+        counts = {name: len(request.headers.get_all(name)) for name in SINGLE_HEADERS}
+        refusal = duplicate_headers(counts)
+        if refusal is not None:
+            self.metrics.handshakes_refused.labels(str(refusal.status)).inc()
+            return _text(refusal.status, refusal.reason, refusal.headers)
         kind = route(request.path)
         if kind is Route.WEBSOCKET:
             return self._handshake(request)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeAlias
@@ -117,6 +118,20 @@ class Refusal:
     status: int
     reason: str
     headers: tuple[tuple[str, str], ...] = ()
+
+
+# Headers the server decides on: a request carrying one of them twice is ambiguous (which
+# token, which origin?), and proxies disagree on which copy wins, so it is refused.
+SINGLE_HEADERS = ("Authorization", "Origin", "Accept")
+
+
+def duplicate_headers(counts: Mapping[str, int]) -> Refusal | None:
+    """A 400 when a header of `SINGLE_HEADERS` came more than once (`counts`: how many
+    times each came), else `None`."""
+    twice = [name for name in SINGLE_HEADERS if counts.get(name, 0) > 1]
+    if not twice:
+        return None
+    return Refusal(400, f"Duplicate {', '.join(twice)} header: send it once.\n")
 
 
 def presented_token(path: str, authorization: str | None) -> str | None:

@@ -1,0 +1,63 @@
+"""Requests an attacker or a confused proxy sends: each gets a clear refusal, never a 500.
+
+(Issue 9, finding 6: two Authorization, Origin or Accept headers gave HTTP 500 and a
+traceback from websockets' MultipleValuesError.)"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from engine.server.connection import SINGLE_HEADERS, duplicate_headers
+from engine.translator import Translator
+from tests.test_server import serving, translator
+
+__all__ = ["translator"]  # the module fixture, shared with test_server
+
+
+def test_duplicate_single_headers_are_refused_by_name() -> None:
+    assert duplicate_headers({name: 1 for name in SINGLE_HEADERS}) is None
+    assert duplicate_headers({}) is None
+    refusal = duplicate_headers({"Authorization": 2, "Origin": 1, "Accept": 3})
+    assert refusal is not None and refusal.status == 400
+    assert "Authorization" in refusal.reason and "Accept" in refusal.reason
+    assert "Origin" not in refusal.reason
+
+
+async def raw_request(port: int, head: str) -> str:
+    """Send a hand-written HTTP request (duplicate headers included) and read the reply."""
+    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+        await stream.send(head.replace("\n", "\r\n").encode() + b"\r\n")
+        data = b""
+        with anyio.fail_after(10):
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive()
+    return data.decode("latin-1")
+
+
+UPGRADE = (
+    "GET /ws HTTP/1.1\nHost: 127.0.0.1\nUpgrade: websocket\nConnection: Upgrade\n"
+    "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\nSec-WebSocket-Version: 13\n"
+)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("path", "headers"),
+    [
+        ("ws", "Authorization: Bearer a\nAuthorization: Bearer b\n"),
+        ("ws", "Origin: http://a.example\nOrigin: http://b.example\n"),
+        ("metrics", "Accept: text/plain\nAccept: application/openmetrics-text\n"),
+    ],
+)
+async def test_duplicate_headers_get_400_not_500(
+    translator: Translator, path: str, headers: str
+) -> None:
+    async with serving(translator, token="a") as server:
+        head = UPGRADE if path == "ws" else "GET /metrics HTTP/1.1\nHost: 127.0.0.1\n"
+        reply = await raw_request(server.port, head + headers)
+        assert reply.startswith("HTTP/1.1 400"), reply
+        assert "Duplicate" in reply
+        # The server goes on serving everyone else.
+        ok = await raw_request(server.port, "GET /healthz HTTP/1.1\nHost: 127.0.0.1\n")
+        assert ok.startswith("HTTP/1.1 200"), ok
