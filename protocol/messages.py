@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from enum import Enum
 from typing import TypeAlias
@@ -20,11 +21,16 @@ client can hold exactly, so browsers never see two different ids collapse into o
 MAX_STREAM_ID_CHARS = 128
 MAX_FIELD_NAME_CHARS = 128
 
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-"""Characters an identifier may not contain: C0/C1 controls, line and paragraph separators
-and bidirectional overrides, i.e. what could break or spoof a log line. Deliberately not
-`str.isprintable()`, whose answer depends on the Python version's Unicode database; this set
-is fixed and is expressed exactly in `wire.schema.json`."""
+_UNPRINTABLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\xa0\xad\u034f\u0600-\u0605\u061c\u06dd\u070f\u08e2\u115f-\u1160\u17b4-\u17b5\u180b-\u180f\u2000-\u200f\u2028-\u202f\u205f-\u206f\u3000\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff9-\ufffb]"
+)
+"""Characters an identifier may not contain: C0/C1 controls; line and paragraph separators
+and bidirectional controls (they break or spoof a log line); and characters that show as
+nothing or as a plain space (zero-width spaces and joiners, direction marks, soft hyphen,
+variation selectors, fillers, spaces other than U+0020), with which two ids that look the
+same could name different streams. Deliberately not `str.isprintable()` or a Unicode
+category, whose answers depend on the Python version's Unicode database: this set is fixed
+and is expressed exactly in `wire.schema.json` (a test checks the two agree)."""
 
 
 class InvalidMessage(ValueError):
@@ -105,7 +111,9 @@ def _check_name(field: str, value: object, max_chars: int) -> str:
 
 
 def _check_stream_id(value: object, field: str = "stream_id") -> str:
-    return _check_name(field, value, MAX_STREAM_ID_CHARS)
+    """A valid stream id, in NFC: "é" typed as one code point or as "e" + combining accent
+    names the same stream (look-alike ids must not name two streams)."""
+    return unicodedata.normalize("NFC", _check_name(field, value, MAX_STREAM_ID_CHARS))
 
 
 def _check_count(field: str, value: object) -> int:
@@ -163,7 +171,7 @@ class PartialTranscript:
     end_ms: float | None = None
 
     def __post_init__(self) -> None:
-        _check_stream_id(self.stream_id)
+        _set(self, "stream_id", _check_stream_id(self.stream_id))
         _check_count("segment_id", self.segment_id)
         _check_count("seq", self.seq)
         _check_str("text", self.text)
@@ -201,7 +209,7 @@ class TranslationUpdate:
     source_text: str | None = None
 
     def __post_init__(self) -> None:
-        _check_stream_id(self.stream_id)
+        _set(self, "stream_id", _check_stream_id(self.stream_id))
         _check_count("segment_id", self.segment_id)
         _check_count("seq", self.seq)
         _check_str("stable_text", self.stable_text)
@@ -250,7 +258,7 @@ class ErrorMessage:
         if self.field is not None:
             _check_name("field", self.field, MAX_FIELD_NAME_CHARS)
         if self.stream_id is not None:
-            _check_stream_id(self.stream_id)
+            _set(self, "stream_id", _check_stream_id(self.stream_id))
         if self.seq is not None:
             _check_count("seq", self.seq)
 
@@ -262,7 +270,7 @@ class Subscribe:
     stream_id: str
 
     def __post_init__(self) -> None:
-        _check_stream_id(self.stream_id)
+        _set(self, "stream_id", _check_stream_id(self.stream_id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +280,7 @@ class CloseStream:
     stream_id: str
 
     def __post_init__(self) -> None:
-        _check_stream_id(self.stream_id)
+        _set(self, "stream_id", _check_stream_id(self.stream_id))
 
 
 Message: TypeAlias = PartialTranscript | TranslationUpdate | ErrorMessage | Subscribe | CloseStream

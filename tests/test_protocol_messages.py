@@ -155,6 +155,11 @@ _BAD_STREAM_IDS = [
     "a\u2028b",
     "a\u202eb",
     "a\u2066b",
+    "mic\u200b1",  # zero-width space: looks like "mic1"
+    "mic\u200f1",  # right-to-left mark
+    "mic\u061c1",  # Arabic letter mark
+    "mic\u00a01",  # no-break space: looks like "mic 1"
+    "\ufeffmic",  # byte order mark
     "\ud800",
     1,
     None,
@@ -341,3 +346,11 @@ def test_importing_protocol_pulls_in_nothing_heavy() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_stream_ids_are_compared_in_nfc() -> None:
+    """"é" as one code point or as "e" + combining acute names the same stream."""
+    composed = PartialTranscript("caf\u00e9", 0, 0, "x", is_final=False)
+    decomposed = PartialTranscript("cafe\u0301", 0, 0, "x", is_final=False)
+    assert composed.stream_id == decomposed.stream_id == "caf\u00e9"
+    assert CloseStream("cafe\u0301").stream_id == "caf\u00e9"

@@ -102,7 +102,11 @@ def test_schema_describes_exactly_the_codecs_messages() -> None:
 # --- a table of cases -------------------------------------------------------------------
 
 
-UNPRINTABLE = "\x00\t\n\x1f\x7f\x85\x9f\u2028\u2029\u202a\u202e\u2066\u2069"
+UNPRINTABLE = (
+    "\x00\t\n\x1f\x7f\x85\x9f\u2028\u2029\u202a\u202e\u2066\u2069"
+    # invisible or space-like: two ids that look the same must not name two streams
+    "\u200b\u200d\u200f\u061c\u00a0\u00ad\u2060\u3000\ufe0f\ufeff\u3164"
+)
 
 VALID: list[str] = [
     json.dumps(PT),
@@ -218,8 +222,8 @@ def test_checks_beyond_json_schema_are_the_documented_ones(wire: str) -> None:
 
 # --- randomised -------------------------------------------------------------------------
 
-_CHARS = "abcXYZ019 -_:/.#éß好世🎤\u200b"
-_TEXT_CHARS = _CHARS + '\n\t"\\\x00\u2028'
+_CHARS = "abcXYZ019 -_:/.#éß好世🎤"
+_TEXT_CHARS = _CHARS + '\n\t"\\\x00\u2028\u200b'
 
 
 def _string(rng: random.Random, alphabet: str, low: int, high: int) -> str:
@@ -355,3 +359,19 @@ def test_random_mutations_get_the_same_verdict_from_codec_and_schema() -> None:
             rejected += 1
         checked += 1
     assert rejected > checked // 2  # the mutations mostly produce bad messages
+
+
+def test_schema_forbids_exactly_the_identifier_characters_the_codec_does() -> None:
+    """The fixed set of characters an identifier may not hold, in the schema and in the
+    code, agree on every code point of the Basic Multilingual Plane."""
+    import re
+
+    from protocol.messages import _UNPRINTABLE
+
+    schema = json.loads(schema_path().read_text(encoding="utf-8"))
+    pattern = re.compile(schema["$defs"]["name"]["not"]["pattern"])
+    for cp in range(0x10000):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        ch = chr(cp)
+        assert bool(pattern.search(ch)) == bool(_UNPRINTABLE.search(ch)), hex(cp)
