@@ -61,3 +61,25 @@ async def test_duplicate_headers_get_400_not_500(
         # The server goes on serving everyone else.
         ok = await raw_request(server.port, "GET /healthz HTTP/1.1\nHost: 127.0.0.1\n")
         assert ok.startswith("HTTP/1.1 200"), ok
+
+
+# -- issue 9, finding 1: a stream reopened while it closed leaked its slot for good -------
+# A partial that arrived after the engine had closed the stream but before the connection
+# heard so was pushed as for an open stream (no subscription), and the engine opened a new
+# stream that nobody owned, closed or watched; it held a --max-streams slot until restart.
+
+
+def test_partials_for_a_closing_stream_are_refused_until_its_close_finishes() -> None:
+    from engine.server.connection import Close, ConnectionCore, Limits, Push, Reply, StreamRegistry
+    from tests.test_server import _partial
+
+    registry = StreamRegistry()
+    core = ConnectionCore(1, Limits(rate_limit=None), registry)
+    assert isinstance(core.receive(_partial("s", 0, "Tom", final=True), 0.0), Push)
+    assert isinstance(core.receive('{"type": "close_stream", "stream_id": "s"}', 0.0), Close)
+    action = core.receive(_partial("s", 1, "Tom reads"), 0.0)
+    assert isinstance(action, Reply) and action.error.code == "unknown_stream"
+    assert "closing" in action.error.message
+    core.stream_closed("s")  # the engine finished closing it: the id is free again
+    again = core.receive(_partial("s", 2, "Tom reads"), 0.0)
+    assert isinstance(again, Push) and again.opens  # a new stream, with a subscription

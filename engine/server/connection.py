@@ -380,6 +380,17 @@ class ConnectionCore:
                     context=event,
                 )
             )
+        if sid in self.closing:
+            # Until the engine has finished the close, the id is neither open nor free: a
+            # push now could reopen it in the engine behind the connection's back.
+            return Reply(
+                _error(
+                    ErrorCode.UNKNOWN_STREAM,
+                    f"stream {sid!r} is closing: wait for its final update, or use another id",
+                    field="stream_id",
+                    context=event,
+                )
+            )
         self.role = Role.WRITER
         if owner == self.connection_id:
             return Push(event, opens=False)
