@@ -83,3 +83,62 @@ def test_partials_for_a_closing_stream_are_refused_until_its_close_finishes() ->
     core.stream_closed("s")  # the engine finished closing it: the id is free again
     again = core.receive(_partial("s", 2, "Tom reads"), 0.0)
     assert isinstance(again, Push) and again.opens  # a new stream, with a subscription
+
+
+# -- issue 9, finding 2: a final over the rate limit got neither update nor error --------
+
+
+def test_error_replies_about_finals_are_never_shed() -> None:
+    from engine.server.outbox import Outbox
+    from protocol import ErrorMessage
+
+    outbox = Outbox(max_updates=4, max_errors=2, max_kept_errors=3)
+    assert outbox.put_error(ErrorMessage("rate_limited", "a"))
+    assert outbox.put_error(ErrorMessage("rate_limited", "b"))
+    assert not outbox.put_error(ErrorMessage("rate_limited", "c"))  # surplus: shed
+    for seq in range(3):  # replies about finals still go in, up to their own bound
+        assert outbox.put_error(ErrorMessage("rate_limited", "final", seq=seq), keep=True)
+    assert not outbox.put_error(ErrorMessage("rate_limited", "final", seq=9), keep=True)
+    assert (len(outbox), outbox.dropped_errors) == (5, 2)
+
+
+def test_a_rate_limited_final_is_a_kept_reply() -> None:
+    from engine.server.connection import ConnectionCore, Limits, Reply, StreamRegistry
+    from tests.test_server import _partial
+
+    core = ConnectionCore(1, Limits(rate_limit=1.0, rate_burst=1.0), StreamRegistry())
+    core.receive(_partial("s", 0), 0.0)
+    partial = core.receive(_partial("s", 1), 0.0)
+    final = core.receive(_partial("s", 2, "I will go", final=True), 0.0)
+    assert isinstance(partial, Reply) and not partial.about_final
+    assert isinstance(final, Reply) and final.about_final
+    assert final.error.code == "rate_limited" and final.error.seq == 2
+
+
+@pytest.mark.anyio
+async def test_a_burst_ending_in_a_final_gets_a_reply_about_the_final(
+    translator: Translator,
+) -> None:
+    """84 messages at once, over the rate limit, the last a final: the final's seq gets
+    its final update or an error, whatever the burst did to the other replies."""
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from engine.server.connection import Limits
+    from tests.test_server import _partial, ws_url
+
+    for attempt in range(3):
+        limits = Limits(rate_limit=20.0)
+        async with serving(translator, limits=limits) as server:
+            async with connect(ws_url(server)) as ws:
+                burst = [_partial("b", seq, "I will meet Tom") for seq in range(83)]
+                burst.append(_partial("b", 83, "I will meet Tom at three", final=True))
+                for message in burst:
+                    await ws.send(message)
+                with anyio.fail_after(20):
+                    while True:
+                        reply = json.loads(await ws.recv())
+                        if reply.get("seq") == 83:
+                            break
+        assert reply["type"] in ("translation_update", "error"), (attempt, reply)

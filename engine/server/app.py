@@ -371,7 +371,7 @@ class SubtitleServer:
                 self.metrics.messages_in.labels(client.core.message_type).inc()
                 self._track_role(client)
                 if isinstance(action, Reply):
-                    self._reply(client, action.error)
+                    self._reply(client, action.error, action.about_final)
                 elif isinstance(action, Push):
                     await self._push(client, engine, action)
                 elif isinstance(action, Close):
@@ -404,7 +404,7 @@ class SubtitleServer:
                     seq=event.seq,
                 )
             )
-            self._reply(client, error)
+            self._reply(client, error, event.is_final)
             if action.opens:
                 is_open = event.stream_id in engine.streams
                 client.core.push_failed(event.stream_id, is_open)
@@ -475,10 +475,17 @@ class SubtitleServer:
                 client.outbox.close()
         return count
 
-    def _reply(self, client: _Client, error: ErrorMessage) -> None:
+    def _reply(self, client: _Client, error: ErrorMessage, about_final: bool = False) -> None:
         self.metrics.errors.labels(error.code).inc()
-        if not client.outbox.put_error(error):
-            self.metrics.dropped_errors.inc()
+        if client.outbox.put_error(error, keep=about_final):
+            return
+        self.metrics.dropped_errors.inc()
+        if about_final and not client.outbox.closed:
+            # Finals it cannot be told about: a client that sends and never reads.
+            cid = client.core.connection_id
+            log.warning("closing connection %d: it does not read its replies", cid)
+            assert client.io is not None
+            client.io.start_soon(client.ws.close, 1008, "not reading replies")
 
     async def _send_loop(self, client: _Client) -> None:
         """The only task that awaits this client's socket."""

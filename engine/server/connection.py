@@ -228,9 +228,12 @@ class StreamRegistry:
 
 @dataclass(frozen=True)
 class Reply:
-    """Send this error back; the message that caused it is dropped."""
+    """Send this error back; the message that caused it is dropped. `about_final`: the
+    message was a final transcript, whose reply must never be dropped (every final gets
+    exactly one reply)."""
 
     error: ErrorMessage
+    about_final: bool = False
 
 
 @dataclass(frozen=True)
@@ -325,6 +328,7 @@ class ConnectionCore:
                 ErrorCode.INVALID_MESSAGE,
                 "binary frames are not accepted: send each message as a JSON text frame",
             )
+        final = isinstance(message, PartialTranscript) and message.is_final
         if not allowed:
             return Reply(
                 _error(
@@ -332,13 +336,15 @@ class ConnectionCore:
                     f"more than {self.limits.rate_limit:g} messages per second on this "
                     "connection; message dropped",
                     context=message,
-                )
+                ),
+                about_final=final,
             )
         if isinstance(message, ErrorMessage):
             return Reply(message)
         if isinstance(message, PartialTranscript):
             self.message_type = "partial_transcript"
-            return self._partial(message)
+            action = self._partial(message)
+            return Reply(action.error, about_final=final) if isinstance(action, Reply) else action
         if isinstance(message, CloseStream):
             self.message_type = "close_stream"
             return self._close(message)

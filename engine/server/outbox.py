@@ -23,17 +23,25 @@ class Outbox:
     Bounds: at most `max_updates` updates, shedding first a non-final update that a newer
     queued update of the same segment supersedes, else the oldest non-final one; finals
     are never shed (the engine bounds how many can be pending). At most `max_errors`
-    error replies: a client that floods without reading loses the surplus errors.
+    error replies: a client that floods without reading loses the surplus errors, except
+    replies about finals (`keep`), which are never shed: up to `max_kept_errors` of them
+    wait, and past that `put_error` says so and the connection is to be closed (a client
+    that sends finals and reads nothing cannot be answered).
     """
 
-    def __init__(self, max_updates: int = 256, max_errors: int = 32) -> None:
-        if max_updates < 1 or max_errors < 1:
-            raise ValueError("max_updates and max_errors must be >= 1")
+    def __init__(
+        self, max_updates: int = 256, max_errors: int = 32, max_kept_errors: int = 1024
+    ) -> None:
+        if max_updates < 1 or max_errors < 1 or max_kept_errors < 1:
+            raise ValueError("max_updates, max_errors and max_kept_errors must be >= 1")
         self.max_updates = max_updates
         self.max_errors = max_errors
+        self.max_kept_errors = max_kept_errors
+        self._kept = 0
         self.dropped_updates = 0
         self.dropped_errors = 0
         self._items: deque[Outgoing] = deque()
+        self._kept_flags: deque[bool] = deque()  # per item: a reply about a final
         self._updates = 0
         self._errors = 0
         self._ready = anyio.Event()
@@ -52,17 +60,25 @@ class Outbox:
         if self._updates >= self.max_updates and self._shed_update():
             self.dropped_updates += 1
         self._items.append(update)
+        self._kept_flags.append(False)
         self._updates += 1
         self._ready.set()
 
-    def put_error(self, error: ErrorMessage) -> bool:
-        """Queue an error reply; False when it was dropped (too many pending)."""
+    def put_error(self, error: ErrorMessage, *, keep: bool = False) -> bool:
+        """Queue an error reply; False when it was dropped (too many pending). `keep`: a
+        reply about a final, dropped only past `max_kept_errors`."""
         if self._closed:
             return False
-        if self._errors >= self.max_errors:
+        if keep:
+            if self._kept >= self.max_kept_errors:
+                self.dropped_errors += 1
+                return False
+            self._kept += 1
+        elif self._errors - self._kept >= self.max_errors:
             self.dropped_errors += 1
             return False
         self._items.append(error)
+        self._kept_flags.append(keep)
         self._errors += 1
         self._ready.set()
         return True
@@ -80,6 +96,8 @@ class Outbox:
             self._ready = anyio.Event()
             await self._ready.wait()
         item = self._items.popleft()
+        if self._kept_flags.popleft():
+            self._kept -= 1
         if isinstance(item, ErrorMessage):
             self._errors -= 1
         else:
@@ -104,5 +122,6 @@ class Outbox:
         if index is None:
             return False
         del self._items[index]
+        del self._kept_flags[index]
         self._updates -= 1
         return True
