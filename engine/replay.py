@@ -347,6 +347,8 @@ async def _drive(
 
             async def collect() -> None:
                 async for update in sub:
+                    if isinstance(update, ErrorMessage):  # a final that failed: counted
+                        continue  # in nmt.stats["errors"], and its final is a mismatch
                     run.received.append((update, time.perf_counter()))
                     if on_update is not None:
                         on_update(update)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import anyio
 
 from engine.streaming import IncrementalTranslator
-from protocol import PartialTranscript
+from protocol import ErrorMessage, PartialTranscript
 
 SENTENCES = ["I will meet Tom at three", "Tom reads a book"]
 
@@ -40,6 +40,9 @@ async def main(model: str) -> None:
 
         async def show() -> None:
             async for u in updates:  # ends when the stream is closed
+                if isinstance(u, ErrorMessage):  # a final that failed to translate
+                    print(f"ERROR seq {u.seq}: {u.message}")
+                    continue
                 tail = f" [{u.unstable_text}]" if u.unstable_text else ""
                 print(f"{'FINAL' if u.is_final else '     '} {u.stable_text}{tail}")
 

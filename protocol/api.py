@@ -47,8 +47,9 @@ class NmtIncremental(Protocol):
     - An update never answers an older `seq` after a newer one: `seq` never decreases
       among a segment's updates, and a segment's updates precede the next segment's. A
       partial with a new `segment_id` abandons an unfinished earlier segment.
-    - Every final transcript gets exactly one final update, whose `stable_text` is the
-      offline (whole-sentence) translation of the final transcript; non-final partials may
+    - Every final transcript gets exactly one reply: its final update, whose `stable_text`
+      is the offline (whole-sentence) translation of the final transcript, or, if
+      translating it failed, an `internal` error about its `seq`; non-final partials may
       be skipped when the engine is busy (latest partial wins), finals never are.
     - Streams are isolated: a bad event, a slow or failing stream never delays, alters or
       ends another stream's updates.
@@ -65,8 +66,14 @@ class NmtIncremental(Protocol):
         """
         ...
 
-    def updates(self, stream_id: str | None = None) -> AsyncIterator[TranslationUpdate]:
+    def updates(
+        self, stream_id: str | None = None
+    ) -> AsyncIterator[TranslationUpdate | ErrorMessage]:
         """Subscribe to updates of one stream, or of every stream when `stream_id` is None.
+
+        Besides updates it yields an `ErrorMessage` (code `internal`, naming the `seq`) in
+        place of the final update of a final transcript whose translation failed, so that
+        every final transcript gets exactly one reply.
 
         Each call is an independent subscription (viewers fan out), started by the call
         itself. It first replays the latest update of each open stream's current segment,

@@ -130,15 +130,52 @@ async def test_a_burst_ending_in_a_final_gets_a_reply_about_the_final(
 
     for attempt in range(3):
         limits = Limits(rate_limit=20.0)
-        async with serving(translator, limits=limits) as server:
-            async with connect(ws_url(server)) as ws:
-                burst = [_partial("b", seq, "I will meet Tom") for seq in range(83)]
-                burst.append(_partial("b", 83, "I will meet Tom at three", final=True))
-                for message in burst:
-                    await ws.send(message)
-                with anyio.fail_after(20):
-                    while True:
-                        reply = json.loads(await ws.recv())
-                        if reply.get("seq") == 83:
-                            break
+        async with serving(translator, limits=limits) as server, connect(ws_url(server)) as ws:
+            burst = [_partial("b", seq, "I will meet Tom") for seq in range(83)]
+            burst.append(_partial("b", 83, "I will meet Tom at three", final=True))
+            for message in burst:
+                await ws.send(message)
+            with anyio.fail_after(20):
+                while True:
+                    reply = json.loads(await ws.recv())
+                    if reply.get("seq") == 83:
+                        break
         assert reply["type"] in ("translation_update", "error"), (attempt, reply)
+
+
+# -- issue 9, finding 5: a final whose translation raised vanished without a word --------
+
+
+@pytest.mark.anyio
+async def test_a_final_that_fails_to_translate_gets_an_internal_error(
+    translator: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from engine.streaming.session import StreamSession
+    from tests.test_server import _partial, ws_url
+
+    real = StreamSession.translate
+
+    def failing(self: StreamSession, event: object, *args: object, **kwargs: object) -> object:
+        if getattr(event, "text", "") == "boom":
+            raise RuntimeError("a bug in the engine")
+        return real(self, event, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StreamSession, "translate", failing)
+    async with serving(translator) as server, connect(ws_url(server)) as ws:
+        await ws.send(_partial("f", 0, "boom", final=True))
+        # The next segment (a final ends its segment).
+        for seq, text, final in ((1, "I will meet Tom", False), (2, "I will go", True)):
+            message = _partial("f", seq, text, final=final)
+            await ws.send(message.replace('"segment_id": 0', '"segment_id": 1'))
+        replies = []
+        with anyio.fail_after(20):
+            while not any(r.get("seq") == 2 and r.get("is_final") for r in replies):
+                replies.append(json.loads(await ws.recv()))
+    about_first = [r for r in replies if r.get("seq") == 0]
+    assert [(r["type"], r["code"]) for r in about_first] == [("error", "internal")]
+    # The stream goes on: the next final is translated as usual.
+    assert any(r["type"] == "translation_update" and r["is_final"] for r in replies)

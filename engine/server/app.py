@@ -457,6 +457,10 @@ class SubtitleServer:
         try:
             async for update in sub:
                 count += 1
+                if isinstance(update, ErrorMessage):  # in place of a final's update
+                    if owner:
+                        self._reply(client, update, about_final=True)
+                    continue
                 if owner:
                     self.metrics.update_latency.observe(update.latency_ms / 1000.0)
                 before = client.outbox.dropped_updates

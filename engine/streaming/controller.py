@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeAlias
 
 import anyio
 import anyio.abc
@@ -34,27 +34,33 @@ log = logging.getLogger(__name__)
 MAX_CANCELLED_IN_A_ROW = 2
 
 
-class Subscription(AsyncIterator[TranslationUpdate]):
-    """A bounded queue of updates for one consumer.
+Reply: TypeAlias = TranslationUpdate | ErrorMessage
+"""What a subscription yields: updates, and an `error` (code `internal`) in place of the
+final update of a final transcript whose translation failed."""
+
+
+class Subscription(AsyncIterator[Reply]):
+    """A bounded queue of replies for one consumer.
 
     When it is full, the oldest non-final update is dropped (a newer one supersedes it);
-    finals are never dropped, so a slow consumer cannot stall translation for others.
+    finals and errors (which answer finals) are never dropped, so a slow consumer cannot
+    stall translation for others and every final transcript still gets its reply.
     """
 
     def __init__(self, stream_id: str | None, max_items: int) -> None:
         self.stream_id = stream_id
         self.max_items = max_items
         self.dropped = 0
-        self._items: deque[TranslationUpdate] = deque()
+        self._items: deque[Reply] = deque()
         self._ready = anyio.Event()
         self._closed = False
 
-    def put(self, update: TranslationUpdate) -> None:
+    def put(self, update: Reply) -> None:
         if self._closed:
             return
         if len(self._items) >= self.max_items:
             for i, old in enumerate(self._items):
-                if not old.is_final:
+                if isinstance(old, TranslationUpdate) and not old.is_final:
                     del self._items[i]
                     self.dropped += 1
                     break
@@ -71,7 +77,7 @@ class Subscription(AsyncIterator[TranslationUpdate]):
     def __aiter__(self) -> Subscription:
         return self
 
-    async def __anext__(self) -> TranslationUpdate:
+    async def __anext__(self) -> Reply:
         while not self._items:
             if self._closed:
                 raise StopAsyncIteration
@@ -307,6 +313,11 @@ class IncrementalTranslator:
             for sub in self._subscriptions.get(key, ()):
                 sub.put(update)
 
+    def _publish_error(self, stream: _Stream, error: ErrorMessage) -> None:
+        for key in (error.stream_id, None):
+            for sub in self._subscriptions.get(key, ()):
+                sub.put(error)
+
     async def _run_stream(self, stream_id: str, stream: _Stream) -> None:
         try:
             while True:
@@ -347,6 +358,17 @@ class IncrementalTranslator:
         except Exception:  # a bug must not take the stream (or others) down with it
             self.stats["errors"] += 1
             log.exception("translation failed for stream %r seq %d", event.stream_id, event.seq)
+            if event.is_final:  # every final gets exactly one reply: this one
+                self._publish_error(
+                    stream,
+                    ErrorMessage(
+                        ErrorCode.INTERNAL,
+                        "translating this final transcript failed (logged on the server); "
+                        "the stream goes on",
+                        stream_id=event.stream_id,
+                        seq=event.seq,
+                    ),
+                )
             return
         stream.cancelled_in_row = 0
         if update is None:
