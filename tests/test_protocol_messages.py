@@ -139,6 +139,7 @@ def test_error_codes_are_the_documented_set() -> None:
         "rate_limited",
         "limit_exceeded",
         "internal",
+        "unavailable",
     }
     assert documented == ERROR_CODES
 

@@ -179,3 +179,70 @@ async def test_a_final_that_fails_to_translate_gets_an_internal_error(
     assert [(r["type"], r["code"]) for r in about_first] == [("error", "internal")]
     # The stream goes on: the next final is translated as usual.
     assert any(r["type"] == "translation_update" and r["is_final"] for r in replies)
+
+
+# -- issue 9, finding 3: shutdown past its timeout lost finals and crashed ---------------
+
+
+@pytest.mark.anyio
+async def test_shutdown_past_its_timeout_answers_every_final(
+    translator: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 writers x 6 finals, translations slowed to 50 ms each, shutdown timeout 0.2 s:
+    most finals cannot be translated in time. Each still gets exactly one reply, an update
+    or `unavailable`, and the shutdown raises nothing."""
+    import json
+    import time
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    from engine.streaming.session import StreamSession
+    from tests.test_server import _partial, ws_url
+
+    real = StreamSession.translate
+
+    def slow(self: StreamSession, *args: object, **kwargs: object) -> object:
+        time.sleep(0.05)
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StreamSession, "translate", slow)
+    replies: dict[str, list[dict[str, object]]] = {}
+
+    async def writer(server: object, name: str, ready: anyio.Event) -> None:
+        async with connect(ws_url(server)) as ws:  # type: ignore[arg-type]
+            for seg in range(6):
+                text = "Tom will play tennis with Lucy at three tomorrow"
+                message = _partial(name, seg, text, final=True)
+                await ws.send(message.replace('"segment_id": 0', f'"segment_id": {seg}'))
+            ready.set()
+            got = replies.setdefault(name, [])
+            try:
+                async for data in ws:
+                    got.append(json.loads(data))
+            except ConnectionClosed:
+                pass
+
+    async with (
+        serving(translator, shutdown_timeout=0.2) as server,
+        anyio.create_task_group() as tg,
+    ):
+        events = []
+        for i in range(8):
+            ready = anyio.Event()
+            events.append(ready)
+            tg.start_soon(writer, server, f"w{i}", ready)
+        for ready in events:
+            await ready.wait()
+        await anyio.sleep(0.1)
+        await server.shutdown()  # the writers' sockets close with 1001
+    codes = []
+    for name, got in replies.items():
+        about = {}
+        for reply in got:
+            if reply["type"] == "error" or reply.get("is_final"):
+                assert reply["seq"] not in about, (name, reply)  # exactly one reply
+                about[reply["seq"]] = reply
+        assert sorted(about) == list(range(6)), (name, got)
+        codes += [r.get("code", "update") for r in about.values()]
+    assert "unavailable" in codes and set(codes) <= {"update", "unavailable"}

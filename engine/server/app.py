@@ -56,6 +56,9 @@ from protocol import ErrorCode, ErrorMessage, InvalidEvent, TranslationUpdate
 
 log = logging.getLogger(__name__)
 
+ABORT_GRACE = 2.0
+"""Seconds past the shutdown timeout for the `unavailable` replies to reach their clients."""
+
 _PAGE_HEADERS = (
     # The page needs nothing but itself and a WebSocket back to this server.
     (
@@ -230,7 +233,9 @@ class SubtitleServer:
            open connections get an error (the listener stays up for health checks).
         2. Close every stream through the controller, so pending finals are translated.
         3. Flush every connection's outbox (within `shutdown_timeout`).
-        4. Close the connections with 1001 (going away) and the listener.
+        4. Past the timeout, answer every accepted final not translated yet with an
+           `unavailable` error and give those replies `ABORT_GRACE` seconds to go out.
+        5. Close the connections with 1001 (going away) and the listener.
         """
         if self._stopping:
             await self._stopped.wait()
@@ -238,8 +243,16 @@ class SubtitleServer:
         self._stopping = True
         self.registry.accepting = False
         try:
-            with anyio.move_on_after(self.options.shutdown_timeout):
+            with anyio.move_on_after(self.options.shutdown_timeout) as deadline:
                 await self._drain()
+            engine = self.engine
+            if deadline.cancelled_caught and engine is not None:
+                answered = engine.abort(
+                    "the server shut down before this final transcript could be translated"
+                )
+                log.info("shutdown timeout: %d finals answered as unavailable", answered)
+                with anyio.move_on_after(ABORT_GRACE):
+                    await self._flush()
         finally:
             if self._server is not None:
                 self._server.close()  # code 1001
@@ -257,6 +270,10 @@ class SubtitleServer:
                 for sid in engine.streams:  # streams opened by anyone else, or closing
                     tg.start_soon(self._close_unowned, engine, sid)
             await engine.aclose()  # ends every subscription, viewers' included
+        await self._flush()
+
+    async def _flush(self) -> None:
+        """Close every outbox once its subscriptions have ended; wait until all is sent."""
         for client in list(self._clients):
             if client.pumps == 0:
                 client.outbox.close()

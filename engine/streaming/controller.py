@@ -8,6 +8,7 @@ so delay never piles up behind a fast talker; finals are never skipped or cancel
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -96,6 +97,8 @@ class _Stream:
     idle: anyio.Event = field(default_factory=anyio.Event)
     busy: bool = False
     closing: bool = False
+    aborted: bool = False  # past a shutdown deadline: publish nothing more
+    current: PartialTranscript | None = None  # the event being translated
     cancelled_in_row: int = 0
     last_update: TranslationUpdate | None = None
 
@@ -168,12 +171,45 @@ class IncrementalTranslator:
         if self._closed:
             return
         for stream_id in list(self._streams):
-            await self.close_stream(stream_id)
+            with contextlib.suppress(InvalidEvent):  # it finished closing meanwhile
+                await self.close_stream(stream_id)
         self._closed = True
         for subs in self._subscriptions.values():
             for sub in subs:
                 sub.close()
         self._subscriptions.clear()
+
+    def abort(self, reason: str) -> int:
+        """Give up on work not done yet (a shutdown past its deadline): every accepted final
+        transcript still waiting or being translated is answered with an `unavailable`
+        error (a running translation's late result is then dropped, so each final still
+        gets exactly one reply), and every subscription ends. Returns how many finals were
+        answered so. The engine takes nothing more afterwards; `aclose` still waits for
+        translations already running on worker threads to return."""
+        answered = 0
+        for stream in list(self._streams.values()):
+            events = [e for e, _ in stream.pending]
+            if stream.current is not None:
+                events.insert(0, stream.current)
+            stream.pending.clear()
+            stream.closing = stream.aborted = True
+            stream.wake.set()
+            for event in events:
+                if event.is_final:
+                    answered += 1
+                    self._publish_error(
+                        stream,
+                        ErrorMessage(
+                            ErrorCode.UNAVAILABLE, reason, stream_id=event.stream_id, seq=event.seq
+                        ),
+                    )
+        self._closed = True
+        for subs in self._subscriptions.values():
+            for sub in subs:
+                sub.close()
+        self._subscriptions.clear()
+        self.stats["aborted_finals"] += answered
+        return answered
 
     # -- API ----------------------------------------------------------------------------
 
@@ -349,6 +385,7 @@ class IncrementalTranslator:
             newer_waiting if cancellable else None,
             received=received,
         )
+        stream.current = event
         try:
             update = await anyio.to_thread.run_sync(work, limiter=self._limiter)
         except DecodingCancelled:
@@ -369,6 +406,10 @@ class IncrementalTranslator:
                         seq=event.seq,
                     ),
                 )
+            return
+        finally:
+            stream.current = None
+        if stream.aborted:  # answered by `abort` already
             return
         stream.cancelled_in_row = 0
         if update is None:
