@@ -246,3 +246,37 @@ async def test_shutdown_past_its_timeout_answers_every_final(
         assert sorted(about) == list(range(6)), (name, got)
         codes += [r.get("code", "update") for r in about.values()]
     assert "unavailable" in codes and set(codes) <= {"update", "unavailable"}
+
+
+# -- issue 9, finding 6: seq 2**53-1 left a stream that took nothing more ----------------
+
+
+@pytest.mark.anyio
+async def test_a_stream_at_the_largest_seq_can_be_closed_and_started_again(
+    translator: Translator,
+) -> None:
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from protocol import MAX_ID
+    from tests.test_server import _partial, ws_url
+
+    async with serving(translator) as server, connect(ws_url(server)) as ws:
+        await ws.send(_partial("m", MAX_ID, "I will"))
+        await ws.send(_partial("m", 5, "I will meet"))
+        with anyio.fail_after(20):
+            while (reply := json.loads(await ws.recv()))["type"] != "error":
+                pass
+        assert reply["code"] == "out_of_order" and "close_stream" in reply["message"]
+        await ws.send('{"type": "close_stream", "stream_id": "m"}')
+        engine = server.engine
+        assert engine is not None
+        with anyio.fail_after(10):
+            while "m" in engine.streams or server.registry.owners:
+                await anyio.sleep(0.01)
+        await ws.send(_partial("m", 0, "I will meet Tom at three", final=True))
+        with anyio.fail_after(20):
+            while not (reply := json.loads(await ws.recv())).get("is_final"):
+                pass
+        assert reply["seq"] == 0 and reply["stable_text"]

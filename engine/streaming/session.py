@@ -141,7 +141,8 @@ class EventGate:
         if self.last_seq is not None and event.seq <= self.last_seq:
             return error(
                 ErrorCode.OUT_OF_ORDER,
-                f"seq {event.seq} is not above the last accepted seq {self.last_seq}",
+                f"seq {event.seq} is not above the last accepted seq {self.last_seq} (seq "
+                "grows within a stream; close_stream and open it again to restart from 0)",
                 "seq",
             )
         if self.segment_id is not None and (
