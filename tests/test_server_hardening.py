@@ -280,3 +280,46 @@ async def test_a_stream_at_the_largest_seq_can_be_closed_and_started_again(
             while not (reply := json.loads(await ws.recv())).get("is_final"):
                 pass
         assert reply["seq"] == 0 and reply["stable_text"]
+
+
+# -- issue 9, finding 4: churn hurt bystanders ---------------------------------------------
+# Partials of connections that had already left waited for a worker and were translated
+# anyway, ahead of live streams' work (a bystander's p95 went from ~30 ms to ~870 ms in
+# the soak). Now a partial whose stream began closing while it waited is not translated.
+
+
+@pytest.mark.anyio
+async def test_a_partial_of_a_closing_stream_gets_no_worker(
+    translator: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from engine.streaming import IncrementalTranslator
+    from engine.streaming.session import StreamSession
+    from protocol import PartialTranscript
+    from tests.test_server import STREAMING
+
+    real = StreamSession.translate
+    release = threading.Event()
+    translated: list[str] = []
+
+    def gated(self: StreamSession, event: PartialTranscript, *args: object, **kw: object) -> object:
+        translated.append(event.stream_id)
+        if event.stream_id == "busy":
+            release.wait(10)
+        return real(self, event, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StreamSession, "translate", gated)
+    async with IncrementalTranslator(translator, STREAMING, decode_slots=1) as nmt:
+        await nmt.push(PartialTranscript("busy", 0, 0, "I will meet Tom", is_final=False))
+        with anyio.fail_after(10):
+            while "busy" not in translated:  # the one worker is taken
+                await anyio.sleep(0.01)
+        await nmt.push(PartialTranscript("gone", 0, 0, "I will", is_final=False))
+        await anyio.sleep(0.05)  # "gone" now waits for the worker
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(nmt.close_stream, "gone")  # its writer left
+            await anyio.sleep(0.05)
+            release.set()
+    assert translated.count("gone") == 0
+    assert nmt.stats["superseded"] >= 1

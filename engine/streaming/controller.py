@@ -387,7 +387,14 @@ class IncrementalTranslator:
         )
         stream.current = event
         try:
-            update = await anyio.to_thread.run_sync(work, limiter=self._limiter)
+            async with self._limiter:
+                # Waiting for a worker can take a while when many streams are busy; a
+                # partial of a stream that began closing meanwhile (its writer left) is
+                # no longer wanted by anyone: do not spend a worker on it.
+                if stream.closing and not event.is_final:
+                    self.stats["superseded"] += 1
+                    return
+                update = await anyio.to_thread.run_sync(work)
         except DecodingCancelled:
             stream.cancelled_in_row += 1
             self.stats["cancelled"] += 1
