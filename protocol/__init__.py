@@ -4,7 +4,7 @@ Pure Python, standard library only: a client, a proxy or a speech pipeline can d
 without pulling in the engine's numerical stack.
 """
 
-from protocol.api import InvalidEvent, NmtIncremental
+from protocol.api import EngineClosed, InvalidEvent, NmtIncremental
 from protocol.codec import (
     FROM_ENGINE_TYPES,
     MAX_MESSAGE_BYTES,
@@ -42,6 +42,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "TO_ENGINE_TYPES",
     "CloseStream",
+    "EngineClosed",
     "ErrorCode",
     "ErrorMessage",
     "InvalidEvent",

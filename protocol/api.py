@@ -28,6 +28,11 @@ class InvalidEvent(ValueError):
         return self.error.message
 
 
+class EngineClosed(RuntimeError):
+    """`push` to an engine that is not running: not started, closed, or shut down (a
+    server's `unknown_stream` "shutting down" reply). Nothing was accepted."""
+
+
 @runtime_checkable
 class NmtIncremental(Protocol):
     """A streaming incremental translator of partial ASR transcripts.
@@ -61,8 +66,8 @@ class NmtIncremental(Protocol):
 
         Raises `InvalidEvent` for an event the stream cannot take (e.g. `out_of_order` for
         a `seq` not above the last one, `limit_exceeded` for too many streams); the stream
-        continues as if the event had not been sent. Pushing to a closed engine raises
-        `RuntimeError`.
+        continues as if the event had not been sent. Pushing to an engine that is not
+        running raises `EngineClosed`.
         """
         ...
 

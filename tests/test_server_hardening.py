@@ -323,3 +323,40 @@ async def test_a_partial_of_a_closing_stream_gets_no_worker(
             release.set()
     assert translated.count("gone") == 0
     assert nmt.stats["superseded"] >= 1
+
+
+@pytest.mark.anyio
+async def test_an_update_is_encoded_once_for_all_its_viewers(
+    translator: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import functools
+    import json
+
+    from websockets.asyncio.client import connect
+
+    import protocol
+    from engine.server import app
+    from tests.test_server import send_sentence, until_final, wait_for, ws_url
+
+    calls: list[str] = []
+
+    def counting(message: protocol.Message) -> str:
+        calls.append(type(message).__name__)
+        return protocol.encode(message)
+
+    monkeypatch.setattr(app, "_encoded", functools.lru_cache(maxsize=64)(counting))
+    async with (
+        serving(translator) as server,
+        connect(ws_url(server)) as writer,
+        connect(ws_url(server)) as viewer_a,
+        connect(ws_url(server)) as viewer_b,
+    ):
+        for viewer in (viewer_a, viewer_b):
+            await viewer.send(json.dumps({"type": "subscribe", "stream_id": "s1"}))
+        await wait_for(lambda: server.role_counts()["viewer"] == 2)
+        await send_sentence(writer)
+        written = await until_final(writer)
+        seen = [await until_final(viewer_a), await until_final(viewer_b)]
+    sent = len(written) + sum(len(s) for s in seen)
+    assert sent >= 2 * len(written)  # the viewers got the updates too...
+    assert calls.count("TranslationUpdate") == len(written)  # ...each encoded once

@@ -10,6 +10,7 @@ hands updates to a bounded `Outbox` without ever waiting on a socket.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http
 import itertools
 import logging
@@ -52,9 +53,14 @@ from engine.server.connection import (
 from engine.server.metrics import ServerMetrics
 from engine.server.outbox import Outbox
 from engine.streaming.controller import IncrementalTranslator, Subscription
-from protocol import ErrorCode, ErrorMessage, InvalidEvent, TranslationUpdate
+from protocol import EngineClosed, ErrorCode, ErrorMessage, InvalidEvent, TranslationUpdate
 
 log = logging.getLogger(__name__)
+
+# An update goes to its writer and to every viewer of the stream: encode it once. Updates
+# are frozen (hashable) and the cache holds the last few thousand, far more than are ever
+# in flight at once.
+_encoded = functools.lru_cache(maxsize=4096)(protocol.encode)
 
 ABORT_GRACE = 2.0
 """Seconds past the shutdown timeout for the `unavailable` replies to reach their clients."""
@@ -410,7 +416,7 @@ class SubtitleServer:
             self._start_forward(client, sub, owner=True)
         try:
             await engine.push(event)
-        except (InvalidEvent, RuntimeError) as exc:
+        except (InvalidEvent, EngineClosed) as exc:
             error = (
                 exc.error
                 if isinstance(exc, InvalidEvent)
@@ -512,7 +518,7 @@ class SubtitleServer:
         """The only task that awaits this client's socket."""
         try:
             while (item := await client.outbox.get()) is not None:
-                await client.ws.send(protocol.encode(item))
+                await client.ws.send(_encoded(item))
                 kind = "translation_update" if isinstance(item, TranslationUpdate) else "error"
                 self.metrics.messages_out.labels(kind).inc()
         except ConnectionClosed:

@@ -26,7 +26,14 @@ import anyio.abc
 from engine.decoding import DecodingCancelled
 from engine.streaming.session import EventGate, StreamingOptions, StreamSession
 from engine.translator import Translator
-from protocol import ErrorCode, ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
+from protocol import (
+    EngineClosed,
+    ErrorCode,
+    ErrorMessage,
+    InvalidEvent,
+    PartialTranscript,
+    TranslationUpdate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +254,7 @@ class IncrementalTranslator:
     async def push(self, event: PartialTranscript) -> None:
         """Queue an event and return at once; raises `InvalidEvent` for a refused one."""
         if self._closed or self._group is None:
-            raise RuntimeError("IncrementalTranslator is not running (use `async with`)")
+            raise EngineClosed("IncrementalTranslator is not running (use `async with`)")
         if not isinstance(event, PartialTranscript):
             raise InvalidEvent(
                 ErrorMessage(
