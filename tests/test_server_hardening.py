@@ -360,3 +360,27 @@ async def test_an_update_is_encoded_once_for_all_its_viewers(
     sent = len(written) + sum(len(s) for s in seen)
     assert sent >= 2 * len(written)  # the viewers got the updates too...
     assert calls.count("TranslationUpdate") == len(written)  # ...each encoded once
+
+
+@pytest.mark.anyio
+async def test_each_event_is_tokenised_once_from_admission_to_decoding(
+    translator: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.streaming import IncrementalTranslator
+    from protocol import PartialTranscript
+    from tests.test_server import STREAMING
+
+    calls: list[str] = []
+    real = translator.source_ids
+
+    def counting(text: str, *, partial: bool = False) -> list[int]:
+        calls.append(text)
+        return real(text, partial=partial)
+
+    monkeypatch.setattr(translator, "source_ids", counting)
+    texts = ["I will", "I will meet", "I will meet Tom at three"]
+    async with IncrementalTranslator(translator, STREAMING) as nmt:
+        for seq, text in enumerate(texts):
+            await nmt.push(PartialTranscript("t", 0, seq, text, is_final=seq == 2))
+            await nmt.wait_idle("t")
+    assert calls == texts  # admission's ids went on to the encoder

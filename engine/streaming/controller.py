@@ -98,7 +98,10 @@ class Subscription(AsyncIterator[Reply]):
 class _Stream:
     session: StreamSession
     gate: EventGate
-    pending: deque[tuple[PartialTranscript, float]] = field(default_factory=deque)
+    # Accepted events waiting: (event, arrival time, its source ids from admission).
+    pending: deque[tuple[PartialTranscript, float, list[int] | None]] = field(
+        default_factory=deque
+    )
     wake: anyio.Event = field(default_factory=anyio.Event)
     done: anyio.Event = field(default_factory=anyio.Event)
     idle: anyio.Event = field(default_factory=anyio.Event)
@@ -195,7 +198,7 @@ class IncrementalTranslator:
         translations already running on worker threads to return."""
         answered = 0
         for stream in list(self._streams.values()):
-            events = [e for e, _ in stream.pending]
+            events = [e for e, _, _ in stream.pending]
             if stream.current is not None:
                 events.insert(0, stream.current)
             stream.pending.clear()
@@ -286,7 +289,7 @@ class IncrementalTranslator:
             )
         error = stream.gate.check(event)
         if error is None and event.is_final:
-            finals = sum(1 for e, _ in stream.pending if e.is_final)
+            finals = sum(1 for e, _, _ in stream.pending if e.is_final)
             if finals >= self.max_pending_finals:
                 error = ErrorMessage(
                     ErrorCode.RATE_LIMITED,
@@ -302,7 +305,7 @@ class IncrementalTranslator:
         # Latest wins: a waiting partial is superseded by any newer event; finals stay.
         kept = deque(item for item in stream.pending if item[0].is_final)
         self.stats["superseded"] += len(stream.pending) - len(kept)
-        kept.append((event, received))
+        kept.append((event, received, stream.gate.admitted))
         stream.pending = kept
         if not stream.busy:
             stream.busy = True
@@ -372,15 +375,21 @@ class IncrementalTranslator:
                     await stream.wake.wait()
                     stream.wake = anyio.Event()
                     continue
-                event, received = stream.pending.popleft()
-                await self._translate(stream, event, received)
+                event, received, source_ids = stream.pending.popleft()
+                await self._translate(stream, event, received, source_ids)
         finally:
             self._streams.pop(stream_id, None)
             for sub in self._subscriptions.pop(stream_id, []):
                 sub.close()
             stream.done.set()
 
-    async def _translate(self, stream: _Stream, event: PartialTranscript, received: float) -> None:
+    async def _translate(
+        self,
+        stream: _Stream,
+        event: PartialTranscript,
+        received: float,
+        source_ids: list[int] | None,
+    ) -> None:
         cancellable = not event.is_final and stream.cancelled_in_row < MAX_CANCELLED_IN_A_ROW
 
         def newer_waiting() -> bool:
@@ -391,6 +400,7 @@ class IncrementalTranslator:
             event,
             newer_waiting if cancellable else None,
             received=received,
+            source_ids=source_ids,
         )
         stream.current = event
         try:

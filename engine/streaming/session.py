@@ -124,7 +124,8 @@ class EventGate:
 
     `seq` must increase; segments may only move forward; a segment that has had its final
     takes no more events; the text must fit the model. Returns an `ErrorMessage` instead of
-    raising so that callers on any layer can pass it on as is.
+    raising so that callers on any layer can pass it on as is. The source ids it computes
+    to check the length are kept (`admitted`) so that decoding need not tokenise again.
     """
 
     def __init__(self, stream_id: str, translator: Translator) -> None:
@@ -133,6 +134,7 @@ class EventGate:
         self.last_seq: int | None = None
         self.segment_id: int | None = None
         self.segment_closed = False
+        self.admitted: list[int] | None = None  # source ids of the last event checked
 
     def check(self, event: PartialTranscript) -> ErrorMessage | None:
         def error(code: ErrorCode, message: str, field: str) -> ErrorMessage:
@@ -154,9 +156,10 @@ class EventGate:
                 ErrorCode.OUT_OF_ORDER, f"segment {event.segment_id} is {state}", "segment_id"
             )
         source = normalize_source(event.text)
+        self.admitted = None
         if source:
             try:
-                self.translator.source_ids(source, partial=not event.is_final)
+                self.admitted = self.translator.source_ids(source, partial=not event.is_final)
             except InputTooLongError as exc:
                 return error(ErrorCode.TOO_LARGE, str(exc), "text")
         return None
@@ -183,6 +186,7 @@ class StreamSession:
         self.boundaries = BoundaryFinder(translator.tokenizer.id_to_piece)
         self._prefix_trained = bool(translator.config.partial_suffix)
         self.segment: SegmentState | None = None
+        self._admitted: list[int] | None = None  # source ids admission computed, if any
         self.encoder_runs = 0
         self.decoder_runs = 0
 
@@ -191,8 +195,11 @@ class StreamSession:
             self.segment = SegmentState(event.segment_id)
         return self.segment
 
-    def _encode(self, seg: SegmentState, source: str, *, partial: bool) -> EncoderOutput:
-        ids = self.translator.source_ids(source, partial=partial)
+    def _encode(
+        self, seg: SegmentState, source: str, *, partial: bool, ids: list[int] | None = None
+    ) -> EncoderOutput:
+        if ids is None:
+            ids = self.translator.source_ids(source, partial=partial)
         if seg.encoded is None or ids != seg.source_ids:
             seg.encoded = self.translator.encode([ids])
             seg.source_ids = ids
@@ -205,8 +212,12 @@ class StreamSession:
         should_stop: Callable[[], bool] | None = None,
         *,
         received: float | None = None,
+        source_ids: list[int] | None = None,
     ) -> TranslationUpdate | None:
         """The update answering `event`, or None when its source did not change.
+
+        `source_ids`: the event's source ids when admission computed them already
+        (`EventGate.admitted`), so that they are not computed twice.
 
         Raises `DecodingCancelled` (from the decoder) when `should_stop` says a newer event
         made this one stale; the segment's state is then as before the call.
@@ -217,6 +228,7 @@ class StreamSession:
         if not event.is_final and source == seg.source and seg.encoded is not None:
             return None  # same source as last time: neither encoder nor decoder runs
         started = time.perf_counter()
+        self._admitted = source_ids
         if event.is_final:
             update = self._final(seg, source, event, started, received)
             self.segment = None
@@ -262,7 +274,7 @@ class StreamSession:
         received: float,
     ) -> TranslationUpdate:
         policy = self.options.policy
-        enc = self._encode(seg, source, partial=True)
+        enc = self._encode(seg, source, partial=True, ids=self._admitted)
         previous = seg.history[-1] if seg.history else None
         self.decoder_runs += 1
         hyp = self.translator.decode(
@@ -306,7 +318,7 @@ class StreamSession:
         if not source:
             text = ""
         else:
-            enc = self._encode(seg, source, partial=False)
+            enc = self._encode(seg, source, partial=False, ids=self._admitted)
             self.decoder_runs += 1
             options = self.options.decode_for(len(seg.source_ids or ()))
             hyp = self.translator.decode(enc, options)[0]
