@@ -271,11 +271,13 @@ class MarianOnnx:
             if self._input_types.get("encoder_hidden_states") == "tensor(float16)"
             else np.float32
         )
-        self._step_takes_states = (
-            self.step is not None
-            and self.step is not self.first
-            and ("encoder_hidden_states" in {i.name for i in self.step.get_inputs()})
-        )
+        # What the step graph declares decides what it is fed: some with-past exports
+        # declare `encoder_hidden_states` beside the encoder KV inputs they need.
+        step_inputs = set() if self.step is None else {i.name for i in self.step.get_inputs()}
+        self._step_takes_states = "encoder_hidden_states" in step_inputs
+        self._step_takes_cross_kv = bool(step_inputs) and set(
+            _past_names(self.layers, "encoder")
+        ) <= step_inputs
         self._self_out = _past_names(self.layers, "decoder", "present")
         self._cross_out = _past_names(self.layers, "encoder", "present")
         self._self_in = _past_names(self.layers, "decoder")
@@ -368,15 +370,15 @@ class MarianOnnx:
             "input_ids": input_ids,
         }
         feed.update(zip(self._self_in, cache.self_kv, strict=True))
-        if self.layout is DecoderLayout.SELF_KV_ONLY or self._step_takes_states:
-            feed["encoder_hidden_states"] = enc.hidden_states
-        else:
+        if self._step_takes_cross_kv:
             feed.update(zip(self._cross_in, cache.cross_kv, strict=True))
-            if self.layout is DecoderLayout.MERGED:
-                feed["use_cache_branch"] = np.ones((1,), dtype=np.bool_)
-                # Ignored on the cached branch, but the graph still declares the input.
-                feed["encoder_hidden_states"] = np.zeros(
-                    (input_ids.shape[0], 0, self.config.d_model), dtype=self.float_type
-                )
+        if self.layout is DecoderLayout.MERGED:
+            feed["use_cache_branch"] = np.ones((1,), dtype=np.bool_)
+            # Ignored on the cached branch, but the graph still declares the input.
+            feed["encoder_hidden_states"] = np.zeros(
+                (input_ids.shape[0], 0, self.config.d_model), dtype=self.float_type
+            )
+        elif self._step_takes_states:
+            feed["encoder_hidden_states"] = enc.hidden_states
         out = self._run(self.step, ["logits", *self._self_out], feed)
         return out[0][:, -1, :], DecoderCache(tuple(out[1:]), cache.cross_kv, tokens)

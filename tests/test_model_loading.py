@@ -126,3 +126,26 @@ def test_ir10_files_load(tmp_path: Path) -> None:
     ir10 = Translator.from_dir(model_dir).translate(sources)
     committed = Translator.from_dir(FIXTURE_MODEL).translate(sources)
     assert [r.token_ids for r in ir10] == [r.token_ids for r in committed]
+
+
+def test_a_with_past_decoder_that_also_declares_encoder_states_gets_its_encoder_kv(
+    tmp_path: Path,
+) -> None:
+    """Some exports' decoder_with_past declares `encoder_hidden_states` beside the encoder
+    KV inputs it needs. It was fed the states instead of the KV (ORT: "Required inputs
+    missing" at step 1); it must get the KV, and the states too since it declares them."""
+    onnx = pytest.importorskip("onnx")
+    needs_fixture()
+    names = ("encoder_model.onnx", "decoder_model.onnx")
+    model_dir = model_copy(tmp_path / "states", {n: FIXTURE_MODEL / n for n in names})
+    step = onnx.load(str(FIXTURE_MODEL / "decoder_with_past_model.onnx"))
+    assert "encoder_hidden_states" not in {i.name for i in step.graph.input}
+    first = onnx.load(str(FIXTURE_MODEL / "decoder_model.onnx"))
+    states = next(i for i in first.graph.input if i.name == "encoder_hidden_states")
+    step.graph.input.append(states)  # declared, unused
+    onnx.save(step, str(model_dir / "decoder_with_past_model.onnx"))
+    tr = Translator.from_dir(model_dir)
+    assert tr.model.layout is DecoderLayout.SPLIT
+    sources = ["I will meet Tom at three", "Tom reads a book in the library"]
+    committed = Translator.from_dir(FIXTURE_MODEL).translate(sources)
+    assert [r.token_ids for r in tr.translate(sources)] == [r.token_ids for r in committed]
