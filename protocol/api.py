@@ -56,6 +56,10 @@ class NmtIncremental(Protocol):
       is the offline (whole-sentence) translation of the final transcript, or, if
       translating it failed, an `internal` error about its `seq`; non-final partials may
       be skipped when the engine is busy (latest partial wins), finals never are.
+    - Which partials are answered: one whose normalised text (whitespace collapsed)
+      differs from the last answered one of its segment, which starts empty. A partial
+      repeating the last text, empty or not, gets no update (nothing changed on screen);
+      an empty one after text gets one (the line is cleared).
     - Streams are isolated: a bad event, a slow or failing stream never delays, alters or
       ends another stream's updates.
     """

@@ -118,6 +118,21 @@ def test_unchanged_partial_runs_neither_encoder_nor_decoder(translator: Translat
     assert translator.model.calls["encoder"] == calls["encoder"] + 1 + marked
 
 
+def test_a_partial_is_answered_when_its_source_changed_empty_or_not(
+    translator: Translator,
+) -> None:
+    """The one rule: a partial gets an update when its normalised source differs from the
+    last answered one of its segment (which starts empty); finals always do."""
+    session = StreamSession("s1", translator)
+    texts = ["", "I will", "I  will ", "", " ", "I will meet", "I will meet"]
+    answered = [
+        session.translate(PartialTranscript("s1", 0, seq, text, False)) is not None
+        for seq, text in enumerate(texts)
+    ]
+    assert answered == [False, True, False, True, False, True, False]
+    assert session.translate(PartialTranscript("s1", 0, 7, "I will meet", True)) is not None
+
+
 def test_committed_prefix_is_forced_in_one_decoder_call(translator: Translator) -> None:
     session = StreamSession("s1", translator)
     words = "Tom reads a book in the library".split()

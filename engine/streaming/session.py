@@ -225,8 +225,11 @@ class StreamSession:
         received = time.perf_counter() if received is None else received
         seg = self._segment_for(event)
         source = normalize_source(event.text)
-        if not event.is_final and source == seg.source and seg.encoded is not None:
-            return None  # same source as last time: neither encoder nor decoder runs
+        # One rule for which partials are answered: those whose normalised source differs
+        # from the last one answered in the segment (which starts empty). So an unchanged
+        # partial, empty or not, gets no update and runs neither encoder nor decoder.
+        if not event.is_final and source == seg.source and (seg.encoded is not None or not source):
+            return None
         started = time.perf_counter()
         self._admitted = source_ids
         if event.is_final:
