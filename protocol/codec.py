@@ -78,6 +78,7 @@ _KINDS: dict[str, _Kind] = {
     "compute_ms": "number",
     "revised": "boolean",
     "source_text": "string",
+    "epoch": "integer",
     "code": "string",
     "message": "string",
     "field": "string",

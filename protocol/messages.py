@@ -196,6 +196,9 @@ class TranslationUpdate:
     one exception: a final whose text does not extend what was shown, so the display must
     replace the line instead of appending. `latency_ms` runs from the partial's arrival at
     the engine to this update; `compute_ms` is the encoder and decoder time spent on it.
+    `epoch` numbers the stream's life: it changes when the id is opened anew (closed and
+    reopened, or taken over by another writer after its first one left), so a viewer can
+    tell a new stream under the same id from the old one going on.
     """
 
     stream_id: str
@@ -208,11 +211,14 @@ class TranslationUpdate:
     compute_ms: float
     revised: bool = False
     source_text: str | None = None
+    epoch: int | None = None
 
     def __post_init__(self) -> None:
         _set(self, "stream_id", _check_stream_id(self.stream_id))
         _check_count("segment_id", self.segment_id)
         _check_count("seq", self.seq)
+        if self.epoch is not None:
+            _check_count("epoch", self.epoch)
         _check_str("stable_text", self.stable_text)
         _check_str("unstable_text", self.unstable_text)
         _check_bool("is_final", self.is_final)

@@ -9,7 +9,9 @@ so delay never piles up behind a fast talker; finals are never skipped or cancel
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import itertools
 import logging
 import os
 import time
@@ -108,6 +110,7 @@ class _Stream:
     busy: bool = False
     closing: bool = False
     aborted: bool = False  # past a shutdown deadline: publish nothing more
+    epoch: int = 0  # which life of the stream id this is (`TranslationUpdate.epoch`)
     current: PartialTranscript | None = None  # the event being translated
     cancelled_in_row: int = 0
     last_update: TranslationUpdate | None = None
@@ -145,6 +148,7 @@ class IncrementalTranslator:
         self._subscriptions: dict[str | None, list[Subscription]] = {}
         self._group: anyio.abc.TaskGroup | None = None
         self._closed = False
+        self._epochs = itertools.count(1)  # one number per stream opened, never reused
 
     @classmethod
     def from_dir(
@@ -346,11 +350,13 @@ class IncrementalTranslator:
             StreamSession(stream_id, self.translator, self.options),
             EventGate(stream_id, self.translator),
         )
+        stream.epoch = next(self._epochs)
         self._streams[stream_id] = stream
         self._group.start_soon(self._run_stream, stream_id, stream)
         return stream
 
     def _publish(self, stream: _Stream, update: TranslationUpdate) -> None:
+        update = dataclasses.replace(update, epoch=stream.epoch)
         stream.last_update = update
         self.stats["updates"] += 1
         if update.is_final:

@@ -20,6 +20,7 @@
 
   // Lines on screen, oldest first: {segment, final, el, stable, tentative}.
   const lines = [];
+  let shownEpoch = null; // the stream life the lines belong to (`epoch` of its updates)
   let socket = null;
   let attempt = 0;
 
@@ -73,6 +74,17 @@
   }
 
   function show(update) {
+    // A new epoch is a new life of the stream id (reopened, or another writer took it
+    // over): what the old one said must not run on as if the same speaker went on.
+    const epoch = update.epoch === undefined ? null : update.epoch;
+    if (epoch !== null && shownEpoch !== null && epoch !== shownEpoch) {
+      while (lines.length) lines.shift().el.remove();
+      status.textContent = "new stream";
+      window.setTimeout(() => {
+        if (status.textContent === "new stream") status.textContent = "";
+      }, 3000);
+    }
+    if (epoch !== null) shownEpoch = epoch;
     // A stream's segments arrive in order; a lower id means the stream was restarted.
     let line = lines[lines.length - 1];
     if (!line || line.segment !== update.segment_id || (line.final && !update.is_final)) {
