@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
@@ -16,7 +15,13 @@ import sys
 import anyio
 
 import protocol
-from engine.cli_args import add_model_arguments, add_policy_argument, load_translator, positive_int
+from engine.cli_args import (
+    add_model_arguments,
+    add_policy_argument,
+    load_translator,
+    non_negative_float,
+    positive_int,
+)
 from engine.errors import EngineError
 from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.connection import Limits
@@ -34,13 +39,6 @@ def _port(value: str) -> int:
     number = int(value)
     if not 0 <= number <= 65535:
         raise argparse.ArgumentTypeError("must be between 0 and 65535")
-    return number
-
-
-def _rate(value: str) -> float:
-    number = float(value)
-    if not math.isfinite(number) or number < 0:
-        raise argparse.ArgumentTypeError("must be a number >= 0 (0 turns the limit off)")
     return number
 
 
@@ -97,7 +95,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
     p.add_argument(
         "--rate-limit",
-        type=_rate,
+        type=non_negative_float,
         default=50.0,
         metavar="MSGS_PER_SEC",
         help="messages per second per connection, bursts of one second (0: off; default "
@@ -111,7 +109,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
     p.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=non_negative_float,
         metavar="SECONDS",
         default=10.0,
         help="seconds to finish pending finals at shutdown (default %(default)s)",

@@ -66,17 +66,23 @@ def partial(stream: str, segment: int, seq: int, text: str, final: bool = False)
     )
 
 
+async def read_reply(ws: ClientConnection, tally: Tally, seqs: set[int]) -> None:
+    """Read one reply; count errors, and a final's reply (its final update or an error
+    about its seq) once, removing its seq from `seqs`."""
+    reply = json.loads(await ws.recv())
+    if reply["type"] == "error":
+        tally.errors[reply["code"]] = tally.errors.get(reply["code"], 0) + 1
+    if reply.get("seq") in seqs and (reply["type"] == "error" or reply["is_final"]):
+        seqs.discard(reply["seq"])
+        tally.finals_answered += 1
+
+
 async def await_finals(ws: ClientConnection, tally: Tally, seqs: set[int]) -> None:
     """Read until every seq in `seqs` got its reply (final update or error)."""
     try:
         async with asyncio.timeout(30):
             while seqs:
-                reply = json.loads(await ws.recv())
-                if reply["type"] == "error":
-                    tally.errors[reply["code"]] = tally.errors.get(reply["code"], 0) + 1
-                if reply.get("seq") in seqs and (reply["type"] == "error" or reply["is_final"]):
-                    seqs.discard(reply["seq"])
-                    tally.finals_answered += 1
+                await read_reply(ws, tally, seqs)
     except (TimeoutError, ConnectionClosed):
         pass
 
@@ -162,12 +168,7 @@ async def flood(url: str, tally: Tally, until: float) -> None:
 
         async def read() -> None:
             while True:
-                reply = json.loads(await ws.recv())
-                if reply["type"] == "error":
-                    tally.errors[reply["code"]] = tally.errors.get(reply["code"], 0) + 1
-                if reply.get("seq") in sent and (reply["type"] == "error" or reply["is_final"]):
-                    sent.discard(reply["seq"])
-                    tally.finals_answered += 1
+                await read_reply(ws, tally, sent)
 
         reader = asyncio.create_task(read())
         while time.monotonic() < until:
