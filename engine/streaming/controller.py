@@ -187,6 +187,9 @@ class IncrementalTranslator:
         for stream_id in list(self._streams):
             with contextlib.suppress(InvalidEvent):  # it finished closing meanwhile
                 await self.close_stream(stream_id)
+        self._end_subscriptions()
+
+    def _end_subscriptions(self) -> None:
         self._closed = True
         for subs in self._subscriptions.values():
             for sub in subs:
@@ -211,17 +214,9 @@ class IncrementalTranslator:
             for event in events:
                 if event.is_final:
                     answered += 1
-                    self._publish_error(
-                        stream,
-                        ErrorMessage(
-                            ErrorCode.UNAVAILABLE, reason, stream_id=event.stream_id, seq=event.seq
-                        ),
-                    )
-        self._closed = True
-        for subs in self._subscriptions.values():
-            for sub in subs:
-                sub.close()
-        self._subscriptions.clear()
+                    error = ErrorCode.UNAVAILABLE
+                    self._deliver(ErrorMessage(error, reason, None, event.stream_id, event.seq))
+        self._end_subscriptions()
         self.stats["aborted_finals"] += answered
         return answered
 
@@ -361,14 +356,13 @@ class IncrementalTranslator:
         self.stats["updates"] += 1
         if update.is_final:
             self.stats["finals"] += 1
-        for key in (update.stream_id, None):
-            for sub in self._subscriptions.get(key, ()):
-                sub.put(update)
+        self._deliver(update)
 
-    def _publish_error(self, stream: _Stream, error: ErrorMessage) -> None:
-        for key in (error.stream_id, None):
+    def _deliver(self, reply: Reply) -> None:
+        """To the stream's subscribers and those of every stream."""
+        for key in (reply.stream_id, None):
             for sub in self._subscriptions.get(key, ()):
-                sub.put(error)
+                sub.put(reply)
 
     async def _run_stream(self, stream_id: str, stream: _Stream) -> None:
         try:
@@ -426,15 +420,14 @@ class IncrementalTranslator:
             self.stats["errors"] += 1
             log.exception("translation failed for stream %r seq %d", event.stream_id, event.seq)
             if event.is_final:  # every final gets exactly one reply: this one
-                self._publish_error(
-                    stream,
+                self._deliver(
                     ErrorMessage(
                         ErrorCode.INTERNAL,
                         "translating this final transcript failed (logged on the server); "
                         "the stream goes on",
                         stream_id=event.stream_id,
                         seq=event.seq,
-                    ),
+                    )
                 )
             return
         finally:
