@@ -109,7 +109,13 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     """
     # Imported here so that `translate` does not pay for the anyio/tqdm imports.
     from engine.evaluation.peers import write_simuleval, write_simulstream
-    from engine.replay import ReplayOptions, replay, segment_order
+    from engine.replay import (
+        ReplayOptions,
+        TimedUpdate,
+        replay,
+        segment_order,
+        timed_update_line,
+    )
     from engine.streaming import StreamingOptions, parse_policy
 
     lines = read_log(args.log)
@@ -136,8 +142,8 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(args.out, "w", encoding="utf-8")) if args.out else stdout
 
-        def write(update: protocol.TranslationUpdate) -> None:
-            out.write(protocol.encode(update) + "\n")
+        def write(timed: TimedUpdate) -> None:
+            out.write(timed_update_line(timed) + "\n")
             if args.realtime:
                 out.flush()  # live: show each update as it comes
 
@@ -278,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay a transcript log and report streaming metrics",
         description=(
             "Push the partial transcripts of LOG (JSON Lines with emit_ms) through the "
-            "incremental translator. Updates go to stdout (or --out) as JSON Lines, the "
+            "incremental translator. Updates go to stdout (or --out) as JSON Lines (each "
+            "with emit_ms and done_ms on the log's clock), the "
             "metrics table to stderr. By default every partial is translated and times are "
             "simulated on the log's clock; --realtime replays on the wall clock instead. "
             "Exits 1 when an event was refused or failed, or a final differed from the "

@@ -19,6 +19,7 @@ final equals the offline translation of its final transcript.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections import Counter, defaultdict
@@ -29,6 +30,7 @@ from typing import Any
 import anyio
 from tqdm import tqdm  # type: ignore[import-untyped]
 
+import protocol
 from engine.evaluation.metrics import (
     SegmentTrace,
     StreamingReport,
@@ -94,6 +96,34 @@ class TimedUpdate:
     def latency_ms(self) -> float:
         """Arrival of the partial at the engine -> update, as the engine measured it."""
         return self.update.latency_ms
+
+
+TIME_KEYS = ("emit_ms", "done_ms")
+
+
+def timed_update_line(timed: TimedUpdate) -> str:
+    """One line of a replay's updates file: the `translation_update` wire message plus,
+    like a transcript log line, its times on the log's clock (`emit_ms`: the partial it
+    answers; `done_ms`: when it was delivered), so reports can be recomputed from files."""
+    obj = json.loads(protocol.encode(timed.update))
+    obj.update(emit_ms=timed.emit_ms, done_ms=timed.done_ms)
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def read_updates(path: PathLike) -> list[TimedUpdate]:
+    """The updates file `timed_update_line` wrote."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            obj = json.loads(raw)
+            times = [float(obj.pop(key)) for key in TIME_KEYS]
+            update = protocol.decode(json.dumps(obj), accept={"translation_update"})
+            if not isinstance(update, TranslationUpdate):
+                raise TranscriptLogError(f"{path}:{number}: {getattr(update, 'message', '')}")
+            out.append(TimedUpdate(update, *times))
+    return out
 
 
 @dataclass(frozen=True)
@@ -336,7 +366,7 @@ async def _drive(
     translator: Translator,
     lines: Sequence[Mapping[str, Any]],
     options: ReplayOptions,
-    on_update: Callable[[TranslationUpdate], None] | None,
+    on_update: Callable[[TimedUpdate], None] | None,
 ) -> _Run:
     run = _Run()
     show = _show_progress(options.progress, len(lines))
@@ -349,9 +379,10 @@ async def _drive(
                 async for update in sub:
                     if isinstance(update, ErrorMessage):  # a final that failed: counted
                         continue  # in nmt.stats["errors"], and its final is a mismatch
-                    run.received.append((update, time.perf_counter()))
-                    if on_update is not None:
-                        on_update(update)
+                    wall = time.perf_counter()
+                    run.received.append((update, wall))
+                    if on_update is not None and options.realtime:
+                        on_update(_timed(run, options, update, wall))
 
             async with anyio.create_task_group() as group:
                 group.start_soon(collect)
@@ -384,21 +415,29 @@ async def _drive(
     return run
 
 
+def _timed(
+    run: _Run, options: ReplayOptions, update: TranslationUpdate, wall: float
+) -> TimedUpdate:
+    """A realtime update on the log's clock: the wall clock mapped back (and scaled by
+    the speed-up), as `_timed_updates` does for the report, so the two agree exactly."""
+    emit = float(run.accepted[(update.stream_id, update.seq)]["emit_ms"])
+    return TimedUpdate(update, emit, run.emit0 + (wall - run.t0) * 1000.0 * options.speed)
+
+
 def _timed_updates(run: _Run, options: ReplayOptions) -> list[TimedUpdate]:
-    emits = [float(run.accepted[(u.stream_id, u.seq)]["emit_ms"]) for u, _ in run.received]
     if options.realtime:
-        done = [run.emit0 + (wall - run.t0) * 1000.0 * options.speed for _, wall in run.received]
-    else:
-        done = [0.0] * len(run.received)
-        per_stream: dict[str, list[int]] = defaultdict(list)
-        for i, (u, _) in enumerate(run.received):
-            per_stream[u.stream_id].append(i)
-        for indices in per_stream.values():
-            sim = simulated_done_times(
-                [emits[i] for i in indices], [run.received[i][0].compute_ms for i in indices]
-            )
-            for i, t in zip(indices, sim, strict=True):
-                done[i] = t
+        return [_timed(run, options, u, wall) for u, wall in run.received]
+    emits = [float(run.accepted[(u.stream_id, u.seq)]["emit_ms"]) for u, _ in run.received]
+    done = [0.0] * len(run.received)
+    per_stream: dict[str, list[int]] = defaultdict(list)
+    for i, (u, _) in enumerate(run.received):
+        per_stream[u.stream_id].append(i)
+    for indices in per_stream.values():
+        sim = simulated_done_times(
+            [emits[i] for i in indices], [run.received[i][0].compute_ms for i in indices]
+        )
+        for i, t in zip(indices, sim, strict=True):
+            done[i] = t
     return [TimedUpdate(u, e, d) for (u, _), e, d in zip(run.received, emits, done, strict=True)]
 
 
@@ -479,12 +518,14 @@ async def replay_async(
     options: ReplayOptions | None = None,
     *,
     references: Sequence[str] | None = None,
-    on_update: Callable[[TranslationUpdate], None] | None = None,
+    on_update: Callable[[TimedUpdate], None] | None = None,
 ) -> ReplayResult:
     """Replay validated log lines (``read_log``); see the module docstring for the modes.
 
     ``references``: one per segment in order of first appearance (``segment_order``).
-    ``on_update`` sees every update as it is delivered (e.g. to stream them out).
+    ``on_update`` sees every update with its times on the log's clock: in realtime mode as
+    it is delivered (to stream them out), in fast mode once the replay is over (its times
+    are simulated from the measured compute then).
     """
     options = options or ReplayOptions()
     segments = segment_order(lines)
@@ -494,6 +535,9 @@ async def replay_async(
         )
     run = await _drive(translator, lines, options, on_update)
     updates = _timed_updates(run, options)
+    if on_update is not None and not options.realtime:
+        for timed in updates:
+            on_update(timed)
     show = _show_progress(options.progress, len(lines))
     checked, mismatches = await anyio.to_thread.run_sync(
         _check_finals, translator, run, updates, options, show
@@ -528,7 +572,7 @@ def replay(
     options: ReplayOptions | None = None,
     *,
     references: Sequence[str] | None = None,
-    on_update: Callable[[TranslationUpdate], None] | None = None,
+    on_update: Callable[[TimedUpdate], None] | None = None,
 ) -> ReplayResult:
     """Blocking ``replay_async`` for scripts and the CLI."""
 
@@ -546,7 +590,7 @@ def replay_file(
     options: ReplayOptions | None = None,
     *,
     references_path: PathLike | None = None,
-    on_update: Callable[[TranslationUpdate], None] | None = None,
+    on_update: Callable[[TimedUpdate], None] | None = None,
 ) -> ReplayResult:
     """Read a log (and references) and replay it; raises ``TranscriptLogError`` naming the
     line of a malformed log."""

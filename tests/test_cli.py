@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import protocol
 from engine.cli import main
 from engine.evaluation.translogs import read_log
+from engine.replay import read_updates
 from engine.translator import Translator
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT, needs_fixture
 
@@ -116,10 +118,11 @@ def test_replay_writes_updates_and_report(
     assert captured.out == ""
     assert "normalized erasure" in captured.err and "final exact match" in captured.err
 
-    updates = [protocol.decode(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    assert all(isinstance(u, protocol.TranslationUpdate) for u in updates)
-    finals = [u for u in updates if isinstance(u, protocol.TranslationUpdate) and u.is_final]
+    timed = read_updates(out)
+    updates = [t.update for t in timed]
+    finals = [u for u in updates if u.is_final]
     assert [u.segment_id for u in finals] == [0, 1]
+    assert all(t.done_ms >= t.emit_ms for t in timed)
 
     data = json.loads(report.read_text(encoding="utf-8"))
     assert data["final_exact_match"] == 1.0
@@ -135,9 +138,28 @@ def test_replay_updates_to_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[
     log = short_log(tmp_path, segments=1)
     assert main(["replay", "--model", str(FIXTURE_MODEL), str(log), "--beam", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    updates = [protocol.decode(line) for line in lines]
+    # Each line is the wire message plus its times on the log's clock.
+    updates = [protocol.decode(re.sub(r',"emit_ms":.*}$', "}", line)) for line in lines]
     assert updates and all(isinstance(u, protocol.TranslationUpdate) for u in updates)
     assert isinstance(updates[-1], protocol.TranslationUpdate) and updates[-1].is_final
+
+
+def test_realtime_report_can_be_recomputed_from_the_files(tmp_path: Path) -> None:
+    """The realtime updates file carries each update's finish time on the log's clock, so
+    the report's compute-aware latency can be recomputed from the log and that file."""
+    from engine.evaluation.metrics import build_report
+    from engine.replay import _traces
+
+    needs_fixture()
+    log = short_log(tmp_path)
+    out, report = tmp_path / "updates.jsonl", tmp_path / "report.json"
+    argv = ["replay", "--model", str(FIXTURE_MODEL), str(log), "--realtime", "--speed", "20"]
+    assert main([*argv, "--out", str(out), "--report", str(report)]) == 0
+    data = json.loads(report.read_text(encoding="utf-8"))["report"]
+    translator = Translator.from_dir(FIXTURE_MODEL)
+    again = build_report(_traces(read_log(log), read_updates(out), translator))
+    assert again.laal_ms == pytest.approx(data["laal_ms"], abs=1e-6)
+    assert again.yaal_ms == pytest.approx(data["yaal_ms"], abs=1e-6)
 
 
 def test_replay_bad_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
