@@ -198,7 +198,9 @@ class TranslationUpdate:
     the engine to this update; `compute_ms` is the encoder and decoder time spent on it.
     `epoch` numbers the stream's life: it changes when the id is opened anew (closed and
     reopened, or taken over by another writer after its first one left), so a viewer can
-    tell a new stream under the same id from the old one going on.
+    tell a new stream under the same id from the old one going on. `start_ms`/`end_ms` are
+    the audio span of the transcript it answers, when the recogniser gave one (subtitle
+    cues are timed by them).
     """
 
     stream_id: str
@@ -212,6 +214,8 @@ class TranslationUpdate:
     revised: bool = False
     source_text: str | None = None
     epoch: int | None = None
+    start_ms: float | None = None
+    end_ms: float | None = None
 
     def __post_init__(self) -> None:
         _set(self, "stream_id", _check_stream_id(self.stream_id))
@@ -219,6 +223,8 @@ class TranslationUpdate:
         _check_count("seq", self.seq)
         if self.epoch is not None:
             _check_count("epoch", self.epoch)
+        _set(self, "start_ms", _check_optional_ms("start_ms", self.start_ms))
+        _set(self, "end_ms", _check_optional_ms("end_ms", self.end_ms))
         _check_str("stable_text", self.stable_text)
         _check_str("unstable_text", self.unstable_text)
         _check_bool("is_final", self.is_final)

@@ -82,3 +82,51 @@ def test_replay_writes_files_that_independent_parsers_read(tmp_path: Path) -> No
 def test_unknown_format_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="vtt or srt"):
         write(tmp_path / "subs.txt", [])
+
+
+@pytest.mark.anyio
+async def test_serve_records_each_streams_finals_as_they_arrive(tmp_path: Path) -> None:
+    import json
+
+    import anyio
+    from websockets.asyncio.client import connect
+
+    from engine.server.recorder import record
+    from engine.translator import Translator
+    from tests.test_server import serving, ws_url
+
+    webvtt = pytest.importorskip("webvtt")
+    needs_fixture()
+    translator = Translator.from_dir(FIXTURE_MODEL)
+    spans = [(1200.0, 2900.0), (3500.0, 5100.0)]
+    async with serving(translator) as server, anyio.create_task_group() as tg:
+        assert server.engine is not None
+        tg.start_soon(record, server.engine, tmp_path / "rec", "vtt")
+        await anyio.sleep(0.05)
+        async with connect(ws_url(server)) as ws:
+            for segment, (start, end) in enumerate(spans):
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "partial_transcript",
+                            "stream_id": "talk/1",  # not a safe file name as it is
+                            "segment_id": segment,
+                            "seq": segment,
+                            "text": "Tom reads a book" if segment else "I will meet Tom",
+                            "is_final": True,
+                            "start_ms": start,
+                            "end_ms": end,
+                        }
+                    )
+                )
+                with anyio.fail_after(20):
+                    while not json.loads(await ws.recv()).get("is_final"):
+                        pass
+                path = tmp_path / "rec" / "talk%2F1.1.vtt"
+                with anyio.fail_after(5):  # written as the final arrives, not at the end
+                    while not path.exists() or len(list(webvtt.read(str(path)))) < segment + 1:
+                        await anyio.sleep(0.01)
+        await server.engine.aclose()
+    cues = list(webvtt.read(str(path)))
+    assert [c.start_time.in_milliseconds() for c in cues] == [1200, 3500]
+    assert all(c.text for c in cues)

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import anyio
 
@@ -25,6 +26,7 @@ from engine.cli_args import (
 from engine.errors import EngineError
 from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.connection import Limits
+from engine.server.recorder import record
 from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
 from engine.translator import Translator
 
@@ -100,6 +102,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         metavar="MSGS_PER_SEC",
         help="messages per second per connection, bursts of one second (0: off; default "
         "%(default)s)",
+    )
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        help="write every stream's finals to subtitle files in DIR as they arrive "
+        "(STREAM.EPOCH.vtt; a crash loses at most the cue being written)",
+    )
+    p.add_argument(
+        "--record-format",
+        choices=("vtt", "srt"),
+        default="vtt",
+        help="subtitle format for --record (default %(default)s)",
     )
     p.add_argument(
         "--log-level",
@@ -189,9 +203,14 @@ async def _serve_until(
         translator = await _load(args, stop)
         if translator is None:
             return 0 if stop.is_set() else 2
-        async with IncrementalTranslator(
-            translator, streaming, max_streams=args.max_streams
-        ) as nmt:
+        async with (
+            IncrementalTranslator(translator, streaming, max_streams=args.max_streams) as nmt,
+            anyio.create_task_group() as recorders,
+        ):
+            if args.record:
+                # Subscribed before anything is pushed; ends when the engine closes.
+                recorders.start_soon(record, nmt, Path(args.record), args.record_format)
+                log.info("recording finals to %s (%s)", args.record, args.record_format)
             server.attach(nmt)
             log.info("model: %s", describe_model(translator))
             log.info("ready")
@@ -201,6 +220,7 @@ async def _serve_until(
                 options.shutdown_timeout,
             )
             await server.shutdown()
+            await nmt.aclose()  # ends the recorder's subscription after the last final
         stats = nmt.stats
     log.info(
         "delivered %d updates (%d finals) for %d transcripts; %d errors; stopped",

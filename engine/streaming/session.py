@@ -265,6 +265,8 @@ class StreamSession:
             compute_ms=(now - started) * 1000.0,
             revised=revised,
             source_text=source,
+            start_ms=event.start_ms,
+            end_ms=event.end_ms,
         )
 
     def _partial(
