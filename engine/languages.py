@@ -41,6 +41,28 @@ IDEOGRAPH_RANGES: tuple[tuple[int, int], ...] = (
 )
 
 
+# Hesitation fillers recognisers write out ("um I will meet Tom"): not content, never
+# translated or committed. Chinese ones are single characters written without spaces; only
+# those that are never part of a word are listed (not 啊, a sentence particle, nor 额).
+FILLERS: dict[str, frozenset[str]] = {
+    "en": frozenset({"uh", "um", "uhm", "umm", "er", "erm", "ah", "eh", "hmm", "mm", "mhm"}),
+    "zh": frozenset({"嗯", "呃"}),
+}
+_EDGE_PUNCTUATION = ",.;:!?…，。；：！？、"
+
+
+def drop_fillers(text: str, lang: str | None) -> str:
+    """`text` without the filler words of its language (a word with trailing punctuation,
+    "Um," included); other languages are left as they are."""
+    fillers = FILLERS.get(base_lang(lang)) if lang else None
+    if not fillers:
+        return text
+    if base_lang(lang or "") == "zh":
+        return "".join(ch for ch in text if ch not in fillers)
+    kept = [w for w in text.split(" ") if w.strip(_EDGE_PUNCTUATION).lower() not in fillers]
+    return " ".join(kept)
+
+
 def base_lang(code: str) -> str:
     """'cmn_Hans', 'zh-CN', 'zho' -> 'zh'; 'eng_Latn' -> 'en'; 'de' -> 'de' (lowercase)."""
     base = code.strip().lower().replace("-", "_").split("_", 1)[0]

@@ -49,7 +49,7 @@ from engine.evaluation.translogs import (
     read_references,
     source_revisions,
 )
-from engine.streaming import IncrementalTranslator, StreamingOptions, normalize_source
+from engine.streaming import IncrementalTranslator, StreamingOptions
 from engine.translator import Translator
 from protocol import (
     ErrorCode,
@@ -500,9 +500,9 @@ def _check_finals(
     mismatches = []
     for line in tqdm(expected, disable=not show, file=sys.stderr, desc="finals", leave=False):
         # Same options as the stream's final (a forced length depends on the source length).
-        n_source = len(translator.source_ids(normalize_source(line["text"])))
-        decode = options.streaming.decode_for(n_source)
-        offline = translator.translate([line["text"]], decode)[0].text
+        source = options.streaming.clean(line["text"], translator.config.source_lang)
+        decode = options.streaming.decode_for(len(translator.source_ids(source)))
+        offline = translator.translate([source], decode)[0].text
         streamed = finals.get((line["stream_id"], line["segment_id"]))
         got = streamed.stable_text if streamed is not None else None
         if got != offline:

@@ -319,3 +319,32 @@ def test_subscription_drops_oldest_partials_but_never_finals() -> None:
     kept = [u.seq for u in list(sub._items)]
     assert kept[0] == 0 and 6 in kept and len(kept) == 3
     assert sub.dropped == 4
+
+
+def test_fillers_are_not_content_and_a_normaliser_hook_plugs_in(translator: Translator) -> None:
+    """Recognisers write hesitations ("um") and, many of them, lowercase without
+    punctuation. Fillers are dropped before translation (never committed); restoring
+    casing is a model's job, plugged in as `source_normalizer` (here a toy one)."""
+    session = StreamSession("s1", translator)
+    assert session.translate(PartialTranscript("s1", 0, 0, "um", False)) is None  # nothing said
+    with_filler = session.translate(PartialTranscript("s1", 0, 1, "uh I will, um, meet", False))
+    plain = StreamSession("s2", translator).translate(
+        PartialTranscript("s2", 0, 0, "I will meet", False)
+    )
+    assert with_filler is not None and plain is not None
+    assert with_filler.source_text == "I will, meet"  # the filler's own comma goes with it
+    final = session.translate(PartialTranscript("s1", 0, 2, "Um I will meet Tom at three", True))
+    offline = translator.translate(["I will meet Tom at three"])[0].text
+    assert final is not None and final.stable_text == offline
+
+    names = {"i": "I", "tom": "Tom", "lucy": "Lucy"}
+
+    def recase(text: str) -> str:
+        return " ".join(names.get(word, word) for word in text.split())
+
+    restore = StreamingOptions(source_normalizer=recase)
+    cased = StreamSession("s3", translator, restore).translate(
+        PartialTranscript("s3", 0, 0, "i will meet tom at three", True)
+    )
+    assert cased is not None and cased.stable_text == offline
+    assert cased.source_text == "I will meet Tom at three"

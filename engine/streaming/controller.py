@@ -343,7 +343,7 @@ class IncrementalTranslator:
         assert self._group is not None
         stream = _Stream(
             StreamSession(stream_id, self.translator, self.options),
-            EventGate(stream_id, self.translator),
+            EventGate(stream_id, self.translator, self.options),
         )
         stream.epoch = next(self._epochs)
         self._streams[stream_id] = stream

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.decoding import DecodeOptions
 from engine.errors import InputTooLongError
-from engine.languages import is_cjk
+from engine.languages import drop_fillers, is_cjk
 from engine.runtime import EncoderOutput
 from engine.streaming.policies import LocalAgreement, Policy
 from engine.translator import Translator
@@ -51,6 +51,23 @@ class StreamingOptions:
     history: int = 4
     partial_length: tuple[float, int] | None = (1.5, 8)
     forced_length_ratio: float | None = None
+    drop_fillers: bool = True
+    source_normalizer: Callable[[str], str] | None = None
+
+    def clean(self, text: str, lang: str | None) -> str:
+        """The source the engine translates: NFC and collapsed whitespace
+        (`normalize_source`), without hesitation fillers ("um", 嗯; `drop_fillers`), then
+        `source_normalizer` when one is set. That hook is where a casing or punctuation
+        restoration model plugs in (recognisers such as Vosk or Kaldi write lowercase
+        without punctuation, which OPUS-MT models were not trained on): any function of a
+        text, deterministic and fast, run on every partial in a worker thread. Admission,
+        decoding and the offline check of finals all use this one function."""
+        source = normalize_source(text)
+        if self.drop_fillers:
+            source = normalize_source(drop_fillers(source, lang))
+        if self.source_normalizer is not None:
+            source = normalize_source(self.source_normalizer(source))
+        return source
 
     def decode_for(
         self, source_tokens: int, committed: int = 0, *, partial: bool = False
@@ -128,9 +145,12 @@ class EventGate:
     to check the length are kept (`admitted`) so that decoding need not tokenise again.
     """
 
-    def __init__(self, stream_id: str, translator: Translator) -> None:
+    def __init__(
+        self, stream_id: str, translator: Translator, options: StreamingOptions | None = None
+    ) -> None:
         self.stream_id = stream_id
         self.translator = translator
+        self.options = options or StreamingOptions()
         self.last_seq: int | None = None
         self.segment_id: int | None = None
         self.segment_closed = False
@@ -155,7 +175,7 @@ class EventGate:
             return error(
                 ErrorCode.OUT_OF_ORDER, f"segment {event.segment_id} is {state}", "segment_id"
             )
-        source = normalize_source(event.text)
+        source = self.options.clean(event.text, self.translator.config.source_lang)
         self.admitted = None
         if source:
             try:
@@ -224,7 +244,7 @@ class StreamSession:
         """
         received = time.perf_counter() if received is None else received
         seg = self._segment_for(event)
-        source = normalize_source(event.text)
+        source = self.options.clean(event.text, self.translator.config.source_lang)
         # One rule for which partials are answered: those whose normalised source differs
         # from the last one answered in the segment (which starts empty). So an unchanged
         # partial, empty or not, gets no update and runs neither encoder nor decoder.
