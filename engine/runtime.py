@@ -19,6 +19,7 @@ step; later calls are never asked for their (empty) encoder presents.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ import onnxruntime as ort
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.merged_split import split_merged
+
+log = logging.getLogger(__name__)
+
+SPLIT_TOLERANCE = 1e-4
+"""Largest logit difference accepted between the merged decoder and its branches run apart."""
 
 FloatArray = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int64]
@@ -56,8 +63,9 @@ class DecoderLayout(str, Enum):
 class RuntimeOptions:
     """How to open a model: which files, which cache mode, how many threads.
 
-    `prefer_split`: when both layouts are present, run the split pair rather than the merged
-    decoder; the `If` of the merged file costs 5-11% per token.
+    `prefer_split`: run the split pair rather than the merged decoder, whose `If` costs
+    5-11% per token: the split files when present, else the merged file's two branches cut
+    apart at load (needs the `onnx` package; checked against the merged graph first).
     """
 
     quantized: bool = False
@@ -214,6 +222,7 @@ class MarianOnnx:
                 f"takes {sorted(enc_inputs)}"
             )
         self.layers = config.decoder_layers
+        self.split_at_load = False  # the merged file's two branches run as the split pair
         self.first: ort.InferenceSession
         self.step: ort.InferenceSession | None = None
         merged, single, with_past = path(DECODER_MERGED), path(DECODER), path(DECODER_WITH_PAST)
@@ -234,6 +243,12 @@ class MarianOnnx:
                 )
             if layout is not DecoderLayout.NO_CACHE:
                 self.step = self.first
+            if layout is DecoderLayout.MERGED and options.prefer_split and options.use_cache:
+                split = self._split_at_load(merged, options)
+                if split is not None:
+                    self.first, self.step = split
+                    layout = DecoderLayout.SPLIT
+                    self.split_at_load = True
         elif single.is_file():
             self.first = _open_session(single, model_dir, options)
             kind = self._classify(self.first, single)
@@ -261,7 +276,8 @@ class MarianOnnx:
             )
         self.files["first"] = merged if use_merged else single
         if self.step is not None:
-            self.files["step"] = self.files["first"] if self.step is self.first else with_past
+            split_files = self.step is not self.first and not self.split_at_load
+            self.files["step"] = with_past if split_files else self.files["first"]
         self.native_layout = layout
         self.layout = layout if options.use_cache else DecoderLayout.NO_CACHE
         self._check_outputs()
@@ -284,6 +300,87 @@ class MarianOnnx:
         self._cross_in = _past_names(self.layers, "encoder")
         heads = config.decoder_attention_heads
         self._empty_kv = np.zeros((1, heads, 0, config.head_dim), dtype=self.float_type)
+
+    def _split_at_load(
+        self, merged: Path, options: RuntimeOptions
+    ) -> tuple[ort.InferenceSession, ort.InferenceSession] | None:
+        """The merged decoder's branches as the split pair (no `If` per step), if they can
+        be cut out and give the merged graph's logits on a probe; else None (logged)."""
+        parts = split_merged(merged)
+        if parts is None:
+            return None
+        so = _session_options(options)
+        providers = list(options.providers)
+        first = ort.InferenceSession(parts[0], so, providers=providers)
+        step = ort.InferenceSession(parts[1], so, providers=providers)
+        if self._classify(first, merged) is not _Signature.NO_PAST or (
+            self._classify(step, merged) is not _Signature.WITH_PAST
+        ):
+            return None
+        worst = self._probe_difference(first, step)
+        if worst > SPLIT_TOLERANCE:
+            log.warning(
+                "%s: its branches, run apart, differ from the merged decoder by %.3g "
+                "(tolerance %g): keeping the merged file",
+                merged.name,
+                worst,
+                SPLIT_TOLERANCE,
+            )
+            return None
+        return first, step
+
+    def _probe_difference(
+        self, first: ort.InferenceSession, step: ort.InferenceSession
+    ) -> float:
+        """Largest logit difference between the merged session and the pair, on a short
+        source, a 3-token first call and one cached step."""
+        cfg = self.config
+        ids = np.array([[min(5 + i, cfg.vocab_size - 1) for i in range(4)] + [cfg.eos_token_id]])
+        mask = np.ones_like(ids)
+        states = self.encoder.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+        start = cfg.decoder_start_token_id
+        tokens = np.array([[start, min(7, cfg.vocab_size - 1), min(9, cfg.vocab_size - 1)]])
+        merged = self.first
+        past_in = [i.name for i in merged.get_inputs() if i.name.startswith("past_key_values")]
+        heads, dim = cfg.decoder_attention_heads, cfg.head_dim
+        empty = np.zeros((1, heads, 0, dim), dtype=states.dtype)
+        base = {"encoder_attention_mask": mask, "input_ids": tokens}
+        m_out = merged.run(
+            None,
+            {
+                **base,
+                "encoder_hidden_states": states,
+                "use_cache_branch": np.zeros((1,), dtype=np.bool_),
+                **dict.fromkeys(past_in, empty),
+            },
+        )
+        m = dict(zip([o.name for o in merged.get_outputs()], m_out, strict=True))
+        f_names = {i.name for i in first.get_inputs()}
+        f_feed = {"encoder_hidden_states": states, **base}
+        f = dict(
+            zip(
+                [o.name for o in first.get_outputs()],
+                first.run(None, {k: v for k, v in f_feed.items() if k in f_names}),
+                strict=True,
+            )
+        )
+        worst = float(np.max(np.abs(m["logits"] - f["logits"])))
+        nxt = np.array([[min(11, cfg.vocab_size - 1)]])
+        past = {name: m[name.replace("past_key_values", "present")] for name in past_in}
+        m_step = merged.run(
+            ["logits"],
+            {
+                "encoder_attention_mask": mask,
+                "input_ids": nxt,
+                "encoder_hidden_states": np.zeros((1, 0, cfg.d_model), dtype=states.dtype),
+                "use_cache_branch": np.ones((1,), dtype=np.bool_),
+                **past,
+            },
+        )[0]
+        s_names = {i.name for i in step.get_inputs()}
+        s_feed = {"encoder_attention_mask": mask, "input_ids": nxt, **past}
+        s_step = step.run(["logits"], {k: v for k, v in s_feed.items() if k in s_names})[0]
+        return max(worst, float(np.max(np.abs(m_step - s_step))))
 
     def _classify(self, session: ort.InferenceSession, path: Path) -> _Signature:
         names = {i.name for i in session.get_inputs()}

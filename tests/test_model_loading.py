@@ -29,7 +29,7 @@ def test_onnx_subfolder_layout(tmp_path: Path) -> None:
     (root / "onnx").mkdir()
     for name in ("encoder_model.onnx", "decoder_model_merged.onnx"):
         shutil.copy(FIXTURE_MODEL / name, root / "onnx" / name)
-    tr = Translator.from_dir(root)
+    tr = Translator.from_dir(root, prefer_split=False)
     assert tr.model.layout is DecoderLayout.MERGED
     assert tr.translate(["I will meet Tom at three"])[0].text
 
@@ -149,3 +149,49 @@ def test_a_with_past_decoder_that_also_declares_encoder_states_gets_its_encoder_
     sources = ["I will meet Tom at three", "Tom reads a book in the library"]
     committed = Translator.from_dir(FIXTURE_MODEL).translate(sources)
     assert [r.token_ids for r in tr.translate(sources)] == [r.token_ids for r in committed]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_merged_only_model_is_split_at_load_and_decodes_the_same(
+    tmp_path: Path, quantized: bool
+) -> None:
+    """Pulled models have only the merged decoder: its two If branches run as the split
+    pair (no If per step), checked against the merged graph at load."""
+    pytest.importorskip("onnx")
+    needs_fixture()
+    suffix = "_quantized" if quantized else ""
+    names = (f"encoder_model{suffix}.onnx", f"decoder_model_merged{suffix}.onnx")
+    model_dir = model_copy(tmp_path / "merged", {n: FIXTURE_MODEL / n for n in names})
+    split = Translator.from_dir(model_dir, quantized=quantized)
+    assert split.model.layout is DecoderLayout.SPLIT and split.model.split_at_load
+    with_if = Translator.from_dir(model_dir, quantized=quantized, prefer_split=False)
+    assert with_if.model.layout is DecoderLayout.MERGED
+    sources = ["I will meet Tom at three", "Did Mary call my friend yesterday", "Tom"]
+    got, want = split.translate(sources), with_if.translate(sources)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_a_split_that_disagrees_with_the_merged_graph_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Branches that do not give the merged decoder's logits are not used: one log line,
+    and the merged file runs as it is."""
+    onnx = pytest.importorskip("onnx")
+    needs_fixture()
+    from engine import runtime
+
+    step = onnx.load(str(FIXTURE_MODEL / "decoder_with_past_model.onnx"))
+    for init in step.graph.initializer:
+        if init.name == "final_logits_bias":
+            bias = onnx.numpy_helper.to_array(init).copy()
+            bias[0, 7] += 100.0
+            init.CopyFrom(onnx.numpy_helper.from_array(bias, init.name))
+    wrong = ((FIXTURE_MODEL / "decoder_model.onnx").read_bytes(), step.SerializeToString())
+    monkeypatch.setattr(runtime, "split_merged", lambda path: wrong)
+    names = ("encoder_model.onnx", "decoder_model_merged.onnx")
+    model_dir = model_copy(tmp_path / "merged", {n: FIXTURE_MODEL / n for n in names})
+    with caplog.at_level("WARNING", logger="engine.runtime"):
+        tr = Translator.from_dir(model_dir)
+    assert tr.model.layout is DecoderLayout.MERGED and not tr.model.split_at_load
+    assert any("keeping the merged file" in r.getMessage() for r in caplog.records)
+    assert tr.translate(["I will meet Tom at three"])[0].text

@@ -233,7 +233,8 @@ def _verify(args: argparse.Namespace, out: TextIO) -> int:
             continue
         config = translator.config
         print(
-            f"{variant}: loads; decoder {translator.model.layout.value}, "
+            f"{variant}: loads; decoder {translator.model.layout.value}"
+            f"{' (the merged file, split at load)' if translator.model.split_at_load else ''}, "
             f"{config.decoder_layers} decoder layers, d_model {config.d_model}, "
             f"vocab {config.vocab_size}, source prefix {config.source_prefix or '(none)'}",
             file=out,

@@ -239,7 +239,8 @@ def describe_model(translator: Translator) -> str:
     model, config = translator.model, translator.config
     pair = f"{config.source_lang or '?'}->{config.target_lang or '?'}"
     files = ", ".join(sorted({path.name for path in model.files.values()}))
-    return f"{model.model_dir} ({pair}, {model.layout.value} decoder: {files})"
+    how = " (split at load)" if model.split_at_load else ""
+    return f"{model.model_dir} ({pair}, {model.layout.value} decoder{how}: {files})"
 
 
 async def _load(args: argparse.Namespace, stop: anyio.Event) -> Translator | None:
