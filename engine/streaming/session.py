@@ -133,7 +133,6 @@ class SegmentState:
     committed: list[int] = field(default_factory=list)
     stable_text: str = ""
     history: deque[list[int]] = field(default_factory=deque)
-    last_text: str = ""
 
 
 class EventGate:
@@ -207,8 +206,6 @@ class StreamSession:
         self._prefix_trained = bool(translator.config.partial_suffix)
         self.segment: SegmentState | None = None
         self._admitted: list[int] | None = None  # source ids admission computed, if any
-        self.encoder_runs = 0
-        self.decoder_runs = 0
 
     def _segment_for(self, event: PartialTranscript) -> SegmentState:
         if self.segment is None or self.segment.segment_id != event.segment_id:
@@ -223,7 +220,6 @@ class StreamSession:
         if seg.encoded is None or ids != seg.source_ids:
             seg.encoded = self.translator.encode([ids])
             seg.source_ids = ids
-            self.encoder_runs += 1
         return seg.encoded
 
     def translate(
@@ -301,7 +297,6 @@ class StreamSession:
         policy = self.options.policy
         enc = self._encode(seg, source, partial=True, ids=self._admitted)
         previous = seg.history[-1] if seg.history else None
-        self.decoder_runs += 1
         hyp = self.translator.decode(
             enc,
             self.options.decode_for(len(seg.source_ids or ()), len(seg.committed), partial=True),
@@ -328,7 +323,6 @@ class StreamSession:
         seg.stable_text = stable
         shown = self.translator.detokenize(tokens[: max(proposal.display, commit)])
         unstable = shown[len(stable) :] if shown.startswith(stable) else ""
-        seg.last_text = stable + unstable
         return self._update(event, stable, unstable, started, received, source)
 
     def _final(
@@ -344,7 +338,6 @@ class StreamSession:
             text = ""
         else:
             enc = self._encode(seg, source, partial=False, ids=self._admitted)
-            self.decoder_runs += 1
             options = self.options.decode_for(len(seg.source_ids or ()))
             hyp = self.translator.decode(enc, options)[0]
             seg.source = source
