@@ -85,11 +85,12 @@ class NmtIncremental(Protocol):
         every final transcript gets exactly one reply.
 
         Each call is an independent subscription (viewers fan out), started by the call
-        itself. It first replays the latest update of each open stream's current segment,
-        so a late subscriber, such as a viewer joining mid-sentence or a loop started just
-        after the first `push`, shows the line as it stands; then it yields every later
-        update in the order above. A subscriber that falls behind may miss superseded
-        non-final updates but always receives final ones. A stream need not be open yet.
+        itself. It first replays, for each open stream, its last few final updates and the
+        latest update of its current segment, so a late subscriber, such as a viewer
+        joining mid-talk or a loop started just after the first `push`, shows the last
+        lines as they stand; then it yields every later update in the order above. A
+        subscriber that falls behind may miss superseded non-final updates but always
+        receives final ones. A stream need not be open yet.
         Iteration ends when the stream is closed (for one stream) or the engine is closed.
         """
         ...

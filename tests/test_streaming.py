@@ -348,3 +348,23 @@ def test_fillers_are_not_content_and_a_normaliser_hook_plugs_in(translator: Tran
     )
     assert cased is not None and cased.stable_text == offline
     assert cased.source_text == "I will meet Tom at three"
+
+
+@pytest.mark.anyio
+async def test_a_late_viewer_gets_the_last_lines_not_only_the_current_one(
+    translator: Translator,
+) -> None:
+    async with IncrementalTranslator(translator) as nmt:
+        texts = ["Tom reads a book", "I will meet Tom at three"]
+        for seg, text in enumerate(texts):
+            await nmt.push(PartialTranscript("v", seg, seg, text, is_final=True))
+        await nmt.push(PartialTranscript("v", 2, 2, "Lucy wants to", is_final=False))
+        await nmt.wait_idle("v")
+        late = nmt.updates("v")
+        replayed = []
+        with anyio.fail_after(5):
+            while len(replayed) < 3:
+                replayed.append(await late.__anext__())
+    assert [(u.segment_id, u.is_final) for u in replayed] == [(0, True), (1, True), (2, False)]
+    offline = [r.text for r in translator.translate(texts)]
+    assert [u.stable_text for u in replayed[:2]] == offline

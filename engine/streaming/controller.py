@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 # runs to the end, so a talker faster than the hardware still sees updates.
 MAX_CANCELLED_IN_A_ROW = 2
 
+# Final updates of a stream kept for viewers who join late (the page shows a few lines).
+RECENT_FINALS = 8
+
 
 Reply: TypeAlias = TranslationUpdate | ErrorMessage
 """What a subscription yields: updates, and an `error` (code `internal`) in place of the
@@ -114,6 +117,10 @@ class _Stream:
     current: PartialTranscript | None = None  # the event being translated
     cancelled_in_row: int = 0
     last_update: TranslationUpdate | None = None
+    # The last few final updates, replayed to a viewer who joins late.
+    recent_finals: deque[TranslationUpdate] = field(
+        default_factory=lambda: deque(maxlen=RECENT_FINALS)
+    )
 
 
 class IncrementalTranslator:
@@ -232,10 +239,15 @@ class IncrementalTranslator:
         if self._closed:
             sub.close()
             return sub
-        # Start from the current line of each open stream, so a late viewer sees it at once.
+        # Start from the last lines of each open stream (its recent finals, then the current
+        # segment's latest update), so a viewer joining mid-talk sees what was just said.
         for sid, stream in self._streams.items():
+            if stream_id not in (None, sid):
+                continue
+            for final in stream.recent_finals:
+                sub.put(final)
             last = stream.last_update
-            if last is not None and not last.is_final and stream_id in (None, sid):
+            if last is not None and not last.is_final:
                 sub.put(last)
         self._subscriptions.setdefault(stream_id, []).append(sub)
         return sub
@@ -356,6 +368,7 @@ class IncrementalTranslator:
         self.stats["updates"] += 1
         if update.is_final:
             self.stats["finals"] += 1
+            stream.recent_finals.append(update)
         self._deliver(update)
 
     def _deliver(self, reply: Reply) -> None:
