@@ -133,6 +133,7 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
             policy=parse_policy(args.policy),
             decode=decode_options(args),
             forced_length_ratio=args.forced_length_ratio,
+            source_agreement=args.source_agreement,
         ),
         realtime=args.realtime,
         speed=args.speed,

@@ -102,6 +102,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", type=policy_spec, default=DEFAULT_POLICY, help=POLICY_HELP)
+    parser.add_argument(
+        "--source-agreement",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="commit nothing new until N partials in a row only extended the words before "
+        "them (for recognisers that rewrite shown words; default: off)",
+    )
 
 
 def load_translator(args: argparse.Namespace) -> Translator:

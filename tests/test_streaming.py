@@ -368,3 +368,32 @@ async def test_a_late_viewer_gets_the_last_lines_not_only_the_current_one(
     assert [(u.segment_id, u.is_final) for u in replayed] == [(0, True), (1, True), (2, False)]
     offline = [r.text for r in translator.translate(texts)]
     assert [u.stable_text for u in replayed[:2]] == offline
+
+
+def test_source_agreement_commits_nothing_while_shown_words_are_rewritten(
+    translator: Translator,
+) -> None:
+    """With source_agreement=2, stable text grows only after two partials in a row that
+    merely extended the source; a partial that rewrites a shown word starts the count
+    again."""
+    options = StreamingOptions(source_agreement=2)
+    session = StreamSession("s1", translator, options)
+    texts = ["Tom will play", "Tom will play tennis", "Tom will play tennis with",
+             "Mary will play tennis with Lucy", "Mary will play tennis with Lucy at",
+             "Mary will play tennis with Lucy at three"]  # fmt: skip
+    stable, settled = [], []
+    for seq, text in enumerate(texts):
+        update = session.translate(PartialTranscript("s1", 0, seq, text, False))
+        assert update is not None and session.segment is not None
+        stable.append(update.stable_text)
+        settled.append(session.segment.source_settled_at)
+    # Partials in a row that only extended the source shown before (the first extends
+    # nothing); "Tom" -> "Mary" starts the count again.
+    assert settled == [0, 1, 2, 0, 1, 2]
+    # The target side agrees on 汤姆 at the second partial (committed then without the
+    # option); with it, only once two partials extended the source.
+    assert stable[0] == stable[1] == "" and stable[2] != ""
+    plain = StreamSession("s2", translator)
+    plain.translate(PartialTranscript("s2", 0, 0, texts[0], False))
+    second = plain.translate(PartialTranscript("s2", 0, 1, texts[1], False))
+    assert second is not None and second.stable_text != ""

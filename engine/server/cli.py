@@ -169,7 +169,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if options.host not in LOOPBACK and options.token is None:
         log.warning("listening on %s without --token: anyone reaching it may use it", args.host)
     try:
-        return anyio.run(_serve, args, options, StreamingOptions(policy=policy))
+        streaming = StreamingOptions(policy=policy, source_agreement=args.source_agreement)
+        return anyio.run(_serve, args, options, streaming)
     except KeyboardInterrupt:
         return 130
 

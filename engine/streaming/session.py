@@ -44,6 +44,10 @@ class StreamingOptions:
     limit) then costs bounded time and shows a bounded tail. Finals are never capped.
     `forced_length_ratio` is a benchmarking aid for random-weight models, which never emit
     eos: every decode then produces exactly ceil(ratio * source tokens) tokens.
+    `source_agreement` (n): commit nothing new until the recogniser has shown n partials in
+    a row that only extend the words before them: real recognisers rewrite shown words
+    (about 40% of changes), and a translation committed from words about to change is a
+    revised final. None (the default) commits on the target side alone.
     """
 
     policy: Policy = field(default_factory=LocalAgreement)
@@ -53,6 +57,7 @@ class StreamingOptions:
     forced_length_ratio: float | None = None
     drop_fillers: bool = True
     source_normalizer: Callable[[str], str] | None = None
+    source_agreement: int | None = None
 
     def clean(self, text: str, lang: str | None) -> str:
         """The source the engine translates: NFC and collapsed whitespace
@@ -133,6 +138,20 @@ class SegmentState:
     committed: list[int] = field(default_factory=list)
     stable_text: str = ""
     history: deque[list[int]] = field(default_factory=deque)
+    source_settled_at: int = 0  # partials answered since the source last revised shown words
+
+
+def _extends_words(before: str, after: str) -> bool:
+    """Whether `after` keeps every word of `before`, its last one possibly completed
+    ("dr" -> "draw"): the recogniser added to what it showed without rewriting it."""
+    old, new = before.split(), after.split()
+    if not old:
+        return False  # nothing was shown yet, so nothing was confirmed
+    if len(new) < len(old):
+        return False
+    if old[:-1] != new[: len(old) - 1]:
+        return False
+    return new[len(old) - 1].startswith(old[-1])
 
 
 class EventGate:
@@ -305,6 +324,9 @@ class StreamSession:
             should_stop=should_stop,
         )[0]
         tokens = list(hyp.token_ids)
+        if self.options.source_agreement is not None:
+            extends = _extends_words(seg.source, source)
+            seg.source_settled_at = seg.source_settled_at + 1 if extends else 0
         seg.source = source  # only now: a cancelled decode leaves the source untranslated
         seg.history.append(tokens)
         while len(seg.history) > self.options.history:
@@ -316,6 +338,9 @@ class StreamSession:
         # part ends, so there eos does close a committable hypothesis.
         through_end = hyp.finished and self._prefix_trained
         commit = self.boundaries.snap(tokens, proposal.commit, len(seg.committed), through_end)
+        agree = self.options.source_agreement
+        if agree is not None and seg.source_settled_at < agree:
+            commit = len(seg.committed)  # the source is still being rewritten: wait
         seg.committed = tokens[:commit]
         stable = self.translator.detokenize(seg.committed)
         if not stable.startswith(seg.stable_text):  # never retract, whatever detok does
