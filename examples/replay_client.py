@@ -51,10 +51,12 @@ class ReplayResult:
     server_ms: list[float] = field(default_factory=list)
     finals_expected: set[tuple[str, int]] = field(default_factory=set)
     finals_received: set[tuple[str, int]] = field(default_factory=set)
+    finals_refused: set[tuple[str, int]] = field(default_factory=set)  # an error replied
 
     @property
     def lost_finals(self) -> set[tuple[str, int]]:
-        return self.finals_expected - self.finals_received
+        """Finals that got no reply at all (neither their final update nor an error)."""
+        return self.finals_expected - self.finals_received - self.finals_refused
 
 
 def read_log(path: str | Path, rename: Callable[[str], str] = str) -> list[LogLine]:
@@ -133,6 +135,10 @@ async def _receive(
                 result.finals_received.add((message.stream_id, message.seq))
         elif isinstance(message, ErrorMessage):
             result.errors.append(message)
+            if message.stream_id is not None and message.seq is not None:
+                key = (message.stream_id, message.seq)
+                if key in result.finals_expected:
+                    result.finals_refused.add(key)
         if on_message is not None and isinstance(message, TranslationUpdate | ErrorMessage):
             on_message(message)
 
@@ -215,7 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"sent {result.sent} partials, got {len(result.updates)} updates, "
         f"{len(result.errors)} errors; latency p50 {percentile(result.client_ms, 50):.0f} ms, "
         f"p95 {percentile(result.client_ms, 95):.0f} ms (client-measured); "
-        f"finals {len(result.finals_received)}/{len(result.finals_expected)}",
+        f"finals {len(result.finals_received)}/{len(result.finals_expected)} translated, "
+        f"{len(result.finals_refused)} refused with an error, {len(result.lost_finals)} "
+        "without a reply",
         file=sys.stderr,
     )
     return 0 if not result.lost_finals else 1
