@@ -291,9 +291,9 @@ class MarianOnnx:
         # declare `encoder_hidden_states` beside the encoder KV inputs they need.
         step_inputs = set() if self.step is None else {i.name for i in self.step.get_inputs()}
         self._step_takes_states = "encoder_hidden_states" in step_inputs
-        self._step_takes_cross_kv = bool(step_inputs) and set(
-            _past_names(self.layers, "encoder")
-        ) <= step_inputs
+        self._step_takes_cross_kv = (
+            bool(step_inputs) and set(_past_names(self.layers, "encoder")) <= step_inputs
+        )
         self._self_out = _past_names(self.layers, "decoder", "present")
         self._cross_out = _past_names(self.layers, "encoder", "present")
         self._self_in = _past_names(self.layers, "decoder")
@@ -329,9 +329,7 @@ class MarianOnnx:
             return None
         return first, step
 
-    def _probe_difference(
-        self, first: ort.InferenceSession, step: ort.InferenceSession
-    ) -> float:
+    def _probe_difference(self, first: ort.InferenceSession, step: ort.InferenceSession) -> float:
         """Largest logit difference between the merged session and the pair, on a short
         source, a 3-token first call and one cached step."""
         cfg = self.config

@@ -30,7 +30,7 @@ class InvalidEvent(ValueError):
 
 class EngineClosed(RuntimeError):
     """`push` to an engine that is not running: not started, closed, or shut down (a
-    server's `unknown_stream` "shutting down" reply). Nothing was accepted."""
+    server's `unavailable` "shutting down" reply). Nothing was accepted."""
 
 
 @runtime_checkable

@@ -59,7 +59,7 @@ class ErrorCode(str, Enum):
     RATE_LIMITED = "rate_limited"
     LIMIT_EXCEEDED = "limit_exceeded"
     INTERNAL = "internal"
-    UNAVAILABLE = "unavailable"  # shutting down: accepted, but not translated in time
+    UNAVAILABLE = "unavailable"  # shutting down: refused, or accepted but not translated in time
 
     def __str__(self) -> str:
         return self.value

@@ -13,8 +13,16 @@ from engine.streaming import session
 
 @pytest.mark.parametrize(
     ("code", "base"),
-    [("cmn_Hans", "zh"), ("zh-CN", "zh"), ("zho", "zh"), ("yue_Hant", "zh"), ("eng_Latn", "en"),
-     ("EN", "en"), ("de", "de"), ("deu", "deu")],
+    [
+        ("cmn_Hans", "zh"),
+        ("zh-CN", "zh"),
+        ("zho", "zh"),
+        ("yue_Hant", "zh"),
+        ("eng_Latn", "en"),
+        ("EN", "en"),
+        ("de", "de"),
+        ("deu", "deu"),
+    ],
 )
 def test_language_codes_map_the_same_everywhere(code: str, base: str) -> None:
     assert base_lang(code) == _lang_code(code) == base

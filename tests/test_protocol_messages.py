@@ -350,7 +350,7 @@ def test_importing_protocol_pulls_in_nothing_heavy() -> None:
 
 
 def test_stream_ids_are_compared_in_nfc() -> None:
-    """"é" as one code point or as "e" + combining acute names the same stream."""
+    """ "é" as one code point or as "e" + combining acute names the same stream."""
     composed = PartialTranscript("caf\u00e9", 0, 0, "x", is_final=False)
     decomposed = PartialTranscript("cafe\u0301", 0, 0, "x", is_final=False)
     assert composed.stream_id == decomposed.stream_id == "caf\u00e9"

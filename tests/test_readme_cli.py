@@ -31,9 +31,7 @@ def commands(parser: argparse.ArgumentParser, path: str = "") -> dict[str, set[s
 
 def test_every_option_is_in_the_readme() -> None:
     documented = set(re.findall(r"(--[a-z][a-z0-9-]*)", README))
-    missing = {
-        name: sorted(flags - documented) for name, flags in commands(build_parser()).items()
-    }
+    missing = {name: sorted(flags - documented) for name, flags in commands(build_parser()).items()}
     assert not {name: flags for name, flags in missing.items() if flags}
 
 

@@ -27,7 +27,7 @@ from engine.server.connection import (
     Reply,
     Role,
     Route,
-    StreamRegistry,
+    ServerState,
     TokenBucket,
     Watch,
     check_handshake,
@@ -56,8 +56,14 @@ def _partial(stream: str, seq: int, text: str = "I will", final: bool = False) -
     )
 
 
-def _core(registry: StreamRegistry, cid: int = 1, **limits: Any) -> ConnectionCore:
-    return ConnectionCore(cid, Limits(**{"rate_limit": None, **limits}), registry)
+def _core(state: ServerState | None = None, cid: int = 1, **limits: Any) -> ConnectionCore:
+    limits = {"rate_limit": None, **limits}
+    return ConnectionCore(cid, Limits(**limits), state or ServerState())
+
+
+def open_streams(server: SubtitleServer) -> list[str]:
+    """Streams in the server's engine, closing ones included."""
+    return server.engine.streams if server.engine is not None else []
 
 
 def test_token_bucket_allows_bursts_then_the_rate() -> None:
@@ -97,31 +103,16 @@ def test_routes() -> None:
     assert route("/../etc/passwd") is Route.NOT_FOUND
 
 
-def test_core_streams_belong_to_their_writer() -> None:
-    registry = StreamRegistry()
-    a, b = _core(registry, 1), _core(registry, 2)
-    action = a.receive(_partial("s1", 0), 0.0)
-    assert isinstance(action, Push) and action.opens
-    action = a.receive(_partial("s1", 1), 0.0)
-    assert isinstance(action, Push) and not action.opens
-    for data in (_partial("s1", 5), json.dumps({"type": "close_stream", "stream_id": "s1"})):
-        reply = b.receive(data, 0.0)
-        assert isinstance(reply, Reply) and reply.error.code == "forbidden"
-        assert reply.error.stream_id == "s1"
-    assert isinstance(a.receive(json.dumps({"type": "close_stream", "stream_id": "s1"}), 0), Close)
-    a.stream_closed("s1")
-    assert isinstance(b.receive(_partial("s1", 0), 0.0), Push)  # the id is free again
-
-
-def test_core_roles_limits_and_shutdown() -> None:
-    registry = StreamRegistry()
-    writer, viewer = _core(registry, 1, max_streams_per_connection=2), _core(registry, 2)
-    assert isinstance(writer.receive(_partial("a", 0), 0), Push)
-    assert isinstance(writer.receive(_partial("b", 0), 0), Push)
-    reply = writer.receive(_partial("c", 0), 0)
-    assert isinstance(reply, Reply) and reply.error.code == "limit_exceeded"
-    writer.push_failed("b", stream_open=False)  # the engine refused it: slot given back
-    assert isinstance(writer.receive(_partial("c", 0), 0), Push)
+def test_core_roles_and_shutdown() -> None:
+    """Roles are the connection's; ownership and stream limits are the engine's lifecycle
+    (tests/test_lifecycle.py), so the core hands every partial and close on."""
+    state = ServerState()
+    writer, viewer = _core(state, 1, max_streams_per_connection=2), _core(state, 2)
+    assert writer.owner.max_streams == 2 and writer.owner != viewer.owner
+    action = writer.receive(_partial("a", 0), 0)
+    assert isinstance(action, Push) and action.event.stream_id == "a"
+    close = writer.receive(json.dumps({"type": "close_stream", "stream_id": "a"}), 0)
+    assert isinstance(close, Close) and close.stream_id == "a"
     subscribe = json.dumps({"type": "subscribe", "stream_id": "a"})
     reply = writer.receive(subscribe, 0)
     assert isinstance(reply, Reply) and reply.error.code == "forbidden"
@@ -129,14 +120,13 @@ def test_core_roles_limits_and_shutdown() -> None:
     assert isinstance(viewer.receive(subscribe, 0), Ignore)
     reply = viewer.receive(_partial("z", 0), 0)
     assert isinstance(reply, Reply) and reply.error.code == "forbidden"
-    assert writer.streams_to_close() == ["a", "c"]
-    registry.accepting = False
+    state.accepting = False
     reply = writer.receive(_partial("a", 9), 0)
-    assert isinstance(reply, Reply) and reply.error.code == "unknown_stream"
+    assert isinstance(reply, Reply) and reply.error.code == "unavailable"
 
 
 def test_core_bad_frames_and_rate_limit() -> None:
-    core = ConnectionCore(1, Limits(rate_limit=2.0, max_text_chars=10), StreamRegistry())
+    core = ConnectionCore(1, Limits(rate_limit=2.0, max_text_chars=10), ServerState())
     cases = {
         "{oops": "invalid_json",
         '{"type": "hello"}': "unknown_type",
@@ -399,7 +389,7 @@ async def test_stream_ownership(translator: Translator) -> None:
         connect(ws_url(server)) as intruder,
     ):
         await owner.send(_partial("s1", 0))
-        await wait_for(lambda: "s1" in server.registry.owners)
+        await wait_for(lambda: "s1" in open_streams(server))
         await intruder.send(_partial("s1", 1, "injected"))
         await intruder.send(json.dumps({"type": "close_stream", "stream_id": "s1"}))
         codes = [(await recv(intruder))["code"] for _ in range(2)]
@@ -429,9 +419,9 @@ async def test_stream_limits_per_connection_and_in_total(translator: Translator)
         while error["type"] != "error":
             error = await recv(b)
         assert (error["code"], error["stream_id"]) == ("limit_exceeded", "b2")  # 3 in total
-        await wait_for(lambda: sorted(server.registry.owners) == ["a1", "a2", "b1"])
+        await wait_for(lambda: sorted(open_streams(server)) == ["a1", "a2", "b1"])
         await a.send(json.dumps({"type": "close_stream", "stream_id": "a1"}))
-        await wait_for(lambda: "a1" not in server.registry.owners)
+        await wait_for(lambda: "a1" not in open_streams(server))
         await b.send(_partial("b2", 1, SENTENCE, final=True))
         assert (await until_final(b, "b2"))[-1]["is_final"]
 
@@ -459,7 +449,7 @@ async def test_disconnect_mid_stream_frees_streams_and_finishes_finals(
         # Gone without close_stream, its last segment unfinished.
         finals = [m for m in await until_final(viewer) if m["is_final"]]
         assert finals[-1]["stable_text"] == expected
-        await wait_for(lambda: not server.registry.owners and server.engine is not None)
+        await wait_for(lambda: server.engine is not None and not open_streams(server))
         assert server.engine is not None
         await wait_for(lambda: server.engine is not None and not server.engine.streams)
         async with connect(ws_url(server)) as other:  # the id is free for anyone now
@@ -478,7 +468,7 @@ async def test_shutdown_delivers_pending_finals_then_closes_1001(
         await wait_for(lambda: server.role_counts()["viewer"] == 1)
         await send_sentence(writer, "s1")
         await send_sentence(writer, "s2")
-        await wait_for(lambda: len(server.registry.owners) == 2)
+        await wait_for(lambda: len(open_streams(server)) == 2)
         await server.shutdown()
         assert not server.ready
         finals: dict[str, list[str]] = {}

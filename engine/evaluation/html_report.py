@@ -69,8 +69,7 @@ def _axes(width: int, height: int, x_max: float, y_max: float, x_label: str, y_l
         f'<line x1="{left}" y1="10" x2="{left}" y2="{bottom}" stroke="#999"/>',
         f'<text x="{width - 10}" y="{height - 2}" text-anchor="end" font-size="11" '
         f'fill="#555">{_esc(x_label)} (max {x_max:.0f})</text>',
-        f'<text x="4" y="18" font-size="11" fill="#555">{_esc(y_label)} '
-        f"(max {y_max:.0f})</text>",
+        f'<text x="4" y="18" font-size="11" fill="#555">{_esc(y_label)} (max {y_max:.0f})</text>',
     ]
     return "".join(parts)
 
@@ -195,8 +194,10 @@ def render(
             ),
             None,
         )
-        erasure = "-" if seg is None or seg.normalized_erasure is None else (
-            f"{seg.normalized_erasure:.3f}"
+        erasure = (
+            "-"
+            if seg is None or seg.normalized_erasure is None
+            else (f"{seg.normalized_erasure:.3f}")
         )
         erased = 0 if seg is None else seg.erased_units
         segments.append(

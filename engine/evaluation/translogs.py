@@ -227,8 +227,12 @@ class AsrStyle:
             chars = [
                 ch
                 if not unicodedata.category(ch).startswith("P")
-                or (ch in "'\u2019" and 0 < i < len(text) - 1 and text[i - 1].isalpha()
-                    and text[i + 1].isalpha())
+                or (
+                    ch in "'\u2019"
+                    and 0 < i < len(text) - 1
+                    and text[i - 1].isalpha()
+                    and text[i + 1].isalpha()
+                )
                 else " "
                 for i, ch in enumerate(text)
             ]

@@ -18,6 +18,7 @@ __all__ = ["Lang", "guess_lang", "is_cjk", "normalize_lang", "split_units", "uni
 
 Lang = Literal["en", "zh"]
 
+
 def normalize_lang(lang: str) -> Lang:
     """Map a language code (``en``, ``eng_Latn``, ``zh-CN``, ``cmn_Hans``...) to ``en``/``zh``.
 

@@ -33,6 +33,7 @@ from engine.hub.errors import UnknownModelError
 
 __all__ = ["add_models_parser", "resolve_model", "run_models"]
 
+
 def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `models {pull,list,verify,export}` to the main parser's subcommands."""
     models = subparsers.add_parser(

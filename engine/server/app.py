@@ -9,7 +9,6 @@ hands updates to a bounded `Outbox` without ever waiting on a socket.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import http
 import itertools
@@ -41,7 +40,7 @@ from engine.server.connection import (
     Reply,
     Role,
     Route,
-    StreamRegistry,
+    ServerState,
     Watch,
     check_handshake,
     duplicate_headers,
@@ -122,8 +121,8 @@ class _Client:
     core: ConnectionCore
     outbox: Outbox
     io: anyio.abc.TaskGroup | None = None
-    closers: anyio.abc.TaskGroup | None = None
     subscriptions: set[Subscription] = field(default_factory=set)
+    writes: Subscription | None = None  # the replies of the streams it writes
     pumps: int = 0
     gone: bool = False
     sent: anyio.Event = field(default_factory=anyio.Event)
@@ -166,7 +165,7 @@ class SubtitleServer:
     ) -> None:
         self.options = options or ServerOptions()
         self.engine = engine
-        self.registry = StreamRegistry()
+        self.state = ServerState()
         self.metrics = ServerMetrics(
             open_streams=lambda: len(self.engine.streams) if self.engine else 0,
             engine_stats=lambda: self.engine.stats if self.engine else None,
@@ -237,7 +236,7 @@ class SubtitleServer:
 
         1. Stop taking work: `/readyz` and new `/ws` handshakes answer 503, messages on
            open connections get an error (the listener stays up for health checks).
-        2. Close every stream through the controller, so pending finals are translated.
+        2. Close every stream in the engine, so that accepted finals are translated.
         3. Flush every connection's outbox (within `shutdown_timeout`).
         4. Past the timeout, answer every accepted final not translated yet with an
            `unavailable` error and give those replies `ABORT_GRACE` seconds to go out.
@@ -247,7 +246,7 @@ class SubtitleServer:
             await self._stopped.wait()
             return
         self._stopping = True
-        self.registry.accepting = False
+        self.state.accepting = False
         try:
             with anyio.move_on_after(self.options.shutdown_timeout) as deadline:
                 await self._drain()
@@ -269,13 +268,9 @@ class SubtitleServer:
     async def _drain(self) -> None:
         engine = self.engine
         if engine is not None:
-            async with anyio.create_task_group() as tg:
-                for client in list(self._clients):
-                    for sid in client.core.streams_to_close():
-                        tg.start_soon(self._close_stream, client, sid)
-                for sid in engine.streams:  # streams opened by anyone else, or closing
-                    tg.start_soon(self._close_unowned, engine, sid)
-            await engine.aclose()  # ends every subscription, viewers' included
+            # Every stream closes; its accepted finals are translated and delivered, then
+            # every subscription (writers' and viewers') ends.
+            await engine.aclose()
         await self._flush()
 
     async def _flush(self) -> None:
@@ -354,28 +349,25 @@ class SubtitleServer:
         if engine is None:  # refused at the handshake; only a race with attach() gets here
             await ws.close(1013, "not ready")
             return
-        core = ConnectionCore(next(self._ids), self.options.limits, self.registry, time.monotonic())
+        core = ConnectionCore(next(self._ids), self.options.limits, self.state, time.monotonic())
         client = _Client(ws, core, Outbox(self.options.queue_size))
         self._clients.add(client)
         self.metrics.connections_accepted.inc()
         self.metrics.connections.labels(client.role.value).inc()
         try:
-            async with anyio.create_task_group() as closers:
-                client.closers = closers
-                async with anyio.create_task_group() as io:
-                    client.io = io
-                    io.start_soon(self._send_loop, client)
-                    try:
-                        await self._receive_loop(client, engine)
-                    finally:
-                        # Gone mid-stream: close its streams, so that viewers still get
-                        # the pending finals; stop sending to it.
-                        client.gone = True
-                        for sid in core.streams_to_close():
-                            closers.start_soon(self._close_stream, client, sid)
-                        for sub in list(client.subscriptions):
-                            engine.unsubscribe(sub)
-                        io.cancel_scope.cancel()
+            async with anyio.create_task_group() as io:
+                client.io = io
+                io.start_soon(self._send_loop, client)
+                try:
+                    await self._receive_loop(client, engine)
+                finally:
+                    # Gone mid-stream: its streams close (viewers still get the finals
+                    # it sent) and free their slots; stop sending to it.
+                    client.gone = True
+                    engine.owner_left(core.owner)
+                    for sub in list(client.subscriptions):
+                        engine.unsubscribe(sub)
+                    io.cancel_scope.cancel()
         finally:
             self._clients.discard(client)
             client.sent.set()
@@ -398,8 +390,10 @@ class SubtitleServer:
                 elif isinstance(action, Push):
                     await self._push(client, engine, action)
                 elif isinstance(action, Close):
-                    assert client.closers is not None
-                    client.closers.start_soon(self._close_stream, client, action.stream_id)
+                    try:
+                        engine.begin_close(action.stream_id, client.core.owner)
+                    except InvalidEvent as exc:
+                        self._reply(client, exc.error)
                 elif isinstance(action, Watch):
                     assert client.io is not None
                     client.io.start_soon(self._view, client, engine, action.stream_id)
@@ -410,45 +404,21 @@ class SubtitleServer:
 
     async def _push(self, client: _Client, engine: IncrementalTranslator, action: Push) -> None:
         event = action.event
-        sub = None
-        if action.opens:  # subscribe before pushing, so the first update is not missed
-            sub = engine.updates(event.stream_id)
-            self._start_forward(client, sub, owner=True)
+        if client.writes is None:  # subscribe before the first push: nothing is missed
+            client.writes = engine.updates(owner=client.core.owner)
+            self._start_forward(client, client.writes, owner=True)
         try:
-            await engine.push(event)
-        except (InvalidEvent, EngineClosed) as exc:
-            error = (
-                exc.error
-                if isinstance(exc, InvalidEvent)
-                else ErrorMessage(
-                    ErrorCode.UNKNOWN_STREAM,
-                    "the server is shutting down and takes no new messages",
-                    stream_id=event.stream_id,
-                    seq=event.seq,
-                )
+            await engine.push(event, client.core.owner)
+        except InvalidEvent as exc:
+            self._reply(client, exc.error, event.is_final)
+        except EngineClosed:
+            error = ErrorMessage(
+                ErrorCode.UNAVAILABLE,
+                "the server is shutting down and takes no new messages",
+                stream_id=event.stream_id,
+                seq=event.seq,
             )
             self._reply(client, error, event.is_final)
-            if action.opens:
-                is_open = event.stream_id in engine.streams
-                client.core.push_failed(event.stream_id, is_open)
-                if not is_open and sub is not None:
-                    engine.unsubscribe(sub)
-
-    async def _close_stream(self, client: _Client, stream_id: str) -> None:
-        engine = self.engine
-        try:
-            if engine is not None:
-                await engine.close_stream(stream_id)
-        except InvalidEvent as exc:
-            if not self._stopping:
-                self._reply(client, exc.error)
-        finally:
-            client.core.stream_closed(stream_id)
-
-    @staticmethod
-    async def _close_unowned(engine: IncrementalTranslator, stream_id: str) -> None:
-        with contextlib.suppress(InvalidEvent):  # closed meanwhile
-            await engine.close_stream(stream_id)
 
     async def _view(self, client: _Client, engine: IncrementalTranslator, stream_id: str) -> None:
         """Follow a stream for a viewer, across restarts of the stream: a subtitle screen

@@ -2,10 +2,11 @@
 
 Nothing here touches a socket, a clock or the engine. The I/O layer (`app.py`) feeds in
 what arrived (a handshake's path and headers, a frame, the current time) and carries out
-the `Action` it gets back, then reports the outcome (`push_failed`, `stream_closed`) so
-that ownership stays in step with the engine. Keeping the rules here makes every one of
-them testable without a model or a network, in the manner of the `websockets` library's
-own sans-I/O core.
+the `Action` it gets back. Which connection owns which stream is not decided here: each
+connection is an `Owner` to the engine, whose one state machine per stream
+(`engine.streaming.lifecycle`) admits, refuses and releases; nothing is reported back.
+Keeping the connection's own rules here makes every one of them testable without a model
+or a network, in the manner of the `websockets` library's own sans-I/O core.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TypeAlias
 from urllib.parse import parse_qs, urlsplit
 
 import protocol
+from engine.streaming.lifecycle import Owner
 from protocol import (
     CloseStream,
     ErrorCode,
@@ -197,30 +199,15 @@ class TokenBucket:
         return False
 
 
-# --- ownership --------------------------------------------------------------------------
+# --- server state -------------------------------------------------------------------------
 
 
-class StreamRegistry:
-    """Which connection owns which stream, shared by all connections of a server.
+@dataclass
+class ServerState:
+    """What every connection of a server shares: whether it still takes work (false from
+    the start of a shutdown)."""
 
-    A stream belongs to the connection whose partial opened it, until its close has
-    finished in the engine; only then may another connection reuse the id.
-    `accepting` turns false at shutdown, when no new work is taken.
-    """
-
-    def __init__(self) -> None:
-        self.owners: dict[str, int] = {}
-        self.accepting = True
-
-    def owner(self, stream_id: str) -> int | None:
-        return self.owners.get(stream_id)
-
-    def claim(self, stream_id: str, connection_id: int) -> None:
-        self.owners.setdefault(stream_id, connection_id)
-
-    def release(self, stream_id: str, connection_id: int) -> None:
-        if self.owners.get(stream_id) == connection_id:
-            del self.owners[stream_id]
+    accepting: bool = True
 
 
 # --- actions ----------------------------------------------------------------------------
@@ -238,17 +225,16 @@ class Reply:
 
 @dataclass(frozen=True)
 class Push:
-    """Hand the event to the engine. `opens` is true when it claims a new stream: subscribe
-    to that stream's updates before pushing, and report `push_failed` if the engine
-    refuses it."""
+    """Hand the event to the engine as this connection's (`ConnectionCore.owner`); the
+    engine's lifecycle admits it or says why not (ownership, order, limits, text)."""
 
     event: PartialTranscript
-    opens: bool
 
 
 @dataclass(frozen=True)
 class Close:
-    """Close the stream in the engine, then report `stream_closed`."""
+    """Ask the engine to close the stream as this connection's; it refuses a stream that
+    is not this connection's or not open."""
 
     stream_id: str
 
@@ -295,16 +281,17 @@ class ConnectionCore:
 
     connection_id: int
     limits: Limits
-    registry: StreamRegistry
+    server: ServerState
     now: float = 0.0
     role: Role = Role.UNDECIDED
-    owned: set[str] = field(default_factory=set)
-    closing: set[str] = field(default_factory=set)
     watched: set[str] = field(default_factory=set)
     message_type: str = "invalid"
     _bucket: TokenBucket | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self.owner = Owner(
+            f"connection {self.connection_id}", self.limits.max_streams_per_connection
+        )
         rate = self.limits.rate_limit
         if rate is not None:
             burst = self.limits.rate_burst or max(1.0, rate)
@@ -355,17 +342,16 @@ class ConnectionCore:
         raise AssertionError(f"unexpected message {type(message).__name__}")
 
     def _shutting_down(self, message: PartialTranscript | CloseStream | Subscribe) -> Reply:
-        # The engine's own code for a stream that is closing: every stream is, now.
         return Reply(
             _error(
-                ErrorCode.UNKNOWN_STREAM,
+                ErrorCode.UNAVAILABLE,
                 "the server is shutting down and takes no new messages",
                 context=message,
             )
         )
 
     def _partial(self, event: PartialTranscript) -> Action:
-        if not self.registry.accepting:
+        if not self.server.accepting:
             return self._shutting_down(event)
         if self.role is Role.VIEWER:
             return Reply(
@@ -375,82 +361,16 @@ class ConnectionCore:
                     context=event,
                 )
             )
-        sid = event.stream_id
-        owner = self.registry.owner(sid)
-        if owner is not None and owner != self.connection_id:
-            return Reply(
-                _error(
-                    ErrorCode.FORBIDDEN,
-                    f"stream {sid!r} belongs to another connection",
-                    field="stream_id",
-                    context=event,
-                )
-            )
-        if sid in self.closing:
-            # Until the engine has finished the close, the id is neither open nor free: a
-            # push now could reopen it in the engine behind the connection's back.
-            return Reply(
-                _error(
-                    ErrorCode.UNKNOWN_STREAM,
-                    f"stream {sid!r} is closing: wait for its final update, or use another id",
-                    field="stream_id",
-                    context=event,
-                )
-            )
         self.role = Role.WRITER
-        if owner == self.connection_id:
-            return Push(event, opens=False)
-        if len(self.owned) >= self.limits.max_streams_per_connection:
-            return Reply(
-                _error(
-                    ErrorCode.LIMIT_EXCEEDED,
-                    "too many open streams on this connection "
-                    f"(limit {self.limits.max_streams_per_connection}); close one first",
-                    field="stream_id",
-                    context=event,
-                )
-            )
-        self.registry.claim(sid, self.connection_id)
-        self.owned.add(sid)
-        return Push(event, opens=True)
+        return Push(event)
 
     def _close(self, message: CloseStream) -> Action:
-        if not self.registry.accepting:
+        if not self.server.accepting:
             return self._shutting_down(message)
-        sid = message.stream_id
-        owner = self.registry.owner(sid)
-        if owner is None:
-            return Reply(
-                _error(
-                    ErrorCode.UNKNOWN_STREAM,
-                    f"no open stream {sid!r}",
-                    field="stream_id",
-                    context=message,
-                )
-            )
-        if owner != self.connection_id:
-            return Reply(
-                _error(
-                    ErrorCode.FORBIDDEN,
-                    f"stream {sid!r} belongs to another connection",
-                    field="stream_id",
-                    context=message,
-                )
-            )
-        if sid in self.closing:
-            return Reply(
-                _error(
-                    ErrorCode.UNKNOWN_STREAM,
-                    f"stream {sid!r} is already closing",
-                    field="stream_id",
-                    context=message,
-                )
-            )
-        self.closing.add(sid)
-        return Close(sid)
+        return Close(message.stream_id)
 
     def _subscribe(self, message: Subscribe) -> Action:
-        if not self.registry.accepting:
+        if not self.server.accepting:
             return self._shutting_down(message)
         if self.role is Role.WRITER:
             return Reply(
@@ -477,26 +397,3 @@ class ConnectionCore:
         self.role = Role.VIEWER
         self.watched.add(sid)
         return Watch(sid)
-
-    # -- outcomes reported by the I/O layer --------------------------------------------
-
-    def push_failed(self, stream_id: str, stream_open: bool) -> None:
-        """The engine refused a `Push` that opened `stream_id`; unless the engine opened
-        the stream anyway, give the id back."""
-        if not stream_open:
-            self._release(stream_id)
-
-    def stream_closed(self, stream_id: str) -> None:
-        """The engine has finished closing `stream_id`: the id is free again."""
-        self._release(stream_id)
-
-    def _release(self, stream_id: str) -> None:
-        self.owned.discard(stream_id)
-        self.closing.discard(stream_id)
-        self.registry.release(stream_id, self.connection_id)
-
-    def streams_to_close(self) -> list[str]:
-        """Owned streams not yet closing (at disconnect or shutdown), marked as closing."""
-        pending = sorted(self.owned - self.closing)
-        self.closing.update(pending)
-        return pending

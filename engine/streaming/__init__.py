@@ -1,9 +1,9 @@
 """Incremental translation of partial transcripts: sans-I/O session + async controller."""
 
 from engine.streaming.controller import IncrementalTranslator, Subscription
+from engine.streaming.lifecycle import Owner, Phase, StreamTable
 from engine.streaming.policies import BiasedDecoding, LocalAgreement, MaskK, Policy, parse_policy
 from engine.streaming.session import (
-    EventGate,
     StreamingOptions,
     StreamSession,
     normalize_source,
@@ -11,12 +11,14 @@ from engine.streaming.session import (
 
 __all__ = [
     "BiasedDecoding",
-    "EventGate",
     "IncrementalTranslator",
     "LocalAgreement",
     "MaskK",
+    "Owner",
+    "Phase",
     "Policy",
     "StreamSession",
+    "StreamTable",
     "StreamingOptions",
     "Subscription",
     "normalize_source",

@@ -8,16 +8,13 @@ so delay never piles up behind a fast talker; finals are never skipped or cancel
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import itertools
 import logging
 import os
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeAlias
@@ -26,7 +23,15 @@ import anyio
 import anyio.abc
 
 from engine.decoding import DecodingCancelled
-from engine.streaming.session import EventGate, StreamingOptions, StreamSession
+from engine.streaming.lifecycle import (
+    Admission,
+    Owner,
+    Phase,
+    StreamLifecycle,
+    StreamTable,
+    Trigger,
+)
+from engine.streaming.session import StreamingOptions, StreamSession
 from engine.translator import Translator
 from protocol import (
     EngineClosed,
@@ -60,8 +65,9 @@ class Subscription(AsyncIterator[Reply]):
     stall translation for others and every final transcript still gets its reply.
     """
 
-    def __init__(self, stream_id: str | None, max_items: int) -> None:
+    def __init__(self, stream_id: str | None, max_items: int, owner: Owner | None = None) -> None:
         self.stream_id = stream_id
+        self.owner = owner
         self.max_items = max_items
         self.dropped = 0
         self._items: deque[Reply] = deque()
@@ -99,28 +105,33 @@ class Subscription(AsyncIterator[Reply]):
         return self._items.popleft()
 
 
-@dataclass
-class _Stream:
-    session: StreamSession
-    gate: EventGate
-    # Accepted events waiting: (event, arrival time, its source ids from admission).
-    pending: deque[tuple[PartialTranscript, float, list[int] | None]] = field(
-        default_factory=deque
-    )
-    wake: anyio.Event = field(default_factory=anyio.Event)
-    done: anyio.Event = field(default_factory=anyio.Event)
-    idle: anyio.Event = field(default_factory=anyio.Event)
-    busy: bool = False
-    closing: bool = False
-    aborted: bool = False  # past a shutdown deadline: publish nothing more
-    epoch: int = 0  # which life of the stream id this is (`TranslationUpdate.epoch`)
-    current: PartialTranscript | None = None  # the event being translated
-    cancelled_in_row: int = 0
-    last_update: TranslationUpdate | None = None
-    # The last few final updates, replayed to a viewer who joins late.
-    recent_finals: deque[TranslationUpdate] = field(
-        default_factory=lambda: deque(maxlen=RECENT_FINALS)
-    )
+class _Stream(StreamLifecycle):
+    """A stream's lifecycle (phase, owner, admission record) and the controller's working
+    state for it: its queue of admitted events, session and the events its task waits on."""
+
+    def __init__(
+        self, stream_id: str, owner: Owner | None, epoch: int, session: StreamSession
+    ) -> None:
+        super().__init__(stream_id, owner, epoch)
+        self.session = session
+        # Admitted events waiting, each with its arrival time.
+        self.pending: deque[tuple[Admission[_Stream], float]] = deque()
+        self.wake = anyio.Event()
+        self.done = anyio.Event()
+        self.idle = anyio.Event()
+        self.busy = False
+        self.current: PartialTranscript | None = None  # the event being translated
+        self.cancelled_in_row = 0
+        self.last_update: TranslationUpdate | None = None
+        # The last few final updates, replayed to a viewer who joins late.
+        self.recent_finals: deque[TranslationUpdate] = deque(maxlen=RECENT_FINALS)
+
+    def drop_partials(self) -> int:
+        """Latest wins: drop waiting partials (finals stay); returns how many."""
+        kept = deque(item for item in self.pending if item[0].event.is_final)
+        dropped = len(self.pending) - len(kept)
+        self.pending = kept
+        return dropped
 
 
 class IncrementalTranslator:
@@ -132,6 +143,12 @@ class IncrementalTranslator:
         await nmt.push(PartialTranscript("mic-1", 0, 0, "I will meet", is_final=False))
         ...
     ```
+
+    Each stream's life (admission, ownership, closing) is decided by one state machine,
+    `engine.streaming.lifecycle`; this class carries out what it decides: it runs the
+    translations, publishes their replies and releases a stream when it has drained.
+    A server passes each connection's `Owner` to `push`, `close_stream` and `owner_left`;
+    an embedding caller passes none.
     """
 
     def __init__(
@@ -146,16 +163,16 @@ class IncrementalTranslator:
     ) -> None:
         self.translator = translator
         self.options = options or StreamingOptions()
-        self.max_streams = max_streams
-        self.max_pending_finals = max_pending_finals
         self.queue_size = queue_size
         self.stats: Counter[str] = Counter()
         self._limiter = anyio.CapacityLimiter(decode_slots or os.cpu_count() or 1)
-        self._streams: dict[str, _Stream] = {}
+        self._table: StreamTable[_Stream] = StreamTable(
+            self._make_stream, max_streams=max_streams, max_pending_finals=max_pending_finals
+        )
         self._subscriptions: dict[str | None, list[Subscription]] = {}
+        self._owner_subscriptions: dict[Owner, list[Subscription]] = {}
         self._group: anyio.abc.TaskGroup | None = None
         self._closed = False
-        self._epochs = itertools.count(1)  # one number per stream opened, never reused
 
     @classmethod
     def from_dir(
@@ -163,6 +180,10 @@ class IncrementalTranslator:
     ) -> IncrementalTranslator:
         """Load a model directory (see `Translator.from_dir` for the keyword options)."""
         return cls(Translator.from_dir(model_dir, **kwargs), options)
+
+    @property
+    def max_streams(self) -> int:
+        return self._table.max_streams
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -188,20 +209,24 @@ class IncrementalTranslator:
                 await group.__aexit__(exc_type, exc, traceback)
 
     async def aclose(self) -> None:
-        """Finish pending finals of every stream, end every subscription; idempotent."""
+        """Take nothing more, finish every stream's accepted finals, end every
+        subscription; idempotent."""
         if self._closed:
             return
-        for stream_id in list(self._streams):
-            with contextlib.suppress(InvalidEvent):  # it finished closing meanwhile
-                await self.close_stream(stream_id)
+        for stream in self._table.shutdown():
+            self.stats["superseded"] += stream.drop_partials()
+            stream.wake.set()
+        for stream in list(self._table):
+            await stream.done.wait()
         self._end_subscriptions()
 
     def _end_subscriptions(self) -> None:
         self._closed = True
-        for subs in self._subscriptions.values():
+        for subs in [*self._subscriptions.values(), *self._owner_subscriptions.values()]:
             for sub in subs:
                 sub.close()
         self._subscriptions.clear()
+        self._owner_subscriptions.clear()
 
     def abort(self, reason: str) -> int:
         """Give up on work not done yet (a shutdown past its deadline): every accepted final
@@ -211,18 +236,21 @@ class IncrementalTranslator:
         answered so. The engine takes nothing more afterwards; `aclose` still waits for
         translations already running on worker threads to return."""
         answered = 0
-        for stream in list(self._streams.values()):
-            events = [e for e, _, _ in stream.pending]
+        for stream, owed in self._table.abort():
+            events = [admission.event for admission, _ in stream.pending]
             if stream.current is not None:
                 events.insert(0, stream.current)
             stream.pending.clear()
-            stream.closing = stream.aborted = True
             stream.wake.set()
-            for event in events:
-                if event.is_final:
-                    answered += 1
-                    error = ErrorCode.UNAVAILABLE
-                    self._deliver(ErrorMessage(error, reason, None, event.stream_id, event.seq))
+            finals = [event for event in events if event.is_final]
+            if len(finals) != owed:  # the lifecycle's count and the queue disagree: a bug
+                log.error("%r: %d finals queued, %d owed", stream, len(finals), owed)
+            for event in finals:
+                answered += 1
+                error = ErrorMessage(
+                    ErrorCode.UNAVAILABLE, reason, None, event.stream_id, event.seq
+                )
+                self._deliver(error, stream)
         self._end_subscriptions()
         self.stats["aborted_finals"] += answered
         return answered
@@ -231,18 +259,34 @@ class IncrementalTranslator:
 
     @property
     def streams(self) -> list[str]:
-        return list(self._streams)
+        """Ids of the streams in the engine, closing ones included (their ids are not
+        free until their accepted finals are answered)."""
+        return self._table.ids
 
-    def updates(self, stream_id: str | None = None) -> Subscription:
-        """Subscribe now (before pushing, so nothing is missed) to one stream or all."""
-        sub = Subscription(stream_id, self.queue_size)
+    def owner_of(self, stream_id: str) -> Owner | None:
+        stream = self._table.get(stream_id)
+        return stream.owner if stream is not None else None
+
+    def phase(self, stream_id: str) -> Phase:
+        """Where a stream is in its life (`Phase.CLOSED` when the id is free)."""
+        stream = self._table.get(stream_id)
+        return stream.phase if stream is not None else Phase.CLOSED
+
+    def updates(self, stream_id: str | None = None, *, owner: Owner | None = None) -> Subscription:
+        """Subscribe now (before pushing, so nothing is missed) to one stream or all, or
+        with `owner` to the replies of every stream that owner holds (a writer's updates,
+        and the `error` replies that answer its finals)."""
+        sub = Subscription(stream_id, self.queue_size, owner)
         if self._closed:
             sub.close()
             return sub
+        if owner is not None:
+            self._owner_subscriptions.setdefault(owner, []).append(sub)
+            return sub
         # Start from the last lines of each open stream (its recent finals, then the current
         # segment's latest update), so a viewer joining mid-talk sees what was just said.
-        for sid, stream in self._streams.items():
-            if stream_id not in (None, sid):
+        for stream in self._table:
+            if stream_id not in (None, stream.stream_id):
                 continue
             for final in stream.recent_finals:
                 sub.put(final)
@@ -253,20 +297,28 @@ class IncrementalTranslator:
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
-        subs = self._subscriptions.get(sub.stream_id, [])
-        if sub in subs:
-            subs.remove(sub)
-        if not subs:
-            self._subscriptions.pop(sub.stream_id, None)
+        if sub.owner is not None:
+            owned = self._owner_subscriptions.get(sub.owner, [])
+            if sub in owned:
+                owned.remove(sub)
+            if not owned:
+                self._owner_subscriptions.pop(sub.owner, None)
+        else:
+            subs = self._subscriptions.get(sub.stream_id, [])
+            if sub in subs:
+                subs.remove(sub)
+            if not subs:
+                self._subscriptions.pop(sub.stream_id, None)
         sub.close()
 
     def last_update(self, stream_id: str) -> TranslationUpdate | None:
         """The newest update of an open stream (a viewer joining late starts from it)."""
-        stream = self._streams.get(stream_id)
+        stream = self._table.get(stream_id)
         return stream.last_update if stream else None
 
-    async def push(self, event: PartialTranscript) -> None:
-        """Queue an event and return at once; raises `InvalidEvent` for a refused one."""
+    async def push(self, event: PartialTranscript, owner: Owner | None = None) -> None:
+        """Queue an event and return at once; raises `InvalidEvent` for a refused one
+        (the lifecycle's admission rules say which), `EngineClosed` when not running."""
         if self._closed or self._group is None:
             raise EngineClosed("IncrementalTranslator is not running (use `async with`)")
         if not isinstance(event, PartialTranscript):
@@ -277,47 +329,18 @@ class IncrementalTranslator:
                 )
             )
         received = time.perf_counter()
-        stream = self._streams.get(event.stream_id)
-        if stream is None:
-            if len(self._streams) >= self.max_streams:
-                raise InvalidEvent(
-                    ErrorMessage(
-                        ErrorCode.LIMIT_EXCEEDED,
-                        f"too many open streams (limit {self.max_streams})",
-                        stream_id=event.stream_id,
-                        seq=event.seq,
-                    )
-                )
-            stream = self._open(event.stream_id)
-        if stream.closing:
-            raise InvalidEvent(
-                ErrorMessage(
-                    ErrorCode.UNKNOWN_STREAM,
-                    f"stream {event.stream_id!r} is closing",
-                    stream_id=event.stream_id,
-                    seq=event.seq,
-                )
-            )
-        error = stream.gate.check(event)
-        if error is None and event.is_final:
-            finals = sum(1 for e, _, _ in stream.pending if e.is_final)
-            if finals >= self.max_pending_finals:
-                error = ErrorMessage(
-                    ErrorCode.RATE_LIMITED,
-                    f"{finals} finals are already waiting on this stream",
-                    stream_id=event.stream_id,
-                    seq=event.seq,
-                )
-        if error is not None:
+        try:
+            admission = self._table.admit(event, owner, self._prepare)
+        except InvalidEvent:
             self.stats["rejected"] += 1
-            raise InvalidEvent(error)
-        stream.gate.accept(event)
+            raise
+        stream = admission.stream
+        if admission.opened:
+            self._group.start_soon(self._run_stream, stream)
         self.stats["events"] += 1
         # Latest wins: a waiting partial is superseded by any newer event; finals stay.
-        kept = deque(item for item in stream.pending if item[0].is_final)
-        self.stats["superseded"] += len(stream.pending) - len(kept)
-        kept.append((event, received, stream.gate.admitted))
-        stream.pending = kept
+        self.stats["superseded"] += stream.drop_partials()
+        stream.pending.append((admission, received))
         if not stream.busy:
             stream.busy = True
             stream.idle = anyio.Event()
@@ -325,42 +348,48 @@ class IncrementalTranslator:
 
     async def wait_idle(self, stream_id: str | None = None) -> None:
         """Wait until a stream (or every stream) has nothing pending or running."""
-        ids = [stream_id] if stream_id is not None else list(self._streams)
+        ids = [stream_id] if stream_id is not None else self._table.ids
         for sid in ids:
-            while (stream := self._streams.get(sid)) is not None and (
-                stream.pending or stream.busy
-            ):
+            while (stream := self._table.get(sid)) is not None and (stream.pending or stream.busy):
                 await stream.idle.wait()
 
-    async def close_stream(self, stream_id: str) -> None:
+    def begin_close(self, stream_id: str, owner: Owner | None = None) -> None:
+        """Start closing a stream (raises `InvalidEvent` when it is not `owner`'s, not
+        open, or closing already): its waiting partials are dropped, its accepted finals
+        are still translated and published, then it is released."""
+        stream = self._table.close(stream_id, owner)
+        self.stats["superseded"] += stream.drop_partials()
+        stream.wake.set()
+
+    async def close_stream(self, stream_id: str, owner: Owner | None = None) -> None:
         """Deliver the stream's pending finals, then free it and end its subscriptions."""
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            raise InvalidEvent(
-                ErrorMessage(
-                    ErrorCode.UNKNOWN_STREAM, f"no open stream {stream_id!r}", stream_id=stream_id
-                )
-            )
-        if not stream.closing:
-            stream.closing = True
-            kept = deque(item for item in stream.pending if item[0].is_final)
-            self.stats["superseded"] += len(stream.pending) - len(kept)
-            stream.pending = kept
+        self.begin_close(stream_id, owner)
+        stream = self._table.get(stream_id)
+        if stream is not None:
+            await stream.done.wait()
+
+    def owner_left(self, owner: Owner) -> int:
+        """The owner is gone (its connection closed): every stream it holds closes as if
+        it had sent `close_stream`, so viewers still get its accepted finals and the
+        stream then frees its slot. Returns how many streams began closing."""
+        streams = self._table.owner_left(owner)
+        for stream in streams:
+            self.stats["superseded"] += stream.drop_partials()
             stream.wake.set()
-        await stream.done.wait()
+        return len(streams)
 
     # -- internals ------------------------------------------------------------------
 
-    def _open(self, stream_id: str) -> _Stream:
-        assert self._group is not None
-        stream = _Stream(
-            StreamSession(stream_id, self.translator, self.options),
-            EventGate(stream_id, self.translator, self.options),
-        )
-        stream.epoch = next(self._epochs)
-        self._streams[stream_id] = stream
-        self._group.start_soon(self._run_stream, stream_id, stream)
-        return stream
+    def _make_stream(self, stream_id: str, owner: Owner | None, epoch: int) -> _Stream:
+        session = StreamSession(stream_id, self.translator, self.options)
+        return _Stream(stream_id, owner, epoch, session)
+
+    def _prepare(self, event: PartialTranscript) -> tuple[str, list[int] | None]:
+        """Admission's text step: normalise and tokenise once; decoding reuses both."""
+        source = self.options.clean(event.text, self.translator.config.source_lang)
+        if not source:
+            return source, None
+        return source, self.translator.source_ids(source, partial=not event.is_final)
 
     def _publish(self, stream: _Stream, update: TranslationUpdate) -> None:
         update = dataclasses.replace(update, epoch=stream.epoch)
@@ -369,40 +398,49 @@ class IncrementalTranslator:
         if update.is_final:
             self.stats["finals"] += 1
             stream.recent_finals.append(update)
-        self._deliver(update)
+        self._deliver(update, stream)
 
-    def _deliver(self, reply: Reply) -> None:
-        """To the stream's subscribers and those of every stream."""
+    def _deliver(self, reply: Reply, stream: _Stream) -> None:
+        """To the stream's owner, its subscribers and those of every stream."""
+        if stream.owner is not None:
+            for sub in self._owner_subscriptions.get(stream.owner, ()):
+                sub.put(reply)
         for key in (reply.stream_id, None):
             for sub in self._subscriptions.get(key, ()):
                 sub.put(reply)
 
-    async def _run_stream(self, stream_id: str, stream: _Stream) -> None:
+    async def _run_stream(self, stream: _Stream) -> None:
         try:
             while True:
                 if not stream.pending:
                     stream.busy = False
                     stream.idle.set()
-                    if stream.closing:
+                    if not stream.taking_events:
                         break
                     await stream.wake.wait()
                     stream.wake = anyio.Event()
                     continue
-                event, received, source_ids = stream.pending.popleft()
-                await self._translate(stream, event, received, source_ids)
+                admission, received = stream.pending.popleft()
+                await self._translate(stream, admission, received)
         finally:
-            self._streams.pop(stream_id, None)
-            for sub in self._subscriptions.pop(stream_id, []):
-                sub.close()
+            if stream.finals_pending and not stream.closed:
+                # Only when the engine's task group is cancelled without `aclose`.
+                log.error(
+                    "stream %r ends with %d finals unanswered",
+                    stream.stream_id,
+                    stream.finals_pending,
+                )
+                stream.fire(Trigger.ABORT)
+            self._table.release(stream)
+            if self._table.get(stream.stream_id) is None:
+                for sub in self._subscriptions.pop(stream.stream_id, []):
+                    sub.close()
             stream.done.set()
 
     async def _translate(
-        self,
-        stream: _Stream,
-        event: PartialTranscript,
-        received: float,
-        source_ids: list[int] | None,
+        self, stream: _Stream, admission: Admission[_Stream], received: float
     ) -> None:
+        event = admission.event
         cancellable = not event.is_final and stream.cancelled_in_row < MAX_CANCELLED_IN_A_ROW
 
         def newer_waiting() -> bool:
@@ -413,7 +451,8 @@ class IncrementalTranslator:
             event,
             newer_waiting if cancellable else None,
             received=received,
-            source_ids=source_ids,
+            source=admission.source,
+            source_ids=admission.source_ids,
         )
         stream.current = event
         try:
@@ -421,8 +460,10 @@ class IncrementalTranslator:
                 # Waiting for a worker can take a while when many streams are busy; a
                 # partial of a stream that began closing meanwhile (its writer left) is
                 # no longer wanted by anyone: do not spend a worker on it.
-                if stream.closing and not event.is_final:
+                if not stream.taking_events and not event.is_final:
                     self.stats["superseded"] += 1
+                    return
+                if stream.closed:  # aborted while waiting: answered
                     return
                 update = await anyio.to_thread.run_sync(work)
         except DecodingCancelled:
@@ -432,7 +473,9 @@ class IncrementalTranslator:
         except Exception:  # a bug must not take the stream (or others) down with it
             self.stats["errors"] += 1
             log.exception("translation failed for stream %r seq %d", event.stream_id, event.seq)
-            if event.is_final:  # every final gets exactly one reply: this one
+            if event.is_final and not stream.closed:
+                # Every final gets exactly one reply: this one.
+                stream.fire(Trigger.ANSWERED)
                 self._deliver(
                     ErrorMessage(
                         ErrorCode.INTERNAL,
@@ -440,14 +483,17 @@ class IncrementalTranslator:
                         "the stream goes on",
                         stream_id=event.stream_id,
                         seq=event.seq,
-                    )
+                    ),
+                    stream,
                 )
             return
         finally:
             stream.current = None
-        if stream.aborted:  # answered by `abort` already
+        if stream.closed:  # aborted meanwhile: `abort` answered it
             return
         stream.cancelled_in_row = 0
+        if event.is_final:
+            stream.fire(Trigger.ANSWERED)
         if update is None:
             self.stats["unchanged"] += 1
             return

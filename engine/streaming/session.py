@@ -19,12 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.decoding import DecodeOptions
-from engine.errors import InputTooLongError
 from engine.languages import drop_fillers, is_cjk
 from engine.runtime import EncoderOutput
 from engine.streaming.policies import LocalAgreement, Policy
 from engine.translator import Translator
-from protocol import ErrorCode, ErrorMessage, PartialTranscript, TranslationUpdate
+from protocol import PartialTranscript, TranslationUpdate
 
 
 def normalize_source(text: str) -> str:
@@ -154,64 +153,6 @@ def _extends_words(before: str, after: str) -> bool:
     return new[len(old) - 1].startswith(old[-1])
 
 
-class EventGate:
-    """Admission rules for one stream's events, checked when they are pushed.
-
-    `seq` must increase; segments may only move forward; a segment that has had its final
-    takes no more events; the text must fit the model. Returns an `ErrorMessage` instead of
-    raising so that callers on any layer can pass it on as is. The source ids it computes
-    to check the length are kept (`admitted`) so that decoding need not tokenise again.
-    """
-
-    def __init__(
-        self, stream_id: str, translator: Translator, options: StreamingOptions | None = None
-    ) -> None:
-        self.stream_id = stream_id
-        self.translator = translator
-        self.options = options or StreamingOptions()
-        self.last_seq: int | None = None
-        self.segment_id: int | None = None
-        self.segment_closed = False
-        self.admitted: list[int] | None = None  # source ids of the last event checked
-
-    def check(self, event: PartialTranscript) -> ErrorMessage | None:
-        def error(code: ErrorCode, message: str, field: str) -> ErrorMessage:
-            return ErrorMessage(code, message, field, event.stream_id, event.seq)
-
-        if self.last_seq is not None and event.seq <= self.last_seq:
-            return error(
-                ErrorCode.OUT_OF_ORDER,
-                f"seq {event.seq} is not above the last accepted seq {self.last_seq} (seq "
-                "grows within a stream; close_stream and open it again to restart from 0)",
-                "seq",
-            )
-        if self.segment_id is not None and (
-            event.segment_id < self.segment_id
-            or (event.segment_id == self.segment_id and self.segment_closed)
-        ):
-            state = "already final" if event.segment_id == self.segment_id else "over"
-            return error(
-                ErrorCode.OUT_OF_ORDER, f"segment {event.segment_id} is {state}", "segment_id"
-            )
-        source = self.options.clean(event.text, self.translator.config.source_lang)
-        self.admitted = None
-        if source:
-            try:
-                self.admitted = self.translator.source_ids(source, partial=not event.is_final)
-            except InputTooLongError as exc:
-                return error(ErrorCode.TOO_LARGE, str(exc), "text")
-        return None
-
-    def accept(self, event: PartialTranscript) -> None:
-        """Record an event that passed `check`."""
-        self.last_seq = event.seq
-        if event.segment_id != self.segment_id:
-            self.segment_id = event.segment_id
-            self.segment_closed = False
-        if event.is_final:
-            self.segment_closed = True
-
-
 class StreamSession:
     """Translate one stream's partial transcripts, segment after segment."""
 
@@ -247,19 +188,23 @@ class StreamSession:
         should_stop: Callable[[], bool] | None = None,
         *,
         received: float | None = None,
+        source: str | None = None,
         source_ids: list[int] | None = None,
     ) -> TranslationUpdate | None:
         """The update answering `event`, or None when its source did not change.
 
-        `source_ids`: the event's source ids when admission computed them already
-        (`EventGate.admitted`), so that they are not computed twice.
+        `source` and `source_ids`: the event's normalised source and its ids when
+        admission computed them already (`lifecycle.Admission`), so that they are not
+        computed twice; `source_ids` is only used together with `source`.
 
         Raises `DecodingCancelled` (from the decoder) when `should_stop` says a newer event
         made this one stale; the segment's state is then as before the call.
         """
         received = time.perf_counter() if received is None else received
         seg = self._segment_for(event)
-        source = self.options.clean(event.text, self.translator.config.source_lang)
+        if source is None:
+            source = self.options.clean(event.text, self.translator.config.source_lang)
+            source_ids = None
         # One rule for which partials are answered: those whose normalised source differs
         # from the last one answered in the segment (which starts empty). So an unchanged
         # partial, empty or not, gets no update and runs neither encoder nor decoder.

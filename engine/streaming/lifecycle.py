@@ -1,0 +1,371 @@
+"""One state machine per stream: admission, ownership, segments, closing and release.
+
+Written after h11's `_state.py`: a stream's phases and what moves it between them are one
+table (`TRANSITIONS`), and every rule about what a stream takes is decided in one place
+(`StreamTable.admit`, `StreamTable.close`, `StreamTable.owner_left`, `StreamTable.shutdown`,
+`StreamTable.release`). Nothing here does I/O, starts a task or knows about sockets: the
+controller (`engine.streaming.controller`) drives the table and carries out what it
+returns, the server and replay only talk to the controller. So ownership lives in exactly
+one place; before, the server's registry, each connection and the engine each kept their
+own copy and reconciled them after the fact, which leaked stream slots.
+
+Phases (`Phase`):
+
+    OPEN ──partial──> LIVE ──final──> OPEN          (a new segment may start at once)
+      │                 │
+      └──close / owner left / shutdown──> CLOSING ──drained──> CLOSED  (id free again)
+                                    (abort: any phase ──> CLOSED)
+
+"Final pending" is a count (`finals_pending`), not a phase: a talker may start the next
+segment before the last final's reply arrives, and a closing stream still owes the replies
+of the finals it accepted. The count makes the reply contract checkable: a stream may only
+be released (`DRAINED`) when it is zero, and `ABORT` is the one way to drop it, which the
+caller does only after answering each of those finals with an `unavailable` error.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, TypeVar
+
+from engine.errors import InputTooLongError
+from protocol import ErrorCode, ErrorMessage, InvalidEvent, PartialTranscript
+
+
+class Phase(Enum):
+    """Where a stream is in its life."""
+
+    OPEN = "open"  # takes events; no segment has partials without their final
+    LIVE = "segment_live"  # a segment has had partials and no final yet
+    CLOSING = "closing"  # takes nothing; accepted finals are still translated
+    CLOSED = "closed"  # released: the id is free, a new stream with it is a new epoch
+
+
+class Trigger(Enum):
+    """What happens to a stream."""
+
+    PARTIAL = "partial"  # a non-final transcript was admitted
+    FINAL = "final"  # a final transcript was admitted
+    ANSWERED = "answered"  # an admitted final got its one reply (update or error)
+    CLOSE = "close"  # close_stream by its owner
+    OWNER_LEFT = "owner_left"  # the owner (a connection) is gone
+    SHUTDOWN = "shutdown"  # the engine stops taking work
+    DRAINED = "drained"  # closing, and nothing is waiting or running any more
+    ABORT = "abort"  # past a shutdown deadline: pending finals answered `unavailable`
+
+
+_ENDING = {Trigger.CLOSE: Phase.CLOSING, Trigger.OWNER_LEFT: Phase.CLOSING}
+_ENDING |= {Trigger.SHUTDOWN: Phase.CLOSING, Trigger.ABORT: Phase.CLOSED}
+
+TRANSITIONS: Mapping[Phase, Mapping[Trigger, Phase]] = {
+    Phase.OPEN: {
+        Trigger.PARTIAL: Phase.LIVE,
+        Trigger.FINAL: Phase.OPEN,
+        Trigger.ANSWERED: Phase.OPEN,
+        **_ENDING,
+    },
+    Phase.LIVE: {
+        Trigger.PARTIAL: Phase.LIVE,
+        Trigger.FINAL: Phase.OPEN,
+        Trigger.ANSWERED: Phase.LIVE,
+        **_ENDING,
+    },
+    Phase.CLOSING: {
+        Trigger.ANSWERED: Phase.CLOSING,
+        # Closing already: a second reason to close changes nothing.
+        Trigger.OWNER_LEFT: Phase.CLOSING,
+        Trigger.SHUTDOWN: Phase.CLOSING,
+        Trigger.DRAINED: Phase.CLOSED,
+        Trigger.ABORT: Phase.CLOSED,
+    },
+    Phase.CLOSED: {},
+}
+"""Every allowed move: phase -> trigger -> next phase. Anything else is a bug
+(`LifecycleError`), never a silent no-op."""
+
+
+class LifecycleError(RuntimeError):
+    """A trigger the table does not allow in the stream's phase (a bug in the caller)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who may push to and close a stream: one per server connection, or none for an
+    embedding caller (then any caller of that engine may). `max_streams`: how many streams
+    it may hold open at once (`None`: only the engine's limit)."""
+
+    name: str
+    max_streams: int | None = None
+
+
+# --- one stream ----------------------------------------------------------------------------
+
+
+class StreamLifecycle:
+    """One stream's phase, owner and admission record.
+
+    `epoch`: which life of the id this is, a number never reused by the table, carried on
+    every update so that viewers can tell a stream taken over by a new writer.
+    """
+
+    def __init__(self, stream_id: str, owner: Owner | None, epoch: int) -> None:
+        self.stream_id = stream_id
+        self.owner = owner
+        self.epoch = epoch
+        self.phase = Phase.OPEN
+        self.last_seq: int | None = None
+        self.segment_id: int | None = None
+        self.segment_final = False  # the current segment has had its final
+        self.finals_pending = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self.stream_id!r} epoch={self.epoch} "
+            f"{self.phase.value} finals_pending={self.finals_pending}>"
+        )
+
+    @property
+    def taking_events(self) -> bool:
+        return self.phase in (Phase.OPEN, Phase.LIVE)
+
+    @property
+    def closed(self) -> bool:
+        """Released or aborted: nothing it does is published any more."""
+        return self.phase is Phase.CLOSED
+
+    def fire(self, trigger: Trigger) -> Phase:
+        """Move by the table; raise `LifecycleError` for a move it does not allow."""
+        target = TRANSITIONS[self.phase].get(trigger)
+        if target is None:
+            raise LifecycleError(f"{self!r}: {trigger.value} is not allowed")
+        if trigger is Trigger.DRAINED and self.finals_pending:
+            raise LifecycleError(f"{self!r}: released with finals unanswered")
+        if trigger is Trigger.FINAL:
+            self.finals_pending += 1
+        elif trigger is Trigger.ANSWERED:
+            if not self.finals_pending:
+                raise LifecycleError(f"{self!r}: answered a final it does not owe")
+            self.finals_pending -= 1
+        elif trigger is Trigger.ABORT:
+            self.finals_pending = 0
+        self.phase = target
+        return target
+
+    def refusal(self, event: PartialTranscript, max_pending_finals: int) -> ErrorMessage | None:
+        """The error for an event this stream does not take now, or None (the text is
+        checked by the table, once every other rule passed)."""
+
+        def error(code: ErrorCode, message: str, field: str | None) -> ErrorMessage:
+            return ErrorMessage(code, message, field, event.stream_id, event.seq)
+
+        if not self.taking_events:
+            return error(
+                ErrorCode.UNKNOWN_STREAM,
+                f"stream {event.stream_id!r} is closing: wait for its final update, "
+                "or use another id",
+                "stream_id",
+            )
+        if self.last_seq is not None and event.seq <= self.last_seq:
+            return error(
+                ErrorCode.OUT_OF_ORDER,
+                f"seq {event.seq} is not above the last accepted seq {self.last_seq} (seq "
+                "grows within a stream; close_stream and open it again to restart from 0)",
+                "seq",
+            )
+        if self.segment_id is not None and (
+            event.segment_id < self.segment_id
+            or (event.segment_id == self.segment_id and self.segment_final)
+        ):
+            state = "already final" if event.segment_id == self.segment_id else "over"
+            return error(
+                ErrorCode.OUT_OF_ORDER, f"segment {event.segment_id} is {state}", "segment_id"
+            )
+        if event.is_final and self.finals_pending >= max_pending_finals:
+            return error(
+                ErrorCode.RATE_LIMITED,
+                f"{self.finals_pending} finals are already waiting on this stream",
+                None,
+            )
+        return None
+
+    def accept(self, event: PartialTranscript) -> None:
+        """Record an admitted event and move by it."""
+        self.last_seq = event.seq
+        if event.segment_id != self.segment_id:
+            self.segment_id = event.segment_id
+            self.segment_final = False
+        if event.is_final:
+            self.segment_final = True
+        self.fire(Trigger.FINAL if event.is_final else Trigger.PARTIAL)
+
+
+S = TypeVar("S", bound=StreamLifecycle)
+
+Prepare = Callable[[PartialTranscript], tuple[str, list[int] | None]]
+"""Admission's text step: the event's normalised source and its token ids (None for an
+empty source); raises `InputTooLongError` for a text the model cannot take."""
+
+
+@dataclass(frozen=True)
+class Admission(Generic[S]):
+    """An admitted event with what admission computed, handed on to decoding so that
+    nothing is normalised or tokenised twice. `opened`: the event opened the stream."""
+
+    stream: S
+    event: PartialTranscript
+    source: str
+    source_ids: list[int] | None
+    opened: bool
+
+
+class StreamTable(Generic[S]):
+    """Every open stream of an engine, by id: the one record of who owns what.
+
+    `factory(stream_id, owner, epoch)` makes the stream object (the controller's subclass
+    of `StreamLifecycle` adds its queue and session). A stream stays in the table from
+    the event that opens it until `release`, closing included, so its id cannot be
+    reopened behind the back of the finals it still owes.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[str, Owner | None, int], S],
+        *,
+        max_streams: int = 256,
+        max_pending_finals: int = 32,
+    ) -> None:
+        if max_streams < 1 or max_pending_finals < 1:
+            raise ValueError("max_streams and max_pending_finals must be >= 1")
+        self.factory = factory
+        self.max_streams = max_streams
+        self.max_pending_finals = max_pending_finals
+        self.accepting = True
+        self._streams: dict[str, S] = {}
+        self._epochs = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __iter__(self) -> Iterator[S]:
+        return iter(list(self._streams.values()))
+
+    def get(self, stream_id: str) -> S | None:
+        return self._streams.get(stream_id)
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self._streams)
+
+    def owned_by(self, owner: Owner) -> list[S]:
+        return [s for s in self._streams.values() if s.owner == owner]
+
+    # -- decisions -----------------------------------------------------------------------
+
+    def admit(
+        self, event: PartialTranscript, owner: Owner | None, prepare: Prepare
+    ) -> Admission[S]:
+        """Take `event` for its stream (opening it if needed) or raise `InvalidEvent`.
+
+        The order of the rules is the order a client fixes them in: shutdown,
+        ownership, the stream's phase and order, limits, then the text (the only costly
+        check, done last and only once)."""
+
+        def refuse(code: ErrorCode, message: str, field: str | None = None) -> InvalidEvent:
+            return InvalidEvent(ErrorMessage(code, message, field, event.stream_id, event.seq))
+
+        if not self.accepting:
+            raise refuse(ErrorCode.UNAVAILABLE, "shutting down: no new transcripts are taken")
+        stream = self._streams.get(event.stream_id)
+        if stream is None:
+            if len(self._streams) >= self.max_streams:
+                raise refuse(
+                    ErrorCode.LIMIT_EXCEEDED, f"too many open streams (limit {self.max_streams})"
+                )
+            if owner is not None and owner.max_streams is not None:
+                held = len(self.owned_by(owner))
+                if held >= owner.max_streams:
+                    raise refuse(
+                        ErrorCode.LIMIT_EXCEEDED,
+                        f"too many open streams on this connection (limit {owner.max_streams});"
+                        " close one first",
+                        "stream_id",
+                    )
+        else:
+            if stream.owner != owner:
+                raise refuse(
+                    ErrorCode.FORBIDDEN,
+                    f"stream {event.stream_id!r} belongs to another connection",
+                    "stream_id",
+                )
+            error = stream.refusal(event, self.max_pending_finals)
+            if error is not None:
+                raise InvalidEvent(error)
+        try:
+            source, ids = prepare(event)
+        except InputTooLongError as exc:
+            raise refuse(ErrorCode.TOO_LARGE, str(exc), "text") from None
+        opened = stream is None
+        if stream is None:
+            stream = self.factory(event.stream_id, owner, next(self._epochs))
+            self._streams[event.stream_id] = stream
+        stream.accept(event)
+        return Admission(stream, event, source, ids, opened)
+
+    def close(self, stream_id: str, owner: Owner | None) -> S:
+        """Begin closing a stream at its owner's request (or raise `InvalidEvent`); the
+        caller finishes its accepted finals, then `release`s it."""
+
+        def refuse(code: ErrorCode, message: str) -> InvalidEvent:
+            return InvalidEvent(ErrorMessage(code, message, "stream_id", stream_id))
+
+        if not self.accepting:
+            raise refuse(ErrorCode.UNAVAILABLE, "shutting down: every stream is closing")
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            raise refuse(ErrorCode.UNKNOWN_STREAM, f"no open stream {stream_id!r}")
+        if stream.owner != owner:
+            raise refuse(ErrorCode.FORBIDDEN, f"stream {stream_id!r} belongs to another connection")
+        if not stream.taking_events:
+            raise refuse(ErrorCode.UNKNOWN_STREAM, f"stream {stream_id!r} is already closing")
+        stream.fire(Trigger.CLOSE)
+        return stream
+
+    def owner_left(self, owner: Owner) -> list[S]:
+        """The owner is gone: each of its streams starts closing (viewers still get the
+        finals it accepted). Returns those that began closing now."""
+        started = []
+        for stream in self.owned_by(owner):
+            was_taking = stream.taking_events
+            stream.fire(Trigger.OWNER_LEFT)
+            if was_taking:
+                started.append(stream)
+        return started
+
+    def shutdown(self) -> list[S]:
+        """Take nothing more; every stream starts closing. Returns every stream."""
+        self.accepting = False
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.fire(Trigger.SHUTDOWN)
+        return streams
+
+    def abort(self) -> list[tuple[S, int]]:
+        """Past a shutdown deadline: every stream is closed on the spot. Returns each
+        with the number of finals it still owed, which the caller answers `unavailable`."""
+        self.accepting = False
+        owed = []
+        for stream in self._streams.values():
+            if stream.phase is not Phase.CLOSED:
+                owed.append((stream, stream.finals_pending))
+                stream.fire(Trigger.ABORT)
+        return owed
+
+    def release(self, stream: S) -> None:
+        """A closing stream has nothing waiting or running: it is closed, its id free."""
+        if stream.phase is not Phase.CLOSED:
+            stream.fire(Trigger.DRAINED)
+        if self._streams.get(stream.stream_id) is stream:
+            del self._streams[stream.stream_id]

@@ -1,0 +1,161 @@
+"""The per-stream state machine (`engine.streaming.lifecycle`): no model, no network.
+
+These are the rules the server, the controller and replay all go through; the server tests
+check the same rules end to end over WebSocket.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import InputTooLongError
+from engine.streaming.lifecycle import (
+    TRANSITIONS,
+    LifecycleError,
+    Owner,
+    Phase,
+    StreamLifecycle,
+    StreamTable,
+    Trigger,
+)
+from protocol import InvalidEvent, PartialTranscript
+
+A = Owner("connection 1", max_streams=2)
+B = Owner("connection 2")
+
+
+def prepare(event: PartialTranscript) -> tuple[str, list[int] | None]:
+    if len(event.text) > 20:
+        raise InputTooLongError(len(event.text), 20)
+    source = " ".join(event.text.split())
+    return source, [len(word) for word in source.split()] or None
+
+
+def table(**kwargs: int) -> StreamTable[StreamLifecycle]:
+    return StreamTable(StreamLifecycle, **kwargs)
+
+
+def ev(
+    sid: str, seq: int, text: str = "I will", final: bool = False, seg: int = 0
+) -> PartialTranscript:
+    return PartialTranscript(sid, seg, seq, text, final)
+
+
+def refused(t: StreamTable[StreamLifecycle], event: PartialTranscript, owner: Owner | None) -> str:
+    with pytest.raises(InvalidEvent) as info:
+        t.admit(event, owner, prepare)
+    assert info.value.error.seq == event.seq and info.value.error.stream_id == event.stream_id
+    return str(info.value.error.code)
+
+
+def test_the_table_is_complete_and_closed_is_final() -> None:
+    assert set(TRANSITIONS) == set(Phase)
+    assert TRANSITIONS[Phase.CLOSED] == {}
+    for phase in (Phase.OPEN, Phase.LIVE, Phase.CLOSING):  # abort ends anything
+        assert TRANSITIONS[phase][Trigger.ABORT] is Phase.CLOSED
+    # Only a closing stream is released, and only by draining.
+    assert [p for p, moves in TRANSITIONS.items() if Trigger.DRAINED in moves] == [Phase.CLOSING]
+
+
+def test_segments_move_the_phase_and_finals_are_counted() -> None:
+    t = table()
+    adm = t.admit(ev("s", 0, "  I   will "), A, prepare)
+    s = adm.stream
+    assert adm.opened and (adm.source, adm.source_ids) == ("I will", [1, 4])
+    assert s.phase is Phase.LIVE and s.owner == A and s.epoch == 1
+    assert not t.admit(ev("s", 1, "I will go", final=True), A, prepare).opened
+    assert (s.phase, s.finals_pending) == (Phase.OPEN, 1)
+    t.admit(ev("s", 2, "we", seg=1), A, prepare)  # the next segment before the reply
+    assert (s.phase, s.finals_pending) == (Phase.LIVE, 1)
+    s.fire(Trigger.ANSWERED)
+    assert (s.phase, s.finals_pending) == (Phase.LIVE, 0)
+    with pytest.raises(LifecycleError):
+        s.fire(Trigger.ANSWERED)  # no final is owed
+
+
+def test_admission_rules() -> None:
+    t = table(max_pending_finals=1)
+    t.admit(ev("s", 5), A, prepare)
+    assert refused(t, ev("s", 5), A) == "out_of_order"  # seq must grow
+    assert refused(t, ev("s", 6), B) == "forbidden"  # not its stream
+    assert refused(t, ev("s", 6, "x" * 30), A) == "too_large"
+    t.admit(ev("s", 6, final=True), A, prepare)
+    assert refused(t, ev("s", 7), A) == "out_of_order"  # segment 0 had its final
+    assert refused(t, ev("s", 7, final=True, seg=1), A) == "rate_limited"  # one owed already
+    t.admit(ev("s", 8, seg=1), A, prepare)  # a partial is still taken
+    assert t.get("s") is not None and t.get("s").last_seq == 8  # type: ignore[union-attr]
+
+
+def test_a_refused_event_opens_nothing_and_changes_nothing() -> None:
+    t = table()
+    assert refused(t, ev("s", 0, "x" * 30), A) == "too_large"
+    assert t.ids == []
+    t.admit(ev("s", 0), A, prepare)
+    assert refused(t, ev("s", 1, "x" * 30), A) == "too_large"
+    stream = t.get("s")
+    assert stream is not None and stream.last_seq == 0  # the refused seq was not taken
+
+
+def test_limits_per_owner_and_in_total() -> None:
+    t = table(max_streams=3)
+    t.admit(ev("a1", 0), A, prepare)
+    t.admit(ev("a2", 0), A, prepare)
+    assert refused(t, ev("a3", 0), A) == "limit_exceeded"  # A holds 2
+    t.admit(ev("b1", 0), B, prepare)
+    assert refused(t, ev("b2", 0), B) == "limit_exceeded"  # 3 in the engine
+    stream = t.close("a1", A)
+    assert refused(t, ev("a3", 0), A) == "limit_exceeded"  # a closing stream still counts
+    t.release(stream)
+    t.admit(ev("a3", 0), A, prepare)
+    assert sorted(t.ids) == ["a2", "a3", "b1"]
+
+
+def test_closing_refuses_events_and_frees_the_id_only_when_released() -> None:
+    """Issue 9 finding 1: partials after a close could reopen the stream with no owner."""
+    t = table()
+    t.admit(ev("s", 0, "Tom", final=True), A, prepare)
+    with pytest.raises(InvalidEvent) as info:
+        t.close("s", B)
+    assert info.value.error.code == "forbidden"
+    stream = t.close("s", A)
+    assert stream.phase is Phase.CLOSING
+    assert refused(t, ev("s", 1, "Tom reads"), A) == "unknown_stream"
+    assert refused(t, ev("s", 1, "Tom reads"), B) == "forbidden"
+    with pytest.raises(InvalidEvent) as info:
+        t.close("s", A)
+    assert info.value.error.code == "unknown_stream"
+    with pytest.raises(LifecycleError):
+        t.release(stream)  # its final is not answered yet
+    stream.fire(Trigger.ANSWERED)
+    t.release(stream)
+    assert stream.phase is Phase.CLOSED and t.ids == []
+    again = t.admit(ev("s", 0, "Tom reads"), B, prepare)  # anyone may take the free id
+    assert again.opened and again.stream.epoch == 2 and again.stream.owner == B
+
+
+def test_owner_left_closes_only_its_streams() -> None:
+    t = table()
+    t.admit(ev("a", 0), A, prepare)
+    t.admit(ev("b", 0), B, prepare)
+    t.admit(ev("c", 0), None, prepare)  # an embedding caller's: no owner
+    assert [s.stream_id for s in t.owner_left(A)] == ["a"]
+    assert t.owner_left(A) == []  # already closing
+    phases = {s.stream_id: s.phase for s in t}
+    assert phases == {"a": Phase.CLOSING, "b": Phase.LIVE, "c": Phase.LIVE}
+    assert refused(t, ev("c", 1), A) == "forbidden"  # an owned caller cannot write it
+    t.admit(ev("c", 1), None, prepare)
+
+
+def test_shutdown_and_abort() -> None:
+    t = table()
+    t.admit(ev("a", 0, final=True), A, prepare)
+    t.admit(ev("b", 0), B, prepare)
+    assert {s.stream_id for s in t.shutdown()} == {"a", "b"}
+    assert refused(t, ev("new", 0), A) == "unavailable"
+    assert refused(t, ev("b", 1), B) == "unavailable"
+    owed = {s.stream_id: n for s, n in t.abort()}
+    assert owed == {"a": 1, "b": 0}  # the caller answers a's final `unavailable`
+    assert all(s.phase is Phase.CLOSED for s in t)
+    for stream in t:
+        t.release(stream)
+    assert len(t) == 0
