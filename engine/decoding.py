@@ -1,9 +1,18 @@
 """Greedy and beam search over `MarianOnnx`, with forced target prefixes.
 
+A search is per-request state (`GreedySearch`, `BeamSearch`) that one decoder step
+advances: it holds the tokens so far, the forced prefix left to feed, scores and limits,
+and turns its rows' logits into the next tokens and which of its rows they extend. A
+`Batch` runs the rows of many searches through one decoder call per step; searches leave
+it when they end (eos, length limit) or are cancelled, and a `DecodeScheduler`
+(`engine.scheduler`) admits new ones. `greedy_search` / `beam_search` run a batch of
+searches that start together, which is also how a batch without per-row positions must
+run (lockstep).
+
 A forced prefix (the text the streaming controller has already committed) goes through the
 decoder's no-past branch in ONE call together with the start token; decoding then continues
-one token at a time with the cache. In a batch whose prefixes differ in length, the common
-length goes in that first call and the rest is forced step by step.
+one token at a time with the cache. In a lockstep batch whose prefixes differ in length, the
+common length goes in that first call and the rest is forced step by step.
 
 The encoder runs once per source (the caller passes its output in), and the encoder KV of
 the first decoder call is reused at every later step (see `engine.runtime`).
@@ -11,6 +20,7 @@ the first decoder call is reused at every later step (see `engine.runtime`).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -89,15 +99,359 @@ def _scores(
     return scores
 
 
-def _first_call(
-    model: MarianOnnx, enc: EncoderOutput, prefixes: Sequence[Sequence[int]]
-) -> tuple[FloatArray, DecoderCache, int]:
-    """Start token plus the prefix length all rows share, in one no-past decoder call."""
-    common = min(len(p) for p in prefixes)
-    start = model.config.decoder_start_token_id
-    ids = np.array([[start, *p[:common]] for p in prefixes], dtype=np.int64)
-    logits, cache = model.decode_first(enc, ids)
-    return logits[:, -1, :], cache, common
+# --- searches: per-request state -------------------------------------------------------
+
+
+Advance = tuple[list[int], list[int]]
+"""A search's step: the next token of each of its new rows, and which of its current rows
+(index within the search) each new row continues."""
+
+
+class Search(ABC):
+    """One request's search: the rows it holds in a batch and how one step advances them.
+
+    `start(fed)` says how many prefix tokens went into the first decoder call with the
+    start token; `advance` takes the logits of the search's rows after each call.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: Sequence[int],
+        options: DecodeOptions,
+        hook: StepHook | None = None,
+    ) -> None:
+        self.config = config
+        self.prefix = list(prefix)
+        self.options = options
+        self.hook = hook
+        self.limit = _length_limit(config, options)
+        if len(self.prefix) > self.limit:
+            raise ValueError(
+                f"forced prefix of {len(self.prefix)} tokens exceeds the {self.limit}-token limit"
+            )
+
+    @property
+    @abstractmethod
+    def width(self) -> int:
+        """Rows it holds now."""
+
+    @abstractmethod
+    def rows(self) -> list[list[int]]:
+        """Each row's tokens so far (forced prefix included, start token excluded)."""
+
+    @abstractmethod
+    def start(self, fed: int) -> None:
+        """The first call fed the start token and `prefix[:fed]`."""
+
+    @abstractmethod
+    def advance(self, logits: FloatArray) -> Advance | None:
+        """Consume its rows' last-position logits [width, vocab]; None when it has ended."""
+
+    @abstractmethod
+    def result(self) -> Hypothesis:
+        """The answer, once `advance` returned None."""
+
+    def scores(self, logits: FloatArray) -> FloatArray:
+        return _scores(logits, self.rows(), self.config, self.options, self.hook)
+
+
+class GreedySearch(Search):
+    """One row: the forced prefix, then the most likely token until eos or the limit."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: Sequence[int],
+        options: DecodeOptions,
+        hook: StepHook | None = None,
+    ) -> None:
+        super().__init__(config, prefix, options, hook)
+        self.tokens: list[int] = []
+        self.score = 0.0
+        self.finished = False
+
+    @property
+    def width(self) -> int:
+        return 1
+
+    def rows(self) -> list[list[int]]:
+        return [self.tokens]
+
+    def start(self, fed: int) -> None:
+        self.tokens = self.prefix[:fed]
+
+    def advance(self, logits: FloatArray) -> Advance | None:
+        if len(self.tokens) < len(self.prefix):
+            token = self.prefix[len(self.tokens)]
+        else:
+            step = self.scores(logits)
+            token = int(step[0].argmax())
+            self.score += float(step[0, token])
+        if token == self.config.eos_token_id and len(self.tokens) >= len(self.prefix):
+            self.finished = True
+            return None
+        self.tokens.append(token)
+        if len(self.tokens) >= self.limit:
+            return None
+        return [token], [0]
+
+    def result(self) -> Hypothesis:
+        return Hypothesis(tuple(self.tokens), self.score, self.finished)
+
+
+class BeamSearch(Search):
+    """Beam search with length-normalised scores (sum log-prob / generated length ** penalty).
+
+    Starts as one row (the prefix is decoded once) and widens to `beam_size` rows.
+    Hypotheses end at eos; the search ends once `beam_size` hypotheses have ended and no
+    live beam can still beat the worst of them, or at the length limit.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: Sequence[int],
+        options: DecodeOptions,
+        hook: StepHook | None = None,
+    ) -> None:
+        super().__init__(config, prefix, options, hook)
+        self.beams = options.beam_size
+        self.seqs: list[list[int]] = [[]]
+        self.beam_scores = np.zeros(1, dtype=np.float64)
+        self.done: list[tuple[float, tuple[int, ...], bool]] = []
+
+    @property
+    def width(self) -> int:
+        return len(self.seqs)
+
+    def rows(self) -> list[list[int]]:
+        return self.seqs
+
+    def start(self, fed: int) -> None:
+        self.seqs = [self.prefix[:fed]]
+
+    def _norm(self, score: float, length: int) -> float:
+        return float(score / (max(length, 1) ** self.options.length_penalty))
+
+    def advance(self, logits: FloatArray) -> Advance | None:
+        beams, eos = self.beams, self.config.eos_token_id
+        cur_len = len(self.seqs[0])
+        if cur_len < len(self.prefix):
+            # Still inside the forced prefix: every beam takes the forced token.
+            token = self.prefix[cur_len]
+            self.seqs = [[*seq, token] for seq in self.seqs]
+            return [token] * len(self.seqs), list(range(len(self.seqs)))
+        step = self.scores(logits).astype(np.float64)
+        vocab = step.shape[1]
+        total = (self.beam_scores[:, None] + step).reshape(-1)
+        order = np.argsort(-total, kind="stable")[: 2 * beams]
+        seqs: list[list[int]] = []
+        parents: list[int] = []
+        tokens: list[int] = []
+        scores: list[float] = []
+        for rank, flat in enumerate(order):
+            score = float(total[flat])
+            if not np.isfinite(score):
+                break
+            k, token = divmod(int(flat), vocab)
+            if token == eos:
+                if rank < beams:
+                    self.done.append((self._norm(score, cur_len + 1), tuple(self.seqs[k]), True))
+                continue
+            seqs.append([*self.seqs[k], token])
+            parents.append(k)
+            tokens.append(token)
+            scores.append(score)
+            if len(seqs) == beams:
+                break
+        self.done.sort(key=lambda d: -d[0])
+        del self.done[beams:]
+        best_live = max(scores, default=-np.inf)
+        ended = len(self.done) >= beams and (
+            not np.isfinite(best_live) or self._norm(best_live, cur_len + 1) <= self.done[-1][0]
+        )
+        if cur_len + 1 >= self.limit:
+            ended = True
+            for seq, score in zip(seqs, scores, strict=True):
+                self.done.append((self._norm(score, len(seq)), tuple(seq), False))
+        self.seqs = seqs
+        self.beam_scores = np.array(scores, dtype=np.float64)
+        if ended or not seqs:
+            return None
+        return tokens, parents
+
+    def result(self) -> Hypothesis:
+        if self.done:
+            best_score, best_seq, finished = max(self.done, key=lambda d: d[0])
+            return Hypothesis(best_seq, best_score, finished)
+        return Hypothesis(tuple(self.prefix), 0.0, False)
+
+
+def make_search(
+    config: ModelConfig,
+    prefix: Sequence[int],
+    options: DecodeOptions,
+    hook: StepHook | None = None,
+) -> Search:
+    """Greedy or beam search, by `options.beam_size`."""
+    cls = GreedySearch if options.beam_size == 1 else BeamSearch
+    return cls(config, prefix, options, hook)
+
+
+# --- a batch of searches --------------------------------------------------------------
+
+
+def stack_encoder_outputs(outputs: Sequence[EncoderOutput]) -> EncoderOutput:
+    """One batch from single-source outputs of different lengths: right-padded with zeros
+    and `attention_mask` 0, which cross-attention ignores exactly."""
+    width = max(int(o.hidden_states.shape[1]) for o in outputs)
+    rows = sum(o.batch_size for o in outputs)
+    first = outputs[0].hidden_states
+    hidden = np.zeros((rows, width, first.shape[2]), dtype=first.dtype)
+    mask = np.zeros((rows, width), dtype=np.int64)
+    r = 0
+    for o in outputs:
+        n, length = o.batch_size, int(o.hidden_states.shape[1])
+        hidden[r : r + n, :length] = o.hidden_states
+        mask[r : r + n, :length] = o.attention_mask
+        r += n
+    return EncoderOutput(hidden, mask)
+
+
+class Batch:
+    """The rows of several searches decoded together: one decoder call per step.
+
+    Searches start together (`start`): their common prefix length goes in one no-past call,
+    the rest of each prefix is forced step by step, so every row always has the same
+    decoder length, which the stock decoder graphs need (they take positions from the
+    past length and have no self-attention mask). Rows of different source lengths are
+    padded (`stack_encoder_outputs`). Then `advance` turns the last logits into each
+    search's next tokens (dropping rows of searches that ended), `remove` drops cancelled
+    searches, and `forward` runs the decoder once over the rows left.
+    """
+
+    def __init__(self, model: MarianOnnx) -> None:
+        self.model = model
+        self.searches: list[Search] = []
+        self._enc: EncoderOutput | None = None
+        self._cache: DecoderCache | None = None
+        self._last: FloatArray | None = None
+        self._next: IntArray | None = None
+
+    def __len__(self) -> int:
+        return len(self.searches)
+
+    @property
+    def rows(self) -> int:
+        return sum(s.width for s in self.searches)
+
+    def start(self, members: Sequence[tuple[Search, EncoderOutput]]) -> None:
+        """Prefill: the start token plus the common prefix of every search, in one call.
+        Each `EncoderOutput` holds the one source of its search."""
+        if self.searches:
+            raise RuntimeError("a lockstep batch only starts when empty")
+        searches = [search for search, _ in members]
+        common = min(len(s.prefix) for s in searches)
+        start = self.model.config.decoder_start_token_id
+        for search in searches:
+            search.start(common)
+        ids = np.array([[start, *s.prefix[:common]] for s in searches], dtype=np.int64)
+        enc = stack_encoder_outputs([e for _, e in members])
+        logits, cache = self.model.decode_first(enc, ids)
+        self.searches, self._enc, self._cache = searches, enc, cache
+        self._last = logits[:, -1, :]
+
+    def advance(self) -> list[Search]:
+        """Feed each search its rows' logits; returns the searches that ended."""
+        assert self._last is not None and self._cache is not None and self._enc is not None
+        ended: list[Search] = []
+        kept: list[Search] = []
+        select: list[int] = []
+        tokens: list[int] = []
+        row = 0
+        for search in self.searches:
+            width = search.width
+            step = search.advance(self._last[row : row + width])
+            if step is None:
+                ended.append(search)
+            else:
+                new_tokens, parents = step
+                kept.append(search)
+                select.extend(row + p for p in parents)
+                tokens.extend(new_tokens)
+            row += width
+        self.searches = kept
+        self._reorder(select)
+        self._next = np.array(tokens, dtype=np.int64)[:, None]
+        self._last = None
+        return ended
+
+    def remove(self, gone: Sequence[Search]) -> None:
+        """Drop searches between `advance` and `forward` (cancelled requests)."""
+        if not gone:
+            return
+        assert self._next is not None
+        select: list[int] = []
+        kept: list[Search] = []
+        row = 0
+        for search in self.searches:
+            if search not in gone:
+                kept.append(search)
+                select.extend(range(row, row + search.width))
+            row += search.width
+        self.searches = kept
+        self._next = self._next[select]
+        self._reorder(select)
+
+    def _reorder(self, select: list[int]) -> None:
+        assert self._cache is not None and self._enc is not None
+        if select == list(range(self._cache.tokens.shape[0])):
+            return
+        rows: IntArray = np.array(select, dtype=np.int64)
+        self._cache, self._enc = self._cache.select(rows), self._enc.select(rows)
+
+    def forward(self) -> None:
+        """One decoder call over the live rows; no-op when none is left."""
+        if not self.searches:
+            self._enc = self._cache = self._next = None
+            return
+        assert self._enc is not None and self._cache is not None and self._next is not None
+        self._last, self._cache = self.model.decode_next(self._enc, self._cache, self._next)
+
+
+def run_searches(
+    model: MarianOnnx,
+    enc: EncoderOutput,
+    searches: Sequence[Search],
+    should_stop: Callable[[], bool] | None = None,
+) -> list[Hypothesis]:
+    """Run searches that start together (row i of `enc` is search i's source) to the end."""
+    if enc.batch_size != len(searches):
+        raise ValueError("one prefix per source is needed")
+    batch = Batch(model)
+    batch.start([(s, enc.select(np.array([i]))) for i, s in enumerate(searches)])
+    while True:
+        batch.advance()
+        if not batch:
+            break
+        if should_stop is not None and should_stop():
+            raise DecodingCancelled
+        batch.forward()
+    return [s.result() for s in searches]
+
+
+def _searches(
+    model: MarianOnnx,
+    enc: EncoderOutput,
+    prefixes: Sequence[Sequence[int]] | None,
+    options: DecodeOptions,
+    hook: StepHook | None,
+) -> list[Search]:
+    prefixes = prefixes if prefixes is not None else [[] for _ in range(enc.batch_size)]
+    if len(prefixes) != enc.batch_size:
+        raise ValueError("one prefix per source is needed")
+    return [make_search(model.config, p, options, hook) for p in prefixes]
 
 
 def greedy_search(
@@ -110,49 +464,9 @@ def greedy_search(
     should_stop: Callable[[], bool] | None = None,
 ) -> list[Hypothesis]:
     """Greedy decoding of every source in `enc`, continuing after each forced prefix."""
-    batch = enc.batch_size
-    prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in range(batch)]
-    if len(prefixes) != batch:
-        raise ValueError("one prefix per source is needed")
-    config = model.config
-    limit = _length_limit(config, options)
-    for p in prefixes:
-        if len(p) > limit:
-            raise ValueError(f"forced prefix of {len(p)} tokens exceeds the {limit}-token limit")
-    last, cache, common = _first_call(model, enc, prefixes)
-    tokens: list[list[int]] = [list(p[:common]) for p in prefixes]
-    scores = [0.0] * batch
-    finished = [False] * batch
-    live = list(range(batch))  # source index of each row still decoding
-    while True:
-        rows = [tokens[i] for i in live]
-        step = _scores(last, rows, config, options, hook)
-        next_ids = np.empty((len(live), 1), dtype=np.int64)
-        keep: list[int] = []
-        for r, i in enumerate(live):
-            forced = prefixes[i]
-            if len(tokens[i]) < len(forced):
-                token = forced[len(tokens[i])]
-            else:
-                token = int(step[r].argmax())
-                scores[i] += float(step[r, token])
-            next_ids[r, 0] = token
-            if token == config.eos_token_id and len(tokens[i]) >= len(forced):
-                finished[i] = True
-                continue
-            tokens[i].append(token)
-            if len(tokens[i]) < limit:
-                keep.append(r)
-        if not keep:
-            break
-        if should_stop is not None and should_stop():
-            raise DecodingCancelled
-        if len(keep) < len(live):
-            rows_kept: IntArray = np.array(keep, dtype=np.int64)
-            cache, enc, next_ids = cache.select(rows_kept), enc.select(rows_kept), next_ids[keep]
-            live = [live[r] for r in keep]
-        last, cache = model.decode_next(enc, cache, next_ids)
-    return [Hypothesis(tuple(t), s, f) for t, s, f in zip(tokens, scores, finished, strict=True)]
+    greedy = DecodeOptions(1, options.max_new_tokens, options.min_new_tokens)
+    searches = _searches(model, enc, prefixes, greedy, hook)
+    return run_searches(model, enc, searches, should_stop)
 
 
 def beam_search(
@@ -164,115 +478,9 @@ def beam_search(
     hook: StepHook | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> list[Hypothesis]:
-    """Beam search with length-normalised scores (sum log-prob / generated length ** penalty).
-
-    Hypotheses end at eos; a source is done once `beam_size` hypotheses have ended and no
-    live beam can still beat the worst of them, or at the length limit.
-    """
-    beams = options.beam_size
-    if beams == 1:
-        return greedy_search(model, enc, prefixes, options, hook=hook, should_stop=should_stop)
-    batch = enc.batch_size
-    prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in range(batch)]
-    config = model.config
-    limit = _length_limit(config, options)
-    eos = config.eos_token_id
-    penalty = options.length_penalty
-
-    last, cache, common = _first_call(model, enc, prefixes)
-    # Every source's prefix is decoded once, then its rows are copied to the beams.
-    expand: IntArray = np.repeat(np.arange(batch, dtype=np.int64), beams)
-    cache, enc, last = cache.select(expand), enc.select(expand), last[expand]
-    seqs: list[list[int]] = [list(prefixes[b][:common]) for b in range(batch) for _ in range(beams)]
-    beam_scores = np.full((batch, beams), -np.inf, dtype=np.float64)
-    beam_scores[:, 0] = 0.0  # identical copies: only the first may expand at the first step
-    done: list[list[tuple[float, tuple[int, ...], bool]]] = [[] for _ in range(batch)]
-    closed = [False] * batch
-
-    def norm(score: float, length: int) -> float:
-        return float(score / (max(length, 1) ** penalty))
-
-    while True:
-        step = _scores(last, seqs, config, options, hook).astype(np.float64)
-        vocab = step.shape[1]
-        new_seqs: list[list[int]] = []
-        new_rows: list[int] = []
-        new_tokens: list[int] = []
-        new_scores = np.full((batch, beams), -np.inf, dtype=np.float64)
-        for b in range(batch):
-            base = b * beams
-            forced = prefixes[b]
-            cur_len = len(seqs[base])
-            if closed[b]:
-                for k in range(beams):
-                    new_seqs.append(seqs[base + k])
-                    new_rows.append(base + k)
-                    new_tokens.append(eos)
-                continue
-            if cur_len < len(forced):
-                # Still inside the forced prefix: every beam takes the forced token.
-                token = forced[cur_len]
-                for k in range(beams):
-                    new_seqs.append([*seqs[base + k], token])
-                    new_rows.append(base + k)
-                    new_tokens.append(token)
-                new_scores[b] = beam_scores[b]
-                continue
-            total = (beam_scores[b][:, None] + step[base : base + beams]).reshape(-1)
-            order = np.argsort(-total, kind="stable")[: 2 * beams]
-            chosen = 0
-            for rank, flat in enumerate(order):
-                score = float(total[flat])
-                if not np.isfinite(score):
-                    break
-                k, token = divmod(int(flat), vocab)
-                if token == eos:
-                    if rank < beams:
-                        done[b].append((norm(score, cur_len + 1), tuple(seqs[base + k]), True))
-                    continue
-                new_seqs.append([*seqs[base + k], token])
-                new_rows.append(base + k)
-                new_tokens.append(token)
-                new_scores[b, chosen] = score
-                chosen += 1
-                if chosen == beams:
-                    break
-            while chosen < beams:  # fewer live candidates than beams: pad with dead copies
-                new_seqs.append([*seqs[base], eos])
-                new_rows.append(base)
-                new_tokens.append(eos)
-                chosen += 1
-            done[b].sort(key=lambda d: -d[0])
-            del done[b][beams:]
-            best_live = float(new_scores[b].max())
-            if len(done[b]) >= beams and (
-                not np.isfinite(best_live) or norm(best_live, cur_len + 1) <= done[b][-1][0]
-            ):
-                closed[b] = True
-            if cur_len + 1 >= limit:
-                closed[b] = True
-                for k in range(beams):
-                    if np.isfinite(new_scores[b, k]):
-                        seq = new_seqs[base + k]
-                        done[b].append((norm(float(new_scores[b, k]), len(seq)), tuple(seq), False))
-        seqs = new_seqs
-        beam_scores = new_scores
-        if all(closed):
-            break
-        if should_stop is not None and should_stop():
-            raise DecodingCancelled
-        rows: IntArray = np.array(new_rows, dtype=np.int64)
-        ids: IntArray = np.array(new_tokens, dtype=np.int64)[:, None]
-        last, cache = model.decode_next(enc, cache.select(rows), ids)
-
-    results: list[Hypothesis] = []
-    for b in range(batch):
-        if done[b]:
-            best_score, best_seq, finished = max(done[b], key=lambda d: d[0])
-            results.append(Hypothesis(best_seq, best_score, finished))
-        else:
-            results.append(Hypothesis(tuple(prefixes[b]), 0.0, False))
-    return results
+    """Beam search of every source in `enc` (see `BeamSearch`); greedy for beam 1."""
+    searches = _searches(model, enc, prefixes, options, hook)
+    return run_searches(model, enc, searches, should_stop)
 
 
 def search(
@@ -285,5 +493,5 @@ def search(
     should_stop: Callable[[], bool] | None = None,
 ) -> list[Hypothesis]:
     """Greedy or beam search, by `options.beam_size`."""
-    fn = greedy_search if options.beam_size == 1 else beam_search
-    return fn(model, enc, prefixes, options, hook=hook, should_stop=should_stop)
+    searches = _searches(model, enc, prefixes, options, hook)
+    return run_searches(model, enc, searches, should_stop)
