@@ -153,6 +153,18 @@ class _View:
         return nodes, leaves
 
 
+@dataclass(frozen=True)
+class _Link:
+    """One op between the positions `Range` and the lookup: `operand` is the input that
+    carries the positions; `keep` is False for what the given position ids replace (an
+    added past length, an Unsqueeze to [1, T]), True for what still applies to them (a
+    cast, a constant offset such as BART's +2)."""
+
+    node: onnx.NodeProto
+    operand: int
+    keep: bool
+
+
 @dataclass
 class _Plan:
     """What to change in one graph: the self-attention mask Adds (node, operand index) and
@@ -161,8 +173,7 @@ class _Plan:
     self_masks: list[tuple[onnx.NodeProto, int]]
     negative: npt.NDArray[Any]  # 0-d, the mask's own large negative value and dtype
     gather: onnx.NodeProto
-    index_chain: list[onnx.NodeProto]  # Range output -> ... -> Gather indices, in order
-    range_node: onnx.NodeProto
+    index_chain: list[_Link]  # Range output -> ... -> Gather indices, in order
     lookup_unsqueeze: onnx.NodeProto | None  # an Unsqueeze(axes 0) after the lookup to drop
 
 
@@ -234,11 +245,52 @@ def _constant_of_shape_value(node: onnx.NodeProto) -> npt.NDArray[Any] | None:
     return None
 
 
-def _find_positions(
-    view: _View,
-) -> tuple[onnx.NodeProto, list[onnx.NodeProto], onnx.NodeProto]:
-    """The `embed_positions` lookup: (Gather, chain from Range to its indices, Range)."""
-    found: list[tuple[onnx.NodeProto, list[onnx.NodeProto], onnx.NodeProto]] = []
+def _reaches_range(view: _View, name: str) -> bool:
+    nodes, _ = view.ancestry(name, stop_at=frozenset({"Range"}))
+    return any(n.op_type == "Range" for n in nodes)
+
+
+def _shape_only(view: _View, name: str) -> bool:
+    """Whether a tensor depends on nothing but shapes and constants (a past length)."""
+    _, leaves = view.ancestry(name)
+    return all(view.constant(leaf) is not None for leaf in leaves)
+
+
+def _walk_indices(view: _View, name: str) -> tuple[list[_Link], onnx.NodeProto] | None:
+    """The ops from a step-1 `Range` to the lookup indices `name`, or None."""
+    links: list[_Link] = []
+    current = view.producer.get(name)
+    while current is not None and current.op_type != "Range":
+        op = current.op_type
+        if op in ("Cast", "Identity"):
+            links.append(_Link(current, 0, True))
+        elif op == "Unsqueeze":
+            links.append(_Link(current, 0, False))
+        elif op in ("Add", "Sub") and len(current.input) == 2:
+            operand = next((i for i in (0, 1) if _reaches_range(view, current.input[i])), None)
+            if operand is None or (op == "Sub" and operand != 0):
+                return None
+            other = current.input[1 - operand]
+            if view.constant(other) is not None:
+                links.append(_Link(current, operand, True))
+            elif _shape_only(view, other):
+                links.append(_Link(current, operand, False))
+            else:
+                return None
+        else:
+            return None
+        current = view.producer.get(current.input[links[-1].operand])
+    if current is None:
+        return None
+    step = view.constant(current.input[2])
+    if step is None or step.size != 1 or int(step.reshape(())) != 1:
+        return None
+    return links[::-1], current
+
+
+def _find_positions(view: _View) -> tuple[onnx.NodeProto, list[_Link]]:
+    """The `embed_positions` lookup and the ops from its `Range` to its indices."""
+    found: list[tuple[onnx.NodeProto, list[_Link]]] = []
     for node in view.graph.node:
         if node.op_type != "Gather" or len(node.input) != 2:
             continue
@@ -246,19 +298,9 @@ def _find_positions(
         table = view.constant(node.input[0])
         if axis != 0 or table is None or table.ndim != 2:
             continue
-        chain: list[onnx.NodeProto] = []
-        current = view.producer.get(node.input[1])
-        while current is not None and current.op_type in _INDEX_CHAIN:
-            if current.op_type in ("Add", "Sub") and view.constant(current.input[1]) is None:
-                break  # an offset must be a constant: x + c
-            chain.append(current)
-            current = view.producer.get(current.input[0])
-        if current is None or current.op_type != "Range":
-            continue
-        step = view.constant(current.input[2])
-        if step is None or step.size != 1 or int(step.reshape(())) != 1:
-            continue
-        found.append((node, chain[::-1], current))
+        walk = _walk_indices(view, node.input[1])
+        if walk is not None:
+            found.append((node, walk[0]))
     if len(found) != 1:
         raise _Unsupported(f"{len(found)} position lookups (Gather on a Range) instead of one")
     return found[0]
@@ -268,8 +310,8 @@ def _plan(view: _View) -> _Plan:
     if MASK_INPUT in view.inputs or POSITIONS_INPUT in view.inputs:
         raise _Unsupported(f"already takes {MASK_INPUT} or {POSITIONS_INPUT}")
     self_masks, negative = _find_masks(view)
-    gather, chain, range_node = _find_positions(view)
-    unsqueezes = [n for n in chain if n.op_type == "Unsqueeze"]
+    gather, chain = _find_positions(view)
+    unsqueezes = [link.node for link in chain if link.node.op_type == "Unsqueeze"]
     if any(_unsqueeze_axes(view, n) != [0] for n in unsqueezes) or len(unsqueezes) > 1:
         raise _Unsupported("position indices are reshaped in a way the rewrite does not know")
     lookup_unsqueeze = None
@@ -278,7 +320,7 @@ def _plan(view: _View) -> _Plan:
         # Add with the token embeddings [B, T, D] broadcasts, provided nothing in between
         # depends on the rank (a per-tensor dequantize, a cast, a scale do not).
         lookup_unsqueeze = _check_lookup_path(view, gather)
-    return _Plan(self_masks, negative, gather, chain, range_node, lookup_unsqueeze)
+    return _Plan(self_masks, negative, gather, chain, lookup_unsqueeze)
 
 
 def _unsqueeze_axes(view: _View, node: onnx.NodeProto) -> list[int] | None:
@@ -357,12 +399,14 @@ def _apply(view: _View, plan: _Plan, tag: str, opset: int) -> None:
         add.input[operand] = masked
     current = POSITIONS_INPUT
     chain_nodes: list[onnx.NodeProto] = []
-    for index, node in enumerate(plan.index_chain):
-        if node.op_type == "Unsqueeze":
-            continue  # [B, T] already has the axis this added to [T]
+    for index, link in enumerate(plan.index_chain):
+        if not link.keep:
+            continue
         out = f"{name}/positions_{index}"
-        copy = helper.make_node(node.op_type, [current, *node.input[1:]], [out], name=out)
-        copy.attribute.extend(node.attribute)
+        inputs = list(link.node.input)
+        inputs[link.operand] = current
+        copy = helper.make_node(link.node.op_type, inputs, [out], name=out)
+        copy.attribute.extend(link.node.attribute)
         chain_nodes.append(copy)
         current = out
     before.setdefault(plan.gather.output[0], []).extend(chain_nodes)
