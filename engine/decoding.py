@@ -23,11 +23,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from engine.config import ModelConfig
-from engine.runtime import DecoderCache, EncoderOutput, FloatArray, IntArray, MarianOnnx
+from engine.runtime import (
+    DecoderCache,
+    EncoderOutput,
+    FloatArray,
+    IntArray,
+    MarianOnnx,
+    MaskedDecoder,
+)
 
 # Called before each decoding step with the tokens of every live row (forced prefix included)
 # and their next-token log-probabilities [rows, vocab]; returns adjusted log-probabilities.
@@ -322,13 +331,14 @@ def stack_encoder_outputs(outputs: Sequence[EncoderOutput]) -> EncoderOutput:
 class Batch:
     """The rows of several searches decoded together: one decoder call per step.
 
-    Searches start together (`start`): their common prefix length goes in one no-past call,
-    the rest of each prefix is forced step by step, so every row always has the same
-    decoder length, which the stock decoder graphs need (they take positions from the
-    past length and have no self-attention mask). Rows of different source lengths are
-    padded (`stack_encoder_outputs`). Then `advance` turns the last logits into each
-    search's next tokens (dropping rows of searches that ended), `remove` drops cancelled
-    searches, and `forward` runs the decoder once over the rows left.
+    The cycle: `join` new searches (prefill: start token plus forced prefix, in one
+    decoder call, then their first `advance`), `remove` cancelled ones, `forward` (one
+    decoder call over every live row), `advance` (each search takes its rows' logits;
+    those that ended leave), and again. This class is the lockstep batch, for the stock
+    decoder graphs, which take positions from the past length and have no self-attention
+    mask: every row must have the same decoder length, so searches only join an empty
+    batch, their common prefix length goes in the prefill and the rest of each prefix is
+    forced step by step. `ContinuousBatch` lets them join at any step.
     """
 
     def __init__(self, model: MarianOnnx) -> None:
@@ -346,11 +356,23 @@ class Batch:
     def rows(self) -> int:
         return sum(s.width for s in self.searches)
 
-    def start(self, members: Sequence[tuple[Search, EncoderOutput]]) -> None:
-        """Prefill: the start token plus the common prefix of every search, in one call.
-        Each `EncoderOutput` holds the one source of its search."""
-        if self.searches:
-            raise RuntimeError("a lockstep batch only starts when empty")
+    @property
+    def can_join(self) -> bool:
+        """Whether `join` may be called now."""
+        return not self.searches
+
+    @property
+    def has_logits(self) -> bool:
+        """A decoder call ran and `advance` has not consumed its logits yet."""
+        return self._last is not None
+
+    def join(self, members: Sequence[tuple[Search, EncoderOutput]]) -> list[Search]:
+        """Prefill new searches (each `EncoderOutput` holds its one source) and take their
+        first step; returns those that ended at once."""
+        if not self.can_join:
+            raise RuntimeError("a lockstep batch only takes searches when empty")
+        if not members:
+            return []
         searches = [search for search, _ in members]
         common = min(len(s.prefix) for s in searches)
         start = self.model.config.decoder_start_token_id
@@ -361,46 +383,23 @@ class Batch:
         logits, cache = self.model.decode_first(enc, ids)
         self.searches, self._enc, self._cache = searches, enc, cache
         self._last = logits[:, -1, :]
+        return self.advance()
 
     def advance(self) -> list[Search]:
         """Feed each search its rows' logits; returns the searches that ended."""
-        assert self._last is not None and self._cache is not None and self._enc is not None
-        ended: list[Search] = []
-        kept: list[Search] = []
-        select: list[int] = []
-        tokens: list[int] = []
-        row = 0
-        for search in self.searches:
-            width = search.width
-            step = search.advance(self._last[row : row + width])
-            if step is None:
-                ended.append(search)
-            else:
-                new_tokens, parents = step
-                kept.append(search)
-                select.extend(row + p for p in parents)
-                tokens.extend(new_tokens)
-            row += width
-        self.searches = kept
+        assert self._last is not None
+        ended, select, tokens = _advance_all(self, self._last)
+        self._last = None
         self._reorder(select)
         self._next = np.array(tokens, dtype=np.int64)[:, None]
-        self._last = None
         return ended
 
     def remove(self, gone: Sequence[Search]) -> None:
         """Drop searches between `advance` and `forward` (cancelled requests)."""
-        if not gone:
+        select = _rows_without(self, gone)
+        if select is None:
             return
         assert self._next is not None
-        select: list[int] = []
-        kept: list[Search] = []
-        row = 0
-        for search in self.searches:
-            if search not in gone:
-                kept.append(search)
-                select.extend(range(row, row + search.width))
-            row += search.width
-        self.searches = kept
         self._next = self._next[select]
         self._reorder(select)
 
@@ -420,6 +419,213 @@ class Batch:
         self._last, self._cache = self.model.decode_next(self._enc, self._cache, self._next)
 
 
+def _advance_all(
+    batch: Batch | ContinuousBatch, logits: FloatArray
+) -> tuple[list[Search], list[int], list[int]]:
+    """Each search of the batch takes its rows' logits. Returns the searches that ended,
+    the rows to keep (in their new order: a beam reorders and widens its own rows) and the
+    next token of each kept row; `batch.searches` keeps the searches still running."""
+    ended: list[Search] = []
+    kept: list[Search] = []
+    select: list[int] = []
+    tokens: list[int] = []
+    row = 0
+    for search in batch.searches:
+        width = search.width
+        step = search.advance(logits[row : row + width])
+        if step is None:
+            ended.append(search)
+        else:
+            new_tokens, parents = step
+            kept.append(search)
+            select.extend(row + p for p in parents)
+            tokens.extend(new_tokens)
+        row += width
+    batch.searches = kept
+    return ended, select, tokens
+
+
+def _rows_without(batch: Batch | ContinuousBatch, gone: Sequence[Search]) -> list[int] | None:
+    """The rows left once `gone` leave (`batch.searches` updated), or None if none is
+    in the batch."""
+    if not any(search in gone for search in batch.searches):
+        return None
+    select: list[int] = []
+    kept: list[Search] = []
+    row = 0
+    for search in batch.searches:
+        if search not in gone:
+            kept.append(search)
+            select.extend(range(row, row + search.width))
+        row += search.width
+    batch.searches = kept
+    return select
+
+
+class ContinuousBatch:
+    """A batch that searches join and leave at any step (iteration-level batching).
+
+    Needs the rewritten decoder (`MaskedDecoder`): each row has its own length. The self
+    KV of all rows is one array [rows, heads, slots, dim] whose real slots `slots` marks
+    per row: a search that joins is prefilled in one call with the other newcomers
+    (right-padded), then its slots are placed at the end of the batch's (right-aligned;
+    the batch grows on the left if it is longer), so that every later step appends one
+    slot for everyone. Positions are each row's own length. Slots no live row uses any
+    more are cut off; cross-attention KV and encoder states are padded to the longest
+    source with `encoder_attention_mask` 0. Same cycle and methods as `Batch`.
+    """
+
+    def __init__(self, model: MarianOnnx, decoder: MaskedDecoder) -> None:
+        self.model = model
+        self.decoder = decoder
+        self._reset()
+
+    def _reset(self) -> None:
+        self.searches: list[Search] = []
+        self._enc: EncoderOutput | None = None
+        self._self: tuple[FloatArray, ...] = ()
+        self._cross: tuple[FloatArray, ...] = ()
+        self._slots: IntArray = np.zeros((0, 0), dtype=np.int64)  # 1: a real slot
+        self._lengths: IntArray = np.zeros(0, dtype=np.int64)  # tokens so far, start included
+        self._last: FloatArray | None = None
+        self._next: IntArray = np.zeros((0, 1), dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.searches)
+
+    @property
+    def rows(self) -> int:
+        return sum(s.width for s in self.searches)
+
+    @property
+    def can_join(self) -> bool:
+        return self._last is None
+
+    @property
+    def has_logits(self) -> bool:
+        return self._last is not None
+
+    def join(self, members: Sequence[tuple[Search, EncoderOutput]]) -> list[Search]:
+        if self._last is not None:
+            raise RuntimeError("join between advance and forward")
+        if not members:
+            return []
+        config = self.model.config
+        searches = [search for search, _ in members]
+        lengths = [len(s.prefix) + 1 for s in searches]  # start token + whole prefix
+        width = max(lengths)
+        ids = np.full((len(searches), width), config.pad_token_id, dtype=np.int64)
+        mask = np.zeros((len(searches), width), dtype=np.int64)
+        for r, search in enumerate(searches):
+            ids[r, : lengths[r]] = [config.decoder_start_token_id, *search.prefix]
+            mask[r, : lengths[r]] = 1
+            search.start(len(search.prefix))
+        enc = stack_encoder_outputs([e for _, e in members])
+        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask)
+        last = logits[np.arange(len(searches)), np.array(lengths) - 1]
+        # Their first step, as a batch of their own, then merged into this one.
+        newcomers = ContinuousBatch(self.model, self.decoder)
+        newcomers.searches = searches
+        newcomers._enc, newcomers._self, newcomers._cross = enc, self_kv, cross_kv
+        newcomers._slots, newcomers._lengths = mask, np.array(lengths, dtype=np.int64)
+        ended, select, tokens = _advance_all(newcomers, last)
+        newcomers._reorder(select)
+        newcomers._next = np.array(tokens, dtype=np.int64).reshape(-1, 1)
+        if newcomers.searches:
+            self._merge(newcomers)
+        return ended
+
+    def _merge(self, other: ContinuousBatch) -> None:
+        assert other._enc is not None
+        if not self.searches:
+            self.searches = other.searches
+            self._enc, self._self, self._cross = other._enc, other._self, other._cross
+            self._slots, self._lengths, self._next = other._slots, other._lengths, other._next
+            return
+        assert self._enc is not None
+        slots = max(self._slots.shape[1], other._slots.shape[1])
+        mine_self = tuple(_pad_axis(a, slots, axis=2, left=True) for a in self._self)
+        theirs_self = tuple(_pad_axis(a, slots, axis=2, left=True) for a in other._self)
+        source = max(self._enc.attention_mask.shape[1], other._enc.attention_mask.shape[1])
+        self._self = tuple(np.concatenate(p) for p in zip(mine_self, theirs_self, strict=True))
+        self._cross = tuple(
+            np.concatenate([_pad_axis(a, source, axis=2), _pad_axis(b, source, axis=2)])
+            for a, b in zip(self._cross, other._cross, strict=True)
+        )
+        self._enc = stack_encoder_outputs([self._enc, other._enc])
+        self._slots = np.concatenate(
+            [
+                _pad_axis(self._slots, slots, axis=1, left=True),
+                _pad_axis(other._slots, slots, axis=1, left=True),
+            ]
+        )
+        self._lengths = np.concatenate([self._lengths, other._lengths])
+        self._next = np.concatenate([self._next, other._next])
+        self.searches = [*self.searches, *other.searches]
+
+    def advance(self) -> list[Search]:
+        assert self._last is not None
+        ended, select, tokens = _advance_all(self, self._last)
+        self._last = None
+        self._reorder(select)
+        self._next = np.array(tokens, dtype=np.int64).reshape(-1, 1)
+        return ended
+
+    def remove(self, gone: Sequence[Search]) -> None:
+        select = _rows_without(self, gone)
+        if select is None:
+            return
+        self._next = self._next[select]
+        self._reorder(select)
+
+    def _reorder(self, select: list[int]) -> None:
+        if select != list(range(self._slots.shape[0])):
+            rows: IntArray = np.array(select, dtype=np.int64)
+            assert self._enc is not None
+            self._enc = self._enc.select(rows)
+            self._self = tuple(a[rows] for a in self._self)
+            self._cross = tuple(a[rows] for a in self._cross)
+            self._slots, self._lengths = self._slots[rows], self._lengths[rows]
+        if not len(select):
+            return
+        # Slots no live row uses any more (rows that left were the long ones): cut off.
+        used = np.flatnonzero(self._slots.any(axis=0))
+        first = int(used[0]) if used.size else self._slots.shape[1]
+        if first:
+            self._slots = self._slots[:, first:]
+            self._self = tuple(a[:, :, first:] for a in self._self)
+        assert self._enc is not None
+        source = int(np.flatnonzero(self._enc.attention_mask.any(axis=0))[-1]) + 1
+        if source < self._enc.attention_mask.shape[1]:
+            self._enc = EncoderOutput(
+                self._enc.hidden_states[:, :source], self._enc.attention_mask[:, :source]
+            )
+            self._cross = tuple(a[:, :, :source] for a in self._cross)
+
+    def forward(self) -> None:
+        if not self.searches:
+            self._reset()
+            return
+        assert self._enc is not None
+        rows = self._slots.shape[0]
+        mask = np.concatenate([self._slots, np.ones((rows, 1), dtype=np.int64)], axis=1)
+        positions = self._lengths.reshape(-1, 1)
+        self._last, self._self = self.decoder.step(
+            self._enc, self._next, positions, mask, self._self, self._cross
+        )
+        self._slots, self._lengths = mask, self._lengths + 1
+
+
+def _pad_axis(a: npt.NDArray[Any], size: int, *, axis: int, left: bool = False) -> npt.NDArray[Any]:
+    """`a` padded with zeros along `axis` to `size` (on the left or the right)."""
+    missing = size - a.shape[axis]
+    if missing <= 0:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (missing, 0) if left else (0, missing)
+    return np.pad(a, widths)
+
+
 def run_searches(
     model: MarianOnnx,
     enc: EncoderOutput,
@@ -430,14 +636,12 @@ def run_searches(
     if enc.batch_size != len(searches):
         raise ValueError("one prefix per source is needed")
     batch = Batch(model)
-    batch.start([(s, enc.select(np.array([i]))) for i, s in enumerate(searches)])
-    while True:
-        batch.advance()
-        if not batch:
-            break
+    batch.join([(s, enc.select(np.array([i]))) for i, s in enumerate(searches)])
+    while batch:
         if should_stop is not None and should_stop():
             raise DecodingCancelled
         batch.forward()
+        batch.advance()
     return [s.result() for s in searches]
 
 

@@ -66,6 +66,10 @@ class RuntimeOptions:
     `prefer_split`: run the split pair rather than the merged decoder, whose `If` costs
     5-11% per token: the split files when present, else the merged file's two branches cut
     apart at load (needs the `onnx` package; checked against the merged graph first).
+    `batchable`: also load the decoders rewritten to take a per-row self-attention mask and
+    position ids (`engine.batched_decoder`, checked against the originals), so that rows of
+    different decoder lengths share a call (continuous batching); without them, or when
+    the rewrite fails, rows are batched only when they start together (lockstep).
     """
 
     quantized: bool = False
@@ -74,6 +78,7 @@ class RuntimeOptions:
     intra_op_threads: int | None = None
     allow_spinning: bool = False
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    batchable: bool = True
 
 
 def onnx_dir(model_dir: Path) -> Path:
@@ -300,6 +305,15 @@ class MarianOnnx:
         self._cross_in = _past_names(self.layers, "encoder")
         heads = config.decoder_attention_heads
         self._empty_kv = np.zeros((1, heads, 0, config.head_dim), dtype=self.float_type)
+        self.masked: MaskedDecoder | None = None
+        if options.batchable and self.layout in (DecoderLayout.MERGED, DecoderLayout.SPLIT):
+            self.masked = MaskedDecoder.load(model_dir, config, options, self.calls)
+
+    @property
+    def batching(self) -> str:
+        """How requests share decoder calls: `continuous` (rows join and leave at any
+        step: the rewritten decoder) or `lockstep` (rows that start together)."""
+        return "continuous" if self.masked is not None else "lockstep"
 
     def _split_at_load(
         self, merged: Path, options: RuntimeOptions
@@ -477,3 +491,115 @@ class MarianOnnx:
             feed["encoder_hidden_states"] = enc.hidden_states
         out = self._run(self.step, ["logits", *self._self_out], feed)
         return out[0][:, -1, :], DecoderCache(tuple(out[1:]), cache.cross_kv, tokens)
+
+
+class MaskedDecoder:
+    """The batchable decoder layout: the model's no-past and with-past decoders rewritten
+    to take `decoder_attention_mask` [B, past + cur] and `decoder_position_ids` [B, cur]
+    (`engine.batched_decoder`), so that each row has its own length: padding slots in the
+    self-attention cache are masked out and each row's positions are its own.
+
+    `prefill` runs start token + forced prefix of new rows (right-padded) in one call and
+    returns their self and cross KV; `step` runs one token for every row of a batch.
+    """
+
+    def __init__(
+        self,
+        first: ort.InferenceSession,
+        step: ort.InferenceSession,
+        layers: int,
+        max_difference: float,
+        calls: Counter[str],
+    ) -> None:
+        self.first = first
+        self.step_session = step
+        self.max_difference = max_difference
+        self._first_inputs = {i.name for i in first.get_inputs()}
+        self._step_inputs = {i.name for i in step.get_inputs()}
+        self._self_out = _past_names(layers, "decoder", "present")
+        self._cross_out = _past_names(layers, "encoder", "present")
+        self._self_in = _past_names(layers, "decoder")
+        self._cross_in = _past_names(layers, "encoder")
+        self.calls = calls  # the model's call counter, shared
+
+    @classmethod
+    def load(
+        cls, model_dir: Path, config: ModelConfig, options: RuntimeOptions, calls: Counter[str]
+    ) -> MaskedDecoder | None:
+        """The rewritten pair, checked against the original graphs; None (logged once,
+        with the reason) when the rewrite or its check fails."""
+        from engine.batched_decoder import MASK_INPUT, load_batched_decoder
+
+        try:
+            rewritten = load_batched_decoder(model_dir, quantized=options.quantized)
+        except Exception as exc:  # a graph the rewriter did not foresee: fall back
+            log.warning("%s: decoder rewrite failed (%s): lockstep batching", model_dir, exc)
+            return None
+        if rewritten is None:
+            return None  # load_batched_decoder logged why
+        so = _session_options(options)
+        providers = list(options.providers)
+        first = ort.InferenceSession(rewritten.first, so, providers=providers)
+        step = ort.InferenceSession(rewritten.step, so, providers=providers)
+        if MASK_INPUT not in {i.name for i in step.get_inputs()}:
+            return None
+        log.info(
+            "%s: continuous batching (decoder rewritten with masks and positions; "
+            "max logit difference to the original %.2g)",
+            model_dir,
+            rewritten.max_difference,
+        )
+        return cls(first, step, config.decoder_layers, rewritten.max_difference, calls)
+
+    def _feed(self, declared: set[str], values: dict[str, Any]) -> dict[str, Any]:
+        return {name: value for name, value in values.items() if name in declared}
+
+    def prefill(
+        self, enc: EncoderOutput, input_ids: IntArray, mask: IntArray
+    ) -> tuple[FloatArray, tuple[FloatArray, ...], tuple[FloatArray, ...]]:
+        """Logits [B, T, V] and the rows' self and cross KV for right-padded `input_ids`
+        whose real tokens `mask` marks (1)."""
+        from engine.batched_decoder import MASK_INPUT, POSITIONS_INPUT
+
+        batch, length = input_ids.shape
+        positions = np.tile(np.arange(length, dtype=np.int64), (batch, 1))
+        values: dict[str, Any] = {
+            "encoder_attention_mask": enc.attention_mask,
+            "input_ids": input_ids,
+            "encoder_hidden_states": enc.hidden_states,
+            MASK_INPUT: mask,
+            POSITIONS_INPUT: positions,
+        }
+        self.calls["decoder"] += 1
+        out = self.first.run(
+            ["logits", *self._self_out, *self._cross_out], self._feed(self._first_inputs, values)
+        )
+        n = len(self._self_out)
+        return out[0], tuple(out[1 : 1 + n]), tuple(out[1 + n :])
+
+    def step(
+        self,
+        enc: EncoderOutput,
+        input_ids: IntArray,
+        positions: IntArray,
+        mask: IntArray,
+        self_kv: tuple[FloatArray, ...],
+        cross_kv: tuple[FloatArray, ...],
+    ) -> tuple[FloatArray, tuple[FloatArray, ...]]:
+        """One token per row: logits [B, V] and the self KV grown by one slot."""
+        from engine.batched_decoder import MASK_INPUT, POSITIONS_INPUT
+
+        values: dict[str, Any] = {
+            "encoder_attention_mask": enc.attention_mask,
+            "input_ids": input_ids,
+            "encoder_hidden_states": enc.hidden_states,
+            MASK_INPUT: mask,
+            POSITIONS_INPUT: positions,
+        }
+        values.update(zip(self._self_in, self_kv, strict=True))
+        values.update(zip(self._cross_in, cross_kv, strict=True))
+        self.calls["decoder"] += 1
+        out = self.step_session.run(
+            ["logits", *self._self_out], self._feed(self._step_inputs, values)
+        )
+        return out[0][:, -1, :], tuple(out[1:])

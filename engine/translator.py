@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.decoding import DecodeOptions, Hypothesis, StepHook, search
+from engine.decoding import DecodeOptions, Hypothesis, StepHook
 from engine.errors import InputTooLongError, ModelLoadError
 from engine.runtime import EncoderOutput, MarianOnnx, RuntimeOptions
+from engine.scheduler import DecodeScheduler, SchedulerOptions
 from engine.tokenizer import MarianTokenizer
 
 _SENTENCE_END = re.compile(r"(?<=[.!?。！？；;])\s*")
@@ -34,12 +35,26 @@ class TranslationResult:
 
 
 class Translator:
-    """Tokenizer + ONNX model + search, loaded from one model directory."""
+    """Tokenizer + ONNX model + search, loaded from one model directory.
 
-    def __init__(self, model: MarianOnnx, tokenizer: MarianTokenizer) -> None:
+    Every encoder and decoder call goes through the model's one `DecodeScheduler`, so
+    calls from many threads (streams, offline batches) share decoder steps.
+    """
+
+    def __init__(
+        self,
+        model: MarianOnnx,
+        tokenizer: MarianTokenizer,
+        scheduler: SchedulerOptions | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config: ModelConfig = model.config
+        self.scheduler = DecodeScheduler(model, scheduler)
+
+    def close(self) -> None:
+        """Stop the scheduler thread (requests after this raise `SchedulerClosed`)."""
+        self.scheduler.close()
 
     @classmethod
     def from_dir(
@@ -51,6 +66,8 @@ class Translator:
         prefer_split: bool = True,
         intra_op_threads: int | None = None,
         allow_spinning: bool = False,
+        batchable: bool = True,
+        scheduler: SchedulerOptions | None = None,
     ) -> Translator:
         """Load a model directory in the Optimum layout (ONNX files at the top or in `onnx/`)."""
         path = Path(model_dir)
@@ -69,8 +86,9 @@ class Translator:
             prefer_split=prefer_split,
             intra_op_threads=intra_op_threads,
             allow_spinning=allow_spinning,
+            batchable=batchable,
         )
-        return cls(MarianOnnx(path, config, options), tokenizer)
+        return cls(MarianOnnx(path, config, options), tokenizer, scheduler)
 
     # -- pieces the streaming controller reuses ---------------------------------------
 
@@ -99,7 +117,7 @@ class Translator:
         for row, source in enumerate(sources):
             ids[row, : len(source)] = source
             mask[row, : len(source)] = 1
-        return self.model.encode(ids, mask)
+        return self.scheduler.encode(ids, mask)
 
     def decode(
         self,
@@ -110,7 +128,11 @@ class Translator:
         hook: StepHook | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> list[Hypothesis]:
-        return search(self.model, enc, prefixes, options, hook=hook, should_stop=should_stop)
+        """Decode each source of `enc` through the scheduler; with `should_stop` these are
+        partials, dropped (`DecodingCancelled`) once it returns true."""
+        return self.scheduler.decode(
+            enc, options, prefixes=prefixes, hook=hook, should_stop=should_stop
+        )
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids)

@@ -1,5 +1,9 @@
 """Decoding on the fixture: every KV-cache layout gives the no-cache result, prefixes and
-batches change nothing, and the encoder KV of step 0 is what every later step reads."""
+batches change nothing, and the encoder KV of step 0 is what every later step reads.
+
+These tests look at each layout's own sessions, so they load models with
+`batchable=False` (lockstep batching on the original graphs); the rewritten decoder of
+continuous batching is checked against these in tests/test_scheduler.py."""
 
 from __future__ import annotations
 
@@ -65,7 +69,9 @@ def offline(fixture_variants: dict[str, Path]) -> Translator:
 @pytest.mark.parametrize("layout", ["merged", "split", "self_kv_only"])
 def test_cached_equals_no_cache(layout: str, fixture_variants: dict[str, Path]) -> None:
     # prefer_split=False keeps the merged file's If (by default it is split at load).
-    cached = Translator.from_dir(fixture_variants[layout], prefer_split=layout != "merged")
+    cached = Translator.from_dir(
+        fixture_variants[layout], prefer_split=layout != "merged", batchable=False
+    )
     assert cached.model.layout is DecoderLayout(layout)
     plain = Translator.from_dir(fixture_variants[layout], use_cache=False)
     assert plain.model.layout is DecoderLayout.NO_CACHE
@@ -85,7 +91,7 @@ def test_cached_equals_no_cache(layout: str, fixture_variants: dict[str, Path]) 
 def test_no_past_export_decodes_like_the_cache(fixture_variants: dict[str, Path]) -> None:
     no_past = Translator.from_dir(fixture_variants["no_cache"])
     assert no_past.model.layout is DecoderLayout.NO_CACHE
-    merged = Translator.from_dir(fixture_variants["merged"])
+    merged = Translator.from_dir(fixture_variants["merged"], batchable=False)
     assert [r.token_ids for r in no_past.translate(SOURCES)] == [
         r.token_ids for r in merged.translate(SOURCES)
     ]
@@ -95,7 +101,7 @@ def test_no_past_export_decodes_like_the_cache(fixture_variants: dict[str, Path]
 def test_encoder_once_and_step0_encoder_kv_reused(
     layout: str, fixture_variants: dict[str, Path]
 ) -> None:
-    tr = Translator.from_dir(fixture_variants[layout])
+    tr = Translator.from_dir(fixture_variants[layout], batchable=False)
     encoder, calls = record(tr)
     result = tr.translate([SOURCES[0]])[0]
     assert len(encoder.calls) == 1
@@ -124,7 +130,7 @@ def test_encoder_once_and_step0_encoder_kv_reused(
 
 
 def test_batch_encodes_once(fixture_variants: dict[str, Path]) -> None:
-    tr = Translator.from_dir(fixture_variants["merged"])
+    tr = Translator.from_dir(fixture_variants["merged"], batchable=False)
     encoder, _ = record(tr)
     tr.translate(SOURCES)
     assert len(encoder.calls) == 1
@@ -135,7 +141,7 @@ def test_batch_encodes_once(fixture_variants: dict[str, Path]) -> None:
 def test_forced_prefix_in_one_call_equals_step_by_step(
     layout: str, fixture_variants: dict[str, Path]
 ) -> None:
-    tr = Translator.from_dir(fixture_variants[layout])
+    tr = Translator.from_dir(fixture_variants[layout], batchable=False)
     for text in SOURCES:
         full = tr.translate([text])[0].token_ids
         for cut in (1, len(full) // 2, len(full)):
@@ -177,7 +183,7 @@ def test_forced_prefix_steers_the_continuation(offline: Translator) -> None:
 
 @pytest.mark.parametrize("beam", [1, 3])
 def test_batched_equals_one_by_one(beam: int, fixture_variants: dict[str, Path]) -> None:
-    tr = Translator.from_dir(fixture_variants["merged"])
+    tr = Translator.from_dir(fixture_variants["merged"], batchable=False)
     options = DecodeOptions(beam_size=beam)
     batched = tr.translate(SOURCES, options)
     for text, result in zip(SOURCES, batched, strict=True):
@@ -187,7 +193,7 @@ def test_batched_equals_one_by_one(beam: int, fixture_variants: dict[str, Path])
 
 
 def test_batched_prefixes_of_different_lengths(fixture_variants: dict[str, Path]) -> None:
-    tr = Translator.from_dir(fixture_variants["merged"])
+    tr = Translator.from_dir(fixture_variants["merged"], batchable=False)
     full = [r.token_ids for r in tr.translate(SOURCES)]
     prefixes = [list(ids[:k]) for ids, k in zip(full, (0, 1, 3, 2), strict=True)]
     batched = tr.translate(SOURCES, prefixes=prefixes)
@@ -197,7 +203,7 @@ def test_batched_prefixes_of_different_lengths(fixture_variants: dict[str, Path]
 def test_beam_one_is_greedy_and_beam_scores_at_least_greedy(
     fixture_variants: dict[str, Path],
 ) -> None:
-    tr = Translator.from_dir(fixture_variants["merged"])
+    tr = Translator.from_dir(fixture_variants["merged"], batchable=False)
     greedy = tr.translate(SOURCES)
     assert [r.token_ids for r in tr.translate(SOURCES, DecodeOptions(beam_size=1))] == [
         r.token_ids for r in greedy
@@ -208,7 +214,7 @@ def test_beam_one_is_greedy_and_beam_scores_at_least_greedy(
 
 
 def test_length_limits(fixture_variants: dict[str, Path]) -> None:
-    tr = Translator.from_dir(fixture_variants["merged"])
+    tr = Translator.from_dir(fixture_variants["merged"], batchable=False)
     short = tr.translate([SOURCES[1]], DecodeOptions(max_new_tokens=2))[0]
     assert len(short.token_ids) == 2 and not short.finished
     forced = tr.translate([SOURCES[3]], DecodeOptions(max_new_tokens=12, min_new_tokens=12))[0]
@@ -221,7 +227,7 @@ def test_length_limits(fixture_variants: dict[str, Path]) -> None:
 
 
 def test_pad_never_generated(fixture_variants: dict[str, Path]) -> None:
-    tr = Translator.from_dir(fixture_variants["merged"])
+    tr = Translator.from_dir(fixture_variants["merged"], batchable=False)
     out = tr.translate(SOURCES, DecodeOptions(min_new_tokens=30, max_new_tokens=30))
     for r in out:
         assert tr.config.pad_token_id not in r.token_ids

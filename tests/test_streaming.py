@@ -143,17 +143,20 @@ def test_committed_prefix_is_forced_in_one_decoder_call(translator: Translator) 
     seg = session.segment
     assert seg is not None and seg.committed, "nothing was committed"
     seen: list[int] = []
-    original = translator.model.decode_first
+    # The prefill call: the rewritten decoder's under continuous batching, else the layout's.
+    owner: Any = translator.model.masked or translator.model
+    name = "prefill" if translator.model.masked is not None else "decode_first"
+    original = getattr(owner, name)
 
-    def spy(enc: Any, ids: Any) -> Any:
+    def spy(enc: Any, ids: Any, *rest: Any) -> Any:
         seen.append(int(ids.shape[1]))
-        return original(enc, ids)
+        return original(enc, ids, *rest)
 
-    translator.model.decode_first = spy  # type: ignore[method-assign]
+    setattr(owner, name, spy)
     try:
         session.translate(PartialTranscript("s1", 0, 99, " ".join(words) + " today", False))
     finally:
-        del translator.model.decode_first
+        delattr(owner, name)
     assert seen == [len(seg.committed) + 1]
 
 

@@ -1,9 +1,11 @@
 """The async incremental translator: many streams, latest partial wins, finals never lost.
 
 One anyio task per stream takes its pending events in order and runs `StreamSession` in a
-worker thread (onnxruntime releases the GIL). When a newer event arrives while a partial is
-being decoded, that decode stops at its next step and the newest source is decoded instead,
-so delay never piles up behind a fast talker; finals are never skipped or cancelled.
+worker thread, whose encoder and decoder calls go to the model's one decode scheduler
+(`engine.scheduler`), where the streams' decodes share batched decoder steps. When a newer
+event arrives while a partial is being decoded, that decode leaves the batch at its next
+step and the newest source is decoded instead, so delay never piles up behind a fast
+talker; finals are never skipped or cancelled.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
@@ -50,6 +51,9 @@ MAX_CANCELLED_IN_A_ROW = 2
 
 # Final updates of a stream kept for viewers who join late (the page shows a few lines).
 RECENT_FINALS = 8
+
+# Default number of streams translating at once (see `IncrementalTranslator`).
+DECODE_SLOTS = 64
 
 
 Reply: TypeAlias = TranslationUpdate | ErrorMessage
@@ -165,7 +169,12 @@ class IncrementalTranslator:
         self.options = options or StreamingOptions()
         self.queue_size = queue_size
         self.stats: Counter[str] = Counter()
-        self._limiter = anyio.CapacityLimiter(decode_slots or os.cpu_count() or 1)
+        # Streams translating at once. Their worker threads mostly wait on the model's
+        # decode scheduler, which batches them into shared decoder steps, so this bounds
+        # threads and memory, not compute (that is the scheduler's `max_rows`).
+        slots = decode_slots or DECODE_SLOTS
+        self._limiter = anyio.CapacityLimiter(slots)
+        self._threads = anyio.CapacityLimiter(slots)
         self._table: StreamTable[_Stream] = StreamTable(
             self._make_stream, max_streams=max_streams, max_pending_finals=max_pending_finals
         )
@@ -465,7 +474,7 @@ class IncrementalTranslator:
                     return
                 if stream.closed:  # aborted while waiting: answered
                     return
-                update = await anyio.to_thread.run_sync(work)
+                update = await anyio.to_thread.run_sync(work, limiter=self._threads)
         except DecodingCancelled:
             stream.cancelled_in_row += 1
             self.stats["cancelled"] += 1

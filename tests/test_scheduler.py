@@ -1,0 +1,265 @@
+"""The decode scheduler: requests from many threads share decoder steps and still get
+exactly what decoding each alone gives; stale partials leave the batch; finals go first.
+
+"Alone" is `engine.decoding.search` on the original (not rewritten) graphs, one source at
+a time, so a test here fails if batching, padding, the rewrite or the scheduler changes
+any row's tokens or scores.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import DecodeOptions, Translator
+from engine.decoding import DecodingCancelled, Hypothesis, search
+from engine.runtime import FloatArray
+from engine.scheduler import DecodeScheduler, SchedulerOptions
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+
+SOURCES = [
+    "I will meet Tom at three",
+    "Tom reads a book in the library",
+    "my sister will not call Lily tomorrow",
+    "we eat noodles",
+    "Lucy wants to play tennis with my brother on Sunday",
+    "the teacher",
+]
+
+
+def layouts() -> list[tuple[str, dict[str, object]]]:
+    return [
+        ("split fp32", {}),
+        ("split int8", {"quantized": True}),
+        ("merged fp32", {"prefer_split": False}),
+        ("merged int8", {"prefer_split": False, "quantized": True}),
+    ]
+
+
+def tolerance(tr: Translator, tokens: int = 1) -> float:
+    """Score tolerance against decoding alone. fp32: 1e-4. The int8 files quantize
+    activations per call (`DynamicQuantizeLinear` takes one scale for the whole input
+    tensor, batch included), so a row's int8 log-probs depend on its batch mates by up to
+    a few 1e-3 per token, as in any batched call of these graphs (the lockstep path and
+    offline batches too); tokens must still be equal."""
+    return 5e-3 * max(tokens, 1) if tr.model.options.quantized else 1e-4
+
+
+def alone(tr: Translator, text: str, prefix: Sequence[int], options: DecodeOptions) -> Hypothesis:
+    enc = tr.model.encode(*_ids(tr, [text]))
+    return search(tr.model, enc, [prefix], options)[0]
+
+
+def _ids(tr: Translator, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    sources = [tr.source_ids(t) for t in texts]
+    width = max(map(len, sources))
+    ids = np.full((len(sources), width), tr.config.pad_token_id, dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for r, s in enumerate(sources):
+        ids[r, : len(s)], mask[r, : len(s)] = s, 1
+    return ids, mask
+
+
+def requests(tr: Translator) -> list[tuple[str, list[int]]]:
+    """Each source with no prefix and with a forced prefix of its own length."""
+    full = {text: alone(tr, text, [], DecodeOptions()).token_ids for text in SOURCES}
+    out = [(text, []) for text in SOURCES]
+    out += [(text, list(full[text][: 1 + i % 4])) for i, text in enumerate(SOURCES)]
+    return out
+
+
+@pytest.fixture(scope="module", params=layouts(), ids=[name for name, _ in layouts()])
+def translator(request: pytest.FixtureRequest) -> Translator:
+    needs_fixture()
+    return Translator.from_dir(FIXTURE_MODEL, **request.param[1])
+
+
+def test_the_fixture_decoders_are_rewritten_for_continuous_batching(
+    translator: Translator,
+) -> None:
+    assert translator.scheduler.batching == "continuous"
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_concurrent_requests_equal_decoding_each_alone(translator: Translator, beam: int) -> None:
+    options = DecodeOptions(beam_size=beam)
+    todo = requests(translator)
+    expected = [alone(translator, text, prefix, options) for text, prefix in todo]
+    gate = threading.Barrier(len(todo))
+
+    def one(item: tuple[str, list[int]]) -> Hypothesis:
+        text, prefix = item
+        enc = translator.encode([translator.source_ids(text)])
+        gate.wait()  # all submit at once: they share steps
+        return translator.decode(enc, options, prefixes=[prefix])[0]
+
+    before = translator.scheduler.stats["decoder_steps"]
+    with ThreadPoolExecutor(len(todo)) as pool:
+        got = list(pool.map(one, todo))
+    for (text, prefix), hyp, ref in zip(todo, got, expected, strict=True):
+        assert hyp.token_ids == ref.token_ids, (text, prefix)
+        assert hyp.finished == ref.finished
+        assert hyp.score == pytest.approx(ref.score, abs=tolerance(translator, len(ref.token_ids)))
+    steps = translator.scheduler.stats["decoder_steps"] - before
+    alone_steps = sum(len(ref.token_ids) for ref in expected)
+    assert steps < alone_steps / 2  # they did share steps
+
+
+def test_rows_join_and_leave_a_running_batch(translator: Translator) -> None:
+    """A request submitted while another is mid-decode joins at the next step (its
+    decoder length differs), and both still equal decoding alone."""
+    if translator.scheduler.batching != "continuous":
+        pytest.skip("lockstep batching")
+    long_text, short_text = SOURCES[4], SOURCES[3]
+    options = DecodeOptions(min_new_tokens=30, max_new_tokens=30)  # a long first row
+    ref_long = alone(translator, long_text, [], options)
+    ref_short = alone(translator, short_text, [], DecodeOptions())
+    started = threading.Event()
+    result: list[Hypothesis] = []
+
+    def hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+        if len(rows[0]) == 5:
+            started.set()
+        return scores
+
+    def long_request() -> None:
+        enc = translator.encode([translator.source_ids(long_text)])
+        result.append(translator.decode(enc, options, hook=hook)[0])
+
+    sizes_before = dict(translator.scheduler.batch_sizes)
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert started.wait(30)
+    enc = translator.encode([translator.source_ids(short_text)])
+    short = translator.decode(enc, DecodeOptions())[0]
+    thread.join(30)
+    assert short.token_ids == ref_short.token_ids
+    assert short.score == pytest.approx(
+        ref_short.score, abs=tolerance(translator, len(ref_short.token_ids))
+    )
+    assert result[0].token_ids == ref_long.token_ids
+    assert result[0].score == pytest.approx(
+        ref_long.score, abs=tolerance(translator, len(ref_long.token_ids))
+    )
+    grew = translator.scheduler.batch_sizes[2] - sizes_before.get(2, 0)
+    assert grew >= len(short.token_ids)  # they shared steps while both ran
+
+
+def test_a_stale_partial_leaves_the_batch_and_others_go_on(translator: Translator) -> None:
+    long_options = DecodeOptions(min_new_tokens=40, max_new_tokens=40)
+    stop = threading.Event()
+    steps: list[int] = []
+
+    def hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+        steps.append(len(rows[0]))
+        if len(rows[0]) == 6:
+            stop.set()  # a newer partial of its stream arrived
+        return scores
+
+    def stale_partial() -> BaseException | None:
+        enc = translator.encode([translator.source_ids(SOURCES[1])])
+        try:
+            translator.decode(enc, long_options, hook=hook, should_stop=stop.is_set)
+        except DecodingCancelled as exc:
+            return exc
+        return None
+
+    def other() -> Hypothesis:
+        enc = translator.encode([translator.source_ids(SOURCES[4])])
+        return translator.decode(enc, long_options)[0]
+
+    cancelled_before = translator.scheduler.stats["rows_cancelled"]
+    with ThreadPoolExecutor(2) as pool:
+        stale, kept = pool.submit(stale_partial), pool.submit(other)
+        assert isinstance(stale.result(30), DecodingCancelled)
+        hyp = kept.result(30)
+    assert max(steps) <= 7  # it left at the step after it went stale
+    assert translator.scheduler.stats["rows_cancelled"] == cancelled_before + 1
+    ref = alone(translator, SOURCES[4], [], long_options)
+    assert hyp.token_ids == ref.token_ids and len(hyp.token_ids) == 40
+
+
+def test_finals_are_admitted_before_waiting_partials() -> None:
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(max_rows=2))
+    release = threading.Event()
+    first_step: dict[str, int] = {}
+    clock = iter(range(10**6))
+    lock = threading.Lock()
+
+    def tracer(name: str) -> Callable[[Sequence[Sequence[int]], FloatArray], FloatArray]:
+        def hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+            with lock:
+                first_step.setdefault(name, next(clock))
+            if name == "blocker":
+                release.wait(30)  # holds the scheduler thread until all are queued
+            return scores
+
+        return hook
+
+    options = DecodeOptions(min_new_tokens=20, max_new_tokens=20)
+    enc = tr.encode([tr.source_ids(SOURCES[0])])
+
+    def run(name: str, final: bool) -> Hypothesis:
+        stop = None if final else (lambda: False)
+        return tr.decode(enc, options, hook=tracer(name), should_stop=stop)[0]
+
+    with ThreadPoolExecutor(12) as pool:
+        blocker = pool.submit(run, "blocker", True)
+        while "blocker" not in first_step:
+            threading.Event().wait(0.001)
+        partials = [pool.submit(run, f"p{i}", False) for i in range(8)]
+        while len(tr.scheduler._waiting) < 8:
+            threading.Event().wait(0.001)
+        final = pool.submit(run, "final", True)
+        while len(tr.scheduler._waiting) < 9:
+            threading.Event().wait(0.001)
+        release.set()
+        for future in [blocker, final, *partials]:
+            future.result(60)
+    # With room for two rows, the final (queued last) starts before every partial but one.
+    later = [name for name in first_step if name.startswith("p")]
+    assert sum(first_step[p] < first_step["final"] for p in later) <= 1
+
+
+def test_lockstep_fallback_gives_the_same_results() -> None:
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, batchable=False)
+    assert tr.scheduler.batching == "lockstep"
+    todo = requests(tr)
+    expected = [alone(tr, text, prefix, DecodeOptions()) for text, prefix in todo]
+
+    def one(item: tuple[str, list[int]]) -> Hypothesis:
+        text, prefix = item
+        return tr.decode(tr.encode([tr.source_ids(text)]), prefixes=[prefix])[0]
+
+    with ThreadPoolExecutor(len(todo)) as pool:
+        got = list(pool.map(one, todo))
+    assert [h.token_ids for h in got] == [r.token_ids for r in expected]
+
+
+def test_a_closed_scheduler_refuses_work(tmp_path: Path) -> None:
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL)
+    assert tr.translate(["we eat noodles"])[0].text
+    tr.close()
+    from engine.scheduler import SchedulerClosed
+
+    with pytest.raises(SchedulerClosed):
+        tr.translate(["we eat noodles"])
+
+
+def test_scheduler_runs_encoder_jobs_batched() -> None:
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL)
+    scheduler: DecodeScheduler = tr.scheduler
+    ids, mask = _ids(tr, SOURCES)
+    whole = tr.model.encode(ids, mask)
+    out = scheduler.encode(ids[:1, : int(mask[0].sum())], mask[:1, : int(mask[0].sum())])
+    width = int(mask[0].sum())
+    assert np.allclose(out.hidden_states[0], whole.hidden_states[0, :width], atol=1e-5)
