@@ -300,13 +300,6 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--realtime", action="store_true", help="push events at their emit times")
     rep.add_argument("--speed", type=positive_float, default=1.0, help="realtime speed-up factor")
     rep.add_argument("--references", help="one reference per segment, in log order")
-    rep.add_argument(
-        "--forced-length-ratio",
-        type=positive_float,
-        default=None,
-        metavar="R",
-        help="benchmarking random-weight models: every decode emits ceil(R * source tokens)",
-    )
     rep.add_argument("--out", help="write updates here instead of stdout")
     rep.add_argument("--report", help="write the metrics as JSON here")
     rep.add_argument(

@@ -11,6 +11,7 @@ import argparse
 import math
 
 from engine.hub import resolve_model
+from engine.scheduler import SchedulerOptions
 from engine.translator import Translator
 
 DEFAULT_POLICY = "local-agreement:2"
@@ -98,6 +99,19 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="let ONNX Runtime threads busy-wait: lower latency on a dedicated machine, "
         "worse when other work shares the cores",
     )
+    parser.add_argument(
+        "--max-batch-rows",
+        type=positive_int,
+        default=SchedulerOptions().max_rows,
+        metavar="N",
+        help="decoder rows per batched step, all streams together (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="do not rewrite the decoder for continuous batching: batch only requests that "
+        "start together",
+    )
 
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +124,14 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
         help="commit nothing new until N partials in a row only extended the words before "
         "them (for recognisers that rewrite shown words; default: off)",
     )
+    parser.add_argument(
+        "--forced-length-ratio",
+        type=positive_float,
+        default=None,
+        metavar="R",
+        help="benchmarking random-weight models only: every decode emits ceil(R * source "
+        "tokens)",
+    )
 
 
 def load_translator(args: argparse.Namespace) -> Translator:
@@ -121,4 +143,6 @@ def load_translator(args: argparse.Namespace) -> Translator:
         use_cache=not args.no_cache,
         intra_op_threads=args.threads,
         allow_spinning=args.spin,
+        batchable=not args.lockstep,
+        scheduler=SchedulerOptions(max_rows=args.max_batch_rows),
     )

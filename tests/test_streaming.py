@@ -3,15 +3,18 @@ stable text, finals equal offline translation, latest wins, streams stay isolate
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
 import pytest
 
 from engine import DecodingCancelled, Translator
+from engine.decoding import StepHook
 from engine.evaluation.translogs import generate_log
+from engine.runtime import FloatArray
 from engine.streaming import (
     BiasedDecoding,
     IncrementalTranslator,
@@ -210,22 +213,37 @@ async def test_latest_wins_bounds_stale_work(translator: Translator) -> None:
 
 
 @pytest.mark.anyio
-async def test_running_decode_stops_for_a_newer_partial(translator: Translator) -> None:
-    async with IncrementalTranslator(translator) as nmt:
-        stream_events = [
-            PartialTranscript("s1", 0, i, "Tom reads a book in the library"[: 3 + i], False)
-            for i in range(40)
-        ]
+async def test_a_newer_partial_takes_the_running_decode_out_of_the_batch(
+    translator: Translator,
+) -> None:
+    """A partial still decoding when a newer one of its stream arrives leaves the batch at
+    the scheduler's next step; only the newer one is answered."""
+    started, release = threading.Event(), threading.Event()
+
+    class Gate(LocalAgreement):
+        def hook(self, previous: Sequence[int] | None) -> StepHook:
+            def hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+                if len(rows[0]) == 2:  # mid-decode: hold it until the newer partial is in
+                    started.set()
+                    release.wait(10)
+                return scores
+
+            return hook
+
+    options = StreamingOptions(policy=Gate(), forced_length_ratio=4.0)  # long decodes
+    cancelled = translator.scheduler.stats["rows_cancelled"]
+    async with IncrementalTranslator(translator, options) as nmt:
         sub = nmt.updates("s1")
-        for event in stream_events:
-            await nmt.push(event)
-            await anyio.sleep(0.001)
-        await nmt.push(PartialTranscript("s1", 0, 50, "Tom reads a book in the library", True))
+        await nmt.push(PartialTranscript("s1", 0, 0, "Tom reads a book", False))
+        assert await anyio.to_thread.run_sync(started.wait, 10)
+        await nmt.push(PartialTranscript("s1", 0, 1, "Tom reads a book in the library", False))
+        release.set()
+        await nmt.wait_idle("s1")
         await nmt.close_stream("s1")
         updates = await collect(sub)
-    assert updates[-1].is_final
-    assert nmt.stats["events"] == 41
-    assert nmt.stats["updates"] < 41
+    assert [u.seq for u in updates] == [1]
+    assert nmt.stats["cancelled"] == 1
+    assert translator.scheduler.stats["rows_cancelled"] == cancelled + 1
 
 
 @pytest.mark.anyio

@@ -169,7 +169,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if options.host not in LOOPBACK and options.token is None:
         log.warning("listening on %s without --token: anyone reaching it may use it", args.host)
     try:
-        streaming = StreamingOptions(policy=policy, source_agreement=args.source_agreement)
+        streaming = StreamingOptions(
+            policy=policy,
+            source_agreement=args.source_agreement,
+            forced_length_ratio=args.forced_length_ratio,
+        )
         return anyio.run(_serve, args, options, streaming)
     except KeyboardInterrupt:
         return 130
@@ -241,7 +245,12 @@ def describe_model(translator: Translator) -> str:
     pair = f"{config.source_lang or '?'}->{config.target_lang or '?'}"
     files = ", ".join(sorted({path.name for path in model.files.values()}))
     how = " (split at load)" if model.split_at_load else ""
-    return f"{model.model_dir} ({pair}, {model.layout.value} decoder{how}: {files})"
+    batching = f"{translator.scheduler.batching} batching"
+    rows = translator.scheduler.options.max_rows
+    return (
+        f"{model.model_dir} ({pair}, {model.layout.value} decoder{how}: {files}; "
+        f"{batching}, up to {rows} rows per step)"
+    )
 
 
 async def _load(args: argparse.Namespace, stop: anyio.Event) -> Translator | None:

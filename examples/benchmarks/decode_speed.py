@@ -76,10 +76,13 @@ TUNED: dict[str, dict[str, Any]] = {
 # -- worker side: one variant per process ------------------------------------------------
 
 
-Runner = Callable[[int], dict[str, float]]
+Runner = Callable[[int, int], dict[str, float]]
+"""run(N, B): decode B copies of the source at once, N forced tokens each."""
 
 
 def _ours_runner(spec: dict[str, Any]) -> tuple[Runner, Callable[[], None]]:
+    import numpy as np
+
     from engine import DecodeOptions, Translator
 
     tr = Translator.from_dir(
@@ -93,13 +96,14 @@ def _ours_runner(spec: dict[str, Any]) -> tuple[Runner, Callable[[], None]]:
     ids = tr.source_ids(spec["source"])
     enc = tr.encode([ids])
 
-    def run(n: int) -> dict[str, float]:
+    def run(n: int, b: int) -> dict[str, float]:
         options = DecodeOptions(beam_size=1, max_new_tokens=n, min_new_tokens=n)
+        rows = enc.select(np.zeros(b, dtype=np.int64))  # B copies: one batched decode
         start = time.perf_counter()
-        (hyp,) = tr.decode(enc, options)
+        hyps = tr.decode(rows, options)
         elapsed = time.perf_counter() - start
-        if len(hyp.token_ids) != n:
-            raise RuntimeError(f"forced length {n}, got {len(hyp.token_ids)} tokens")
+        if any(len(hyp.token_ids) != n for hyp in hyps):
+            raise RuntimeError(f"forced length {n}, got {[len(h.token_ids) for h in hyps]}")
         return {"decode": elapsed}
 
     def encode() -> None:
@@ -122,18 +126,18 @@ def _ct2_runner(spec: dict[str, Any]) -> Runner:
         inter_threads=1,
     )
 
-    def run(n: int) -> dict[str, float]:
+    def run(n: int, b: int) -> dict[str, float]:
         start = time.perf_counter()
-        (result,) = tr.translate_batch(
-            [pieces],
+        results = tr.translate_batch(
+            [pieces] * b,
             beam_size=1,  # greedy; CTranslate2's default is 2
             max_decoding_length=n,
             min_decoding_length=n,
             return_scores=False,
         )
         total = time.perf_counter() - start
-        if (got := len(result.hypotheses[0])) != n:
-            raise RuntimeError(f"forced length {n}, got {got} tokens")
+        if any(len(result.hypotheses[0]) != n for result in results):
+            raise RuntimeError(f"forced length {n}, got other lengths")
         return {"total": total}
 
     return run
@@ -154,7 +158,8 @@ def worker(spec: dict[str, Any]) -> int:
             break
         cpu = time.process_time()
         if command[0] == "run":
-            reply: dict[str, float] = run(int(command[1]))
+            rows = int(command[2]) if len(command) > 2 else 1
+            reply: dict[str, float] = run(int(command[1]), rows)
         elif command[0] == "encode" and encode is not None:
             start = time.perf_counter()
             encode()
@@ -337,6 +342,46 @@ def print_table(summary: dict[str, dict[str, float]], lengths: list[int]) -> Non
     )
 
 
+def summarize_rows(workers: list[Worker], n: int, rows: list[int]) -> dict[str, dict[str, float]]:
+    """ms per row-token with B rows decoded at once: ours decode(N, B) / (N * B); ct2 its
+    slope (T(N, B) - T(1, B)) / ((N - 1) * B), which cancels its encoder and first step."""
+    out: dict[str, dict[str, float]] = {}
+    for w in workers:
+        row: dict[str, float] = {}
+        for b in rows:
+            tag = f"@{n}" if b == 1 else f"@{n}x{b}"
+            first = "@1" if b == 1 else f"@1x{b}"
+            if w.engine == "ours" and f"decode{tag}" in w.samples:
+                row[f"B={b}"] = _median_ms(w.samples[f"decode{tag}"]) / (n * b)
+            elif w.engine == "ct2" and f"total{tag}" in w.samples and f"total{first}" in w.samples:
+                slope = _median_ms(w.samples[f"total{tag}"]) - _median_ms(
+                    w.samples[f"total{first}"]
+                )
+                row[f"B={b}"] = slope / ((n - 1) * b)
+        if row:
+            out[w.name] = row
+    return out
+
+
+def print_rows(batched: dict[str, dict[str, float]], n: int) -> None:
+    keys = sorted({k for row in batched.values() for k in row}, key=lambda k: int(k[2:]))
+    print(
+        f"\nms per row-token, B rows decoded at once (N={n}); ours: one Translator.decode of B"
+        " sources (the scheduler runs them as one batch); ct2: translate_batch of B"
+    )
+    print(f"{'variant':<22}" + "".join(f"{k:>10}" for k in keys))
+    for name, row in batched.items():
+        print(
+            f"{name:<22}" + "".join(f"{row[k]:>10.2f}" if k in row else f"{'-':>10}" for k in keys)
+        )
+    ours, ct2 = batched.get("ours int8 cache"), batched.get("ct2 int8")
+    if ours and ct2:
+        print(
+            "ours int8 / ct2 int8: "
+            + ", ".join(f"{k} {ours[k] / ct2[k]:.2f}" for k in keys if k in ours and k in ct2)
+        )
+
+
 def _load_source(path: Path, line: int) -> str:
     if not path.is_file():
         sys.exit(f"error: {path} not found (the FLORES-200 devtest is read from ../shared)")
@@ -396,6 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hugepages", action="store_true", help=f"run workers with GLIBC_TUNABLES={HUGEPAGES_ENV}"
     )
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="also decode B copies of the source at once (one batched call; CTranslate2: "
+        "translate_batch of B), at the longest length, e.g. --rows 1 4 16",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -443,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             measured = rnd >= args.warmup
             skip_slow = rnd - args.warmup >= no_cache_reps
             runs = [f"run {n}" for n in lengths]
+            for b in sorted(set(args.rows) - {1}):
+                runs += [f"run {longest} {b}", f"run 1 {b}"]
             todo = [
                 (w, job)
                 for w in workers
@@ -453,7 +508,9 @@ def main(argv: list[str] | None = None) -> int:
             for w, job in todo:
                 reply = w.ask(job)
                 if measured and reply:
-                    suffix = f"@{job.split()[1]}" if job.startswith("run") else ""
+                    parts = job.split()
+                    suffix = f"@{parts[1]}" if job.startswith("run") else ""
+                    suffix += f"x{parts[2]}" if len(parts) > 2 else ""
                     for key, value in reply.items():
                         w.record(key if key == "encoder" else key + suffix, value)
             print(f"  round {rnd + 1}/{args.warmup + args.reps}", file=sys.stderr, flush=True)
@@ -476,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, t in targets.items():
         verdict = "met" if t["met"] else "NOT met"
         print(f"  {key:<62}{t['value']:7.3f}  (target {t['target']}: {verdict})")
+    batched = summarize_rows(workers, longest, sorted(set(args.rows)))
+    if len(batched) > 0 and set(args.rows) != {1}:
+        print_rows(batched, longest)
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     report = {
         "meta": {
@@ -497,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             "method": __doc__,
         },
         "results": summary,
+        "rows": batched,
         "ratios": rat,
         "targets": targets,
     }

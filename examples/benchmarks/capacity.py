@@ -1,0 +1,209 @@
+"""How many real-time streams one machine holds: N concurrent talkers, in process.
+
+Each of N streams replays its own 5 FLORES zh sentences as a synthetic recogniser would
+emit them (`generate_log`: 1-3 characters per partial, about 3 partials a second, occasional
+corrections), starting at a random offset within the first second, all through one
+`IncrementalTranslator` in real time (`replay --realtime`). The benchmark model has random
+weights, so output lengths are forced (`forced_length_ratio`, 1.02 x source tokens: the
+length a real zh->en model writes).
+
+Per N it prints: update latency (partial pushed -> its update, as the engine measured it)
+p50 / p95 / max; the share of non-final partials answered (the rest were superseded by a
+newer partial of their stream before or during their decode); decoder rows per step
+(p50 / p95 / max) and steps; CPU use (process CPU time / wall time / cores); RSS growth per
+stream. Then the largest N with p95 <= 300 ms and >= 80% of partials answered.
+
+    HF_HUB_OFFLINE=1 python models/build_benchmark_model.py     # once
+    python examples/benchmarks/capacity.py --streams 1,8,16,24,32,48
+    python examples/benchmarks/capacity.py --batching lockstep   # the fallback, compared
+
+Run it on a quiet machine: it measures latency against the wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = ROOT / ".cache" / "benchmark-model" / "onnx"
+FLORES_ZH = ROOT.parent / "shared" / "flores200-devtest" / "zho_Hans.devtest"
+P95_MAX_MS = 300.0
+ANSWERED_MIN = 0.80
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PeakRss:
+    """Samples the process RSS every 50 ms in a thread; `peak` after `stop`."""
+
+    def __init__(self) -> None:
+        self.peak = rss_mib()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, rss_mib())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def make_lines(n: int, sentences: int, seed: int) -> list[dict[str, Any]]:
+    from engine.evaluation.translogs import generate_log
+    from engine.replay import interleave_logs
+
+    pool = [line.strip() for line in FLORES_ZH.read_text(encoding="utf-8").splitlines()]
+    rng = random.Random(seed)
+    logs = []
+    for i in range(n):
+        start = (i * sentences) % (len(pool) - sentences)
+        logs.append(
+            generate_log(
+                pool[start : start + sentences],
+                "zh",
+                stream_id=f"s{i}",
+                seed=seed + i,
+                start_ms=rng.uniform(0.0, 1000.0),
+            )
+        )
+    return interleave_logs(*logs)
+
+
+def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    from engine.replay import ReplayOptions, replay
+    from engine.streaming import StreamingOptions
+
+    lines = make_lines(n, args.sentences, args.seed)
+    partials = sum(1 for line in lines if not line["is_final"])
+    scheduler = getattr(translator, "scheduler", None)
+    sizes_before: Counter[int] = Counter(getattr(scheduler, "batch_sizes", Counter()))
+    options = ReplayOptions(
+        streaming=StreamingOptions(forced_length_ratio=args.ratio), realtime=True, progress=False
+    )
+    rss0 = rss_mib()
+    peak = PeakRss()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    result = replay(translator, lines, options)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    rss_peak = peak.stop()
+    latencies = [t.update.latency_ms for t in result.updates]
+    partial_updates = sum(1 for t in result.updates if not t.update.is_final)
+    counts = result.counts
+    answered = partial_updates / max(1, partials - counts.get("unchanged", 0))
+    sizes: list[float] = []
+    if scheduler is not None:
+        delta = Counter(scheduler.batch_sizes) - sizes_before
+        sizes = [float(k) for k, v in delta.items() for _ in range(v)]
+    finals = sum(1 for line in lines if line["is_final"])
+    final_updates = sum(1 for t in result.updates if t.update.is_final)
+    return {
+        "streams": n,
+        "partials": partials,
+        "p50_ms": percentile(latencies, 50),
+        "p95_ms": percentile(latencies, 95),
+        "max_ms": max(latencies, default=float("nan")),
+        "answered": answered,
+        "cancelled": counts.get("cancelled", 0),
+        "superseded": counts.get("superseded", 0),
+        "finals": f"{final_updates}/{finals}",
+        "rows_p50": percentile(sizes, 50),
+        "rows_p95": percentile(sizes, 95),
+        "rows_max": max(sizes, default=float("nan")),
+        "steps": len(sizes),
+        "cpu_use": cpu / wall / (os.cpu_count() or 1),
+        "rss_mib_per_stream": max(0.0, rss_peak - rss0) / n,
+        "wall_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--streams", default="1,4,8,16,24,32,40,48", help="N values")
+    parser.add_argument("--sentences", type=int, default=5, help="sentences per stream")
+    parser.add_argument("--ratio", type=float, default=1.02, help="forced length ratio")
+    parser.add_argument("--fp32", action="store_true", help="fp32 (default: int8)")
+    parser.add_argument(
+        "--batching",
+        choices=("continuous", "lockstep"),
+        default="continuous",
+        help="lockstep: without the rewritten decoder (the fallback path)",
+    )
+    parser.add_argument("--max-rows", type=int, default=None, help="scheduler rows per step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    if not FLORES_ZH.is_file():
+        print(f"needs {FLORES_ZH}", file=sys.stderr)
+        return 2
+
+    from engine import Translator
+
+    kwargs: dict[str, Any] = {"quantized": not args.fp32}
+    try:
+        from engine.scheduler import SchedulerOptions
+
+        kwargs["batchable"] = args.batching == "continuous"
+        if args.max_rows:
+            kwargs["scheduler"] = SchedulerOptions(max_rows=args.max_rows)
+    except ImportError:  # an older engine, for before/after runs
+        pass
+    translator = Translator.from_dir(args.model, **kwargs)
+    batching = getattr(getattr(translator, "scheduler", None), "batching", "none")
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((x.split(":", 1)[1].strip() for x in cpuinfo if "model name" in x), "?")
+    print(f"model {args.model} ({'fp32' if args.fp32 else 'int8'}), batching: {batching}")
+    print(f"CPU: {cpu}, {os.cpu_count()} cores; {args.sentences} sentences per stream")
+    header = (
+        f"{'N':>3} {'p50':>6} {'p95':>6} {'max':>6} {'answered':>8} {'cancel':>6} "
+        f"{'rows p50/p95/max':>16} {'steps':>6} {'cpu':>5} {'MiB/str':>7} {'finals':>8}"
+    )
+    print(header)
+    results = []
+    holds = 0
+    for n in [int(x) for x in args.streams.split(",")]:
+        r = run_one(translator, n, args)
+        results.append(r)
+        rows = f"{r['rows_p50']:.0f}/{r['rows_p95']:.0f}/{r['rows_max']:.0f}"
+        print(
+            f"{n:>3} {r['p50_ms']:>6.0f} {r['p95_ms']:>6.0f} {r['max_ms']:>6.0f} "
+            f"{r['answered']:>8.0%} {r['cancelled']:>6} {rows:>16} {r['steps']:>6} "
+            f"{r['cpu_use']:>5.0%} {r['rss_mib_per_stream']:>7.1f} {r['finals']:>8}",
+            flush=True,
+        )
+        if r["p95_ms"] <= P95_MAX_MS and r["answered"] >= ANSWERED_MIN:
+            holds = max(holds, n)
+    print(
+        f"largest N with p95 <= {P95_MAX_MS:.0f} ms and >= {ANSWERED_MIN:.0%} of partials "
+        f"answered: {holds}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "holds": holds}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
