@@ -24,14 +24,25 @@ The subgraphs are found by structure, not by node names:
   (not looking through `Shape`) has no matmul; it is the self-attention mask when that
   ancestry reads no graph input (it derives from shapes and constants), the cross-attention
   mask when it reads `encoder_attention_mask`;
+- self-attention with no mask at all: exporters before transformers 4.48 built no causal
+  mask for one query token, so their with-past graph adds nothing to its self-attention
+  scores. A softmax without a mask whose weights multiply a `past_key_values.*.decoder.*`
+  value gets the padding mask added to its scores ([B, H, T, S] or the older
+  [B * H, T, S], viewed as [B, H * T, S]), NEG taken from the encoder mask;
 - positions: the one `Gather` from a constant 2-D table whose indices come from a `Range`
-  with step 1 (through `Cast`/`Unsqueeze`/constant offsets), never from a graph input.
+  with step 1, through `Cast`/`Unsqueeze`, constant offsets (kept) and an added past length
+  (dropped: the given positions replace `Range + past_len` too), never from a graph input.
 Both the fp32 and the int8 (`quantize_dynamic`) files have this shape: in int8 the table is
 an int8 initializer followed by a per-tensor `DequantizeLinear`, and the masks stay fp32.
 A merged decoder (one `If` on `use_cache_branch`) is rewritten inside both branches.
 
-Anything else (a softmax without a mask, two position lookups, no large negative constant)
-returns None and logs why: callers then batch only rows of equal length (lockstep).
+Anything else (a no-past softmax without a mask, two position lookups, a mask with no
+large negative constant, a per-axis dequantized table) returns None and logs why: callers
+then batch only rows of equal length (lockstep).
+
+int8 caveat, not the rewrite's: `DynamicQuantizeLinear` takes one scale per tensor over
+the whole batch, so any batching (lockstep too) moves a row's int8 logits a little (0.2 on
+the fixture) against decoding it alone.
 Needs the `onnx` package, imported only here, like `engine.merged_split`.
 """
 
@@ -167,10 +178,12 @@ class _Link:
 
 @dataclass
 class _Plan:
-    """What to change in one graph: the self-attention mask Adds (node, operand index) and
-    the position lookup, found before anything is modified."""
+    """What to change in one graph, found before anything is modified: the self-attention
+    mask Adds (node, operand index), the self-attention softmaxes that have no mask at all,
+    and the position lookup."""
 
     self_masks: list[tuple[onnx.NodeProto, int]]
+    unmasked: list[onnx.NodeProto]
     negative: npt.NDArray[Any]  # 0-d, the mask's own large negative value and dtype
     gather: onnx.NodeProto
     index_chain: list[_Link]  # Range output -> ... -> Gather indices, in order
@@ -192,48 +205,87 @@ def _softmax_mask_add(view: _View, softmax: onnx.NodeProto) -> onnx.NodeProto | 
     return None
 
 
-def _find_masks(view: _View) -> tuple[list[tuple[onnx.NodeProto, int]], npt.NDArray[Any]]:
+def _mask_operand(view: _View, add: onnx.NodeProto) -> int | None:
+    """Which input of `add` is the mask: the one no matmul flows into (the other one holds
+    the scores)."""
+    operands = []
+    for index, name in enumerate(add.input):
+        nodes, _ = view.ancestry(name, stop_at=_MATMULS)
+        if not any(n.op_type in _MATMULS for n in nodes):
+            operands.append(index)
+    return operands[0] if len(operands) == 1 else None
+
+
+def _reads_cached_values(view: _View, softmax: onnx.NodeProto) -> bool:
+    """Whether the softmax weights a self-attention KV cache: the matmul it feeds reads a
+    `past_key_values.*.decoder.*` input (how a with-past graph traced with one token looks
+    when the exporter built no causal mask for it)."""
+    todo = [softmax.output[0]]
+    while todo:
+        probs = todo.pop()
+        for user in view.consumers.get(probs, []):
+            if user.op_type in _MASK_WRAPPERS:  # e.g. [B * H, T, S] back to [B, H, T, S]
+                todo.append(user.output[0])
+            if user.op_type != "MatMul":
+                continue
+            values = user.input[1] if user.input[0] == probs else user.input[0]
+            _, leaves = view.ancestry(values)
+            if any(n.startswith("past_key_values.") and ".decoder." in n for n in leaves):
+                return True
+    return False
+
+
+def _large_negatives(view: _View, nodes: Iterable[onnx.NodeProto]) -> list[npt.NDArray[Any]]:
+    """Float constants at or below `_NEGATIVE_ENOUGH` that `nodes` read or make, 0-d."""
+    found = []
+    for node in nodes:
+        for tensor in (*node.input, *node.output):
+            value = view.constant(tensor) if tensor else None
+            if value is None and node.op_type == "ConstantOfShape" and tensor in node.output:
+                value = _constant_of_shape_value(node)
+            if value is not None and value.dtype.kind == "f" and value.size:
+                low = value.min()
+                if float(low) <= _NEGATIVE_ENOUGH:
+                    found.append(np.array(low, dtype=value.dtype))
+    return found
+
+
+def _find_masks(
+    view: _View,
+) -> tuple[list[tuple[onnx.NodeProto, int]], list[onnx.NodeProto], npt.NDArray[Any]]:
     softmaxes = [n for n in view.graph.node if n.op_type == "Softmax"]
     if not softmaxes:
         raise _Unsupported("no Softmax: not an attention decoder")
     self_masks: list[tuple[onnx.NodeProto, int]] = []
-    cross = 0
-    negatives: list[float] = []
-    negative_dtype: np.dtype[Any] | None = None
+    unmasked: list[onnx.NodeProto] = []
+    self_negatives: list[npt.NDArray[Any]] = []
+    cross_negatives: list[npt.NDArray[Any]] = []
     for softmax in softmaxes:
         add = _softmax_mask_add(view, softmax)
-        if add is None:
+        operand = None if add is None else _mask_operand(view, add)
+        if add is None or operand is None:
+            if _reads_cached_values(view, softmax):
+                unmasked.append(softmax)
+                continue
             raise _Unsupported(f"softmax {softmax.name!r} has no additive mask")
-        operand = None
-        for index, name in enumerate(add.input):
-            nodes, _ = view.ancestry(name, stop_at=_MATMULS)
-            if not any(n.op_type in _MATMULS for n in nodes):
-                operand = index
-        if operand is None:
-            raise _Unsupported(f"softmax {softmax.name!r}: no operand of {add.name!r} is a mask")
         nodes, leaves = view.ancestry(add.input[operand])
         reads = {leaf for leaf in leaves if view.constant(leaf) is None}
         if "encoder_attention_mask" in reads:
-            cross += 1
+            cross_negatives += _large_negatives(view, nodes)
             continue
         if reads:
             raise _Unsupported(f"mask of {softmax.name!r} reads {sorted(reads)[:3]}")
         self_masks.append((add, operand))
-        for node in nodes:
-            for tensor in (*node.input, *node.output):
-                value = view.constant(tensor) if tensor else None
-                if value is None and node.op_type == "ConstantOfShape" and tensor in node.output:
-                    value = _constant_of_shape_value(node)
-                if value is not None and value.dtype.kind == "f" and value.size:
-                    low = float(value.min())
-                    if low <= _NEGATIVE_ENOUGH:
-                        negatives.append(low)
-                        negative_dtype = value.dtype
-    if not self_masks:
-        raise _Unsupported("no self-attention mask found")
-    if not negatives or negative_dtype is None:
+        self_negatives += _large_negatives(view, nodes)
+    if not self_masks and not unmasked:
+        raise _Unsupported("no self-attention found")
+    if self_masks and not self_negatives:
         raise _Unsupported("the causal mask has no large negative constant")
-    return self_masks, np.array(min(negatives), dtype=negative_dtype)
+    # A graph with no causal mask at all takes the value of its encoder mask.
+    negatives = self_negatives or cross_negatives
+    if not negatives:
+        raise _Unsupported("no mask with a large negative constant")
+    return self_masks, unmasked, min(negatives, key=float)
 
 
 def _constant_of_shape_value(node: onnx.NodeProto) -> npt.NDArray[Any] | None:
@@ -309,7 +361,7 @@ def _find_positions(view: _View) -> tuple[onnx.NodeProto, list[_Link]]:
 def _plan(view: _View) -> _Plan:
     if MASK_INPUT in view.inputs or POSITIONS_INPUT in view.inputs:
         raise _Unsupported(f"already takes {MASK_INPUT} or {POSITIONS_INPUT}")
-    self_masks, negative = _find_masks(view)
+    self_masks, unmasked, negative = _find_masks(view)
     gather, chain = _find_positions(view)
     unsqueezes = [link.node for link in chain if link.node.op_type == "Unsqueeze"]
     if any(_unsqueeze_axes(view, n) != [0] for n in unsqueezes) or len(unsqueezes) > 1:
@@ -320,7 +372,7 @@ def _plan(view: _View) -> _Plan:
         # Add with the token embeddings [B, T, D] broadcasts, provided nothing in between
         # depends on the rank (a per-tensor dequantize, a cast, a scale do not).
         lookup_unsqueeze = _check_lookup_path(view, gather)
-    return _Plan(self_masks, negative, gather, chain, lookup_unsqueeze)
+    return _Plan(self_masks, unmasked, negative, gather, chain, lookup_unsqueeze)
 
 
 def _unsqueeze_axes(view: _View, node: onnx.NodeProto) -> list[int] | None:
@@ -376,23 +428,67 @@ def _apply(view: _View, plan: _Plan, tag: str, opset: int) -> None:
 
     graph = view.graph
     name = f"{_PREFIX}/{tag}"
-    zero = helper.make_tensor(f"{name}/zero", 7, [], [0])  # int64 0
-    negative = numpy_helper.from_array(plan.negative, f"{name}/negative")
-    axes = numpy_helper.from_array(np.array([1, 2], dtype=np.int64), f"{name}/axes")
-    graph.initializer.extend([zero, negative, axes])
-    pad = f"{name}/padding"
+
+    def const(suffix: str, value: npt.NDArray[Any]) -> str:
+        graph.initializer.append(numpy_helper.from_array(value, f"{name}/{suffix}"))
+        return f"{name}/{suffix}"
+
+    def unsqueeze(source: str, axes: list[int], out: str) -> onnx.NodeProto:
+        if opset >= 13:
+            axes_name = const(f"{out}_axes", np.array(axes, dtype=np.int64))
+            return helper.make_node("Unsqueeze", [source, axes_name], [out], name=out)
+        return helper.make_node("Unsqueeze", [source], [out], name=out, axes=axes)
+
+    zero = const("zero", np.array(0, dtype=np.int64))
+    negative = const("negative", plan.negative)
+    pad = f"{name}/padding"  # [B, 1, 1, past + cur], True where masked
     head = [
-        helper.make_node("Equal", [MASK_INPUT, zero.name], [f"{pad}_2d"], name=f"{pad}_2d"),
-        helper.make_node("Unsqueeze", [f"{pad}_2d", axes.name], [pad], name=pad)
-        if opset >= 13
-        else helper.make_node("Unsqueeze", [f"{pad}_2d"], [pad], name=pad, axes=[1, 2]),
+        helper.make_node("Equal", [MASK_INPUT, zero], [f"{pad}_2d"], name=f"{pad}_2d"),
+        unsqueeze(f"{pad}_2d", [1, 2], pad),
     ]
     # New nodes go right before the node that reads them (kept topologically sorted),
     # keyed by that node's first output, which is unique in the graph.
     before: dict[str, list[onnx.NodeProto]] = {}
+    if plan.unmasked:
+        # Scores [B, H, T, S] or [B * H, T, S] (older attention code): viewed as
+        # [B, H * T, S], plus a bias [B, 1, S] that is NEG on padding slots, viewed back.
+        dims, rows, bias = f"{name}/mask_shape", f"{name}/rows_shape", f"{name}/padding_bias"
+        one, two = const("one", np.array([1], np.int64)), const("two", np.array([2], np.int64))
+        head += [
+            helper.make_node("Shape", [MASK_INPUT], [dims], name=dims),
+            helper.make_node(
+                "Slice", [dims, const("start", np.array([0], np.int64)), one], [f"{dims}_b"]
+            ),
+            helper.make_node("Slice", [dims, one, two], [f"{dims}_s"]),
+            helper.make_node(
+                "Concat",
+                [f"{dims}_b", const("minus_one", np.array([-1], np.int64)), f"{dims}_s"],
+                [rows],
+                name=rows,
+                axis=0,
+            ),
+            unsqueeze(f"{pad}_2d", [1], f"{pad}_3d"),
+            helper.make_node(
+                "Where",
+                [f"{pad}_3d", negative, const("zero_float", np.zeros((), plan.negative.dtype))],
+                [bias],
+                name=bias,
+            ),
+        ]
+        for layer, softmax in enumerate(plan.unmasked):
+            scores, step = softmax.input[0], f"{name}/self_scores_{layer}"
+            before.setdefault(softmax.output[0], []).extend(
+                [
+                    helper.make_node("Shape", [scores], [f"{step}_shape"]),
+                    helper.make_node("Reshape", [scores, rows], [f"{step}_rows"]),
+                    helper.make_node("Add", [f"{step}_rows", bias], [f"{step}_masked"]),
+                    helper.make_node("Reshape", [f"{step}_masked", f"{step}_shape"], [step]),
+                ]
+            )
+            softmax.input[0] = step
     for layer, (add, operand) in enumerate(plan.self_masks):
         masked = f"{name}/self_mask_{layer}"
-        where = [pad, negative.name, add.input[operand]]
+        where = [pad, negative, add.input[operand]]
         before.setdefault(add.output[0], []).append(
             helper.make_node("Where", where, [masked], name=masked)
         )

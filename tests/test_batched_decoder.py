@@ -47,10 +47,72 @@ def _bytes(model: Any) -> bytes:
     return data
 
 
-def _rewritten_pair(kind: str, quantized: bool) -> tuple[Path, bytes, Path, bytes]:
+def _without_score_masks(model: Any) -> Any:
+    producers = {o: n for n in model.graph.node for o in n.output}
+    for node in model.graph.node:
+        if node.op_type == "Softmax" and "self_attn" in node.name:
+            node.input[0] = producers[node.input[0]].input[0]  # the scores, before the Add
+    return model
+
+
+def _older_step(model: Any, flat_scores: bool) -> Any:
+    """The fixture's with-past decoder as exporters before transformers 4.48 gave it: no
+    self-attention mask at all (one query token needs no causal mask), and with
+    `flat_scores` the softmax taken on [B * H, T, S] scores as the older attention code
+    did (`bmm` on heads folded into the batch)."""
+    from onnx import helper, numpy_helper
+
+    model = _without_score_masks(model)
+    if not flat_scores:
+        return model
+    graph = model.graph
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "Softmax" and "self_attn" in node.name:
+            scores, probs, tag = node.input[0], node.output[0], node.name
+            graph.initializer.extend(
+                [
+                    numpy_helper.from_array(np.array([2], np.int64), f"{tag}/two"),
+                    numpy_helper.from_array(np.array([4], np.int64), f"{tag}/four"),
+                    numpy_helper.from_array(np.array([-1], np.int64), f"{tag}/minus_one"),
+                ]
+            )
+            nodes += [
+                helper.make_node("Shape", [scores], [f"{tag}/shape"]),
+                helper.make_node(
+                    "Slice", [f"{tag}/shape", f"{tag}/two", f"{tag}/four"], [f"{tag}/ts"]
+                ),
+                helper.make_node(
+                    "Concat", [f"{tag}/minus_one", f"{tag}/ts"], [f"{tag}/flat"], axis=0
+                ),
+                helper.make_node("Reshape", [scores, f"{tag}/flat"], [f"{tag}/scores3"]),
+            ]
+            node.input[0], node.output[0] = f"{tag}/scores3", f"{tag}/probs3"
+            nodes.append(node)
+            nodes.append(helper.make_node("Reshape", [f"{tag}/probs3", f"{tag}/shape"], [probs]))
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
+
+
+def _rewritten_pair(kind: str, quantized: bool) -> tuple[Path, bytes, Path | bytes, bytes]:
     """(original, rewritten) for the no-past and the with-past decoder of one layout."""
     needs_fixture()
     q = "_quantized" if quantized else ""
+    if kind.startswith("older"):  # the split no-past file, an older-style with-past graph
+        first, step = (
+            FIXTURE_MODEL / f"decoder_model{q}.onnx",
+            (FIXTURE_MODEL / f"decoder_with_past_model{q}.onnx"),
+        )
+        older = _older_step(onnx.load(str(step)), flat_scores=kind == "older_flat")
+        return (
+            first,
+            _bytes(rewrite_decoder(onnx.load(str(first)))),
+            older.SerializeToString(),
+            _bytes(rewrite_decoder(older)),
+        )
     if kind == "split":
         first, step = (
             FIXTURE_MODEL / f"decoder_model{q}.onnx",
@@ -72,7 +134,9 @@ def _rewritten_pair(kind: str, quantized: bool) -> tuple[Path, bytes, Path, byte
     return merged, _bytes(first_model), merged, _bytes(step_model)
 
 
-LAYOUTS = [(k, q) for k in ("split", "merged", "merged_if") for q in (False, True)]
+LAYOUTS = [
+    (k, q) for k in ("split", "merged", "merged_if", "older", "older_flat") for q in (False, True)
+]
 
 
 @pytest.mark.parametrize(("kind", "quantized"), LAYOUTS)
@@ -292,7 +356,9 @@ def encode(
 
 
 @pytest.mark.parametrize(
-    ("kind", "quantized"), [("split", False), ("merged", False), ("split", True), ("merged", True)]
+    ("kind", "quantized"),
+    [(k, False) for k in ("split", "merged", "older", "older_flat")]
+    + [(k, True) for k in ("split", "merged", "older_flat")],
 )
 def test_rows_of_different_lengths_get_their_own_logits(
     kind: str, quantized: bool, fixture_parts: tuple[ModelConfig, MarianTokenizer, Any]
@@ -367,7 +433,10 @@ def test_rows_of_different_lengths_get_their_own_logits(
         assert worst <= BATCH_TOLERANCE
 
 
-@pytest.mark.parametrize(("kind", "quantized"), LAYOUTS[:4])
+@pytest.mark.parametrize(
+    ("kind", "quantized"),
+    [(k, q) for k in ("split", "merged", "older", "older_flat") for q in (False, True)],
+)
 def test_what_padding_slots_hold_changes_nothing(
     kind: str, quantized: bool, fixture_parts: tuple[ModelConfig, MarianTokenizer, Any]
 ) -> None:
@@ -416,12 +485,9 @@ def _fixture_step() -> Any:
     return onnx.load(str(FIXTURE_MODEL / "decoder_with_past_model.onnx"))
 
 
-def _without_score_masks(model: Any) -> Any:
-    producers = {o: n for n in model.graph.node for o in n.output}
-    for node in model.graph.node:
-        if node.op_type == "Softmax" and "self_attn" in node.name:
-            node.input[0] = producers[node.input[0]].input[0]  # the scores, before the Add
-    return model
+def _fixture_first() -> Any:
+    needs_fixture()
+    return onnx.load(str(FIXTURE_MODEL / "decoder_model.onnx"))
 
 
 def _positions_from_an_input(model: Any) -> Any:
@@ -467,7 +533,7 @@ def _twice(model: Any) -> Any:
     [
         (lambda: _synthetic(False), "no Softmax"),
         (lambda: _synthetic(True), "has no additive mask"),
-        (lambda: _without_score_masks(_fixture_step()), "has no additive mask"),
+        (lambda: _without_score_masks(_fixture_first()), "has no additive mask"),
         (lambda: _positions_from_an_input(_fixture_step()), "0 position lookups"),
         (lambda: _mild_mask(_fixture_step()), "no large negative constant"),
         (lambda: _twice(_fixture_step()), "already takes"),
