@@ -120,6 +120,30 @@ class _View:
         self.initializers = {**outer, **{i.name: i for i in graph.initializer}}
         self.inputs = {i.name for i in graph.input}
 
+    def is_constant(self, name: str) -> bool:
+        node = self.producer.get(name)
+        return name in self.initializers or (node is not None and node.op_type == "Constant")
+
+    def dims(self, name: str) -> list[int] | None:
+        """Shape of a constant tensor, read without converting it (tables can be large)."""
+        if name in self.initializers:
+            return list(self.initializers[name].dims)
+        node = self.producer.get(name)
+        if node is None or node.op_type != "Constant":
+            return None
+        for attr in node.attribute:
+            if attr.name == "value":
+                return list(attr.t.dims)
+            if attr.name in ("value_float", "value_int"):
+                return []
+            if attr.name in ("value_floats", "value_ints"):
+                return [len(attr.floats) or len(attr.ints)]
+        return None
+
+    def rank(self, name: str) -> int | None:
+        dims = self.dims(name)
+        return None if dims is None else len(dims)
+
     def constant(self, name: str) -> npt.NDArray[Any] | None:
         """The value of a tensor known at load time (initializer or `Constant`), else None."""
         from onnx import helper, numpy_helper
@@ -240,7 +264,9 @@ def _large_negatives(view: _View, nodes: Iterable[onnx.NodeProto]) -> list[npt.N
     found = []
     for node in nodes:
         for tensor in (*node.input, *node.output):
-            value = view.constant(tensor) if tensor else None
+            dims = view.dims(tensor) if tensor else None
+            small = dims is not None and int(np.prod(dims)) <= 16  # no weight is converted
+            value = view.constant(tensor) if small else None
             if value is None and node.op_type == "ConstantOfShape" and tensor in node.output:
                 value = _constant_of_shape_value(node)
             if value is not None and value.dtype.kind == "f" and value.size:
@@ -269,7 +295,7 @@ def _find_masks(
                 continue
             raise _Unsupported(f"softmax {softmax.name!r} has no additive mask")
         nodes, leaves = view.ancestry(add.input[operand])
-        reads = {leaf for leaf in leaves if view.constant(leaf) is None}
+        reads = {leaf for leaf in leaves if not view.is_constant(leaf)}
         if "encoder_attention_mask" in reads:
             cross_negatives += _large_negatives(view, nodes)
             continue
@@ -305,7 +331,7 @@ def _reaches_range(view: _View, name: str) -> bool:
 def _shape_only(view: _View, name: str) -> bool:
     """Whether a tensor depends on nothing but shapes and constants (a past length)."""
     _, leaves = view.ancestry(name)
-    return all(view.constant(leaf) is not None for leaf in leaves)
+    return all(view.is_constant(leaf) for leaf in leaves)
 
 
 def _walk_indices(view: _View, name: str) -> tuple[list[_Link], onnx.NodeProto] | None:
@@ -347,8 +373,7 @@ def _find_positions(view: _View) -> tuple[onnx.NodeProto, list[_Link]]:
         if node.op_type != "Gather" or len(node.input) != 2:
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        table = view.constant(node.input[0])
-        if axis != 0 or table is None or table.ndim != 2:
+        if axis != 0 or view.rank(node.input[0]) != 2:
             continue
         walk = _walk_indices(view, node.input[1])
         if walk is not None:
