@@ -582,6 +582,7 @@ def test_a_model_directory_gives_a_checked_pair(
     assert merged is not None
     assert merged.sources == (f"decoder_model_merged{q}.onnx",)
     for pair in (split, merged):
+        assert pair.max_difference is not None
         assert pair.max_difference <= FP32_TOLERANCE
         first = {i.name for i in _session(pair.first).get_inputs()}
         step_inputs = {i.name for i in _session(pair.step).get_inputs()}
@@ -595,3 +596,14 @@ def test_a_model_without_a_cached_decoder_gives_none(
     with caplog.at_level(logging.WARNING, logger="engine.batched_decoder"):
         assert load_batched_decoder(fixture_variants["no_cache"]) is None
     assert "no decoder with past" in caplog.text
+
+
+def test_unchecked_pair_checked_on_the_callers_own_sessions() -> None:
+    """`check=False` skips the four probe sessions; the caller checks the sessions it will
+    run (opened with its own options) instead."""
+    needs_fixture()
+    pair = load_batched_decoder(FIXTURE_MODEL, check=False)
+    assert pair is not None and pair.max_difference is None
+    original = _session(FIXTURE_MODEL / "decoder_with_past_model.onnx")
+    mine = _session(pair.step)
+    assert check_rewrite(original, mine, past_len=3, cur_len=1) <= FP32_TOLERANCE
