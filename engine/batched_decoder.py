@@ -19,6 +19,16 @@ With an all-ones mask and positions `arange(past, past + cur)`, the `Where` pass
 original mask through bit for bit and the lookup returns the same rows, so logits equal the
 original graph's.
 
+Feeding it (what tests/test_batched_decoder.py does):
+- prefill: rows padded to one length T (right or left), mask [B, T] 0 on the padding,
+  positions 0..n-1 of each row's own tokens (any in-range value, e.g. 0, on padding);
+- each step: one token per row, mask = previous mask + a column of ones, positions
+  [B, 1] = each row's own length; the cache grows by one slot per row, padding included;
+- a row joining later: its self KV zero-padded along axis 2 (left or right) to the batch's
+  slot count with mask 0 there, its encoder KV and `encoder_attention_mask` likewise;
+- padding slots must hold finite values (zeros): a masked slot weighs exactly 0, but
+  0 * NaN is NaN. Logits at padded token positions are meaningless.
+
 The subgraphs are found by structure, not by node names:
 - score masks: the operand of the `Add` feeding each attention `Softmax` whose ancestry
   (not looking through `Shape`) has no matmul; it is the self-attention mask when that
