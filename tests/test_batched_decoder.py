@@ -167,6 +167,20 @@ class Decoder:
 
     @staticmethod
     def run(session: Any, feed: dict[str, Array]) -> dict[str, Array]:
+        """Run with the inputs the session declares; a merged (`If`) decoder also gets
+        `use_cache_branch`, empty past in a no-past call, empty encoder states in a step."""
+        feed = dict(feed)
+        cached = any(k.startswith("past_key_values.") for k in feed)
+        batch = feed["input_ids"].shape[0]
+        for arg in session.get_inputs():
+            if arg.name in feed:
+                continue
+            if arg.name == "use_cache_branch":
+                feed[arg.name] = np.array([cached])
+            elif arg.name.startswith("past_key_values."):
+                feed[arg.name] = np.zeros((batch, arg.shape[1], 0, arg.shape[3]), np.float32)
+            elif arg.name == "encoder_hidden_states":
+                feed[arg.name] = np.zeros((batch, 0, arg.shape[2]), np.float32)
         names = {i.name for i in session.get_inputs()}
         outputs = [o.name for o in session.get_outputs()]
         result = session.run(outputs, {k: v for k, v in feed.items() if k in names})
@@ -241,16 +255,27 @@ class Batch:
 
 
 def prefill(
-    dec: Decoder, states: Array, mask: Array, rows: Sequence[list[int]], cfg: ModelConfig
+    dec: Decoder,
+    states: Array,
+    mask: Array,
+    rows: Sequence[list[int]],
+    cfg: ModelConfig,
+    *,
+    left: bool = False,
 ) -> tuple[Batch, list[Array]]:
-    """One no-past call for rows of different lengths, right-padded; returns the batch
-    state and each row's logits at its own last token."""
+    """One no-past call for rows of different lengths, right- or left-padded; returns the
+    batch state and each row's logits at its own last token."""
     width = max(len(r) for r in rows)
     ids = np.full((len(rows), width), cfg.pad_token_id, dtype=np.int64)
     kv_mask = np.zeros((len(rows), width), dtype=np.int64)
+    positions = np.zeros((len(rows), width), dtype=np.int64)  # 0 on padding
+    ends = []
     for r, tokens in enumerate(rows):
-        ids[r, : len(tokens)] = tokens
-        kv_mask[r, : len(tokens)] = 1
+        start = width - len(tokens) if left else 0
+        ids[r, start : start + len(tokens)] = tokens
+        kv_mask[r, start : start + len(tokens)] = 1
+        positions[r, start : start + len(tokens)] = np.arange(len(tokens))
+        ends.append(start + len(tokens) - 1)
     out = dec.run(
         dec.first,
         {
@@ -258,10 +283,10 @@ def prefill(
             "input_ids": ids,
             "encoder_hidden_states": states,
             MASK_INPUT: kv_mask,
-            POSITIONS_INPUT: np.tile(np.arange(width, dtype=np.int64), (len(rows), 1)),
+            POSITIONS_INPUT: positions,
         },
     )
-    last = [out["logits"][r, len(tokens) - 1] for r, tokens in enumerate(rows)]
+    last = [out["logits"][r, end] for r, end in enumerate(ends)]
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
     batch = Batch(
         dec.present(out, dec.self_in), dec.present(out, dec.cross_in), kv_mask, mask, lengths
@@ -357,12 +382,14 @@ def encode(
 
 @pytest.mark.parametrize(
     ("kind", "quantized"),
-    [(k, False) for k in ("split", "merged", "older", "older_flat")]
+    [(k, False) for k in ("split", "merged", "merged_if", "older", "older_flat", "left")]
     + [(k, True) for k in ("split", "merged", "older_flat")],
 )
 def test_rows_of_different_lengths_get_their_own_logits(
     kind: str, quantized: bool, fixture_parts: tuple[ModelConfig, MarianTokenizer, Any]
 ) -> None:
+    """`left`: the split files with the prefill left-padded (padding tokens whose own
+    query sees nothing); `merged_if`: the merged file rewritten whole, its `If` kept."""
     cfg, tok, encoder = fixture_parts
     q = "_quantized" if quantized else ""
     original = Decoder(
@@ -370,8 +397,9 @@ def test_rows_of_different_lengths_get_their_own_logits(
         FIXTURE_MODEL / f"decoder_with_past_model{q}.onnx",
         cfg.decoder_layers,
     )
-    _, first, _, step_model = _rewritten_pair(kind, quantized)
+    _, first, _, step_model = _rewritten_pair("split" if kind == "left" else kind, quantized)
     rewritten = Decoder(first, step_model, cfg.decoder_layers)
+    left = kind == "left"
 
     refs: dict[str, Reference] = {}
     for name, (text, target, n_forced) in SOURCES.items():
@@ -385,7 +413,7 @@ def test_rows_of_different_lengths_get_their_own_logits(
     assert mask[0].sum() < mask[1].sum()  # A's source is padded too
     a, b = refs["A"], refs["B"]
     n_a, n_b = len(a.forced) + 1, len(b.forced) + 1
-    batch, last = prefill(rewritten, states, mask, [a.tokens[:n_a], b.tokens[:n_b]], cfg)
+    batch, last = prefill(rewritten, states, mask, [a.tokens[:n_a], b.tokens[:n_b]], cfg, left=left)
     compared = [(last[0], a.logits[0]), (last[1], b.logits[0])]
     names, offsets = ["A", "B"], {"A": n_a, "B": n_b}
     for k in range(STEPS):
