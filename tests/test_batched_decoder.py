@@ -55,19 +55,13 @@ def _without_score_masks(model: Any) -> Any:
     return model
 
 
-def _older_step(model: Any, flat_scores: bool) -> Any:
-    """The fixture's with-past decoder as exporters before transformers 4.48 gave it: no
-    self-attention mask at all (one query token needs no causal mask), and with
-    `flat_scores` the softmax taken on [B * H, T, S] scores as the older attention code
-    did (`bmm` on heads folded into the batch). A real Optimum export of the fixture's
-    checkpoint with transformers 4.44.2 has exactly this shape (Softmax straight on the
-    MatMul of [B * H, 1, Dh] by [B * H, Dh, S]); it is not committed (the fixture's 10 MB
-    budget), but the scenario below gave 4.8e-6 on it, right- and left-padded."""
+def _flat_softmax(model: Any) -> Any:
+    """Self-attention softmaxes taken on [B * H, T, S] scores, as the attention code before
+    transformers 4.48 did (`bmm` with the heads folded into the batch): a Reshape before
+    each softmax and one back after it. On the no-past graph this puts a Reshape between
+    the mask Add and the softmax, as those exports have."""
     from onnx import helper, numpy_helper
 
-    model = _without_score_masks(model)
-    if not flat_scores:
-        return model
     graph = model.graph
     nodes = []
     for node in graph.node:
@@ -100,21 +94,34 @@ def _older_step(model: Any, flat_scores: bool) -> Any:
     return model
 
 
-def _rewritten_pair(kind: str, quantized: bool) -> tuple[Path, bytes, Path | bytes, bytes]:
+def _older_pair(quantized: bool, flat_scores: bool) -> tuple[Any, Any]:
+    """The fixture's no-past and with-past decoders as exporters before transformers 4.48
+    gave them: the with-past one has no self-attention mask at all (one query token needs
+    no causal mask), and with `flat_scores` both take their softmax on [B * H, T, S].
+
+    A real Optimum export of the fixture's checkpoint with transformers 4.44.2 has exactly
+    this shape (Softmax straight on the MatMul of [B * H, 1, Dh] by [B * H, Dh, S]); it is
+    not committed (the fixture's 10 MB budget), but the batched scenario below gave 4.8e-6
+    on it, right- and left-padded."""
+    q = "_quantized" if quantized else ""
+    first = onnx.load(str(FIXTURE_MODEL / f"decoder_model{q}.onnx"))
+    step = _without_score_masks(onnx.load(str(FIXTURE_MODEL / f"decoder_with_past_model{q}.onnx")))
+    if flat_scores:
+        return _flat_softmax(first), _flat_softmax(step)
+    return first, step
+
+
+def _rewritten_pair(kind: str, quantized: bool) -> tuple[Path | bytes, bytes, Path | bytes, bytes]:
     """(original, rewritten) for the no-past and the with-past decoder of one layout."""
     needs_fixture()
     q = "_quantized" if quantized else ""
-    if kind.startswith("older"):  # the split no-past file, an older-style with-past graph
-        first, step = (
-            FIXTURE_MODEL / f"decoder_model{q}.onnx",
-            (FIXTURE_MODEL / f"decoder_with_past_model{q}.onnx"),
-        )
-        older = _older_step(onnx.load(str(step)), flat_scores=kind == "older_flat")
+    if kind.startswith("older"):
+        older_first, older_step = _older_pair(quantized, flat_scores=kind == "older_flat")
         return (
-            first,
-            _bytes(rewrite_decoder(onnx.load(str(first)))),
-            older.SerializeToString(),
-            _bytes(rewrite_decoder(older)),
+            older_first.SerializeToString(),
+            _bytes(rewrite_decoder(older_first)),
+            older_step.SerializeToString(),
+            _bytes(rewrite_decoder(older_step)),
         )
     if kind == "split":
         first, step = (
