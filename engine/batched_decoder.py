@@ -53,6 +53,7 @@ then batch only rows of equal length (lockstep).
 int8 caveat, not the rewrite's: `DynamicQuantizeLinear` takes one scale per tensor over
 the whole batch, so any batching (lockstep too) moves a row's int8 logits a little (0.2 on
 the fixture) against decoding it alone.
+
 Needs the `onnx` package, imported only here, like `engine.merged_split`.
 """
 
@@ -86,7 +87,6 @@ _MATMULS = frozenset(
 )
 _SHAPE_ONLY = frozenset({"Shape", "Size"})  # read their input's shape, not its values
 _MASK_WRAPPERS = frozenset({"Reshape", "Cast", "Identity"})  # between the mask Add and Softmax
-_INDEX_CHAIN = frozenset({"Cast", "Identity", "Unsqueeze", "Add", "Sub"})
 _LOOKUP_CHAIN = frozenset({"Cast", "Identity", "DequantizeLinear", "Mul", "Unsqueeze"})
 _NEGATIVE_ENOUGH = -1e4  # a mask constant at or below this is "the large negative value"
 
@@ -616,8 +616,11 @@ def rewrite_decoder(model: onnx.ModelProto, name: str = "decoder") -> onnx.Model
     try:
         return _rewrite(model)
     except _Unsupported as exc:
-        log.warning("%s: no batched-decoder rewrite (%s): rows must share one length", name, exc)
-        return None
+        reason = str(exc)
+    except Exception as exc:  # a malformed graph: falling back is always safe
+        reason = f"unexpected graph: {exc!r}"
+    log.warning("%s: no batched-decoder rewrite (%s): rows must share one length", name, reason)
+    return None
 
 
 # -- checking ----------------------------------------------------------------------------
