@@ -129,8 +129,7 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         metavar="R",
-        help="benchmarking random-weight models only: every decode emits ceil(R * source "
-        "tokens)",
+        help="benchmarking random-weight models only: every decode emits ceil(R * source tokens)",
     )
 
 

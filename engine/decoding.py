@@ -521,8 +521,7 @@ class ContinuousBatch:
             mask[r, : lengths[r]] = 1
             search.start(len(search.prefix))
         enc = stack_encoder_outputs([e for _, e in members])
-        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask)
-        last = logits[np.arange(len(searches)), np.array(lengths) - 1]
+        last, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask)
         # Their first step, as a batch of their own, then merged into this one.
         newcomers = ContinuousBatch(self.model, self.decoder)
         newcomers.searches = searches

@@ -307,7 +307,9 @@ class MarianOnnx:
         self._empty_kv = np.zeros((1, heads, 0, config.head_dim), dtype=self.float_type)
         self.masked: MaskedDecoder | None = None
         if options.batchable and self.layout in (DecoderLayout.MERGED, DecoderLayout.SPLIT):
-            self.masked = MaskedDecoder.load(model_dir, config, options, self.calls)
+            assert self.step is not None
+            originals = (self.first, self.step)
+            self.masked = MaskedDecoder.load(model_dir, config, options, self.calls, originals)
 
     @property
     def batching(self) -> str:
@@ -510,8 +512,10 @@ class MaskedDecoder:
         layers: int,
         max_difference: float,
         calls: Counter[str],
+        last_only: bool = False,
     ) -> None:
         self.first = first
+        self.last_only = last_only
         self.step_session = step
         self.max_difference = max_difference
         self._first_inputs = {i.name for i in first.get_inputs()}
@@ -524,32 +528,55 @@ class MaskedDecoder:
 
     @classmethod
     def load(
-        cls, model_dir: Path, config: ModelConfig, options: RuntimeOptions, calls: Counter[str]
+        cls,
+        model_dir: Path,
+        config: ModelConfig,
+        options: RuntimeOptions,
+        calls: Counter[str],
+        originals: tuple[ort.InferenceSession, ort.InferenceSession],
     ) -> MaskedDecoder | None:
-        """The rewritten pair, checked against the original graphs; None (logged once,
-        with the reason) when the rewrite or its check fails."""
-        from engine.batched_decoder import MASK_INPUT, load_batched_decoder
+        """The rewritten pair, checked against the original graphs (`originals`: the
+        no-past and with-past sessions the model runs otherwise) on a forced prefix and a
+        cached step; None, logged once with the reason, when the rewrite or its check
+        fails, and the model batches in lockstep."""
+        from engine.batched_decoder import (
+            MASK_INPUT,
+            REWRITE_TOLERANCE,
+            check_rewrite,
+            load_batched_decoder,
+        )
 
         try:
-            rewritten = load_batched_decoder(model_dir, quantized=options.quantized)
+            rewritten = load_batched_decoder(model_dir, quantized=options.quantized, check=False)
+            if rewritten is None:
+                return None  # load_batched_decoder logged why
+            so = _session_options(options)
+            providers = list(options.providers)
+            first = ort.InferenceSession(rewritten.first, so, providers=providers)
+            step = ort.InferenceSession(rewritten.step, so, providers=providers)
+            worst = max(
+                check_rewrite(originals[0], first, past_len=0, cur_len=3),
+                check_rewrite(originals[1], step, past_len=4, cur_len=1),
+            )
         except Exception as exc:  # a graph the rewriter did not foresee: fall back
             log.warning("%s: decoder rewrite failed (%s): lockstep batching", model_dir, exc)
             return None
-        if rewritten is None:
-            return None  # load_batched_decoder logged why
-        so = _session_options(options)
-        providers = list(options.providers)
-        first = ort.InferenceSession(rewritten.first, so, providers=providers)
-        step = ort.InferenceSession(rewritten.step, so, providers=providers)
-        if MASK_INPUT not in {i.name for i in step.get_inputs()}:
+        if not worst <= REWRITE_TOLERANCE or MASK_INPUT not in {i.name for i in step.get_inputs()}:
+            log.warning(
+                "%s: rewritten decoder differs from the original by %.3g (tolerance %g): "
+                "not used, lockstep batching",
+                model_dir,
+                worst,
+                REWRITE_TOLERANCE,
+            )
             return None
         log.info(
             "%s: continuous batching (decoder rewritten with masks and positions; "
             "max logit difference to the original %.2g)",
             model_dir,
-            rewritten.max_difference,
+            worst,
         )
-        return cls(first, step, config.decoder_layers, rewritten.max_difference, calls)
+        return cls(first, step, config.decoder_layers, worst, calls, rewritten.first_last_only)
 
     def _feed(self, declared: set[str], values: dict[str, Any]) -> dict[str, Any]:
         return {name: value for name, value in values.items() if name in declared}
@@ -557,8 +584,8 @@ class MaskedDecoder:
     def prefill(
         self, enc: EncoderOutput, input_ids: IntArray, mask: IntArray
     ) -> tuple[FloatArray, tuple[FloatArray, ...], tuple[FloatArray, ...]]:
-        """Logits [B, T, V] and the rows' self and cross KV for right-padded `input_ids`
-        whose real tokens `mask` marks (1)."""
+        """Logits of each row's last real token [B, V] and the rows' self and cross KV, for
+        right-padded `input_ids` whose real tokens `mask` marks (1)."""
         from engine.batched_decoder import MASK_INPUT, POSITIONS_INPUT
 
         batch, length = input_ids.shape
@@ -575,7 +602,10 @@ class MaskedDecoder:
             ["logits", *self._self_out, *self._cross_out], self._feed(self._first_inputs, values)
         )
         n = len(self._self_out)
-        return out[0], tuple(out[1 : 1 + n]), tuple(out[1 + n :])
+        logits = out[0]
+        rows = np.arange(batch)
+        last = logits[:, 0] if self.last_only else logits[rows, mask.sum(axis=1) - 1]
+        return last, tuple(out[1 : 1 + n]), tuple(out[1 + n :])
 
     def step(
         self,

@@ -6,6 +6,7 @@ This is the engine core's public face; the streaming controller builds on the sa
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,9 @@ class Translator:
                 f"{path}: vocab.json has {len(tokenizer)} entries, "
                 f"the model only {config.vocab_size}"
             )
+        if intra_op_threads is None and not os.environ.get("NMT_INTRA_OP_THREADS"):
+            # The scheduler's lanes each run one call at a time: its thread count per lane.
+            intra_op_threads = (scheduler or SchedulerOptions()).resolved()[1]
         options = RuntimeOptions(
             quantized=quantized,
             use_cache=use_cache,

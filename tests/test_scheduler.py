@@ -75,8 +75,11 @@ def requests(tr: Translator) -> list[tuple[str, list[int]]]:
 
 @pytest.fixture(scope="module", params=layouts(), ids=[name for name, _ in layouts()])
 def translator(request: pytest.FixtureRequest) -> Translator:
+    """One lane, so that every request shares its batch (lanes: see test_two_lanes_...)."""
     needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL, **request.param[1])
+    return Translator.from_dir(
+        FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1), **request.param[1]
+    )
 
 
 def test_the_fixture_decoders_are_rewritten_for_continuous_batching(
@@ -186,7 +189,7 @@ def test_a_stale_partial_leaves_the_batch_and_others_go_on(translator: Translato
 
 def test_finals_are_admitted_before_waiting_partials() -> None:
     needs_fixture()
-    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(max_rows=2))
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(max_rows=2, lanes=1))
     release = threading.Event()
     first_step: dict[str, int] = {}
     clock = iter(range(10**6))
@@ -263,3 +266,69 @@ def test_scheduler_runs_encoder_jobs_batched() -> None:
     out = scheduler.encode(ids[:1, : int(mask[0].sum())], mask[:1, : int(mask[0].sum())])
     width = int(mask[0].sum())
     assert np.allclose(out.hidden_states[0], whole.hidden_states[0, :width], atol=1e-5)
+
+
+def test_a_rewrite_that_changes_the_logits_is_refused_for_lockstep(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rewritten decoder is checked against the original before use: one whose
+    numbers differ (here a weight nudged after the rewrite) is refused with one log line,
+    and the model batches in lockstep, with the original graphs' results."""
+    needs_fixture()
+    import onnx
+    from onnx import numpy_helper
+
+    import engine.batched_decoder as bd
+
+    real = bd.rewrite_decoder
+
+    def nudged(model: onnx.ModelProto, name: str = "decoder") -> onnx.ModelProto | None:
+        out = real(model, name)
+        if out is None:
+            return None
+        for init in out.graph.initializer:
+            array = numpy_helper.to_array(init)
+            if array.dtype == np.float32 and array.ndim == 2 and array.size > 1000:
+                init.CopyFrom(numpy_helper.from_array(array + 0.05, init.name))
+                break
+        return out
+
+    monkeypatch.setattr(bd, "rewrite_decoder", nudged)
+    with caplog.at_level("WARNING"):
+        tr = Translator.from_dir(FIXTURE_MODEL)
+    assert tr.scheduler.batching == "lockstep"
+    refusals = [r for r in caplog.records if "rewritten decoder differs" in r.getMessage()]
+    assert len(refusals) == 1
+    ref = alone(tr, SOURCES[0], [], DecodeOptions())
+    assert tr.translate([SOURCES[0]])[0].token_ids == ref.token_ids
+
+
+def test_two_lanes_share_the_work_and_give_the_same_results() -> None:
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=2))
+    assert (tr.scheduler.lanes, tr.scheduler.threads_per_lane) == (2, 1)
+    todo = requests(tr) * 3
+    expected = [alone(tr, text, prefix, DecodeOptions()) for text, prefix in todo]
+    gate = threading.Barrier(len(todo))
+
+    def one(item: tuple[str, list[int]]) -> Hypothesis:
+        text, prefix = item
+        enc = tr.encode([tr.source_ids(text)])
+        gate.wait()
+        return tr.decode(enc, prefixes=[prefix])[0]
+
+    with ThreadPoolExecutor(len(todo)) as pool:
+        got = list(pool.map(one, todo))
+    assert [h.token_ids for h in got] == [r.token_ids for r in expected]
+    for h, r in zip(got, expected, strict=True):
+        assert h.score == pytest.approx(r.score, abs=1e-4)
+    steps = [lane.stats["decoder_steps"] for lane in tr.scheduler._lanes]
+    assert all(steps), steps  # both lanes decoded
+
+
+def test_thread_counts_are_set_in_one_place() -> None:
+    assert SchedulerOptions().resolved(2) == (2, 1)
+    assert SchedulerOptions().resolved(1) == (1, 1)
+    assert SchedulerOptions().resolved(16) == (2, 8)
+    assert SchedulerOptions(lanes=4).resolved(16) == (4, 4)
+    assert SchedulerOptions(lanes=1, threads_per_lane=3).resolved(2) == (1, 3)
