@@ -155,7 +155,8 @@ class DecodeScheduler:
     @property
     def stats(self) -> Counter[str]:
         """Counters summed over the lanes: decoder_steps, prefill_calls, prefill_rows,
-        encoder_calls, rows_ended, rows_cancelled, queue_wait_ms."""
+        encoder_calls, rows_ended, rows_cancelled, queue_wait_ms, idle_ms (waiting for
+        work)."""
         total: Counter[str] = Counter()
         for lane in self._lanes:
             total.update(lane.stats)
@@ -245,8 +246,10 @@ class DecodeScheduler:
     def _loop(self, lane: _Lane) -> None:
         while True:
             with self._cond:
+                idle = time.perf_counter()
                 while not (self._waiting or self._encodes or lane.batch) and not self._closed:
                     self._cond.wait()
+                lane.stats["idle_ms"] += int((time.perf_counter() - idle) * 1000)
                 if self._closed:
                     self._fail_lane(lane, SchedulerClosed("the decode scheduler is closed"))
                     self._fail_waiting(SchedulerClosed("the decode scheduler is closed"))

@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         help="lockstep: without the rewritten decoder (the fallback path)",
     )
     parser.add_argument("--max-rows", type=int, default=None, help="scheduler rows per step")
+    parser.add_argument("--lanes", type=int, default=None, help="scheduler lanes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
@@ -167,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         from engine.scheduler import SchedulerOptions
 
         kwargs["batchable"] = args.batching == "continuous"
-        if args.max_rows:
-            kwargs["scheduler"] = SchedulerOptions(max_rows=args.max_rows)
+        chosen = {
+            "max_rows": args.max_rows,
+            "lanes": args.lanes,
+        }
+        kwargs["scheduler"] = SchedulerOptions(**{k: v for k, v in chosen.items() if v})
     except ImportError:  # an older engine, for before/after runs
         pass
     translator = Translator.from_dir(args.model, **kwargs)

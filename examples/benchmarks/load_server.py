@@ -104,6 +104,13 @@ def main() -> int:
     parser.add_argument("--speed", type=float, default=1.0, help="1 = real time")
     parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads")
     parser.add_argument("--policy", default="la2")
+    parser.add_argument("--quantized", action="store_true", help="the int8 files")
+    parser.add_argument(
+        "--forced-length-ratio",
+        type=float,
+        default=None,
+        help="random-weight benchmark models: every decode emits ceil(R * source tokens)",
+    )
     args = parser.parse_args()
     counts = [int(x) for x in args.clients.split(",")]
 
@@ -117,6 +124,10 @@ def main() -> int:
         ]  # fmt: skip
         if args.threads:
             command += ["--threads", str(args.threads)]
+        if args.quantized:
+            command += ["--quantized"]
+        if args.forced_length_ratio:
+            command += ["--forced-length-ratio", str(args.forced_length_ratio)]
         server_log = open(Path(tmp) / "server.log", "w+", encoding="utf-8")  # noqa: SIM115
         server = subprocess.Popen(command, cwd=ROOT, stdout=server_log, stderr=server_log)
         base = f"http://127.0.0.1:{port}"
