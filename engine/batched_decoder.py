@@ -108,9 +108,6 @@ class BatchedDecoder:
     step: bytes
     sources: tuple[str, ...]
     max_difference: float | None  # None: not checked (`load_batched_decoder(check=False)`)
-    # `first` returns logits of each row's last real position only ([B, 1, V]): the
-    # output projection is not run on the forced prefix (`last_position_logits`).
-    first_last_only: bool = False
 
 
 # -- graph inspection --------------------------------------------------------------------
@@ -718,102 +715,7 @@ def check_rewrite(
     for session in (first, second):
         names = {a.name for a in session.get_inputs()}
         results.append(session.run(["logits"], {k: v for k, v in feed.items() if k in names})[0])
-    a, b = results
-    if b.shape[1] == 1 and a.shape[1] > 1:  # a rewrite that returns the last position only
-        a = a[:, -1:]
-    return float(np.max(np.abs(a - b)))
-
-
-# -- logits of the last position only ---------------------------------------------------
-
-_PROJECTIONS = frozenset({"MatMul", "MatMulInteger"})
-
-
-def last_position_logits(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """A rewritten no-past decoder that runs the output projection on each row's last real
-    position only (the row's `decoder_attention_mask` sum - 1), so `logits` is [B, 1, V].
-
-    A prefill feeds the start token and a forced prefix of T tokens but needs the logits
-    of the last one alone; the projection to the vocabulary (512 x 65001 for OPUS-MT) is
-    most of the cost of each position, so a prefill of 30 tokens costs about a third. The
-    rows are gathered right at the projection's data input: in an int8 graph that is the
-    tensor `DynamicQuantizeLinear` quantized over all positions, so the kept row's numbers
-    are exactly the original's. None (the graph is left as it was) when the projection is
-    not found: the last `MatMul`/`MatMulInteger` before `logits` whose weight is a 2-D
-    constant with the vocabulary as a dimension.
-    """
-    import onnx
-    from onnx import helper
-
-    graph = model.graph
-    outputs = {o.name: o for o in graph.output}
-    if "logits" not in outputs or MASK_INPUT not in {i.name for i in graph.input}:
-        return None
-    dims = outputs["logits"].type.tensor_type.shape.dim
-    vocab = dims[-1].dim_value if dims else 0
-    producers = {o: n for n in graph.node for o in n.output}
-    constants = {i.name: tuple(i.dims) for i in graph.initializer}
-
-    def weight_shape(name: str) -> tuple[int, ...] | None:
-        for _ in range(3):  # through Transpose / DequantizeLinear of an initializer
-            if name in constants:
-                return constants[name]
-            node = producers.get(name)
-            if node is None or node.op_type not in ("Transpose", "DequantizeLinear", "Cast"):
-                return None
-            name = node.input[0]
-        return None
-
-    frontier: list[str] = ["logits"]
-    seen: set[int] = set()
-    found: onnx.NodeProto | None = None
-    for _ in range(8):
-        nxt: list[str] = []
-        for name in frontier:
-            node = producers.get(name)
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            if node.op_type in _PROJECTIONS and len(node.input) > 1:
-                shape = weight_shape(node.input[1])
-                if shape is not None and len(shape) == 2 and (not vocab or vocab in shape):
-                    found = node
-                    break
-            nxt.extend(i for i in node.input if i and i not in constants)
-        if found is not None or not nxt:
-            break
-        frontier = nxt
-    if found is None:
-        log.info("no output projection found before logits: prefill computes every position")
-        return None
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    target = next(n for n in out.graph.node if list(n.output) == list(found.output))
-    data = target.input[0]
-    tag = f"{_PREFIX}_last"
-    new_nodes = [
-        helper.make_node(
-            "Constant",
-            [],
-            [f"{tag}_axes"],
-            value=helper.make_tensor(f"{tag}_axes_value", onnx.TensorProto.INT64, [1], [1]),
-        ),
-        helper.make_node(
-            "Constant",
-            [],
-            [f"{tag}_one"],
-            value=helper.make_tensor(f"{tag}_one_value", onnx.TensorProto.INT64, [], [1]),
-        ),
-        helper.make_node("ReduceSum", [MASK_INPUT, f"{tag}_axes"], [f"{tag}_count"], keepdims=1),
-        helper.make_node("Sub", [f"{tag}_count", f"{tag}_one"], [f"{tag}_index"]),
-        helper.make_node("GatherND", [data, f"{tag}_index"], [f"{tag}_rows"], batch_dims=1),
-        helper.make_node("Unsqueeze", [f"{tag}_rows", f"{tag}_axes"], [f"{tag}_data"]),
-    ]
-    target.input[0] = f"{tag}_data"
-    position = list(out.graph.node).index(target)
-    for offset, node in enumerate(new_nodes):
-        out.graph.node.insert(position + offset, node)
-    return out
+    return float(np.max(np.abs(results[0] - results[1])))
 
 
 # -- model directories -------------------------------------------------------------------
@@ -880,15 +782,10 @@ def load_batched_decoder(
     worst: float | None = 0.0 if check else None
     # (past_len, cur_len) probes: a forced prefix, then a cached step.
     probes = (("no past", 0, 3), ("with past", 4, 1))
-    last_only = False
     for part, original, (label, past_len, cur_len) in zip(parts, originals, probes, strict=True):
         model = rewrite_decoder(_load(part), f"{sources[0]} ({label})")
         if model is None:
             return None
-        if past_len == 0:
-            cut = last_position_logits(model)
-            if cut is not None:
-                model, last_only = cut, True
         data = model.SerializeToString()
         out.append(data)
         if worst is None:
@@ -908,4 +805,4 @@ def load_batched_decoder(
             )
             return None
         worst = max(worst, difference)
-    return BatchedDecoder(out[0], out[1], sources, worst, last_only)
+    return BatchedDecoder(out[0], out[1], sources, worst)

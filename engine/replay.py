@@ -240,6 +240,14 @@ class ReplayResult:
             ("updates / unchanged", f"{c['updates']} / {c['unchanged']}"),
             ("cancelled / superseded", f"{c['cancelled']} / {c['superseded']}"),
             ("errors / dropped", f"{c['errors']} / {c['dropped']}"),
+            (
+                "decoder steps / prefill calls",
+                f"{c.get('decoder_steps', 0)} / {c.get('prefill_calls', 0)}",
+            ),
+            (
+                "draft tokens accepted / offered",
+                f"{c.get('draft_accepted', 0)} / {c.get('draft_offered', 0)}",
+            ),
             ("wall time (s)", num(self.wall_s, 2)),
             ("wall time / emit span", num(self.wall_rtf, 3)),
         ]
@@ -336,6 +344,7 @@ class _Run:
     accepted: dict[tuple[str, int], Mapping[str, Any]] = field(default_factory=dict)
     refused: list[RefusedEvent] = field(default_factory=list)
     stats: Counter[str] = field(default_factory=Counter)
+    decoding: Counter[str] = field(default_factory=Counter)
     dropped: int = 0
     t0: float = 0.0
     emit0: float = 0.0
@@ -369,6 +378,7 @@ async def _drive(
     on_update: Callable[[TimedUpdate], None] | None,
 ) -> _Run:
     run = _Run()
+    before = translator.scheduler.stats
     show = _show_progress(options.progress, len(lines))
     bar = tqdm(total=len(lines), disable=not show, file=sys.stderr, unit="ev", leave=False)
     try:
@@ -410,6 +420,8 @@ async def _drive(
             run.wall_s = time.perf_counter() - run.t0
             run.stats = Counter(nmt.stats)
             run.dropped = sub.dropped
+            # The decode scheduler's work for this replay (the final check runs later).
+            run.decoding = translator.scheduler.stats - before
     finally:
         bar.close()
     return run
@@ -548,6 +560,8 @@ async def replay_async(
     for key in ("updates", "unchanged", "cancelled", "superseded", "errors"):
         counts[key] = run.stats[key]
     counts["dropped"] = run.dropped
+    for key in ("decoder_steps", "prefill_calls", "draft_offered", "draft_accepted"):
+        counts[key] = run.decoding[key]
     emits = [float(line["emit_ms"]) for line in lines]
     return ReplayResult(
         updates=tuple(updates),

@@ -512,10 +512,8 @@ class MaskedDecoder:
         layers: int,
         max_difference: float,
         calls: Counter[str],
-        last_only: bool = False,
     ) -> None:
         self.first = first
-        self.last_only = last_only
         self.step_session = step
         self.max_difference = max_difference
         self._first_inputs = {i.name for i in first.get_inputs()}
@@ -576,7 +574,7 @@ class MaskedDecoder:
             model_dir,
             worst,
         )
-        return cls(first, step, config.decoder_layers, worst, calls, rewritten.first_last_only)
+        return cls(first, step, config.decoder_layers, worst, calls)
 
     def _feed(self, declared: set[str], values: dict[str, Any]) -> dict[str, Any]:
         return {name: value for name, value in values.items() if name in declared}
@@ -584,8 +582,8 @@ class MaskedDecoder:
     def prefill(
         self, enc: EncoderOutput, input_ids: IntArray, mask: IntArray
     ) -> tuple[FloatArray, tuple[FloatArray, ...], tuple[FloatArray, ...]]:
-        """Logits of each row's last real token [B, V] and the rows' self and cross KV, for
-        right-padded `input_ids` whose real tokens `mask` marks (1)."""
+        """Logits [B, T, V] and the rows' self and cross KV, for right-padded `input_ids`
+        whose real tokens `mask` marks (1)."""
         from engine.batched_decoder import MASK_INPUT, POSITIONS_INPUT
 
         batch, length = input_ids.shape
@@ -602,10 +600,7 @@ class MaskedDecoder:
             ["logits", *self._self_out, *self._cross_out], self._feed(self._first_inputs, values)
         )
         n = len(self._self_out)
-        logits = out[0]
-        rows = np.arange(batch)
-        last = logits[:, 0] if self.last_only else logits[rows, mask.sum(axis=1) - 1]
-        return last, tuple(out[1 : 1 + n]), tuple(out[1 + n :])
+        return out[0], tuple(out[1 : 1 + n]), tuple(out[1 + n :])
 
     def step(
         self,

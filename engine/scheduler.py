@@ -156,7 +156,7 @@ class DecodeScheduler:
     def stats(self) -> Counter[str]:
         """Counters summed over the lanes: decoder_steps, prefill_calls, prefill_rows,
         encoder_calls, rows_ended, rows_cancelled, queue_wait_ms, idle_ms (waiting for
-        work)."""
+        work), draft_offered and draft_accepted (draft tokens verified in prefills)."""
         total: Counter[str] = Counter()
         for lane in self._lanes:
             total.update(lane.stats)
@@ -190,24 +190,28 @@ class DecodeScheduler:
         prefixes: Sequence[Sequence[int]] | None = None,
         hook: StepHook | None = None,
         should_stop: Callable[[], bool] | None = None,
+        drafts: Sequence[Sequence[int]] | None = None,
     ) -> list[Hypothesis]:
         """Decode each source of `enc` (after its forced prefix) as its own request.
 
         With `should_stop`, the requests are partials: dropped at the next step once it
         returns true (raising `DecodingCancelled` here) and admitted after finals.
+        `drafts`: tokens each row is expected to continue with (greedy only), verified in
+        the prefill call when the batching is continuous; the result is the same.
         """
         prefixes = prefixes if prefixes is not None else [[] for _ in range(enc.batch_size)]
-        if len(prefixes) != enc.batch_size:
-            raise ValueError("one prefix per source is needed")
+        drafts = drafts if drafts is not None else [[] for _ in range(enc.batch_size)]
+        if not len(prefixes) == len(drafts) == enc.batch_size:
+            raise ValueError("one prefix (and draft) per source is needed")
         priority = FINAL if should_stop is None else PARTIAL
         requests = [
             _Request(
-                make_search(self.model.config, prefix, options, hook),
+                make_search(self.model.config, prefix, options, hook, draft),
                 enc.select(np.array([row], dtype=np.int64)),
                 priority,
                 should_stop,
             )
-            for row, prefix in enumerate(prefixes)
+            for row, (prefix, draft) in enumerate(zip(prefixes, drafts, strict=True))
         ]
         self._submit(requests=requests)
         return [request.future.result() for request in requests]
@@ -313,6 +317,9 @@ class DecodeScheduler:
                 ended = batch.join([(r.search, r.enc) for r in chosen])
                 for search in ended:
                     self._finish(lane, search)
+                if isinstance(batch, ContinuousBatch):  # draft tokens offered / accepted
+                    lane.stats.update(batch.stats)
+                    batch.stats.clear()
                 lane.stats["prefill_calls"] += 1
                 lane.stats["prefill_rows"] += len(chosen)
         stale = [s for s in batch.searches if lane.running[s].stale()]

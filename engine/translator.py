@@ -131,11 +131,13 @@ class Translator:
         prefixes: Sequence[Sequence[int]] | None = None,
         hook: StepHook | None = None,
         should_stop: Callable[[], bool] | None = None,
+        drafts: Sequence[Sequence[int]] | None = None,
     ) -> list[Hypothesis]:
         """Decode each source of `enc` through the scheduler; with `should_stop` these are
-        partials, dropped (`DecodingCancelled`) once it returns true."""
+        partials, dropped (`DecodingCancelled`) once it returns true. `drafts`: expected
+        continuations to verify in one call (see `DecodeScheduler.decode`)."""
         return self.scheduler.decode(
-            enc, options, prefixes=prefixes, hook=hook, should_stop=should_stop
+            enc, options, prefixes=prefixes, hook=hook, should_stop=should_stop, drafts=drafts
         )
 
     def detokenize(self, token_ids: Sequence[int]) -> str:

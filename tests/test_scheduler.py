@@ -332,3 +332,67 @@ def test_thread_counts_are_set_in_one_place() -> None:
     assert SchedulerOptions().resolved(16) == (2, 8)
     assert SchedulerOptions(lanes=4).resolved(16) == (4, 4)
     assert SchedulerOptions(lanes=1, threads_per_lane=3).resolved(2) == (1, 3)
+
+
+# -- draft verification (issue 14) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["accepted", "longer", "rejected", "partly"])
+def test_a_draft_changes_nothing_but_the_steps(translator: Translator, kind: str) -> None:
+    """Whatever the draft (the true continuation, longer than it, wrong from its first
+    token, right for a while), the result is plain greedy decoding's; only the number of
+    stepwise decoder calls changes, by the tokens the draft got right."""
+    for text, prefix in requests(translator):
+        ref = alone(translator, text, prefix, DecodeOptions())
+        tail = list(ref.token_ids[len(prefix) :])
+        wrong = (tail[0] + 1) % translator.config.vocab_size if tail else 5
+        draft = {
+            "accepted": tail,
+            "longer": [*tail, 7, 8, 9],
+            "rejected": [wrong, *tail],
+            "partly": [*tail[:2], wrong, *tail[3:]],
+        }[kind]
+        enc = translator.encode([translator.source_ids(text)])
+        before = translator.scheduler.stats
+        hyp = translator.decode(enc, prefixes=[prefix], drafts=[draft])[0]
+        after = translator.scheduler.stats
+        assert hyp.token_ids == ref.token_ids, (kind, text, prefix)
+        assert hyp.finished == ref.finished
+        assert hyp.score == pytest.approx(ref.score, abs=tolerance(translator, len(tail)))
+        if translator.scheduler.batching != "continuous":
+            continue
+        accepted = after["draft_accepted"] - before["draft_accepted"]
+        steps = after["decoder_steps"] - before["decoder_steps"]
+        expected = {
+            "accepted": len(tail),
+            "longer": len(tail),
+            "rejected": 0,
+            "partly": min(2, len(tail)),
+        }[kind]
+        assert accepted == expected, (kind, text, prefix)
+        # The prefill gives the token after the confirmed ones; every later token and
+        # the eos after the last cost one step each.
+        assert steps == len(tail) - accepted, (kind, steps)
+
+
+def test_replay_with_drafts_gives_the_same_updates_in_fewer_steps() -> None:
+    needs_fixture()
+    from engine.evaluation.translogs import read_log
+    from engine.replay import ReplayOptions, replay
+    from engine.streaming import StreamingOptions
+    from tests.conftest import ROOT
+
+    lines = read_log(ROOT / "examples" / "logs" / "fixture_en_zh_asr.jsonl")
+    shown, steps = {}, {}
+    for drafts in (False, True):
+        tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
+        options = ReplayOptions(streaming=StreamingOptions(drafts=drafts), progress=False)
+        result = replay(tr, lines, options)
+        shown[drafts] = [
+            (u.update.seq, u.update.stable_text, u.update.unstable_text) for u in result.updates
+        ]
+        steps[drafts] = tr.scheduler.stats["decoder_steps"]
+        if drafts:
+            assert tr.scheduler.stats["draft_accepted"] > 0
+    assert shown[True] == shown[False]
+    assert steps[True] < steps[False]

@@ -169,6 +169,7 @@ class SubtitleServer:
         self.metrics = ServerMetrics(
             open_streams=lambda: len(self.engine.streams) if self.engine else 0,
             engine_stats=lambda: self.engine.stats if self.engine else None,
+            scheduler_stats=lambda: self.engine.translator.scheduler.stats if self.engine else None,
         )
         self._allowed = (
             frozenset(self.options.allowed_origins)

@@ -20,18 +20,20 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class _EngineStats(Collector):
-    """Exposes the controller's own `stats` counter (events, superseded, cancelled, ...)
-    at scrape time, so the engine needs no dependency on Prometheus."""
+    """Exposes one of the engine's own counters (the controller's `stats`: events,
+    superseded, cancelled, ...; the decode scheduler's: decoder steps, prefills, draft
+    tokens offered and accepted, ...) at scrape time, so the engine needs no dependency on
+    Prometheus."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, int] | None]) -> None:
+    def __init__(
+        self, stats: Callable[[], Mapping[str, int] | None], name: str, documentation: str
+    ) -> None:
         self._stats = stats
+        self._name = name
+        self._documentation = documentation
 
     def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(
-            "nmt_engine_events",
-            "Engine work by outcome (events accepted, superseded, cancelled, updates, ...).",
-            labels=["kind"],
-        )
+        family = CounterMetricFamily(self._name, self._documentation, labels=["kind"])
         for kind, count in sorted((self._stats() or {}).items()):
             family.add_metric([kind], count)
         yield family
@@ -44,6 +46,7 @@ class ServerMetrics:
         self,
         open_streams: Callable[[], int],
         engine_stats: Callable[[], Mapping[str, int] | None],
+        scheduler_stats: Callable[[], Mapping[str, int] | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -91,7 +94,22 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(_EngineStats(engine_stats))
+        r.register(
+            _EngineStats(
+                engine_stats,
+                "nmt_engine_events",
+                "Engine work by outcome (events accepted, superseded, cancelled, updates, ...).",
+            )
+        )
+        r.register(
+            _EngineStats(
+                scheduler_stats,
+                "nmt_scheduler_work",
+                "Decode scheduler work (decoder_steps, prefill_calls, prefill_rows, "
+                "encoder_calls, rows_ended, rows_cancelled, draft_offered, draft_accepted, "
+                "queue_wait_ms, idle_ms).",
+            )
+        )
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, negotiated from `Accept`."""

@@ -47,6 +47,10 @@ class StreamingOptions:
     a row that only extend the words before them: real recognisers rewrite shown words
     (about 40% of changes), and a translation committed from words about to change is a
     revised final. None (the default) commits on the target side alone.
+    `drafts`: hand the previous hypothesis to the decoder as a draft to verify in the
+    prefill call (the tentative tail for a partial, the whole last hypothesis for a
+    final), so that tokens it confirms cost no step of their own; the output is the same
+    with or without (greedy; used when the model batches continuously).
     """
 
     policy: Policy = field(default_factory=LocalAgreement)
@@ -57,6 +61,7 @@ class StreamingOptions:
     drop_fillers: bool = True
     source_normalizer: Callable[[str], str] | None = None
     source_agreement: int | None = None
+    drafts: bool = True
 
     def clean(self, text: str, lang: str | None) -> str:
         """The source the engine translates: NFC and collapsed whitespace
@@ -261,12 +266,18 @@ class StreamSession:
         policy = self.options.policy
         enc = self._encode(seg, source, partial=True, ids=self._admitted)
         previous = seg.history[-1] if seg.history else None
+        draft: list[int] = []
+        if self.options.drafts and previous is not None:
+            done = len(seg.committed)
+            if previous[:done] == seg.committed:
+                draft = previous[done:]
         hyp = self.translator.decode(
             enc,
             self.options.decode_for(len(seg.source_ids or ()), len(seg.committed), partial=True),
             prefixes=[seg.committed],
             hook=policy.hook(previous),
             should_stop=should_stop,
+            drafts=[draft],
         )[0]
         tokens = list(hyp.token_ids)
         if self.options.source_agreement is not None:
@@ -309,7 +320,8 @@ class StreamSession:
         else:
             enc = self._encode(seg, source, partial=False, ids=self._admitted)
             options = self.options.decode_for(len(seg.source_ids or ()))
-            hyp = self.translator.decode(enc, options)[0]
+            draft = seg.history[-1] if self.options.drafts and seg.history else []
+            hyp = self.translator.decode(enc, options, drafts=[draft])[0]
             seg.source = source
             text = self.translator.detokenize(hyp.token_ids)
         revised = not text.startswith(seg.stable_text)
