@@ -44,10 +44,11 @@ def layouts() -> list[tuple[str, dict[str, object]]]:
 def tolerance(tr: Translator, tokens: int = 1) -> float:
     """Score tolerance against decoding alone. fp32: 1e-4. The int8 files quantize
     activations per call (`DynamicQuantizeLinear` takes one scale for the whole input
-    tensor, batch included), so a row's int8 log-probs depend on its batch mates by up to
-    a few 1e-3 per token, as in any batched call of these graphs (the lockstep path and
-    offline batches too); tokens must still be equal."""
-    return 5e-3 * max(tokens, 1) if tr.model.options.quantized else 1e-4
+    tensor, batch included), so a row's int8 logits depend on its batch mates (up to 0.2
+    on the fixture, log-probs by up to about 1e-2 per token), as in any batched call of
+    these graphs (the lockstep path and offline batches too); tokens must still be
+    equal."""
+    return 2e-2 * max(tokens, 1) if tr.model.options.quantized else 1e-4
 
 
 def alone(tr: Translator, text: str, prefix: Sequence[int], options: DecodeOptions) -> Hypothesis:
