@@ -4,7 +4,9 @@ This is the bottom layer: it knows file names and input/output signatures, and o
 calls (`encode`, `decode_first`, `decode_next`). Decoding strategies live above it.
 
 The decoder export comes in several shapes; we detect which from the ONNX signatures, never
-from file names alone:
+from file names alone, and each has its own class that says what its calls are fed and
+return (`MergedLayout`, `SplitLayout`, `SelfKvOnlyLayout`, `NoCacheLayout`; `MaskedDecoder`
+is the batchable rewrite of the first two):
 
 - MERGED: `decoder_model_merged.onnx`, an `If` on `use_cache_branch`, decoder and encoder KV.
 - SPLIT: `decoder_model.onnx` (no past) + `decoder_with_past_model.onnx`.
@@ -292,19 +294,11 @@ class MarianOnnx:
             if self._input_types.get("encoder_hidden_states") == "tensor(float16)"
             else np.float32
         )
-        # What the step graph declares decides what it is fed: some with-past exports
-        # declare `encoder_hidden_states` beside the encoder KV inputs they need.
-        step_inputs = set() if self.step is None else {i.name for i in self.step.get_inputs()}
-        self._step_takes_states = "encoder_hidden_states" in step_inputs
-        self._step_takes_cross_kv = (
-            bool(step_inputs) and set(_past_names(self.layers, "encoder")) <= step_inputs
+        # One class per layout says what each call is fed and returns.
+        native = _LAYOUTS[layout](self.first, self.step, config, self.float_type, self.calls)
+        self.decoder: LayoutDecoder = (
+            native if self.layout is not DecoderLayout.NO_CACHE else NoCacheLayout(native)
         )
-        self._self_out = _past_names(self.layers, "decoder", "present")
-        self._cross_out = _past_names(self.layers, "encoder", "present")
-        self._self_in = _past_names(self.layers, "decoder")
-        self._cross_in = _past_names(self.layers, "encoder")
-        heads = config.decoder_attention_heads
-        self._empty_kv = np.zeros((1, heads, 0, config.head_dim), dtype=self.float_type)
         self.masked: MaskedDecoder | None = None
         if options.batchable and self.layout in (DecoderLayout.MERGED, DecoderLayout.SPLIT):
             assert self.step is not None
@@ -427,15 +421,6 @@ class MarianOnnx:
         )
         return EncoderOutput(hidden, attention_mask)
 
-    def _empty(self, batch: int) -> FloatArray:
-        return np.zeros((batch, *self._empty_kv.shape[1:]), dtype=self.float_type)
-
-    def _run(
-        self, session: ort.InferenceSession, outputs: list[str], feed: dict[str, Any]
-    ) -> list[Any]:
-        self.calls["decoder"] += 1
-        return list(session.run(outputs, feed))
-
     def decode_first(
         self, enc: EncoderOutput, input_ids: IntArray
     ) -> tuple[FloatArray, DecoderCache]:
@@ -443,56 +428,209 @@ class MarianOnnx:
 
         Returns logits [B, T, V] and the cache, whose encoder KV stays fixed from here on.
         """
-        batch = input_ids.shape[0]
-        feed: dict[str, Any] = {
-            "encoder_attention_mask": enc.attention_mask,
-            "input_ids": input_ids,
-            "encoder_hidden_states": enc.hidden_states,
-        }
-        layout = self.layout
-        if "use_cache_branch" in self._input_types:
-            feed["use_cache_branch"] = np.zeros((1,), dtype=np.bool_)
-        if self.native_layout is DecoderLayout.MERGED:
-            for name in (*self._self_in, *self._cross_in):
-                feed[name] = self._empty(batch)
-        elif self.native_layout is DecoderLayout.SELF_KV_ONLY:
-            for name in self._self_in:
-                feed[name] = self._empty(batch)
-        if layout is DecoderLayout.NO_CACHE:
-            (logits,) = self._run(self.first, ["logits"], feed)
-            return logits, DecoderCache((), (), input_ids)
-        want_cross = layout in (DecoderLayout.MERGED, DecoderLayout.SPLIT)
-        names = ["logits", *self._self_out, *(self._cross_out if want_cross else [])]
-        out = self._run(self.first, names, feed)
-        n = len(self._self_out)
-        return out[0], DecoderCache(tuple(out[1 : 1 + n]), tuple(out[1 + n :]), input_ids)
+        return self.decoder.first_call(enc, input_ids)
 
     def decode_next(
         self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
     ) -> tuple[FloatArray, DecoderCache]:
         """One more token per row ([B, 1]); returns last-position logits [B, V] and the cache."""
-        tokens = np.concatenate([cache.tokens, input_ids], axis=1)
-        if self.layout is DecoderLayout.NO_CACHE:
-            logits, _ = self.decode_first(enc, tokens)
-            return logits[:, -1, :], DecoderCache((), (), tokens)
-        assert self.step is not None
+        return self.decoder.next_call(enc, cache, input_ids)
+
+
+class _Names:
+    """The KV input and output names of a decoder with `layers` layers."""
+
+    def __init__(self, layers: int) -> None:
+        self.self_in = _past_names(layers, "decoder")
+        self.cross_in = _past_names(layers, "encoder")
+        self.self_out = _past_names(layers, "decoder", "present")
+        self.cross_out = _past_names(layers, "encoder", "present")
+
+
+class LayoutDecoder:
+    """One decoder layout's calls: what its first call is fed and returns, and what every
+    later call is fed. One subclass per layout (`MergedLayout`, `SplitLayout`,
+    `SelfKvOnlyLayout`, `NoCacheLayout`; the batchable rewrite is `MaskedDecoder`), chosen
+    by `MarianOnnx` from the signatures, so no call site switches on the layout."""
+
+    layout: DecoderLayout
+
+    def __init__(
+        self,
+        first: ort.InferenceSession,
+        step: ort.InferenceSession | None,
+        config: ModelConfig,
+        float_type: type[np.floating[Any]],
+        calls: Counter[str],
+    ) -> None:
+        self.first = first
+        self.step = step
+        self.config = config
+        self.float_type = float_type
+        self.calls = calls
+        self.names = _Names(config.decoder_layers)
+        self.step_inputs = set() if step is None else {i.name for i in step.get_inputs()}
+
+    def _run(
+        self, session: ort.InferenceSession, outputs: list[str], feed: dict[str, Any]
+    ) -> list[Any]:
+        self.calls["decoder"] += 1
+        return list(session.run(outputs, feed))
+
+    def _empty(self, batch: int) -> FloatArray:
+        heads, dim = self.config.decoder_attention_heads, self.config.head_dim
+        return np.zeros((batch, heads, 0, dim), dtype=self.float_type)
+
+    def first_feed(self, enc: EncoderOutput, input_ids: IntArray) -> dict[str, Any]:
+        """What the first (no-past) call is fed."""
+        return {
+            "encoder_attention_mask": enc.attention_mask,
+            "input_ids": input_ids,
+            "encoder_hidden_states": enc.hidden_states,
+        }
+
+    def first_call(
+        self, enc: EncoderOutput, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        """Logits [B, T, V] and the cache: the self KV, and the encoder KV that every later
+        call is fed (only this call's `present.*.encoder.*` are real)."""
+        names = self.names
+        out = self._run(
+            self.first,
+            ["logits", *names.self_out, *names.cross_out],
+            self.first_feed(enc, input_ids),
+        )
+        n = len(names.self_out)
+        return out[0], DecoderCache(tuple(out[1 : 1 + n]), tuple(out[1 + n :]), input_ids)
+
+    def next_feed(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> dict[str, Any]:
+        """What a later call is fed: the new token, the self KV, the step-0 encoder KV."""
         feed: dict[str, Any] = {
             "encoder_attention_mask": enc.attention_mask,
             "input_ids": input_ids,
         }
-        feed.update(zip(self._self_in, cache.self_kv, strict=True))
-        if self._step_takes_cross_kv:
-            feed.update(zip(self._cross_in, cache.cross_kv, strict=True))
-        if self.layout is DecoderLayout.MERGED:
-            feed["use_cache_branch"] = np.ones((1,), dtype=np.bool_)
-            # Ignored on the cached branch, but the graph still declares the input.
-            feed["encoder_hidden_states"] = np.zeros(
-                (input_ids.shape[0], 0, self.config.d_model), dtype=self.float_type
-            )
-        elif self._step_takes_states:
-            feed["encoder_hidden_states"] = enc.hidden_states
-        out = self._run(self.step, ["logits", *self._self_out], feed)
+        feed.update(zip(self.names.self_in, cache.self_kv, strict=True))
+        if cache.cross_kv:  # the encoder KV of the first call, unless the layout has none
+            feed.update(zip(self.names.cross_in, cache.cross_kv, strict=True))
+        return feed
+
+    def next_call(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        """One token per row: last-position logits [B, V] and the cache grown by it."""
+        assert self.step is not None
+        tokens = np.concatenate([cache.tokens, input_ids], axis=1)
+        out = self._run(
+            self.step, ["logits", *self.names.self_out], self.next_feed(enc, cache, input_ids)
+        )
         return out[0][:, -1, :], DecoderCache(tuple(out[1:]), cache.cross_kv, tokens)
+
+
+class SplitLayout(LayoutDecoder):
+    """`decoder_model.onnx` (no past) then `decoder_with_past_model.onnx`. A with-past file
+    that also declares `encoder_hidden_states` gets them, besides the encoder KV."""
+
+    layout = DecoderLayout.SPLIT
+
+    def next_feed(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> dict[str, Any]:
+        feed = super().next_feed(enc, cache, input_ids)
+        if "encoder_hidden_states" in self.step_inputs:
+            feed["encoder_hidden_states"] = enc.hidden_states
+        return feed
+
+
+class MergedLayout(LayoutDecoder):
+    """`decoder_model_merged.onnx`: one `If` on `use_cache_branch`; both branches declare
+    every input, so the first call gets empty pasts and later ones zero-length states."""
+
+    layout = DecoderLayout.MERGED
+
+    def first_feed(self, enc: EncoderOutput, input_ids: IntArray) -> dict[str, Any]:
+        feed = super().first_feed(enc, input_ids)
+        feed["use_cache_branch"] = np.zeros((1,), dtype=np.bool_)
+        for name in (*self.names.self_in, *self.names.cross_in):
+            feed[name] = self._empty(input_ids.shape[0])
+        return feed
+
+    def next_feed(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> dict[str, Any]:
+        feed = super().next_feed(enc, cache, input_ids)
+        feed["use_cache_branch"] = np.ones((1,), dtype=np.bool_)
+        # Ignored on the cached branch, but the graph still declares the input.
+        batch = input_ids.shape[0]
+        feed["encoder_hidden_states"] = np.zeros(
+            (batch, 0, self.config.d_model), dtype=self.float_type
+        )
+        return feed
+
+
+class SelfKvOnlyLayout(LayoutDecoder):
+    """A decoder with its own KV but no encoder KV: cross-attention is recomputed from
+    `encoder_hidden_states` at every step, so there is no encoder KV to keep."""
+
+    layout = DecoderLayout.SELF_KV_ONLY
+
+    def first_feed(self, enc: EncoderOutput, input_ids: IntArray) -> dict[str, Any]:
+        feed = super().first_feed(enc, input_ids)
+        for name in self.names.self_in:
+            feed[name] = self._empty(input_ids.shape[0])
+        return feed
+
+    def first_call(
+        self, enc: EncoderOutput, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        out = self._run(
+            self.first, ["logits", *self.names.self_out], self.first_feed(enc, input_ids)
+        )
+        return out[0], DecoderCache(tuple(out[1:]), (), input_ids)
+
+    def next_feed(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> dict[str, Any]:
+        feed = super().next_feed(enc, cache, input_ids)
+        feed["encoder_hidden_states"] = enc.hidden_states
+        return feed
+
+
+class NoCacheLayout(LayoutDecoder):
+    """No KV cache: every call re-runs the whole target prefix through the first graph
+    (a decoder exported without past, or `use_cache=False` on any layout, fed as its
+    native layout's first call)."""
+
+    layout = DecoderLayout.NO_CACHE
+
+    def __init__(self, native: LayoutDecoder) -> None:
+        super().__init__(native.first, None, native.config, native.float_type, native.calls)
+        self.native = native
+
+    def first_feed(self, enc: EncoderOutput, input_ids: IntArray) -> dict[str, Any]:
+        return self.native.first_feed(enc, input_ids)
+
+    def first_call(
+        self, enc: EncoderOutput, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        (logits,) = self._run(self.first, ["logits"], self.first_feed(enc, input_ids))
+        return logits, DecoderCache((), (), input_ids)
+
+    def next_call(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        tokens = np.concatenate([cache.tokens, input_ids], axis=1)
+        logits, _ = self.first_call(enc, tokens)
+        return logits[:, -1, :], DecoderCache((), (), tokens)
+
+
+_LAYOUTS: dict[DecoderLayout, type[LayoutDecoder]] = {
+    DecoderLayout.MERGED: MergedLayout,
+    DecoderLayout.SPLIT: SplitLayout,
+    DecoderLayout.SELF_KV_ONLY: SelfKvOnlyLayout,
+    DecoderLayout.NO_CACHE: SplitLayout,  # a no-past file is fed like the split pair's first
+}
 
 
 class MaskedDecoder:

@@ -45,15 +45,16 @@ def record(tr: Translator) -> tuple[Recorder, list[tuple[list[str], dict[str, An
     model = tr.model
     encoder = Recorder(model.encoder)
     model.encoder = encoder
-    first = Recorder(model.first)
+    layout = model.decoder  # the layout object holds the sessions it calls
+    first = Recorder(layout.first)
     calls = first.calls
-    if model.step is model.first:
-        model.step = first
-    elif model.step is not None:
-        step = Recorder(model.step)
+    if layout.step is layout.first:
+        layout.step = first
+    elif layout.step is not None:
+        step = Recorder(layout.step)
         step.calls = calls
-        model.step = step
-    model.first = first
+        layout.step = step
+    layout.first = first
     return encoder, calls
 
 
