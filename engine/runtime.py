@@ -21,6 +21,7 @@ step; later calls are never asked for their (empty) encoder presents.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections import Counter
@@ -304,6 +305,13 @@ class MarianOnnx:
             assert self.step is not None
             originals = (self.first, self.step)
             self.masked = MaskedDecoder.load(model_dir, config, options, self.calls, originals)
+            if self.masked is not None:
+                # Checked equal to the originals: every call goes through the rewrite from
+                # here on and the original decoder sessions (a second copy of the
+                # decoder's weights) are let go.
+                self.decoder = MaskedLayout(self.masked, config, self.float_type, self.calls)
+                self.first, self.step = self.masked.first, self.masked.step_session
+                _release_freed_memory()
 
     @property
     def batching(self) -> str:
@@ -625,12 +633,59 @@ class NoCacheLayout(LayoutDecoder):
         return logits[:, -1, :], DecoderCache((), (), tokens)
 
 
+class MaskedLayout(LayoutDecoder):
+    """The batchable rewrite (`MaskedDecoder`) run as a plain layout, for calls whose rows
+    all have the same length (lockstep batches, `engine.decoding.search`): an all-ones
+    mask and consecutive positions, with which it gives the original graphs' logits."""
+
+    def __init__(
+        self,
+        masked: MaskedDecoder,
+        config: ModelConfig,
+        float_type: type[np.floating[Any]],
+        calls: Counter[str],
+    ) -> None:
+        super().__init__(masked.first, masked.step_session, config, float_type, calls)
+        self.masked = masked
+
+    def first_call(
+        self, enc: EncoderOutput, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        mask = np.ones(input_ids.shape, dtype=np.int64)
+        logits, self_kv, cross_kv = self.masked.prefill(enc, input_ids, mask)
+        return logits, DecoderCache(self_kv, cross_kv, input_ids)
+
+    def next_call(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        batch, past = input_ids.shape[0], cache.length
+        mask = np.ones((batch, past + 1), dtype=np.int64)
+        positions = np.full((batch, 1), past, dtype=np.int64)
+        logits, self_kv = self.masked.step(
+            enc, input_ids, positions, mask, cache.self_kv, cache.cross_kv
+        )
+        tokens = np.concatenate([cache.tokens, input_ids], axis=1)
+        return logits, DecoderCache(self_kv, cache.cross_kv, tokens)
+
+
 _LAYOUTS: dict[DecoderLayout, type[LayoutDecoder]] = {
     DecoderLayout.MERGED: MergedLayout,
     DecoderLayout.SPLIT: SplitLayout,
     DecoderLayout.SELF_KV_ONLY: SelfKvOnlyLayout,
     DecoderLayout.NO_CACHE: SplitLayout,  # a no-past file is fed like the split pair's first
 }
+
+
+def _release_freed_memory() -> None:
+    """Give freed heap pages back to the OS (glibc only; elsewhere a no-op). The rewrite
+    parses and serialises whole decoder graphs in Python and the original sessions are
+    dropped after the check: measured on the int8 OPUS-MT-sized model, RSS after load
+    718 -> 466 MiB (fp32: 1635 -> 1391 MiB) with this call."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class MaskedDecoder:

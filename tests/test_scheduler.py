@@ -51,9 +51,23 @@ def tolerance(tr: Translator, tokens: int = 1) -> float:
     return 2e-2 * max(tokens, 1) if tr.model.options.quantized else 1e-4
 
 
+_REFERENCES: dict[tuple[bool, bool], Translator] = {}
+
+
+def reference(tr: Translator) -> Translator:
+    """The same files loaded without the rewrite: the original decoder graphs."""
+    key = (tr.model.options.quantized, tr.model.options.prefer_split)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = Translator.from_dir(
+            tr.model.model_dir, quantized=key[0], prefer_split=key[1], batchable=False
+        )
+    return _REFERENCES[key]
+
+
 def alone(tr: Translator, text: str, prefix: Sequence[int], options: DecodeOptions) -> Hypothesis:
-    enc = tr.model.encode(*_ids(tr, [text]))
-    return search(tr.model, enc, [prefix], options)[0]
+    ref = reference(tr)
+    enc = ref.model.encode(*_ids(ref, [text]))
+    return search(ref.model, enc, [prefix], options)[0]
 
 
 def _ids(tr: Translator, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
