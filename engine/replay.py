@@ -105,7 +105,7 @@ def timed_update_line(timed: TimedUpdate) -> str:
     """One line of a replay's updates file: the `translation_update` wire message plus,
     like a transcript log line, its times on the log's clock (`emit_ms`: the partial it
     answers; `done_ms`: when it was delivered), so reports can be recomputed from files."""
-    obj = json.loads(protocol.encode(timed.update))
+    obj = json.loads(protocol.serialize(timed.update))
     obj.update(emit_ms=timed.emit_ms, done_ms=timed.done_ms)
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
@@ -119,7 +119,7 @@ def read_updates(path: PathLike) -> list[TimedUpdate]:
                 continue
             obj = json.loads(raw)
             times = [float(obj.pop(key)) for key in TIME_KEYS]
-            update = protocol.decode(json.dumps(obj), accept={"translation_update"})
+            update = protocol.parse(json.dumps(obj), accept={"translation_update"})
             if not isinstance(update, TranslationUpdate):
                 raise TranscriptLogError(f"{path}:{number}: {getattr(update, 'message', '')}")
             out.append(TimedUpdate(update, *times))

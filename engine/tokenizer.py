@@ -120,7 +120,7 @@ class MarianTokenizer:
     def id_to_piece(self, token_id: int) -> str:
         return self.pieces.get(token_id, self.unk_token)
 
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of target ids, as MarianTokenizer.decode gives it."""
         out = ""
         run: list[str] = []

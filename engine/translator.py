@@ -1,7 +1,8 @@
 """Offline translation: text in, text out, for one model directory.
 
 This is the engine core's public face; the streaming controller builds on the same pieces
-(`encode`, `decode`) so that a final partial's translation equals `translate` exactly.
+(`encode` runs the encoder, `decode` the search, `detokenize` turns ids into text) so that
+a final partial's translation equals `translate` exactly.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class Translator:
         )
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids)
+        return self.tokenizer.detokenize(token_ids)
 
     # -- offline API ------------------------------------------------------------------
 

@@ -72,7 +72,7 @@ def read_log(path: str | Path, rename: Callable[[str], str] = str) -> list[LogLi
             wire = {k: v for k, v in obj.items() if k in _FIELDS}
             if isinstance(wire.get("stream_id"), str):
                 wire["stream_id"] = rename(wire["stream_id"])
-            event = protocol.decode(json.dumps(wire), accept={"partial_transcript"})
+            event = protocol.parse(json.dumps(wire), accept={"partial_transcript"})
             if not isinstance(event, PartialTranscript):
                 raise ValueError(f"{path}:{number}: {getattr(event, 'message', event)}")
             lines.append(LogLine(emit_ms, event))
@@ -103,12 +103,12 @@ async def replay(
                 await asyncio.sleep(delay)
             event = line.event
             sent_at[(event.stream_id, event.seq)] = time.perf_counter()
-            await ws.send(protocol.encode(event))
+            await ws.send(protocol.serialize(event))
             result.sent += 1
             if event.is_final:
                 result.finals_expected.add((event.stream_id, event.seq))
         for stream_id in sorted({line.event.stream_id for line in lines}):
-            await ws.send(protocol.encode(CloseStream(stream_id)))
+            await ws.send(protocol.serialize(CloseStream(stream_id)))
         deadline = time.perf_counter() + final_timeout
         while result.lost_finals and time.perf_counter() < deadline and not receiver.done():
             await asyncio.sleep(0.02)
@@ -124,7 +124,7 @@ async def _receive(
 ) -> None:
     async for data in ws:
         now = time.perf_counter()
-        message = protocol.decode(data, max_bytes=2**22, accept=protocol.FROM_ENGINE_TYPES)
+        message = protocol.parse(data, max_bytes=2**22, accept=protocol.FROM_ENGINE_TYPES)
         if isinstance(message, TranslationUpdate):
             result.updates.append(message)
             sent = sent_at.get((message.stream_id, message.seq))

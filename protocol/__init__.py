@@ -11,10 +11,10 @@ from protocol.codec import (
     MAX_TEXT_CHARS,
     MESSAGE_TYPES,
     TO_ENGINE_TYPES,
-    decode,
-    encode,
     load_schema,
+    parse,
     schema_path,
+    serialize,
 )
 from protocol.messages import (
     ERROR_CODES,
@@ -52,8 +52,8 @@ __all__ = [
     "PartialTranscript",
     "Subscribe",
     "TranslationUpdate",
-    "decode",
-    "encode",
     "load_schema",
+    "parse",
     "schema_path",
+    "serialize",
 ]

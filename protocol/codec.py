@@ -1,8 +1,8 @@
 """The JSON wire format: one JSON object per message, tagged by a `type` field.
 
-Sans-I/O in the manner of h11: `encode` and `decode` turn messages into text and back and
+Sans-I/O in the manner of h11: `serialize` and `parse` turn messages into text and back and
 never touch a socket, so the WebSocket server, the replay tool and tests share one codec.
-`decode` never raises for bad input: whatever arrives, it returns either a message or an
+`parse` never raises for bad input: whatever arrives, it returns either a message or an
 `ErrorMessage` that the server can send straight back, naming the field at fault.
 """
 
@@ -51,7 +51,7 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = MappingProxyType(
 """Wire `type` tag -> message class."""
 
 TO_ENGINE_TYPES: frozenset[str] = frozenset({"partial_transcript", "subscribe", "close_stream"})
-"""What a client may send; pass as `decode(..., accept=...)` on the engine side so that any
+"""What a client may send; pass as `parse(..., accept=...)` on the engine side so that any
 `ErrorMessage` returned is a decoding failure, not an echoed "error" message."""
 
 FROM_ENGINE_TYPES: frozenset[str] = frozenset({"translation_update", "error"})
@@ -131,7 +131,7 @@ def load_schema() -> dict[str, Any]:
 # --- encoding ---------------------------------------------------------------------------
 
 
-def encode(message: Message) -> str:
+def serialize(message: Message) -> str:
     """One compact JSON object, `type` first; optional fields that are None are left out."""
     name = _TYPE_NAMES.get(type(message))
     if name is None:
@@ -240,7 +240,7 @@ def _has_kind(value: object, kind: _Kind) -> bool:
     return isinstance(value, (int, float))
 
 
-def decode(
+def parse(
     data: str | bytes | bytearray | memoryview,
     *,
     max_bytes: int = MAX_MESSAGE_BYTES,
@@ -355,7 +355,7 @@ def _text_of(data: str | bytes | bytearray | memoryview, max_bytes: int) -> str:
     if isinstance(data, memoryview):
         data = data.tobytes()
     if not isinstance(data, (bytes, bytearray)):
-        raise TypeError(f"decode() takes str or bytes, not {type(data).__name__}")
+        raise TypeError(f"parse() takes str or bytes, not {type(data).__name__}")
     if len(data) > max_bytes:
         raise _too_large(max_bytes)
     try:

@@ -139,7 +139,7 @@ def test_replay_updates_to_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["replay", "--model", str(FIXTURE_MODEL), str(log), "--beam", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     # Each line is the wire message plus its times on the log's clock.
-    updates = [protocol.decode(re.sub(r',"emit_ms":.*}$', "}", line)) for line in lines]
+    updates = [protocol.parse(re.sub(r',"emit_ms":.*}$', "}", line)) for line in lines]
     assert updates and all(isinstance(u, protocol.TranslationUpdate) for u in updates)
     assert isinstance(updates[-1], protocol.TranslationUpdate) and updates[-1].is_final
 

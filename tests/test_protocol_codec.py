@@ -22,8 +22,8 @@ from protocol import (
     PartialTranscript,
     Subscribe,
     TranslationUpdate,
-    decode,
-    encode,
+    parse,
+    serialize,
 )
 
 MESSAGES: list[Message] = [
@@ -43,11 +43,11 @@ MESSAGES: list[Message] = [
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
 def test_round_trip(message: Message) -> None:
-    wire = encode(message)
-    assert decode(wire) == message
-    assert decode(wire.encode("utf-8")) == message
-    assert decode(bytearray(wire.encode("utf-8"))) == message
-    assert decode(memoryview(wire.encode("utf-8"))) == message
+    wire = serialize(message)
+    assert parse(wire) == message
+    assert parse(wire.encode("utf-8")) == message
+    assert parse(bytearray(wire.encode("utf-8"))) == message
+    assert parse(memoryview(wire.encode("utf-8"))) == message
 
 
 def test_every_type_is_covered() -> None:
@@ -57,20 +57,20 @@ def test_every_type_is_covered() -> None:
 
 
 def test_encoding_is_compact_type_first_and_omits_none() -> None:
-    wire = encode(PartialTranscript("mic-1", 0, 4, "héllo", False))
+    wire = serialize(PartialTranscript("mic-1", 0, 4, "héllo", False))
     assert wire == (
         '{"type":"partial_transcript","stream_id":"mic-1","segment_id":0,"seq":4,'
         '"text":"héllo","is_final":false}'
     )
-    wire = encode(ErrorMessage("internal", "boom"))
+    wire = serialize(ErrorMessage("internal", "boom"))
     assert wire == '{"type":"error","code":"internal","message":"boom"}'
     # revised has a default but is always written, so clients need not know the default.
-    assert '"revised":false' in encode(TranslationUpdate("a", 0, 0, "x", "", False, 1.0, 1.0))
+    assert '"revised":false' in serialize(TranslationUpdate("a", 0, 0, "x", "", False, 1.0, 1.0))
 
 
 def test_encode_refuses_non_messages() -> None:
     with pytest.raises(TypeError):
-        encode({"type": "subscribe", "stream_id": "x"})  # type: ignore[arg-type]
+        serialize({"type": "subscribe", "stream_id": "x"})  # type: ignore[arg-type]
 
 
 def test_null_means_absent_for_optional_fields() -> None:
@@ -78,14 +78,14 @@ def test_null_means_absent_for_optional_fields() -> None:
         '{"type":"partial_transcript","stream_id":"a","segment_id":0,"seq":1,"text":"x",'
         '"is_final":false,"start_ms":null,"end_ms":null}'
     )
-    assert decode(wire) == PartialTranscript("a", 0, 1, "x", False)
+    assert parse(wire) == PartialTranscript("a", 0, 1, "x", False)
     absent = '{"type":"translation_update","stream_id":"a","segment_id":0,"seq":1,'
     absent += '"stable_text":"","unstable_text":"","is_final":false,"latency_ms":1,"compute_ms":2}'
-    assert decode(absent) == TranslationUpdate("a", 0, 1, "", "", False, 1.0, 2.0, revised=False)
+    assert parse(absent) == TranslationUpdate("a", 0, 1, "", "", False, 1.0, 2.0, revised=False)
 
 
 def test_whitespace_around_and_inside_json_is_fine() -> None:
-    assert decode(' \n{ "type" : "subscribe" ,\t"stream_id" : "a" }\r\n') == Subscribe("a")
+    assert parse(' \n{ "type" : "subscribe" ,\t"stream_id" : "a" }\r\n') == Subscribe("a")
 
 
 # --- bad input --------------------------------------------------------------------------
@@ -227,7 +227,7 @@ BAD: list[tuple[str | bytes, str, str | None, str | None, int | None]] = [
 def test_bad_input_returns_an_error_naming_the_problem(
     wire: str | bytes, code: str, field: str | None, stream_id: str | None, seq: int | None
 ) -> None:
-    result = decode(wire)
+    result = parse(wire)
     assert isinstance(result, ErrorMessage), result
     assert (result.code, result.field, result.stream_id, result.seq) == (
         code,
@@ -238,15 +238,15 @@ def test_bad_input_returns_an_error_naming_the_problem(
     if field is not None:
         assert field in result.message
     # The error itself is a valid message a server can send back as is.
-    assert decode(encode(result)) == result
+    assert parse(serialize(result)) == result
 
 
 def test_unknown_field_with_unreportable_name_is_quoted_in_the_message() -> None:
-    result = decode(with_(PT, **{"bad\nkey": 1, "k" * 300: 2}))
+    result = parse(with_(PT, **{"bad\nkey": 1, "k" * 300: 2}))
     assert isinstance(result, ErrorMessage)
     assert result.field is None
     assert "'bad\\nkey'" in result.message
-    result = decode(with_(PT, **{"k" * 300: 2}))
+    result = parse(with_(PT, **{"k" * 300: 2}))
     assert isinstance(result, ErrorMessage)
     assert result.field is None
     assert len(result.message) < 200
@@ -262,53 +262,53 @@ def test_messages_describe_json_types_in_json_terms() -> None:
         with_(PT, start_ms=float("-inf")): "start_ms must be a finite number, got -Infinity",
     }
     for wire, message in cases.items():
-        result = decode(wire)
+        result = parse(wire)
         assert isinstance(result, ErrorMessage)
         assert result.message == message
 
 
 def test_message_size_limit_counts_utf8_bytes_and_is_configurable() -> None:
-    wire = encode(PartialTranscript("a", 0, 0, "好" * 3000, False))  # > 9000 bytes
+    wire = serialize(PartialTranscript("a", 0, 0, "好" * 3000, False))  # > 9000 bytes
     size = len(wire.encode("utf-8"))
-    assert isinstance(decode(wire), PartialTranscript)
+    assert isinstance(parse(wire), PartialTranscript)
     for data in (wire, wire.encode("utf-8")):
-        assert isinstance(decode(data, max_bytes=size), PartialTranscript)
-        small = decode(data, max_bytes=size - 1)
+        assert isinstance(parse(data, max_bytes=size), PartialTranscript)
+        small = parse(data, max_bytes=size - 1)
         assert isinstance(small, ErrorMessage)
         assert small.code == "too_large"
         assert str(size - 1) in small.message
     huge = " " * (MAX_MESSAGE_BYTES + 1)
-    result = decode(huge)
+    result = parse(huge)
     assert isinstance(result, ErrorMessage)
     assert result.code == "too_large"
 
 
 def test_text_limit_is_configurable() -> None:
     wire = with_(PT, text="x" * 10)
-    assert isinstance(decode(wire, max_text_chars=10), PartialTranscript)
-    result = decode(wire, max_text_chars=9)
+    assert isinstance(parse(wire, max_text_chars=10), PartialTranscript)
+    result = parse(wire, max_text_chars=9)
     assert isinstance(result, ErrorMessage)
     assert (result.code, result.field) == ("too_large", "text")
-    assert isinstance(decode(with_(PT, text="x" * MAX_TEXT_CHARS)), PartialTranscript)
+    assert isinstance(parse(with_(PT, text="x" * MAX_TEXT_CHARS)), PartialTranscript)
 
 
 def test_accept_restricts_types_so_errors_are_unambiguous() -> None:
-    assert decode(encode(Subscribe("a")), accept=TO_ENGINE_TYPES) == Subscribe("a")
-    echoed = decode(encode(ErrorMessage("internal", "x")), accept=TO_ENGINE_TYPES)
+    assert parse(serialize(Subscribe("a")), accept=TO_ENGINE_TYPES) == Subscribe("a")
+    echoed = parse(serialize(ErrorMessage("internal", "x")), accept=TO_ENGINE_TYPES)
     assert isinstance(echoed, ErrorMessage)
     assert (echoed.code, echoed.field) == ("invalid_message", "type")
     assert "not accepted" in echoed.message
     with pytest.raises(ValueError):
-        decode("{}", accept={"nope"})
+        parse("{}", accept={"nope"})
 
 
 def test_bad_arguments_are_programming_errors() -> None:
     with pytest.raises(ValueError):
-        decode("{}", max_bytes=0)
+        parse("{}", max_bytes=0)
     with pytest.raises(ValueError):
-        decode("{}", max_text_chars=-1)
+        parse("{}", max_text_chars=-1)
     with pytest.raises(TypeError):
-        decode(42)  # type: ignore[arg-type]
+        parse(42)  # type: ignore[arg-type]
 
 
 # --- randomised: decode never raises, and whatever it accepts round-trips -----------------
@@ -374,15 +374,15 @@ def _mutate_bytes(rng: random.Random, data: bytes) -> bytes:
 
 
 def _check_decodes_safely(data: str | bytes) -> None:
-    result = decode(data)
+    result = parse(data)
     assert isinstance(result, tuple(MESSAGE_TYPES.values()))
-    assert decode(encode(result)) == result
+    assert parse(serialize(result)) == result
 
 
 def test_randomised_inputs_never_raise() -> None:
     rng = random.Random(20240601)
-    originals = [json.loads(encode(m)) for m in MESSAGES]
+    originals = [json.loads(serialize(m)) for m in MESSAGES]
     for _ in range(3000):
         obj = _mutate_object(rng, rng.choice(originals))
         _check_decodes_safely(json.dumps(obj, ensure_ascii=rng.random() < 0.5))
-        _check_decodes_safely(_mutate_bytes(rng, encode(rng.choice(MESSAGES)).encode("utf-8")))
+        _check_decodes_safely(_mutate_bytes(rng, serialize(rng.choice(MESSAGES)).encode("utf-8")))

@@ -24,10 +24,10 @@ from protocol import (
     PartialTranscript,
     Subscribe,
     TranslationUpdate,
-    decode,
-    encode,
     load_schema,
+    parse,
     schema_path,
+    serialize,
 )
 from tests.test_protocol_codec import ER, PT, TU, with_, without
 
@@ -56,7 +56,7 @@ def schema_accepts(wire: str) -> bool:
 def codec_accepts(wire: str) -> bool:
     """Whether `decode` accepted `wire`; an "error" message counts as accepted when what came
     back is that message, not a refusal."""
-    result = decode(wire)
+    result = parse(wire)
     if not isinstance(result, ErrorMessage):
         return True
     try:
@@ -65,7 +65,7 @@ def codec_accepts(wire: str) -> bool:
         return False
     if not isinstance(doc, dict) or doc.get("type") != "error":
         return False
-    return bool(json.loads(encode(result)) == {k: v for k, v in doc.items() if v is not None})
+    return bool(json.loads(serialize(result)) == {k: v for k, v in doc.items() if v is not None})
 
 
 # --- the schema itself ------------------------------------------------------------------
@@ -204,7 +204,7 @@ CODEC_ONLY: list[str] = [
 @pytest.mark.parametrize("wire", VALID)
 def test_valid_examples_pass_both(wire: str) -> None:
     assert codec_accepts(wire)
-    assert decode(wire) == decode(encode(decode(wire)))
+    assert parse(wire) == parse(serialize(parse(wire)))
     VALIDATOR.validate(strict_json(wire))
 
 
@@ -340,8 +340,8 @@ def test_random_valid_messages_validate_and_round_trip() -> None:
     rng = random.Random(7)
     for _ in range(500):
         message = random_message(rng)
-        wire = encode(message)
-        assert decode(wire) == message
+        wire = serialize(message)
+        assert parse(wire) == message
         VALIDATOR.validate(strict_json(wire))
 
 
@@ -349,13 +349,13 @@ def test_random_mutations_get_the_same_verdict_from_codec_and_schema() -> None:
     rng = random.Random(11)
     checked = rejected = 0
     for _ in range(1500):
-        doc = _mutate(rng, json.loads(encode(random_message(rng))))
+        doc = _mutate(rng, json.loads(serialize(random_message(rng))))
         wire = json.dumps(doc)
         codec_ok = codec_accepts(wire)
         if codec_ok:
             assert schema_accepts(wire), wire
         elif not _beyond_schema(doc):
-            assert not schema_accepts(wire), (wire, decode(wire))
+            assert not schema_accepts(wire), (wire, parse(wire))
             rejected += 1
         checked += 1
     assert rejected > checked // 2  # the mutations mostly produce bad messages

@@ -172,14 +172,14 @@ async def test_a_final_that_fails_to_translate_gets_an_internal_error(
     from engine.streaming.session import StreamSession
     from tests.test_server import _partial, ws_url
 
-    real = StreamSession.translate
+    real = StreamSession.answer
 
     def failing(self: StreamSession, event: object, *args: object, **kwargs: object) -> object:
         if getattr(event, "text", "") == "boom":
             raise RuntimeError("a bug in the engine")
         return real(self, event, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(StreamSession, "translate", failing)
+    monkeypatch.setattr(StreamSession, "answer", failing)
     async with serving(translator) as server, connect(ws_url(server)) as ws:
         await ws.send(_partial("f", 0, "boom", final=True))
         # The next segment (a final ends its segment).
@@ -215,13 +215,13 @@ async def test_shutdown_past_its_timeout_answers_every_final(
     from engine.streaming.session import StreamSession
     from tests.test_server import _partial, ws_url
 
-    real = StreamSession.translate
+    real = StreamSession.answer
 
     def slow(self: StreamSession, *args: object, **kwargs: object) -> object:
         time.sleep(0.05)
         return real(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(StreamSession, "translate", slow)
+    monkeypatch.setattr(StreamSession, "answer", slow)
     replies: dict[str, list[dict[str, object]]] = {}
 
     async def writer(server: object, name: str, ready: anyio.Event) -> None:
@@ -314,7 +314,7 @@ async def test_a_partial_of_a_closing_stream_gets_no_worker(
     from protocol import PartialTranscript
     from tests.test_server import STREAMING
 
-    real = StreamSession.translate
+    real = StreamSession.answer
     release = threading.Event()
     translated: list[str] = []
 
@@ -324,7 +324,7 @@ async def test_a_partial_of_a_closing_stream_gets_no_worker(
             release.wait(10)
         return real(self, event, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(StreamSession, "translate", gated)
+    monkeypatch.setattr(StreamSession, "answer", gated)
     async with IncrementalTranslator(translator, STREAMING, decode_slots=1) as nmt:
         await nmt.push(PartialTranscript("busy", 0, 0, "I will meet Tom", is_final=False))
         with anyio.fail_after(10):
@@ -357,7 +357,7 @@ async def test_an_update_is_encoded_once_for_all_its_viewers(
 
     def counting(message: protocol.Message) -> str:
         calls.append(type(message).__name__)
-        return protocol.encode(message)
+        return protocol.serialize(message)
 
     monkeypatch.setattr(app, "_encoded", functools.lru_cache(maxsize=64)(counting))
     async with (

@@ -51,7 +51,7 @@ def events_of(lines: Iterable[dict[str, Any]]) -> list[PartialTranscript]:
 def run_session(session: StreamSession, events: list[PartialTranscript]) -> list[TranslationUpdate]:
     out = []
     for event in events:
-        update = session.translate(event)
+        update = session.answer(event)
         if update is not None:
             out.append(update)
     return out
@@ -107,16 +107,16 @@ def test_default_policy_shows_stable_text_early_and_rarely_revises(
 
 def test_unchanged_partial_runs_neither_encoder_nor_decoder(translator: Translator) -> None:
     session = StreamSession("s1", translator)
-    first = session.translate(PartialTranscript("s1", 0, 0, "I will meet Tom", False))
+    first = session.answer(PartialTranscript("s1", 0, 0, "I will meet Tom", False))
     assert first is not None
     calls = dict(translator.model.calls)
-    assert session.translate(PartialTranscript("s1", 0, 1, " I  will meet\tTom ", False)) is None
+    assert session.answer(PartialTranscript("s1", 0, 1, " I  will meet\tTom ", False)) is None
     assert dict(translator.model.calls) == calls
     # A changed source runs the encoder once more. The final reuses that encoding, unless
     # the model marks partials (prefix-trained), where the final's input differs by the marker.
-    session.translate(PartialTranscript("s1", 0, 2, "I will meet Tom at three", False))
+    session.answer(PartialTranscript("s1", 0, 2, "I will meet Tom at three", False))
     assert translator.model.calls["encoder"] == calls["encoder"] + 1
-    session.translate(PartialTranscript("s1", 0, 3, "I will meet Tom at three", True))
+    session.answer(PartialTranscript("s1", 0, 3, "I will meet Tom at three", True))
     marked = bool(translator.config.partial_suffix)
     assert translator.model.calls["encoder"] == calls["encoder"] + 1 + marked
 
@@ -129,18 +129,18 @@ def test_a_partial_is_answered_when_its_source_changed_empty_or_not(
     session = StreamSession("s1", translator)
     texts = ["", "I will", "I  will ", "", " ", "I will meet", "I will meet"]
     answered = [
-        session.translate(PartialTranscript("s1", 0, seq, text, False)) is not None
+        session.answer(PartialTranscript("s1", 0, seq, text, False)) is not None
         for seq, text in enumerate(texts)
     ]
     assert answered == [False, True, False, True, False, True, False]
-    assert session.translate(PartialTranscript("s1", 0, 7, "I will meet", True)) is not None
+    assert session.answer(PartialTranscript("s1", 0, 7, "I will meet", True)) is not None
 
 
 def test_committed_prefix_is_forced_in_one_decoder_call(translator: Translator) -> None:
     session = StreamSession("s1", translator)
     words = "Tom reads a book in the library".split()
     for i in range(1, len(words) + 1):
-        session.translate(PartialTranscript("s1", 0, i, " ".join(words[:i]), False))
+        session.answer(PartialTranscript("s1", 0, i, " ".join(words[:i]), False))
         if session.segment is not None and session.segment.committed:
             break
     seg = session.segment
@@ -157,7 +157,7 @@ def test_committed_prefix_is_forced_in_one_decoder_call(translator: Translator) 
 
     setattr(owner, name, spy)
     try:
-        session.translate(PartialTranscript("s1", 0, 99, " ".join(words) + " today", False))
+        session.answer(PartialTranscript("s1", 0, 99, " ".join(words) + " today", False))
     finally:
         delattr(owner, name)
     assert seen == [len(seg.committed) + 1]
@@ -165,18 +165,18 @@ def test_committed_prefix_is_forced_in_one_decoder_call(translator: Translator) 
 
 def test_cancelled_decode_leaves_state_untouched(translator: Translator) -> None:
     session = StreamSession("s1", translator)
-    session.translate(PartialTranscript("s1", 0, 0, "I will meet Tom", False))
+    session.answer(PartialTranscript("s1", 0, 0, "I will meet Tom", False))
     seg = session.segment
     assert seg is not None
     before = (seg.source, list(seg.committed), len(seg.history))
     with pytest.raises(DecodingCancelled):
-        session.translate(
+        session.answer(
             PartialTranscript("s1", 0, 1, "I will meet Tom at three", False),
             should_stop=lambda: True,  # a newer event is waiting: stop after the first step
         )
     assert (seg.source, list(seg.committed), len(seg.history)) == before
     # The same text again is not mistaken for "unchanged": it gets translated.
-    assert session.translate(PartialTranscript("s1", 0, 2, "I will meet Tom at three", False))
+    assert session.answer(PartialTranscript("s1", 0, 2, "I will meet Tom at three", False))
 
 
 # -- the async controller -------------------------------------------------------------------
@@ -319,7 +319,7 @@ def test_state_per_stream_is_bounded(
     session = StreamSession("s1", translator)
     sizes = []
     for line in events_of(generate_log([en for en, _ in heldout], "en", seed=9)):
-        session.translate(line)
+        session.answer(line)
         sizes.append(session.state_size())
     longest = max(len(translator.source_ids(en)) for en, _ in heldout)
     d_model = translator.config.d_model
@@ -347,14 +347,14 @@ def test_fillers_are_not_content_and_a_normaliser_hook_plugs_in(translator: Tran
     punctuation. Fillers are dropped before translation (never committed); restoring
     casing is a model's job, plugged in as `source_normalizer` (here a toy one)."""
     session = StreamSession("s1", translator)
-    assert session.translate(PartialTranscript("s1", 0, 0, "um", False)) is None  # nothing said
-    with_filler = session.translate(PartialTranscript("s1", 0, 1, "uh I will, um, meet", False))
-    plain = StreamSession("s2", translator).translate(
+    assert session.answer(PartialTranscript("s1", 0, 0, "um", False)) is None  # nothing said
+    with_filler = session.answer(PartialTranscript("s1", 0, 1, "uh I will, um, meet", False))
+    plain = StreamSession("s2", translator).answer(
         PartialTranscript("s2", 0, 0, "I will meet", False)
     )
     assert with_filler is not None and plain is not None
     assert with_filler.source_text == "I will, meet"  # the filler's own comma goes with it
-    final = session.translate(PartialTranscript("s1", 0, 2, "Um I will meet Tom at three", True))
+    final = session.answer(PartialTranscript("s1", 0, 2, "Um I will meet Tom at three", True))
     offline = translator.translate(["I will meet Tom at three"])[0].text
     assert final is not None and final.stable_text == offline
 
@@ -364,7 +364,7 @@ def test_fillers_are_not_content_and_a_normaliser_hook_plugs_in(translator: Tran
         return " ".join(names.get(word, word) for word in text.split())
 
     restore = StreamingOptions(source_normalizer=recase)
-    cased = StreamSession("s3", translator, restore).translate(
+    cased = StreamSession("s3", translator, restore).answer(
         PartialTranscript("s3", 0, 0, "i will meet tom at three", True)
     )
     assert cased is not None and cased.stable_text == offline
@@ -404,7 +404,7 @@ def test_source_agreement_commits_nothing_while_shown_words_are_rewritten(
              "Mary will play tennis with Lucy at three"]  # fmt: skip
     stable, settled = [], []
     for seq, text in enumerate(texts):
-        update = session.translate(PartialTranscript("s1", 0, seq, text, False))
+        update = session.answer(PartialTranscript("s1", 0, seq, text, False))
         assert update is not None and session.segment is not None
         stable.append(update.stable_text)
         settled.append(session.segment.source_settled_at)
@@ -415,6 +415,6 @@ def test_source_agreement_commits_nothing_while_shown_words_are_rewritten(
     # option); with it, only once two partials extended the source.
     assert stable[0] == stable[1] == "" and stable[2] != ""
     plain = StreamSession("s2", translator)
-    plain.translate(PartialTranscript("s2", 0, 0, texts[0], False))
-    second = plain.translate(PartialTranscript("s2", 0, 1, texts[1], False))
+    plain.answer(PartialTranscript("s2", 0, 0, texts[0], False))
+    second = plain.answer(PartialTranscript("s2", 0, 1, texts[1], False))
     assert second is not None and second.stable_text != ""

@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 # An update goes to its writer and to every viewer of the stream: encode it once. Updates
 # are frozen (hashable) and the cache holds the last few thousand, far more than are ever
 # in flight at once.
-_encoded = functools.lru_cache(maxsize=4096)(protocol.encode)
+_encoded = functools.lru_cache(maxsize=4096)(protocol.serialize)
 
 ABORT_GRACE = 2.0
 """Seconds past the shutdown timeout for the `unavailable` replies to reach their clients."""

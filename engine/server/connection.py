@@ -304,7 +304,7 @@ class ConnectionCore:
         self.message_type = "invalid"
         allowed = self._bucket is None or self._bucket.take(now)
         if isinstance(data, str):
-            message = protocol.decode(
+            message = protocol.parse(
                 data,
                 max_bytes=self.limits.max_message_bytes,
                 max_text_chars=self.limits.max_text_chars,

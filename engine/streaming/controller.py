@@ -456,7 +456,7 @@ class IncrementalTranslator:
             return bool(stream.pending)
 
         work = functools.partial(
-            stream.session.translate,
+            stream.session.answer,
             event,
             newer_waiting if cancellable else None,
             received=received,

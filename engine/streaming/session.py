@@ -1,6 +1,6 @@
 """One stream's incremental translation state: a synchronous, I/O-free core.
 
-`StreamSession.translate(event)` turns one partial transcript into one `TranslationUpdate`
+`StreamSession.answer(event)` turns one partial transcript into one `TranslationUpdate`
 (or None when nothing changed). It holds the segment's encoder output, so an unchanged
 source is never re-encoded, and the committed target tokens, which are forced into every
 later decode of the segment so that stable text is never retracted.
@@ -187,7 +187,7 @@ class StreamSession:
             seg.source_ids = ids
         return seg.encoded
 
-    def translate(
+    def answer(
         self,
         event: PartialTranscript,
         should_stop: Callable[[], bool] | None = None,
