@@ -149,6 +149,7 @@ class Search(ABC):
         # Greedy only (a beam's rows have no single draft to confirm), within the limit.
         room = min(MAX_DRAFT, self.limit - len(self.prefix))
         self.draft = list(draft)[: max(room, 0)] if options.beam_size == 1 else []
+        self.accepted = 0  # draft tokens confirmed (set by the batch that verified them)
         if len(self.prefix) > self.limit:
             raise ValueError(
                 f"forced prefix of {len(self.prefix)} tokens exceeds the {self.limit}-token limit"
@@ -569,6 +570,7 @@ class ContinuousBatch:
                 tokens.extend(new_tokens)
                 break
             real[r] = 1 + start + accepted
+            search.accepted = accepted
             self.stats["draft_offered"] += len(draft)
             self.stats["draft_accepted"] += accepted
         slots = (np.arange(width)[None, :] < real[:, None]).astype(np.int64)
