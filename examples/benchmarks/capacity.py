@@ -97,11 +97,14 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
     from engine.streaming import StreamingOptions
 
     lines = make_lines(n, args.sentences, args.seed)
+    drafts = {"drafts": False} if args.no_drafts else {}
     partials = sum(1 for line in lines if not line["is_final"])
     scheduler = getattr(translator, "scheduler", None)
     sizes_before: Counter[int] = Counter(getattr(scheduler, "batch_sizes", Counter()))
     options = ReplayOptions(
-        streaming=StreamingOptions(forced_length_ratio=args.ratio), realtime=True, progress=False
+        streaming=StreamingOptions(forced_length_ratio=args.ratio, **drafts),
+        realtime=True,
+        progress=False,
     )
     rss0 = rss_mib()
     peak = PeakRss()
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-rows", type=int, default=None, help="scheduler rows per step")
     parser.add_argument("--lanes", type=int, default=None, help="scheduler lanes")
+    parser.add_argument("--no-drafts", action="store_true", help="no draft verification")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
