@@ -109,6 +109,22 @@ def _scores(
     return scores
 
 
+def _greedy_choice(
+    logits: FloatArray, config: ModelConfig, generated: int, options: DecodeOptions
+) -> tuple[int, float]:
+    """The argmax of one row's `_scores` and its log-probability, with the same float32
+    operations, without building the whole log-softmax row: at one row per stream that
+    row (65001 floats for OPUS-MT, several passes) cost ~5% of a step."""
+    row = logits.astype(np.float32, copy=True)
+    row[list(config.bad_token_ids)] = -np.inf
+    if generated < options.min_new_tokens:
+        row[config.eos_token_id] = -np.inf
+    token = int(row.argmax())
+    top = row[token]  # the row's max
+    total = np.exp(row - top).sum(dtype=np.float32)
+    return token, float((top - top) - np.log(total))
+
+
 # --- searches: per-request state -------------------------------------------------------
 
 
@@ -209,6 +225,9 @@ class GreedySearch(Search):
     def advance(self, logits: FloatArray) -> Advance | None:
         if len(self.tokens) < len(self.prefix):
             token = self.prefix[len(self.tokens)]
+        elif self.hook is None:
+            token, score = _greedy_choice(logits[0], self.config, len(self.tokens), self.options)
+            self.score += score
         else:
             step = self.scores(logits)
             token = int(step[0].argmax())
@@ -628,13 +647,14 @@ class ContinuousBatch:
         self._reorder(select)
 
     def _reorder(self, select: list[int]) -> None:
-        if select != list(range(self._slots.shape[0])):
-            rows: IntArray = np.array(select, dtype=np.int64)
-            assert self._enc is not None
-            self._enc = self._enc.select(rows)
-            self._self = tuple(a[rows] for a in self._self)
-            self._cross = tuple(a[rows] for a in self._cross)
-            self._slots, self._lengths = self._slots[rows], self._lengths[rows]
+        if select == list(range(self._slots.shape[0])):
+            return  # no row left or moved: nothing to select or trim
+        rows: IntArray = np.array(select, dtype=np.int64)
+        assert self._enc is not None
+        self._enc = self._enc.select(rows)
+        self._self = tuple(a[rows] for a in self._self)
+        self._cross = tuple(a[rows] for a in self._cross)
+        self._slots, self._lengths = self._slots[rows], self._lengths[rows]
         if not len(select):
             return
         # Slots no live row uses any more (rows that left were the long ones): cut off.

@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,35 +57,49 @@ from engine.runtime import EncoderOutput, IntArray, MarianOnnx
 log = logging.getLogger(__name__)
 
 
+class Threads(NamedTuple):
+    """How a model's `cores` are used: `lanes` batches run at once, each call on
+    `per_lane` ONNX Runtime threads, except a step's output projection on `head`."""
+
+    lanes: int
+    per_lane: int
+    head: int
+
+
 @dataclass(frozen=True)
 class SchedulerOptions:
     """Batch limits and threads, in one place.
 
     `max_rows`: decoder rows per step and lane (a beam of 4 is 4 rows); waiting requests
-    past it join later. `lanes`: threads that each run a batch (default: 2 on machines
-    with 2 cores or more, else 1). `threads_per_lane`: ONNX Runtime intra-op threads of
-    the model's sessions (default: cores / lanes, at least 1); an explicit
-    `intra_op_threads` given when loading the model wins.
+    past it join later. `cores`: the cores this model may use (default: all the machine
+    has). `lanes`: threads that each run a batch (default: 2 with 2 cores or more, else
+    1). `threads_per_lane`: ONNX Runtime intra-op threads of the model's sessions
+    (default: cores / lanes, at least 1); an explicit `intra_op_threads` given when
+    loading the model wins. `head_threads`: threads of a decoder step's output projection
+    (default: all `cores`): the one op of a step big enough to share out, so a lone stream
+    gets both cores there while the step's small ops stay on its lane's thread.
     """
 
     max_rows: int = 32
     lanes: int | None = None
     threads_per_lane: int | None = None
+    cores: int | None = None
+    head_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
             raise ValueError("max_rows must be >= 1")
-        if self.lanes is not None and self.lanes < 1:
-            raise ValueError("lanes must be >= 1")
-        if self.threads_per_lane is not None and self.threads_per_lane < 1:
-            raise ValueError("threads_per_lane must be >= 1")
+        for name in ("lanes", "threads_per_lane", "cores", "head_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
 
-    def resolved(self, cores: int | None = None) -> tuple[int, int]:
-        """(lanes, ORT intra-op threads per lane) for a machine with `cores` cores."""
-        cores = cores or os.cpu_count() or 1
+    def resolved(self, cores: int | None = None) -> Threads:
+        """Lanes and threads for `cores` cores (default: `self.cores`, else the machine's)."""
+        cores = cores or self.cores or os.cpu_count() or 1
         lanes = self.lanes or (2 if cores >= 2 else 1)
         threads = self.threads_per_lane or max(1, cores // lanes)
-        return lanes, threads
+        return Threads(lanes, threads, self.head_threads or max(cores, threads))
 
 
 FINAL = 0
@@ -139,7 +154,7 @@ class DecodeScheduler:
     def __init__(self, model: MarianOnnx, options: SchedulerOptions | None = None) -> None:
         self.model = model
         self.options = options or SchedulerOptions()
-        self.lanes, self.threads_per_lane = self.options.resolved()
+        self.lanes, self.threads_per_lane, _ = self.options.resolved()
         self._cond = threading.Condition()
         self._waiting: list[_Request] = []
         self._encodes: list[_EncodeJob] = []

@@ -82,9 +82,10 @@ class Translator:
                 f"{path}: vocab.json has {len(tokenizer)} entries, "
                 f"the model only {config.vocab_size}"
             )
+        threads = (scheduler or SchedulerOptions()).resolved()
         if intra_op_threads is None and not os.environ.get("NMT_INTRA_OP_THREADS"):
             # The scheduler's lanes each run one call at a time: its thread count per lane.
-            intra_op_threads = (scheduler or SchedulerOptions()).resolved()[1]
+            intra_op_threads = threads.per_lane
         options = RuntimeOptions(
             quantized=quantized,
             use_cache=use_cache,
@@ -92,6 +93,7 @@ class Translator:
             intra_op_threads=intra_op_threads,
             allow_spinning=allow_spinning,
             batchable=batchable,
+            head_threads=threads.head,
         )
         return cls(MarianOnnx(path, config, options), tokenizer, scheduler)
 

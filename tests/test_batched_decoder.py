@@ -16,9 +16,12 @@ import pytest
 from engine.batched_decoder import (
     MASK_INPUT,
     POSITIONS_INPUT,
+    _load,
     check_rewrite,
     load_batched_decoder,
+    probe_feed,
     rewrite_decoder,
+    split_output_projection,
 )
 from engine.config import ModelConfig
 from engine.merged_split import split_merged
@@ -645,3 +648,43 @@ def test_unchecked_pair_checked_on_the_callers_own_sessions() -> None:
     original = _session(FIXTURE_MODEL / "decoder_with_past_model.onnx")
     mine = _session(pair.step)
     assert check_rewrite(original, mine, past_len=3, cur_len=1) <= FP32_TOLERANCE
+
+
+# -- the output projection apart ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_step_cut_at_its_output_projection_is_the_same_graph(quantized: bool) -> None:
+    """Body then head give the whole step's logits and KV bit for bit: the same ops on
+    the same values, only in two sessions (int8 included: the projection's activation
+    quantization stays with it, in the head)."""
+    pair = load_batched_decoder(FIXTURE_MODEL, quantized=quantized, check=False)
+    assert pair is not None
+    cfg = ModelConfig.from_dir(FIXTURE_MODEL)
+    split = split_output_projection(pair.step, cfg.vocab_size)
+    assert split is not None
+    whole, body, head = _session(pair.step), _session(split.body), _session(split.head)
+    assert [i.name for i in head.get_inputs()] == [split.hidden]
+    assert {i.name for i in body.get_inputs()} == {i.name for i in whole.get_inputs()}
+    names = [o.name for o in whole.get_outputs()]
+    feed = probe_feed(whole.get_inputs(), past_len=5, cur_len=1, batch=3, source_len=4)
+    expected = dict(zip(names, whole.run(names, feed), strict=True))
+    rest = [n for n in names if n != "logits"]
+    out = body.run([split.hidden, *rest], feed)
+    got = dict(zip(rest, out[1:], strict=True))
+    got["logits"] = head.run(["logits"], {split.hidden: out[0]})[0]
+    for name in names:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    # Each part holds only the weights it reads (a tied embedding is read by both).
+    for part in (split.body, split.head):
+        graph = _load(part).graph
+        read = {name for node in graph.node for name in node.input}
+        assert {i.name for i in graph.initializer} <= read
+
+
+def test_a_graph_without_that_projection_is_not_cut() -> None:
+    pair = load_batched_decoder(FIXTURE_MODEL, check=False)
+    assert pair is not None
+    cfg = ModelConfig.from_dir(FIXTURE_MODEL)
+    assert split_output_projection(pair.step, cfg.vocab_size + 1) is None  # no such matmul
+    assert split_output_projection(pair.step, cfg.vocab_size, logits="nope") is None

@@ -38,7 +38,13 @@ def layouts() -> list[tuple[str, dict[str, object]]]:
         ("split int8", {"quantized": True}),
         ("merged fp32", {"prefer_split": False}),
         ("merged int8", {"prefer_split": False, "quantized": True}),
+        # A lone stream's step with its output projection on two threads, the rest on one.
+        ("head apart fp32", {"scheduler": HEAD_APART}),
+        ("head apart int8", {"quantized": True, "scheduler": HEAD_APART}),
     ]
+
+
+HEAD_APART = SchedulerOptions(lanes=1, threads_per_lane=1, head_threads=2)
 
 
 def tolerance(tr: Translator, tokens: int = 1) -> float:
@@ -92,15 +98,21 @@ def requests(tr: Translator) -> list[tuple[str, list[int]]]:
 def translator(request: pytest.FixtureRequest) -> Translator:
     """One lane, so that every request shares its batch (lanes: see test_two_lanes_...)."""
     needs_fixture()
-    return Translator.from_dir(
-        FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1), **request.param[1]
-    )
+    options = dict(request.param[1])
+    scheduler = options.pop("scheduler", SchedulerOptions(lanes=1))
+    assert isinstance(scheduler, SchedulerOptions)
+    return Translator.from_dir(FIXTURE_MODEL, scheduler=scheduler, **options)  # type: ignore[arg-type]
 
 
 def test_the_fixture_decoders_are_rewritten_for_continuous_batching(
     translator: Translator,
 ) -> None:
     assert translator.scheduler.batching == "continuous"
+    masked = translator.model.masked
+    assert masked is not None
+    # The output projection runs apart exactly when its threads differ from the lane's.
+    threads = translator.model.options
+    assert (masked.head is not None) == (threads.head_threads != threads.intra_op_threads)
 
 
 @pytest.mark.parametrize("beam", [1, 3])
@@ -342,11 +354,18 @@ def test_two_lanes_share_the_work_and_give_the_same_results() -> None:
 
 
 def test_thread_counts_are_set_in_one_place() -> None:
-    assert SchedulerOptions().resolved(2) == (2, 1)
-    assert SchedulerOptions().resolved(1) == (1, 1)
-    assert SchedulerOptions().resolved(16) == (2, 8)
-    assert SchedulerOptions(lanes=4).resolved(16) == (4, 4)
-    assert SchedulerOptions(lanes=1, threads_per_lane=3).resolved(2) == (1, 3)
+    # (lanes, threads per lane, threads of a step's output projection)
+    assert SchedulerOptions().resolved(2) == (2, 1, 2)
+    assert SchedulerOptions().resolved(1) == (1, 1, 1)
+    assert SchedulerOptions().resolved(16) == (2, 8, 16)
+    assert SchedulerOptions(lanes=4).resolved(16) == (4, 4, 16)
+    assert SchedulerOptions(lanes=1, threads_per_lane=3).resolved(2) == (1, 3, 3)
+    assert SchedulerOptions(cores=4).resolved() == (2, 2, 4)
+    assert SchedulerOptions(cores=2, head_threads=1).resolved() == (2, 1, 1)
+    with pytest.raises(ValueError, match="cores"):
+        SchedulerOptions(cores=0)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2))
+    assert (tr.model.options.intra_op_threads, tr.model.options.head_threads) == (1, 2)
 
 
 # -- draft verification (issue 14) -----------------------------------------------------
