@@ -157,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-rows", type=int, default=None, help="scheduler rows per step")
     parser.add_argument("--lanes", type=int, default=None, help="scheduler lanes")
+    parser.add_argument(
+        "--head-threads",
+        type=int,
+        default=None,
+        help="threads of a step's output projection (default: all cores; 1: the whole step "
+        "on its lane's thread)",
+    )
     parser.add_argument("--no-drafts", action="store_true", help="no draft verification")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -175,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = {
             "max_rows": args.max_rows,
             "lanes": args.lanes,
+            "head_threads": args.head_threads,
         }
         kwargs["scheduler"] = SchedulerOptions(**{k: v for k, v in chosen.items() if v})
     except ImportError:  # an older engine, for before/after runs
