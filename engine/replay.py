@@ -301,6 +301,7 @@ def event_of(line: Mapping[str, Any]) -> PartialTranscript:
         is_final=line["is_final"],
         start_ms=line.get("start_ms"),
         end_ms=line.get("end_ms"),
+        stable_chars=line.get("stable_chars"),
     )
 
 

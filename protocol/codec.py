@@ -72,6 +72,7 @@ _KINDS: dict[str, _Kind] = {
     "is_final": "boolean",
     "start_ms": "number",
     "end_ms": "number",
+    "stable_chars": "integer",
     "stable_text": "string",
     "unstable_text": "string",
     "latency_ms": "number",

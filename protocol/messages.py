@@ -161,6 +161,12 @@ class PartialTranscript:
     Sending the whole text makes every event self-contained, so the engine may skip stale
     partials (latest wins) without losing words. `seq` increases per stream; a new
     `segment_id` starts a new sentence. `text` may be empty only while not final.
+
+    `stable_chars`: optional, from recognisers that know which part of their hypothesis
+    they will not change (whisper_streaming's committed text, WhisperLiveKit's
+    confirmed/buffer split): the number of leading characters (code points) of `text`
+    that are settled. The engine then commits translation only as far as that settled
+    source supports it. Absent (None): the engine judges stability on its own.
     """
 
     stream_id: str
@@ -170,6 +176,7 @@ class PartialTranscript:
     is_final: bool
     start_ms: float | None = None
     end_ms: float | None = None
+    stable_chars: int | None = None
 
     def __post_init__(self) -> None:
         _set(self, "stream_id", _check_stream_id(self.stream_id))
@@ -185,6 +192,13 @@ class PartialTranscript:
             raise InvalidMessage("end_ms", f"end_ms ({end}) is before start_ms ({start})")
         _set(self, "start_ms", start)
         _set(self, "end_ms", end)
+        if self.stable_chars is not None:
+            stable = _check_count("stable_chars", self.stable_chars)
+            if stable > len(self.text):
+                raise InvalidMessage(
+                    "stable_chars",
+                    f"stable_chars ({stable}) exceeds the text's {len(self.text)} characters",
+                )
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,6 +143,23 @@ class SegmentState:
     stable_text: str = ""
     history: deque[list[int]] = field(default_factory=deque)
     source_settled_at: int = 0  # partials answered since the source last revised shown words
+    # The recogniser's settled source (`PartialTranscript.stable_chars`), with the committed
+    # prefix it was decoded after, and its hypothesis: decoded once per change.
+    settled: tuple[tuple[str, tuple[int, ...]], list[int]] | None = None
+
+
+def settled_source(text: str, stable_chars: int) -> str:
+    """The part of `text` a recogniser's `stable_chars` settles, cut back to the last word
+    boundary when the count ends inside a word (a half-confirmed word is not confirmed);
+    texts without spaces (Chinese, Japanese) are cut at the character."""
+    cut = text[:stable_chars]
+    if stable_chars < len(text) and not text[stable_chars].isspace() and not cut.endswith(" "):
+        space = max(cut.rfind(" "), cut.rfind("\t"))
+        if space >= 0:
+            cut = cut[:space]
+        elif " " in text:
+            cut = ""  # the first word itself is not settled
+    return cut
 
 
 def _extends_words(before: str, after: str) -> bool:
@@ -297,6 +314,9 @@ class StreamSession:
         agree = self.options.source_agreement
         if agree is not None and seg.source_settled_at < agree:
             commit = len(seg.committed)  # the source is still being rewritten: wait
+        bound = self._settled_bound(seg, event, source, tokens, should_stop)
+        if bound is not None and bound < commit:  # the recogniser's hint: only so far
+            commit = self.boundaries.snap(tokens, bound, len(seg.committed), False)
         seg.committed = tokens[:commit]
         stable = self.translator.detokenize(seg.committed)
         if not stable.startswith(seg.stable_text):  # never retract, whatever detok does
@@ -305,6 +325,47 @@ class StreamSession:
         shown = self.translator.detokenize(tokens[: max(proposal.display, commit)])
         unstable = shown[len(stable) :] if shown.startswith(stable) else ""
         return self._update(event, stable, unstable, started, received, source)
+
+    def _settled_bound(
+        self,
+        seg: SegmentState,
+        event: PartialTranscript,
+        source: str,
+        tokens: list[int],
+        should_stop: Callable[[], bool] | None,
+    ) -> int | None:
+        """How many of `tokens` the recogniser's settled source supports, or None when the
+        event has no hint or its whole text is settled.
+
+        The settled part is translated on its own (after the committed prefix, like the
+        partial); only the tokens on which that translation and the partial's agree are
+        independent of the unsettled tail, so commits stop there. Nothing settled: nothing
+        new is committed.
+        """
+        if event.stable_chars is None or event.stable_chars >= len(event.text):
+            return None
+        lang = self.translator.config.source_lang
+        settled = self.options.clean(settled_source(event.text, event.stable_chars), lang)
+        if not settled:
+            return len(seg.committed)
+        if settled == source:
+            return None
+        key = (settled, tuple(seg.committed))
+        if seg.settled is None or seg.settled[0] != key:
+            ids = self.translator.source_ids(settled, partial=True)
+            hyp = self.translator.decode(
+                self.translator.encode([ids]),
+                self.options.decode_for(len(ids), len(seg.committed), partial=True),
+                prefixes=[seg.committed],
+                should_stop=should_stop,
+            )[0]
+            seg.settled = (key, list(hyp.token_ids))
+        agreed = 0
+        for mine, theirs in zip(tokens, seg.settled[1], strict=False):
+            if mine != theirs:
+                break
+            agreed += 1
+        return agreed
 
     def _final(
         self,

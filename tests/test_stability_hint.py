@@ -1,0 +1,142 @@
+"""The recogniser's stability hint (`PartialTranscript.stable_chars`, issue 11): optional on
+the wire, and when present the engine commits translation only as far as the settled source
+supports it."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from engine import Translator
+from engine.streaming.session import StreamingOptions, StreamSession, settled_source
+from protocol import InvalidMessage, PartialTranscript, TranslationUpdate, parse, serialize
+from protocol.codec import load_schema
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+
+
+@pytest.fixture(scope="module")
+def translator() -> Translator:
+    needs_fixture()
+    return Translator.from_dir(FIXTURE_MODEL)
+
+
+def replay(
+    tr: Translator, shown: list[tuple[str, int | None]], final: str
+) -> list[TranslationUpdate]:
+    session = StreamSession("s", tr, StreamingOptions())
+    updates = []
+    for seq, (text, stable) in enumerate(shown):
+        update = session.answer(PartialTranscript("s", 0, seq, text, False, stable_chars=stable))
+        assert update is not None
+        updates.append(update)
+    update = session.answer(PartialTranscript("s", 0, len(shown), final, True))
+    assert update is not None
+    return [*updates, update]
+
+
+# -- wire ------------------------------------------------------------------------------
+
+
+def test_the_hint_is_optional_on_the_wire() -> None:
+    old = (
+        '{"type":"partial_transcript","stream_id":"a","segment_id":0,"seq":1,'
+        '"text":"hi there","is_final":false}'
+    )
+    event = parse(old)
+    assert isinstance(event, PartialTranscript) and event.stable_chars is None
+    assert serialize(event) == old  # absent stays absent
+    hinted = PartialTranscript("a", 0, 1, "hi there", False, stable_chars=2)
+    line = serialize(hinted)
+    assert json.loads(line)["stable_chars"] == 2
+    assert parse(line) == hinted
+    schema = load_schema()
+    for text in (old, line):
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("value", [-1, 9, 1.5, True, "2"])
+def test_a_bad_hint_is_refused_with_its_field(value: object) -> None:
+    line = json.dumps(
+        {
+            "type": "partial_transcript",
+            "stream_id": "a",
+            "segment_id": 0,
+            "seq": 1,
+            "text": "hi there",
+            "is_final": False,
+            "stable_chars": value,
+        }
+    )
+    error = parse(line)
+    assert not isinstance(error, PartialTranscript)
+    assert error.field == "stable_chars", error
+    with pytest.raises(InvalidMessage):
+        PartialTranscript("a", 0, 1, "hi there", False, stable_chars=value)  # type: ignore[arg-type]
+
+
+def test_the_settled_source_ends_at_a_word_boundary() -> None:
+    assert settled_source("I will meet Tom", 6) == "I will"
+    assert settled_source("I will meet Tom", 7) == "I will "
+    assert settled_source("I will meet Tom", 9) == "I will"  # "me|et": not confirmed
+    assert settled_source("I will meet Tom", 1) == "I"
+    assert settled_source("Tomorrow I", 3) == ""  # "Tom" of "Tomorrow"
+    assert settled_source("我明天见汤姆", 3) == "我明天"  # no spaces: characters
+
+
+# -- commits -----------------------------------------------------------------------------
+
+
+def test_nothing_is_committed_while_the_recogniser_settles_nothing(translator: Translator) -> None:
+    """A recogniser that showed "Mike" where the speaker said "My father" (the issue's
+    example): unhinted, local agreement commits 迈克 and the final revises it; told that
+    nothing is settled yet, the engine shows the same text as tentative and the final
+    revises nothing."""
+    shown = ["Mike", "Mike every", "Mike every night", "Mike every night opens"]
+    final = "My father every night opens the window"
+    plain = replay(translator, [(t, None) for t in shown], final)
+    assert plain[-2].stable_text.startswith("迈克") and plain[-1].revised
+    hinted = replay(translator, [(t, 0) for t in shown], final)
+    assert all(u.stable_text == "" for u in hinted[:-1])
+    assert [u.stable_text + u.unstable_text for u in hinted[:-1]] == [
+        u.stable_text + u.unstable_text for u in plain[:-1]
+    ]  # the same text, shown as tentative
+    assert not hinted[-1].revised
+    assert hinted[-1].stable_text == plain[-1].stable_text == translator.translate([final])[0].text
+
+
+def test_commits_stop_where_the_settled_source_stops_supporting_them(
+    translator: Translator,
+) -> None:
+    """The recogniser settles all but the last two words. Whatever is committed must be a
+    prefix of the settled words' own translation: target text that depends on a word still
+    changing is never committed. Settling everything gives the unhinted commits."""
+    words = "Tom will play tennis with Lucy at three tomorrow".split()
+    texts = [" ".join(words[:i]) for i in range(1, len(words))]
+    lagging = [(t, len(" ".join(t.split()[:-2]))) for t in texts]
+    hinted = replay(translator, lagging, " ".join(words))
+    session = StreamSession("x", translator, StreamingOptions())
+    for (text, stable), update in zip(lagging, hinted, strict=False):
+        settled = settled_source(text, stable)
+        if not settled:
+            assert update.stable_text == ""
+            continue
+        own = session.translator.decode(
+            translator.encode([translator.source_ids(settled, partial=True)]),
+            StreamingOptions().decode_for(len(settled.split()) * 2, 0, partial=True),
+        )[0]
+        assert translator.detokenize(own.token_ids).startswith(update.stable_text), text
+    assert any(u.stable_text for u in hinted[:-1])  # it does commit once words settle
+    assert hinted[1].stable_text == ""  # "Tom will": "Tom" could still be "Tomorrow"
+    settled_all = replay(translator, [(t, len(t)) for t in texts], " ".join(words))
+    unhinted = replay(translator, [(t, None) for t in texts], " ".join(words))
+    assert [u.stable_text for u in settled_all] == [u.stable_text for u in unhinted]
+
+
+def test_replay_passes_the_hint_from_the_log_lines() -> None:
+    from engine.replay import event_of
+
+    line = {"stream_id": "a", "segment_id": 0, "seq": 1, "text": "hi there", "is_final": False}
+    assert event_of(line).stable_chars is None
+    assert event_of({**line, "stable_chars": 3}).stable_chars == 3
