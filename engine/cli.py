@@ -134,6 +134,7 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
             decode=decode_options(args),
             forced_length_ratio=args.forced_length_ratio,
             source_agreement=args.source_agreement,
+            settled_source=args.settled_source,
         ),
         realtime=args.realtime,
         speed=args.speed,

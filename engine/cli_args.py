@@ -125,6 +125,15 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
         "them (for recognisers that rewrite shown words; default: off)",
     )
     parser.add_argument(
+        "--settled-source",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="treat the words the last N partials share as settled and commit only what "
+        "their own translation agrees with (a recogniser's stable_chars hint wins; "
+        "default: off)",
+    )
+    parser.add_argument(
         "--forced-length-ratio",
         type=positive_float,
         default=None,

@@ -140,3 +140,45 @@ def test_replay_passes_the_hint_from_the_log_lines() -> None:
     line = {"stream_id": "a", "segment_id": 0, "seq": 1, "text": "hi there", "is_final": False}
     assert event_of(line).stable_chars is None
     assert event_of({**line, "stable_chars": 3}).stable_chars == 3
+
+
+def test_without_a_hint_the_words_partials_share_are_the_settled_source(
+    translator: Translator,
+) -> None:
+    """`settled_source=2`: the recogniser keeps rewriting the verb, so only the words both
+    of the last two partials show are settled, and no committed text may depend on the
+    verb: each update's stable text is a prefix of those shared words' own translation."""
+    from engine.streaming.session import shared_words
+
+    shown = [
+        "Tom will",
+        "Tom will meet",
+        "Tom will call",
+        "Tom will call Lucy",
+        "Tom will meet Lucy",
+        "Tom will meet Lucy at three",
+        "Tom will meet Lucy at three tomorrow",
+    ]
+    options = StreamingOptions(settled_source=2)
+    session = StreamSession("s", translator, options)
+    previous = None
+    committed_any = False
+    for seq, text in enumerate(shown):
+        update = session.answer(PartialTranscript("s", 0, seq, text, False))
+        assert update is not None
+        if previous is None:
+            assert update.stable_text == ""  # one partial agrees on nothing yet
+        else:
+            shared = shared_words([previous, text])
+            if update.stable_text:
+                committed_any = True
+                ids = translator.source_ids(shared, partial=True)
+                partial_own = translator.decode(
+                    translator.encode([ids]), options.decode_for(len(ids), 0, partial=True)
+                )[0]
+                own = translator.detokenize(partial_own.token_ids)
+                assert own.startswith(update.stable_text), (text, update.stable_text, own)
+        previous = text
+    assert committed_any
+    assert shared_words(["a b c", "a b d", "a x"]) == "a"
+    assert shared_words(["a b", "a b"]) == "a b"

@@ -172,6 +172,7 @@ def run_serve(args: argparse.Namespace) -> int:
         streaming = StreamingOptions(
             policy=policy,
             source_agreement=args.source_agreement,
+            settled_source=args.settled_source,
             forced_length_ratio=args.forced_length_ratio,
         )
         return anyio.run(_serve, args, options, streaming)

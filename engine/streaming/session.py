@@ -47,6 +47,10 @@ class StreamingOptions:
     a row that only extend the words before them: real recognisers rewrite shown words
     (about 40% of changes), and a translation committed from words about to change is a
     revised final. None (the default) commits on the target side alone.
+    `settled_source` (n): without a recogniser hint (`PartialTranscript.stable_chars`),
+    take as settled the words the last n partials share (local agreement on the source
+    side) and commit only target tokens that this settled prefix's own translation agrees
+    with, as for a hint. None: only a recogniser's hint bounds commits.
     `drafts`: hand the previous hypothesis to the decoder as a draft to verify in the
     prefill call (the tentative tail for a partial, the whole last hypothesis for a
     final), so that tokens it confirms cost no step of their own; the output is the same
@@ -61,6 +65,7 @@ class StreamingOptions:
     drop_fillers: bool = True
     source_normalizer: Callable[[str], str] | None = None
     source_agreement: int | None = None
+    settled_source: int | None = None
     drafts: bool = True
 
     def clean(self, text: str, lang: str | None) -> str:
@@ -146,6 +151,18 @@ class SegmentState:
     # The recogniser's settled source (`PartialTranscript.stable_chars`), with the committed
     # prefix it was decoded after, and its hypothesis: decoded once per change.
     settled: tuple[tuple[str, tuple[int, ...]], list[int]] | None = None
+    recent: deque[str] = field(default_factory=deque)  # the last partials' sources
+
+
+def shared_words(sources: Sequence[str]) -> str:
+    """The words every one of `sources` starts with (local agreement on the source)."""
+    split = [source.split() for source in sources]
+    shared: list[str] = []
+    for words in zip(*split, strict=False):
+        if any(word != words[0] for word in words):
+            break
+        shared.append(words[0])
+    return " ".join(shared)
 
 
 def settled_source(text: str, stable_chars: int) -> str:
@@ -326,6 +343,28 @@ class StreamSession:
         unstable = shown[len(stable) :] if shown.startswith(stable) else ""
         return self._update(event, stable, unstable, started, received, source)
 
+    def _settled(self, seg: SegmentState, event: PartialTranscript, source: str) -> str | None:
+        """The settled part of the partial's source: the recogniser's hint when it sent
+        one, else (with `settled_source` n) the words the last n partials share; None when
+        neither applies or the whole source is settled."""
+        if event.stable_chars is not None:
+            if event.stable_chars >= len(event.text):
+                return None
+            lang = self.translator.config.source_lang
+            return self.options.clean(settled_source(event.text, event.stable_chars), lang)
+        n = self.options.settled_source
+        if n is None:
+            return None
+        seg.recent.append(source)
+        while len(seg.recent) > n:
+            seg.recent.popleft()
+        if len(seg.recent) < n:
+            return ""  # too few partials to agree on anything yet
+        if n == 1:
+            return None  # a partial agrees with itself
+        shared = shared_words(seg.recent)
+        return None if shared == source else shared
+
     def _settled_bound(
         self,
         seg: SegmentState,
@@ -342,10 +381,9 @@ class StreamSession:
         independent of the unsettled tail, so commits stop there. Nothing settled: nothing
         new is committed.
         """
-        if event.stable_chars is None or event.stable_chars >= len(event.text):
+        settled = self._settled(seg, event, source)
+        if settled is None:
             return None
-        lang = self.translator.config.source_lang
-        settled = self.options.clean(settled_source(event.text, event.stable_chars), lang)
         if not settled:
             return len(seg.committed)
         if settled == source:
