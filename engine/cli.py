@@ -135,6 +135,7 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
             forced_length_ratio=args.forced_length_ratio,
             source_agreement=args.source_agreement,
             settled_source=args.settled_source,
+            drafts=args.drafts,
         ),
         realtime=args.realtime,
         speed=args.speed,

@@ -125,6 +125,13 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
         "them (for recognisers that rewrite shown words; default: off)",
     )
     parser.add_argument(
+        "--no-drafts",
+        dest="drafts",
+        action="store_false",
+        help="do not verify the previous hypothesis as a draft (same output, more decoder "
+        "steps; for comparison)",
+    )
+    parser.add_argument(
         "--settled-source",
         type=positive_int,
         default=None,

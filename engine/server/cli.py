@@ -173,6 +173,7 @@ def run_serve(args: argparse.Namespace) -> int:
             policy=policy,
             source_agreement=args.source_agreement,
             settled_source=args.settled_source,
+            drafts=args.drafts,
             forced_length_ratio=args.forced_length_ratio,
         )
         return anyio.run(_serve, args, options, streaming)
