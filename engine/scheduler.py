@@ -65,11 +65,16 @@ class SchedulerOptions:
     with 2 cores or more, else 1). `threads_per_lane`: ONNX Runtime intra-op threads of
     the model's sessions (default: cores / lanes, at least 1); an explicit
     `intra_op_threads` given when loading the model wins.
+    `models`: how many models (each with its own scheduler) share the machine's cores,
+    as when one stream is translated into several languages at once: each scheduler then
+    counts only its share of the cores, so that all of them together run one call per
+    core, never more (on 2 cores and 2 models: one lane of one thread each).
     """
 
     max_rows: int = 32
     lanes: int | None = None
     threads_per_lane: int | None = None
+    models: int = 1
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -78,10 +83,13 @@ class SchedulerOptions:
             raise ValueError("lanes must be >= 1")
         if self.threads_per_lane is not None and self.threads_per_lane < 1:
             raise ValueError("threads_per_lane must be >= 1")
+        if self.models < 1:
+            raise ValueError("models must be >= 1")
 
     def resolved(self, cores: int | None = None) -> tuple[int, int]:
-        """(lanes, ORT intra-op threads per lane) for a machine with `cores` cores."""
-        cores = cores or os.cpu_count() or 1
+        """(lanes, ORT intra-op threads per lane) for one of `models` schedulers on a
+        machine with `cores` cores: the one place the core budget is split."""
+        cores = max(1, (cores or os.cpu_count() or 1) // self.models)
         lanes = self.lanes or (2 if cores >= 2 else 1)
         threads = self.threads_per_lane or max(1, cores // lanes)
         return lanes, threads

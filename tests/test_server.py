@@ -513,11 +513,17 @@ async def test_http_endpoints(translator: Translator) -> None:
         assert line in body, line
     assert 'nmt_server_messages_sent_total{type="translation_update"}' in body
     steps = next(
-        x for x in body.splitlines() if 'nmt_scheduler_work_total{kind="decoder_steps"}' in x
+        x
+        for x in body.splitlines()
+        if 'nmt_scheduler_work_total{kind="decoder_steps",lang="zh"}' in x
     )
-    assert float(steps.split()[1]) >= 1  # the decode scheduler's counters too
-    count = next(x for x in body.splitlines() if x.startswith("nmt_update_latency_seconds_count"))
+    assert float(steps.split()[1]) >= 1  # the decode scheduler's counters too, by language
+    count = next(
+        x for x in body.splitlines() if x.startswith('nmt_update_latency_seconds_count{lang="zh"}')
+    )
     assert float(count.split()[1]) >= 1
+    info = next(x for x in body.splitlines() if x.startswith("nmt_model_info{"))
+    assert 'lang="zh"' in info and 'source_lang="en"' in info and 'default="true"' in info
 
 
 @pytest.mark.anyio
