@@ -323,3 +323,41 @@ def test_serve_with_two_models_says_each_model_and_language(relabelled_de: Path)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.anyio
+async def test_shutdown_past_its_deadline_answers_only_the_languages_still_owed(
+    targets: Targets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A final answered in zh while de still decodes, then an abort: de gets its
+    `unavailable` error naming it, zh gets nothing more (one reply per language)."""
+    de = targets["de"]
+    decode = de.decode
+    started, release = threading.Event(), threading.Event()
+
+    def slow_finals(enc: EncoderOutput, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("prefixes") is None:
+            started.set()
+            release.wait(10)
+        return decode(enc, *args, **kwargs)
+
+    monkeypatch.setattr(de, "decode", slow_finals)
+    try:
+        async with IncrementalTranslator(targets) as nmt:
+            writer = nmt.updates("s1")
+            await nmt.push(PartialTranscript("s1", 0, 0, SENTENCE, True))
+            assert await anyio.to_thread.run_sync(started.wait, 10)
+            with anyio.fail_after(10):
+                while nmt.stats["finals"] < 1:  # zh answered
+                    await anyio.sleep(0.01)
+            assert nmt.abort("shutting down") == 1
+            release.set()
+            replies = await collect(writer)
+    finally:
+        release.set()
+    assert [(type(r).__name__, r.lang) for r in replies] == [
+        ("TranslationUpdate", "zh"),
+        ("ErrorMessage", "de"),
+    ]
+    error = replies[1]
+    assert isinstance(error, ErrorMessage) and (error.code, error.seq) == ("unavailable", 0)
