@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import urllib.error
@@ -175,6 +176,20 @@ async def test_outbox_sheds_superseded_updates_never_finals() -> None:
     assert [(u.stream_id, u.seq) for u in items[:4]] == [("a", 2), ("a", 3), ("a", 4), ("a", 5)]
     assert isinstance(items[4], ErrorMessage)
     assert (outbox.dropped_updates, outbox.dropped_errors) == (3, 1)
+
+
+@pytest.mark.anyio
+async def test_outbox_supersedes_within_a_language_only() -> None:
+    """With fan-out, a newer zh update of a segment does not make the de one stale."""
+    outbox = Outbox(max_updates=3)
+    for stream, seq, lang in [("a", 0, "de"), ("a", 0, "zh"), ("a", 1, "zh"), ("b", 2, "zh")]:
+        outbox.put_update(dataclasses.replace(_update(stream, seq), lang=lang))
+    items = await _drain(outbox)  # the fourth shed zh a/0, superseded by zh a/1
+    assert [(u.stream_id, u.seq, u.lang) for u in items] == [
+        ("a", 0, "de"),
+        ("a", 1, "zh"),
+        ("b", 2, "zh"),
+    ]
 
 
 # --- a real server on loopback -----------------------------------------------------------
