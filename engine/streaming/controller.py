@@ -510,13 +510,12 @@ class IncrementalTranslator:
     def _deliver(self, reply: Reply, stream: _Stream) -> None:
         """To the stream's owner, its subscribers and those of every stream (each in
         the language it asked for)."""
-        if stream.owner is not None:
-            for sub in self._owner_subscriptions.get(stream.owner, ()):
-                sub.put(reply)
+        subs = list(self._owner_subscriptions.get(stream.owner, ())) if stream.owner else []
         for key in (reply.stream_id, None):
-            for sub in self._subscriptions.get(key, ()):
-                if sub.wants(reply):
-                    sub.put(reply)
+            subs.extend(self._subscriptions.get(key, ()))
+        for sub in subs:
+            if sub.wants(reply):
+                sub.put(reply)
 
     async def _run_stream(self, stream: _Stream) -> None:
         try:
