@@ -4,6 +4,7 @@ from engine.config import ModelConfig
 from engine.decoding import DecodeOptions, DecodingCancelled, Hypothesis
 from engine.errors import EngineError, InputTooLongError, ModelLoadError
 from engine.runtime import DecoderLayout, MarianOnnx, RuntimeOptions
+from engine.targets import Targets
 from engine.tokenizer import MarianTokenizer
 from engine.translator import TranslationResult, Translator
 
@@ -19,6 +20,7 @@ __all__ = [
     "ModelConfig",
     "ModelLoadError",
     "RuntimeOptions",
+    "Targets",
     "TranslationResult",
     "Translator",
 ]

@@ -12,6 +12,7 @@ import math
 
 from engine.hub import resolve_model
 from engine.scheduler import SchedulerOptions
+from engine.targets import Targets
 from engine.translator import Translator
 
 DEFAULT_POLICY = "local-agreement:2"
@@ -74,14 +75,23 @@ def policy_spec(value: str) -> str:
     return value
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model options of every model-using command."""
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="model directory, a catalog name such as en-zh, or a hub repo id "
-        "(downloaded on first use)",
+def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """The model options of every model-using command; `several`: `--model` may be
+    repeated, one model per target language (fan-out; `args.model` is then a list)."""
+    what = (
+        "model directory, a catalog name such as en-zh, or a hub repo id (downloaded on first use)"
     )
+    if several:
+        parser.add_argument(
+            "--model",
+            required=True,
+            action="append",
+            help=what + "; repeat it to translate into several languages at once, one model "
+            "per target language, all from the same source language (the first is the "
+            "default language)",
+        )
+    else:
+        parser.add_argument("--model", required=True, help=what)
     parser.add_argument("--quantized", action="store_true", help="use the *_quantized ONNX files")
     parser.add_argument(
         "--no-cache", action="store_true", help="re-run the whole prefix every step (slow)"
@@ -154,6 +164,23 @@ def load_translator(args: argparse.Namespace) -> Translator:
     is resolved, and downloaded when missing)."""
     return Translator.from_dir(
         resolve_model(args.model, quantized=args.quantized),
+        quantized=args.quantized,
+        use_cache=not args.no_cache,
+        intra_op_threads=args.threads,
+        allow_spinning=args.spin,
+        batchable=not args.lockstep,
+        scheduler=SchedulerOptions(max_rows=args.max_batch_rows),
+    )
+
+
+def load_targets(args: argparse.Namespace) -> Targets:
+    """Every model of a repeated `--model` (see `add_model_arguments(several=True)`),
+    loaded once each with the cores split between them; `ModelLoadError` names the one
+    that failed, or the two that conflict."""
+    specs = args.model if isinstance(args.model, list) else [args.model]
+    return Targets.load(
+        specs,
+        resolve=lambda spec: resolve_model(spec, quantized=args.quantized),
         quantized=args.quantized,
         use_cache=not args.no_cache,
         intra_op_threads=args.threads,

@@ -8,6 +8,8 @@ Chinese). Pure Python, no dependencies, so every layer may import it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # Codes as models and corpora write them (ISO 639-1/2/3, OPUS and FLORES names) -> the
 # short code the engine uses. Cantonese and Wu count as Chinese: the same units.
 LANG_ALIASES: dict[str, str] = {
@@ -67,6 +69,16 @@ def base_lang(code: str) -> str:
     """'cmn_Hans', 'zh-CN', 'zho' -> 'zh'; 'eng_Latn' -> 'en'; 'de' -> 'de' (lowercase)."""
     base = code.strip().lower().replace("-", "_").split("_", 1)[0]
     return LANG_ALIASES.get(base, base)
+
+
+def match_lang(tag: str, languages: Iterable[str]) -> str | None:
+    """Which of `languages` (base codes, as models are keyed) a tag such as "zh-Hans" or
+    "zh" names, or None: viewers and subtitle pages write full tags."""
+    known = list(languages)
+    if tag in known:
+        return tag
+    base = base_lang(tag)
+    return base if base in known else None
 
 
 def in_ranges(ch: str, ranges: tuple[tuple[int, int], ...]) -> bool:

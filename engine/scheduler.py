@@ -71,13 +71,17 @@ class SchedulerOptions:
     """Batch limits and threads, in one place.
 
     `max_rows`: decoder rows per step and lane (a beam of 4 is 4 rows); waiting requests
-    past it join later. `cores`: the cores this model may use (default: all the machine
-    has). `lanes`: threads that each run a batch (default: 2 with 2 cores or more, else
-    1). `threads_per_lane`: ONNX Runtime intra-op threads of the model's sessions
-    (default: cores / lanes, at least 1); an explicit `intra_op_threads` given when
-    loading the model wins. `head_threads`: threads of a decoder step's output projection
-    (default: all `cores`): the one op of a step big enough to share out, so a lone stream
-    gets both cores there while the step's small ops stay on its lane's thread.
+    past it join later. `cores`: the cores the machine's models may use (default: all it
+    has). `models`: how many models (each with its own scheduler) share those cores, as
+    when one stream is translated into several languages at once: each scheduler counts
+    only its share, so that all of them together run one call per core, never more (on 2
+    cores and 2 models: one lane of one thread each). `lanes`: threads that each run a
+    batch (default: 2 with 2 cores or more in the share, else 1). `threads_per_lane`: ONNX
+    Runtime intra-op threads of the model's sessions (default: share / lanes, at least 1);
+    an explicit `intra_op_threads` given when loading the model wins. `head_threads`:
+    threads of a decoder step's output projection (default: the whole share): the one op
+    of a step big enough to share out, so a lone stream gets both cores there while the
+    step's small ops stay on its lane's thread.
     """
 
     max_rows: int = 32
@@ -85,6 +89,7 @@ class SchedulerOptions:
     threads_per_lane: int | None = None
     cores: int | None = None
     head_threads: int | None = None
+    models: int = 1
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -93,10 +98,13 @@ class SchedulerOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.models < 1:
+            raise ValueError("models must be >= 1")
 
     def resolved(self, cores: int | None = None) -> Threads:
-        """Lanes and threads for `cores` cores (default: `self.cores`, else the machine's)."""
-        cores = cores or self.cores or os.cpu_count() or 1
+        """Lanes and threads of one of `models` schedulers on `cores` cores (default:
+        `self.cores`, else the machine's): the one place the core budget is split."""
+        cores = max(1, (cores or self.cores or os.cpu_count() or 1) // self.models)
         lanes = self.lanes or (2 if cores >= 2 else 1)
         threads = self.threads_per_lane or max(1, cores // lanes)
         return Threads(lanes, threads, self.head_threads or max(cores, threads))

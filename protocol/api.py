@@ -44,7 +44,10 @@ class NmtIncremental(Protocol):
             async for update in nmt.updates("mic-1"):
                 show(update.stable_text, update.unstable_text)
 
-    Guarantees, per stream and segment:
+    Guarantees, per stream and segment, and per target language for an engine that
+    translates each stream into several (each update then says its `lang`, and every
+    final transcript gets one reply per language; an `error` without `lang` answers it
+    for every language):
 
     - `stable_text` only grows within a segment: each update's stable text starts with the
       previous one's, so a display may append it. The one exception is a final update with

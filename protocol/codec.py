@@ -83,6 +83,7 @@ _KINDS: dict[str, _Kind] = {
     "code": "string",
     "message": "string",
     "field": "string",
+    "lang": "string",
 }
 
 # Free text, bounded by max_text_chars (identifiers have fixed limits in messages.py).

@@ -20,6 +20,13 @@ client can hold exactly, so browsers never see two different ids collapse into o
 
 MAX_STREAM_ID_CHARS = 128
 MAX_FIELD_NAME_CHARS = 128
+MAX_LANG_CHARS = 35
+
+_LANG = re.compile(r"[A-Za-z]{2,8}(?:[_-][A-Za-z0-9]{1,8})*")
+"""A language tag as models and browsers write them ("zh", "de", "zh-Hans", "cmn_Hans"):
+letters, then subtags joined by "-" or "_". Deliberately not full BCP 47: the engine keys
+languages by their base code, and `wire.schema.json` states the same pattern (a test
+checks the two agree)."""
 
 _UNPRINTABLE = re.compile(
     "[\x00-\x1f\x7f-\x9f\xa0\xad\u034f\u0600-\u0605\u061c\u06dd\u070f\u08e2\u115f-\u1160\u17b4-\u17b5\u180b-\u180f\u2000-\u200f\u2028-\u202f\u205f-\u206f\u3000\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff9-\ufffb]"
@@ -115,6 +122,17 @@ def _check_stream_id(value: object, field: str = "stream_id") -> str:
     """A valid stream id, in NFC: "é" typed as one code point or as "e" + combining accent
     names the same stream (look-alike ids must not name two streams)."""
     return unicodedata.normalize("NFC", _check_name(field, value, MAX_STREAM_ID_CHARS))
+
+
+def _check_optional_lang(value: object) -> str | None:
+    if value is None:
+        return None
+    text = _check_str("lang", value)
+    if len(text) > MAX_LANG_CHARS or not _LANG.fullmatch(text):
+        raise InvalidMessage(
+            "lang", f"lang must be a language tag such as 'de' or 'zh-Hans', got {text[:40]!r}"
+        )
+    return text
 
 
 def _check_count(field: str, value: object) -> int:
@@ -214,7 +232,10 @@ class TranslationUpdate:
     reopened, or taken over by another writer after its first one left), so a viewer can
     tell a new stream under the same id from the old one going on. `start_ms`/`end_ms` are
     the audio span of the transcript it answers, when the recogniser gave one (subtitle
-    cues are timed by them).
+    cues are timed by them). `lang` is the target language of the translation: one
+    source stream may be translated into several languages at once (fan-out), and the
+    guarantees above hold per stream, segment and language. None only in messages from
+    engines that predate fan-out.
     """
 
     stream_id: str
@@ -230,9 +251,11 @@ class TranslationUpdate:
     epoch: int | None = None
     start_ms: float | None = None
     end_ms: float | None = None
+    lang: str | None = None
 
     def __post_init__(self) -> None:
         _set(self, "stream_id", _check_stream_id(self.stream_id))
+        _check_optional_lang(self.lang)
         _check_count("segment_id", self.segment_id)
         _check_count("seq", self.seq)
         if self.epoch is not None:
@@ -263,6 +286,9 @@ class ErrorMessage:
 
     `code` is one of `ErrorCode` (stored as its plain string so it compares, hashes and
     serialises like one); `field`, `stream_id` and `seq` locate the problem when known.
+    `lang`: the error is about that target language only (translating a final into it
+    failed, or a shutdown cut it off), so it answers the final for that language alone;
+    an error without `lang` concerns the message itself and answers it for every language.
     """
 
     code: str
@@ -270,6 +296,7 @@ class ErrorMessage:
     field: str | None = None
     stream_id: str | None = None
     seq: int | None = None
+    lang: str | None = None
 
     def __post_init__(self) -> None:
         code = self.code.value if isinstance(self.code, ErrorCode) else self.code
@@ -288,16 +315,25 @@ class ErrorMessage:
             _set(self, "stream_id", _check_stream_id(self.stream_id))
         if self.seq is not None:
             _check_count("seq", self.seq)
+        _check_optional_lang(self.lang)
 
 
 @dataclass(frozen=True, slots=True)
 class Subscribe:
-    """A viewer asks to receive a stream's updates read-only (it may not push to it)."""
+    """A viewer asks to receive a stream's updates read-only (it may not push to it).
+
+    `lang`: the target language to receive, when the engine translates into several.
+    Without it a viewer gets the engine's first (default) language: a viewer shows one
+    line per segment, and one that does not ask for a language cannot tell two apart.
+    To watch several languages, subscribe once per language.
+    """
 
     stream_id: str
+    lang: str | None = None
 
     def __post_init__(self) -> None:
         _set(self, "stream_id", _check_stream_id(self.stream_id))
+        _check_optional_lang(self.lang)
 
 
 @dataclass(frozen=True, slots=True)

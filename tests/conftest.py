@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -69,6 +70,25 @@ def fixture_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
             {**enc, "decoder_model.onnx": variants / "no_past" / "decoder_model.onnx"},
         ),
     }
+
+
+def relabel(dest: Path, **settings: str) -> Path:
+    """A copy of the fixture model whose nmt-incremental.json says other languages.
+
+    The weights are the fixture's own (English -> Chinese): only the label changes. Tests
+    of fan-out use it as a second target language, to check routing and per-language
+    guarantees, not translation quality (there is one committed model)."""
+    dest = model_copy(dest, {p.name: p for p in sorted(FIXTURE_MODEL.glob("*.onnx"))})
+    project = json.loads((FIXTURE_MODEL / PROJECT_CONFIG).read_text(encoding="utf-8"))
+    (dest / PROJECT_CONFIG).write_text(json.dumps({**project, **settings}), encoding="utf-8")
+    return dest
+
+
+@pytest.fixture(scope="session")
+def relabelled_de(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fixture relabelled as an English -> German model (see `relabel`)."""
+    needs_fixture()
+    return relabel(tmp_path_factory.mktemp("fanout") / "en-de", target_lang="de")
 
 
 @pytest.fixture

@@ -181,3 +181,45 @@ async def test_page_options_and_reconnect(translator: Translator) -> None:
                 [update["stable_text"], ""]
             ]
         await browser.close()
+
+
+@pytest.mark.anyio
+async def test_page_shows_the_language_it_asks_for(relabelled_de: Path) -> None:
+    """Fan-out: `?lang=de` subscribes to German (the fixture relabelled: same weights, see
+    `conftest.relabel`), and a language the server lacks is said on the page."""
+    from websockets.asyncio.client import connect
+
+    from engine.server import Limits, ServerOptions, SubtitleServer
+    from engine.targets import Targets
+
+    targets = Targets.load([FIXTURE_MODEL, relabelled_de])
+    options = ServerOptions(port=0, limits=Limits(rate_limit=None))
+    async with (
+        IncrementalTranslator(targets, STREAMING) as nmt,
+        SubtitleServer(nmt, options) as server,
+        async_api.async_playwright() as playwright,
+    ):
+        browser = await launch(playwright)
+        german, french = await browser.new_page(), await browser.new_page()
+        await german.goto(f"{server.url}?stream=s1&lang=de")
+        await french.goto(f"{server.url}?stream=s1&lang=fr")
+        await german.wait_for_selector("body[data-state=open]")
+        await french.wait_for_function(
+            "() => document.getElementById('status').textContent.includes('fr')", timeout=10000
+        )
+        assert "languages: zh, de" in (await french.text_content("#status") or "")
+        with anyio.fail_after(5):  # the German page subscribed; the French one could not
+            while server.role_counts()["viewer"] != 1:
+                await anyio.sleep(0.01)
+        async with connect(f"ws://127.0.0.1:{server.port}/ws") as writer:
+            await writer.send(message(0, 0, "Tom reads a book", True))
+            finals: dict[str, str] = {}
+            while len(finals) < 2:
+                update = json.loads(await writer.recv())
+                if update["is_final"]:
+                    finals[update["lang"]] = update["stable_text"]
+        want = [[finals["de"], ""]]
+        assert await wait_for_lines(german, want) == want
+        assert await french.evaluate(READ_LINES) == []
+        assert await german.evaluate("() => document.documentElement.lang") == "de"
+        await browser.close()

@@ -24,11 +24,12 @@ A = Owner("connection 1", max_streams=2)
 B = Owner("connection 2")
 
 
-def prepare(event: PartialTranscript) -> tuple[str, list[int] | None]:
+def prepare(event: PartialTranscript) -> tuple[str, dict[str, list[int]]]:
     if len(event.text) > 20:
         raise InputTooLongError(len(event.text), 20)
     source = " ".join(event.text.split())
-    return source, [len(word) for word in source.split()] or None
+    ids = [len(word) for word in source.split()]
+    return source, {"xx": ids} if ids else {}
 
 
 def table(**kwargs: int) -> StreamTable[StreamLifecycle]:
@@ -61,7 +62,7 @@ def test_segments_move_the_phase_and_finals_are_counted() -> None:
     t = table()
     adm = t.admit(ev("s", 0, "  I   will "), A, prepare)
     s = adm.stream
-    assert adm.opened and (adm.source, adm.source_ids) == ("I will", [1, 4])
+    assert adm.opened and (adm.source, adm.source_ids) == ("I will", {"xx": [1, 4]})
     assert s.phase is Phase.LIVE and s.owner == A and s.epoch == 1
     assert not t.admit(ev("s", 1, "I will go", final=True), A, prepare).opened
     assert (s.phase, s.finals_pending) == (Phase.OPEN, 1)

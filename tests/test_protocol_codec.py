@@ -34,9 +34,12 @@ MESSAGES: list[Message] = [
     TranslationUpdate("mic-1", 0, 0, "", "", False, 0.0, 0.0),
     TranslationUpdate("mic-1", 2, 9, "Hallo", " Welt", False, 35.5, 12.0, source_text="hello wor"),
     TranslationUpdate("mic-1", 2, 10, "Hallo, Welt!", "", True, 120.25, 80.5, revised=True),
+    TranslationUpdate("mic-1", 2, 10, "你好", "", True, 1.0, 1.0, epoch=3, lang="zh"),
     ErrorMessage("internal", "the decoder failed"),
+    ErrorMessage("internal", "the German decoder failed", None, "mic-1", 4, lang="de"),
     ErrorMessage(ErrorCode.OUT_OF_ORDER, "seq 3 is not above 5", "seq", "mic-1", 3),
     Subscribe("room-7"),
+    Subscribe("room-7", lang="zh-Hans"),
     CloseStream("mic-1"),
 ]
 
@@ -82,6 +85,25 @@ def test_null_means_absent_for_optional_fields() -> None:
     absent = '{"type":"translation_update","stream_id":"a","segment_id":0,"seq":1,'
     absent += '"stable_text":"","unstable_text":"","is_final":false,"latency_ms":1,"compute_ms":2}'
     assert parse(absent) == TranslationUpdate("a", 0, 1, "", "", False, 1.0, 2.0, revised=False)
+
+
+def test_messages_from_before_fan_out_still_decode() -> None:
+    """`lang` came with fan-out: an update, error or subscribe without it is what every
+    earlier engine and client wrote, and still decodes (to lang None)."""
+    old_update = (
+        '{"type":"translation_update","stream_id":"a","segment_id":0,"seq":1,"stable_text":"x",'
+        '"unstable_text":"","is_final":true,"latency_ms":1,"compute_ms":2,"revised":false,'
+        '"source_text":"hi","epoch":1}'
+    )
+    update = parse(old_update)
+    assert isinstance(update, TranslationUpdate) and update.lang is None and update.epoch == 1
+    assert parse('{"type":"subscribe","stream_id":"a"}') == Subscribe("a", lang=None)
+    error = parse('{"type":"error","code":"internal","message":"m","seq":3}')
+    assert isinstance(error, ErrorMessage) and error.lang is None and error.seq == 3
+    # And the new field is written only when set, after the fields it extends.
+    wire = serialize(Subscribe("a", "de"))
+    assert wire == '{"type":"subscribe","stream_id":"a","lang":"de"}'
+    assert "lang" not in serialize(Subscribe("a"))
 
 
 def test_whitespace_around_and_inside_json_is_fine() -> None:

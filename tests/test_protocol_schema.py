@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 from typing import Any
 
 import jsonschema
@@ -14,6 +15,7 @@ import pytest
 from protocol import (
     ERROR_CODES,
     MAX_ID,
+    MAX_LANG_CHARS,
     MAX_STREAM_ID_CHARS,
     MAX_TEXT_CHARS,
     MESSAGE_TYPES,
@@ -97,6 +99,18 @@ def test_schema_describes_exactly_the_codecs_messages() -> None:
     assert defs["text"]["maxLength"] == MAX_TEXT_CHARS
     assert defs["name"]["maxLength"] == MAX_STREAM_ID_CHARS
     assert defs["count"]["maximum"] == defs["ms"]["maximum"] == MAX_ID
+    assert defs["lang"]["maxLength"] == MAX_LANG_CHARS
+
+
+def test_schema_and_code_take_the_same_language_tags() -> None:
+    """The `lang` pattern is written twice (Python and JSON Schema): same verdicts."""
+    from protocol.messages import _LANG
+
+    pattern = re.compile(SCHEMA["$defs"]["lang"]["pattern"])
+    tags = "de zh zh-Hans cmn_Hans pt-BR und sr-Latn-RS x zh- zh--x -de d3 de1".split()
+    tags += ["en-123456789", "ab_c-d", "de ", "ÄB", "zh-Hans\n"]
+    for tag in tags:
+        assert bool(pattern.search(tag)) == bool(_LANG.fullmatch(tag)), tag
 
 
 # --- a table of cases -------------------------------------------------------------------
@@ -127,6 +141,12 @@ VALID: list[str] = [
     with_(ER, field="seq", stream_id="mic-1", seq=3),
     with_(ER, field=None, stream_id=None, seq=None),
     '{"type":"subscribe","stream_id":"room"}',
+    '{"type":"subscribe","stream_id":"room","lang":"de"}',
+    '{"type":"subscribe","stream_id":"room","lang":"zh-Hans"}',
+    '{"type":"subscribe","stream_id":"room","lang":null}',
+    with_(TU, lang="zh"),
+    with_(TU, lang="cmn_Hans"),
+    with_(ER, lang="de", seq=3),
     '{"type":"close_stream","stream_id":"room"}',
     ' {\n "stream_id" : "room", "type":"close_stream" } ',
 ]
@@ -185,6 +205,13 @@ INVALID: list[str] = [
     with_(ER, seq=-1),
     '{"type":"subscribe"}',
     '{"type":"subscribe","stream_id":"a","seq":1}',
+    *[
+        f'{{"type":"subscribe","stream_id":"a","lang":{json.dumps(bad)}}}'
+        for bad in ["", "d", "zh-", "-zh", "zh--Hans", "z1", "de\n", "zh Hans", "x" * 36, 7]
+    ],
+    with_(TU, lang=""),
+    with_(ER, lang="zh_"),
+    '{"type":"close_stream","stream_id":"a","lang":"de"}',
     '{"type":"close_stream","stream_id":""}',
 ]
 
@@ -267,6 +294,7 @@ def random_message(rng: random.Random) -> Message:
             _ms(rng),
             revised=final and rng.random() < 0.5,
             source_text=rng.choice([None, _string(rng, _TEXT_CHARS, 0, 40)]),
+            lang=rng.choice([None, "zh", "de", "zh-Hans", "cmn_Hans"]),
         )
     if kind is ErrorMessage:
         return ErrorMessage(
@@ -275,8 +303,11 @@ def random_message(rng: random.Random) -> Message:
             rng.choice([None, "seq", "text", "stream_id"]),
             rng.choice([None, stream_id]),
             rng.choice([None, _count(rng)]),
+            rng.choice([None, "de"]),
         )
-    return Subscribe(stream_id) if kind is Subscribe else CloseStream(stream_id)
+    if kind is Subscribe:
+        return Subscribe(stream_id, rng.choice([None, "zh", "pt-BR"]))
+    return CloseStream(stream_id)
 
 
 _ODD_VALUES: list[Any] = [
@@ -310,8 +341,8 @@ def _mutate(rng: random.Random, doc: dict[str, Any]) -> dict[str, Any]:
     elif action < 0.8:
         del doc[rng.choice(list(doc))]
     elif action < 0.9:
-        doc[rng.choice(["extra", "seq", "text", "revised", "start_ms", "end_ms"])] = rng.choice(
-            _ODD_VALUES
+        doc[rng.choice(["extra", "seq", "text", "revised", "start_ms", "end_ms", "lang"])] = (
+            rng.choice(_ODD_VALUES)
         )
     else:
         doc["type"] = rng.choice(list(MESSAGE_TYPES))

@@ -368,6 +368,20 @@ def test_thread_counts_are_set_in_one_place() -> None:
     assert (tr.model.options.intra_op_threads, tr.model.options.head_threads) == (1, 2)
 
 
+def test_models_sharing_the_cores_split_them_instead_of_oversubscribing() -> None:
+    """Fan-out loads one scheduler per target language; together they must not run more
+    calls at once than there are cores."""
+    for cores in (1, 2, 3, 4, 16):
+        for models in (1, 2, 3):
+            lanes, threads, head = SchedulerOptions(models=models).resolved(cores)
+            assert lanes * threads * models <= max(cores, models), (cores, models)
+            assert head * models <= max(cores, models), (cores, models)
+    assert SchedulerOptions(models=2).resolved(2) == (1, 1, 1)
+    assert SchedulerOptions(models=2).resolved(16) == (2, 4, 8)
+    with pytest.raises(ValueError):
+        SchedulerOptions(models=0)
+
+
 # -- draft verification (issue 14) -----------------------------------------------------
 
 

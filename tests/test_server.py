@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import urllib.error
@@ -175,6 +176,20 @@ async def test_outbox_sheds_superseded_updates_never_finals() -> None:
     assert [(u.stream_id, u.seq) for u in items[:4]] == [("a", 2), ("a", 3), ("a", 4), ("a", 5)]
     assert isinstance(items[4], ErrorMessage)
     assert (outbox.dropped_updates, outbox.dropped_errors) == (3, 1)
+
+
+@pytest.mark.anyio
+async def test_outbox_supersedes_within_a_language_only() -> None:
+    """With fan-out, a newer zh update of a segment does not make the de one stale."""
+    outbox = Outbox(max_updates=3)
+    for stream, seq, lang in [("a", 0, "de"), ("a", 0, "zh"), ("a", 1, "zh"), ("b", 2, "zh")]:
+        outbox.put_update(dataclasses.replace(_update(stream, seq), lang=lang))
+    items = await _drain(outbox)  # the fourth shed zh a/0, superseded by zh a/1
+    assert [(u.stream_id, u.seq, u.lang) for u in items] == [
+        ("a", 0, "de"),
+        ("a", 1, "zh"),
+        ("b", 2, "zh"),
+    ]
 
 
 # --- a real server on loopback -----------------------------------------------------------
@@ -513,11 +528,17 @@ async def test_http_endpoints(translator: Translator) -> None:
         assert line in body, line
     assert 'nmt_server_messages_sent_total{type="translation_update"}' in body
     steps = next(
-        x for x in body.splitlines() if 'nmt_scheduler_work_total{kind="decoder_steps"}' in x
+        x
+        for x in body.splitlines()
+        if 'nmt_scheduler_work_total{kind="decoder_steps",lang="zh"}' in x
     )
-    assert float(steps.split()[1]) >= 1  # the decode scheduler's counters too
-    count = next(x for x in body.splitlines() if x.startswith("nmt_update_latency_seconds_count"))
+    assert float(steps.split()[1]) >= 1  # the decode scheduler's counters too, by language
+    count = next(
+        x for x in body.splitlines() if x.startswith('nmt_update_latency_seconds_count{lang="zh"}')
+    )
     assert float(count.split()[1]) >= 1
+    info = next(x for x in body.splitlines() if x.startswith("nmt_model_info{"))
+    assert 'lang="zh"' in info and 'source_lang="en"' in info and 'default="true"' in info
 
 
 @pytest.mark.anyio

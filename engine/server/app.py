@@ -166,10 +166,13 @@ class SubtitleServer:
         self.options = options or ServerOptions()
         self.engine = engine
         self.state = ServerState()
+        if engine is not None:
+            self.state.languages = tuple(engine.languages)
         self.metrics = ServerMetrics(
             open_streams=lambda: len(self.engine.streams) if self.engine else 0,
             engine_stats=lambda: self.engine.stats if self.engine else None,
-            scheduler_stats=lambda: self.engine.translator.scheduler.stats if self.engine else None,
+            scheduler_stats=self._scheduler_stats,
+            models=self._models,
         )
         self._allowed = (
             frozenset(self.options.allowed_origins)
@@ -204,7 +207,30 @@ class SubtitleServer:
         """Start serving `engine` (running, i.e. inside its `async with`)."""
         if self.engine is not None:
             raise RuntimeError("an engine is already attached")
+        self.state.languages = tuple(engine.languages)
         self.engine = engine
+
+    def _scheduler_stats(self) -> dict[str, Counter[str]] | None:
+        """Each model's decode scheduler counters, by target language."""
+        if self.engine is None:
+            return None
+        return {lang: t.scheduler.stats for lang, t in self.engine.targets.items()}
+
+    def _models(self) -> list[dict[str, str]]:
+        """What `nmt_model_info` says about each loaded model, default language first."""
+        if self.engine is None:
+            return []
+        targets = self.engine.targets
+        return [
+            {
+                "lang": lang,
+                "source_lang": t.config.source_lang or "",
+                "model": str(t.model.model_dir),
+                "batching": t.scheduler.batching,
+                "default": str(lang == targets.default).lower(),
+            }
+            for lang, t in targets.items()
+        ]
 
     @property
     def port(self) -> int:
@@ -397,7 +423,7 @@ class SubtitleServer:
                         self._reply(client, exc.error)
                 elif isinstance(action, Watch):
                     assert client.io is not None
-                    client.io.start_soon(self._view, client, engine, action.stream_id)
+                    client.io.start_soon(self._view, client, engine, action.stream_id, action.lang)
                 else:
                     assert isinstance(action, Ignore)
         except ConnectionClosed:
@@ -421,11 +447,13 @@ class SubtitleServer:
             )
             self._reply(client, error, event.is_final)
 
-    async def _view(self, client: _Client, engine: IncrementalTranslator, stream_id: str) -> None:
-        """Follow a stream for a viewer, across restarts of the stream: a subtitle screen
-        outlives the pipeline connection that feeds it."""
+    async def _view(
+        self, client: _Client, engine: IncrementalTranslator, stream_id: str, lang: str | None
+    ) -> None:
+        """Follow a stream in one language for a viewer, across restarts of the stream: a
+        subtitle screen outlives the pipeline connection that feeds it."""
         while not (self._stopping or client.gone):
-            sub = engine.updates(stream_id)
+            sub = engine.updates(stream_id, lang=lang)
             self._adopt(client, sub)
             got = await self._forward(client, sub, False)
             if not got and stream_id not in engine.streams:
@@ -456,7 +484,8 @@ class SubtitleServer:
                         self._reply(client, update, about_final=True)
                     continue
                 if owner:
-                    self.metrics.update_latency.observe(update.latency_ms / 1000.0)
+                    lang = update.lang or ""
+                    self.metrics.update_latency.labels(lang).observe(update.latency_ms / 1000.0)
                 before = client.outbox.dropped_updates
                 client.outbox.put_update(update)
                 if client.outbox.dropped_updates > before:

@@ -19,7 +19,7 @@ import protocol
 from engine.cli_args import (
     add_model_arguments,
     add_policy_argument,
-    load_translator,
+    load_targets,
     non_negative_float,
     positive_int,
 )
@@ -28,6 +28,7 @@ from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.connection import Limits
 from engine.server.recorder import record
 from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
+from engine.targets import Targets
 from engine.translator import Translator
 
 log = logging.getLogger("engine.server")
@@ -51,11 +52,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="serve live subtitles over WebSocket (with a subtitle page)",
         description=(
             "Translate partial transcripts sent to ws://HOST:PORT/ws and show them on the "
-            "subtitle page http://HOST:PORT/?stream=ID. Also serves /healthz, /readyz and "
-            "/metrics. Stops gracefully on SIGINT/SIGTERM, delivering pending finals."
+            "subtitle page http://HOST:PORT/?stream=ID (&lang=LANG with several models). "
+            "Also serves /healthz, /readyz and /metrics. Stops gracefully on "
+            "SIGINT/SIGTERM, delivering pending finals."
         ),
     )
-    add_model_arguments(p)
+    add_model_arguments(p, several=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument(
         "--port", type=_port, default=8765, help="port (0: any free port; default %(default)s)"
@@ -206,12 +208,13 @@ async def _serve_until(
         ws_url = server.url.replace("http", "ws", 1) + "ws"
         log.info("subtitle page: %s?stream=demo (any stream id)", server.url)
         log.info("websocket: %s (writers send partial_transcript, viewers subscribe)", ws_url)
-        log.info("loading model %s", args.model)
-        translator = await _load(args, stop)
-        if translator is None:
+        for spec in args.model:
+            log.info("loading model %s", spec)
+        targets = await _load(args, stop)
+        if targets is None:
             return 0 if stop.is_set() else 2
         async with (
-            IncrementalTranslator(translator, streaming, max_streams=args.max_streams) as nmt,
+            IncrementalTranslator(targets, streaming, max_streams=args.max_streams) as nmt,
             anyio.create_task_group() as recorders,
         ):
             if args.record:
@@ -219,7 +222,17 @@ async def _serve_until(
                 recorders.start_soon(record, nmt, Path(args.record), args.record_format)
                 log.info("recording finals to %s (%s)", args.record, args.record_format)
             server.attach(nmt)
-            log.info("model: %s", describe_model(translator))
+            for translator in targets.values():
+                log.info("model: %s", describe_model(translator))
+            if len(targets) > 1:
+                page = f"{server.url}?stream=demo&lang="
+                log.info(
+                    "languages: %s; subtitle pages: %s",
+                    ", ".join(
+                        f"{lang} (default)" if lang == targets.default else lang for lang in targets
+                    ),
+                    ", ".join(page + lang for lang in targets),
+                )
             log.info("ready")
             await stop.wait()
             log.info(
@@ -245,25 +258,29 @@ def describe_model(translator: Translator) -> str:
     load, so the user should see it)."""
     model, config = translator.model, translator.config
     pair = f"{config.source_lang or '?'}->{config.target_lang or '?'}"
+    lanes = translator.scheduler.lanes
+    threads = model.options.intra_op_threads or translator.scheduler.threads_per_lane
     files = ", ".join(sorted({path.name for path in model.files.values()}))
     how = " (split at load)" if model.split_at_load else ""
     batching = f"{translator.scheduler.batching} batching"
     rows = translator.scheduler.options.max_rows
     return (
         f"{model.model_dir} ({pair}, {model.layout.value} decoder{how}: {files}; "
-        f"{batching}, up to {rows} rows per step)"
+        f"{batching}, up to {rows} rows per step; "
+        f"{lanes} lane{'s' if lanes > 1 else ''} x {threads} thread{'s' if threads > 1 else ''})"
     )
 
 
-async def _load(args: argparse.Namespace, stop: anyio.Event) -> Translator | None:
-    """Load the model in a thread (health checks answer meanwhile); None if a signal
-    came first or the model cannot be loaded."""
+async def _load(args: argparse.Namespace, stop: anyio.Event) -> Targets | None:
+    """Load every model in a thread (health checks answer meanwhile); None if a signal
+    came first or a model cannot be loaded (the error names it: nothing is served
+    with fewer languages than asked for)."""
 
-    def load() -> Translator:
+    def load() -> Targets:
         # Resolving a catalog name may download: in the thread too, not on the event loop.
-        return load_translator(args)
+        return load_targets(args)
 
-    result: Translator | None = None
+    result: Targets | None = None
     async with anyio.create_task_group() as tg:
 
         async def run() -> None:

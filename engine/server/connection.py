@@ -20,6 +20,7 @@ from typing import TypeAlias
 from urllib.parse import parse_qs, urlsplit
 
 import protocol
+from engine.languages import match_lang
 from engine.streaming.lifecycle import Owner
 from protocol import (
     CloseStream,
@@ -205,9 +206,11 @@ class TokenBucket:
 @dataclass
 class ServerState:
     """What every connection of a server shares: whether it still takes work (false from
-    the start of a shutdown)."""
+    the start of a shutdown), and the target languages it translates into, the default
+    (first) one first (empty until a model is loaded)."""
 
     accepting: bool = True
+    languages: tuple[str, ...] = ()
 
 
 # --- actions ----------------------------------------------------------------------------
@@ -241,9 +244,11 @@ class Close:
 
 @dataclass(frozen=True)
 class Watch:
-    """Subscribe this (viewer) connection to the stream's updates."""
+    """Subscribe this (viewer) connection to the stream's updates in language `lang`
+    (None only while the server knows no languages: then every one)."""
 
     stream_id: str
+    lang: str | None = None
 
 
 @dataclass(frozen=True)
@@ -284,7 +289,7 @@ class ConnectionCore:
     server: ServerState
     now: float = 0.0
     role: Role = Role.UNDECIDED
-    watched: set[str] = field(default_factory=set)
+    watched: set[tuple[str, str | None]] = field(default_factory=set)  # (stream, language)
     message_type: str = "invalid"
     _bucket: TokenBucket | None = field(default=None, repr=False)
 
@@ -382,7 +387,23 @@ class ConnectionCore:
                 )
             )
         sid = message.stream_id
-        if sid in self.watched:
+        # A viewer shows one language: without `lang`, the server's default (first) one,
+        # so a viewer written before fan-out never gets two languages mixed in one feed.
+        languages = self.server.languages
+        lang = message.lang if message.lang is not None or not languages else languages[0]
+        if lang is not None and languages:
+            lang = match_lang(lang, languages)
+            if lang is None:
+                return Reply(
+                    _error(
+                        ErrorCode.INVALID_MESSAGE,
+                        f"no translation into {message.lang!r} here; languages: "
+                        + ", ".join(languages),
+                        field="lang",
+                        context=message,
+                    )
+                )
+        if (sid, lang) in self.watched:
             return Ignore()
         if len(self.watched) >= self.limits.max_streams_per_connection:
             return Reply(
@@ -395,5 +416,5 @@ class ConnectionCore:
                 )
             )
         self.role = Role.VIEWER
-        self.watched.add(sid)
-        return Watch(sid)
+        self.watched.add((sid, lang))
+        return Watch(sid, lang)

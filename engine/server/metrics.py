@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
@@ -39,6 +39,45 @@ class _EngineStats(Collector):
         yield family
 
 
+class _SchedulerStats(Collector):
+    """Each model's decode scheduler counters, labelled by its target language (one
+    scheduler per model: with fan-out, one per language)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Mapping[str, int]] | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "nmt_scheduler_work",
+            "Decode scheduler work per model, by target language (decoder_steps, "
+            "prefill_calls, prefill_rows, encoder_calls, rows_ended, rows_cancelled, "
+            "draft_offered, draft_accepted, queue_wait_ms, idle_ms).",
+            labels=["kind", "lang"],
+        )
+        for lang, stats in sorted((self._stats() or {}).items()):
+            for kind, count in sorted(stats.items()):
+                family.add_metric([kind, lang], count)
+        yield family
+
+
+class _ModelInfo(Collector):
+    """One series per loaded model (value 1): its target and source language, directory,
+    batching and whether its language is the default, so a dashboard can tell what a
+    server translates into."""
+
+    def __init__(self, models: Callable[[], Iterable[Mapping[str, str]]]) -> None:
+        self._models = models
+
+    def collect(self) -> Iterable[Metric]:
+        keys = ["lang", "source_lang", "model", "batching", "default"]
+        family = GaugeMetricFamily(
+            "nmt_model_info", "The models loaded, one per target language.", labels=keys
+        )
+        for model in self._models():
+            family.add_metric([model.get(key, "") for key in keys], 1.0)
+        yield family
+
+
 class ServerMetrics:
     """The counters, gauges and histogram that `/metrics` serves."""
 
@@ -46,7 +85,8 @@ class ServerMetrics:
         self,
         open_streams: Callable[[], int],
         engine_stats: Callable[[], Mapping[str, int] | None],
-        scheduler_stats: Callable[[], Mapping[str, int] | None] = lambda: None,
+        scheduler_stats: Callable[[], Mapping[str, Mapping[str, int]] | None] = lambda: None,
+        models: Callable[[], Iterable[Mapping[str, str]]] = list,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -90,7 +130,9 @@ class ServerMetrics:
         )
         self.update_latency = Histogram(
             "nmt_update_latency_seconds",
-            "Time from a partial's arrival at the engine to its translation update.",
+            "Time from a partial's arrival at the engine to its translation update, by "
+            "target language.",
+            ["lang"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -101,15 +143,8 @@ class ServerMetrics:
                 "Engine work by outcome (events accepted, superseded, cancelled, updates, ...).",
             )
         )
-        r.register(
-            _EngineStats(
-                scheduler_stats,
-                "nmt_scheduler_work",
-                "Decode scheduler work (decoder_steps, prefill_calls, prefill_rows, "
-                "encoder_calls, rows_ended, rows_cancelled, draft_offered, draft_accepted, "
-                "queue_wait_ms, idle_ms).",
-            )
-        )
+        r.register(_SchedulerStats(scheduler_stats))
+        r.register(_ModelInfo(models))
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, negotiated from `Accept`."""

@@ -21,7 +21,7 @@ class Outbox:
     """Updates and error replies waiting to be sent, in arrival order.
 
     Bounds: at most `max_updates` updates, shedding first a non-final update that a newer
-    queued update of the same segment supersedes, else the oldest non-final one; finals
+    queued update of the same segment and language supersedes, else the oldest non-final one; finals
     are never shed (the engine bounds how many can be pending). At most `max_errors`
     error replies: a client that floods without reading loses the surplus errors, except
     replies about finals (`keep`), which are never shed: up to `max_kept_errors` of them
@@ -106,7 +106,9 @@ class Outbox:
 
     def _shed_update(self) -> bool:
         oldest: int | None = None
-        newer: set[tuple[str, int]] = set()
+        # A segment's update supersedes older ones of the same segment in its language
+        # only: with fan-out, a newer zh update says nothing about the de line.
+        newer: set[tuple[str, int, str | None]] = set()
         victim: int | None = None
         # Walk newest to oldest: the last hit is the oldest superseded non-final.
         for i in range(len(self._items) - 1, -1, -1):
@@ -115,9 +117,9 @@ class Outbox:
                 continue
             if not item.is_final:
                 oldest = i
-                if (item.stream_id, item.segment_id) in newer:
+                if (item.stream_id, item.segment_id, item.lang) in newer:
                     victim = i
-            newer.add((item.stream_id, item.segment_id))
+            newer.add((item.stream_id, item.segment_id, item.lang))
         index = victim if victim is not None else oldest
         if index is None:
             return False

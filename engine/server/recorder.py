@@ -1,7 +1,8 @@
 """`serve --record DIR`: every stream's finals written to subtitle files as they arrive.
 
 One file per stream life (`<stream id>.<epoch>.vtt`, the id percent-encoded so that any id
-is a safe file name), rewritten whole after every final through a temporary file and an
+is a safe file name; `<stream id>.<epoch>.<lang>.vtt` per target language when the engine
+translates into several), rewritten whole after every final through a temporary file and an
 atomic rename: a crash loses at most the cue being written, never the file. Cues are laid
 out by `engine.subtitles` and timed by the finals' audio span (`start_ms`/`end_ms`, which
 updates carry when the recogniser sent them); without one, by when the segment's first
@@ -34,9 +35,12 @@ class _Track:
     segment_start: dict[int, float] = field(default_factory=dict)  # first update, ms
 
 
-def record_path(directory: Path, update: TranslationUpdate, kind: str) -> Path:
+def record_path(
+    directory: Path, update: TranslationUpdate, kind: str, by_lang: bool = False
+) -> Path:
     name = urllib.parse.quote(update.stream_id, safe="")
-    return directory / f"{name}.{update.epoch or 0}.{kind}"
+    lang = f".{update.lang}" if by_lang and update.lang else ""
+    return directory / f"{name}.{update.epoch or 0}{lang}.{kind}"
 
 
 def _write_atomically(path: Path, cues: list[subtitles.Cue], kind: str) -> None:
@@ -49,15 +53,17 @@ async def record(engine: IncrementalTranslator, directory: Path, kind: str = "vt
     """Write every stream's finals under `directory` until the engine closes; returns how
     many files were written. Subscribes at once, so start it before the first push."""
     directory.mkdir(parents=True, exist_ok=True)
-    tracks: dict[tuple[str, int | None], _Track] = {}
+    by_lang = len(engine.languages) > 1
+    tracks: dict[tuple[str, int | None, str | None], _Track] = {}
     async for update in engine.updates(None):
         if not isinstance(update, TranslationUpdate):
             continue  # an error in place of a final: nothing was said
-        key = (update.stream_id, update.epoch)
+        key = (update.stream_id, update.epoch, update.lang)
         now = time.monotonic()
         track = tracks.get(key)
         if track is None:
-            track = tracks[key] = _Track(record_path(directory, update, kind), now)
+            path = record_path(directory, update, kind, by_lang)
+            track = tracks[key] = _Track(path, now)
         elapsed = (now - track.started) * 1000.0
         track.segment_start.setdefault(update.segment_id, elapsed)
         if not update.is_final:

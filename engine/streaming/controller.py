@@ -6,6 +6,15 @@ worker thread, whose encoder and decoder calls go to the model's one decode sche
 event arrives while a partial is being decoded, that decode leaves the batch at its next
 step and the newest source is decoded instead, so delay never piles up behind a fast
 talker; finals are never skipped or cancelled.
+
+Fan-out: with several models (`engine.targets.Targets`, one per target language) a stream
+keeps one lifecycle, one queue and one task, and one session per language. Each admitted
+event is translated into every language at once (one worker thread per language, each
+model's scheduler batching its own rows) and each language's update is published as soon
+as it is ready. So latest-wins, ownership and the count of finals owed stay one decision
+per stream; a final counts as answered once every language has answered it (its update,
+or an error naming the language). The price: a stream's languages advance event by
+event together, so the slower model sets the pace of the stream's next partial.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import functools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeAlias
@@ -33,6 +42,7 @@ from engine.streaming.lifecycle import (
     Trigger,
 )
 from engine.streaming.session import StreamingOptions, StreamSession
+from engine.targets import Targets
 from engine.translator import Translator
 from protocol import (
     EngineClosed,
@@ -69,14 +79,26 @@ class Subscription(AsyncIterator[Reply]):
     stall translation for others and every final transcript still gets its reply.
     """
 
-    def __init__(self, stream_id: str | None, max_items: int, owner: Owner | None = None) -> None:
+    def __init__(
+        self,
+        stream_id: str | None,
+        max_items: int,
+        owner: Owner | None = None,
+        lang: str | None = None,
+    ) -> None:
         self.stream_id = stream_id
         self.owner = owner
+        self.lang = lang  # None: every language
         self.max_items = max_items
         self.dropped = 0
         self._items: deque[Reply] = deque()
         self._ready = anyio.Event()
         self._closed = False
+
+    def wants(self, reply: Reply) -> bool:
+        """Whether `reply` is for this subscription's language (an error that names no
+        language answers every language, so every subscription takes it)."""
+        return self.lang is None or reply.lang is None or reply.lang == self.lang
 
     def put(self, update: Reply) -> None:
         if self._closed:
@@ -111,13 +133,18 @@ class Subscription(AsyncIterator[Reply]):
 
 class _Stream(StreamLifecycle):
     """A stream's lifecycle (phase, owner, admission record) and the controller's working
-    state for it: its queue of admitted events, session and the events its task waits on."""
+    state for it: its queue of admitted events, one session per target language and the
+    events its task waits on."""
 
     def __init__(
-        self, stream_id: str, owner: Owner | None, epoch: int, session: StreamSession
+        self,
+        stream_id: str,
+        owner: Owner | None,
+        epoch: int,
+        sessions: Mapping[str, StreamSession],
     ) -> None:
         super().__init__(stream_id, owner, epoch)
-        self.session = session
+        self.sessions = dict(sessions)
         # Admitted events waiting, each with its arrival time.
         self.pending: deque[tuple[Admission[_Stream], float]] = deque()
         self.wake = anyio.Event()
@@ -125,10 +152,13 @@ class _Stream(StreamLifecycle):
         self.idle = anyio.Event()
         self.busy = False
         self.current: PartialTranscript | None = None  # the event being translated
+        self.answered: set[str] = set()  # languages that answered `current` already
         self.cancelled_in_row = 0
-        self.last_update: TranslationUpdate | None = None
-        # The last few final updates, replayed to a viewer who joins late.
-        self.recent_finals: deque[TranslationUpdate] = deque(maxlen=RECENT_FINALS)
+        self.last_update: dict[str, TranslationUpdate] = {}  # by language
+        # The last few final updates per language, replayed to a viewer who joins late.
+        self.recent_finals: dict[str, deque[TranslationUpdate]] = {
+            lang: deque(maxlen=RECENT_FINALS) for lang in sessions
+        }
 
     def drop_partials(self) -> int:
         """Latest wins: drop waiting partials (finals stay); returns how many."""
@@ -148,6 +178,11 @@ class IncrementalTranslator:
         ...
     ```
 
+    Given several translators (or a `Targets`), one per target language, every stream is
+    translated into all of them (fan-out): each update says its language (`lang`), and
+    `updates(..., lang=...)` picks one. The guarantees of `NmtIncremental` hold per
+    stream and language; with one translator nothing changes.
+
     Each stream's life (admission, ownership, closing) is decided by one state machine,
     `engine.streaming.lifecycle`; this class carries out what it decides: it runs the
     translations, publishes their replies and releases a stream when it has drained.
@@ -157,7 +192,7 @@ class IncrementalTranslator:
 
     def __init__(
         self,
-        translator: Translator,
+        translator: Translator | Sequence[Translator] | Targets,
         options: StreamingOptions | None = None,
         *,
         max_streams: int = 256,
@@ -165,7 +200,11 @@ class IncrementalTranslator:
         queue_size: int = 256,
         decode_slots: int | None = None,
     ) -> None:
-        self.translator = translator
+        if isinstance(translator, Translator):
+            translator = [translator]
+        self.targets = translator if isinstance(translator, Targets) else Targets(translator)
+        # The default language's model (the only one without fan-out).
+        self.translator = self.targets[self.targets.default]
         self.options = options or StreamingOptions()
         self.queue_size = queue_size
         self.stats: Counter[str] = Counter()
@@ -174,7 +213,7 @@ class IncrementalTranslator:
         # threads and memory, not compute (that is the scheduler's `max_rows`).
         slots = decode_slots or DECODE_SLOTS
         self._limiter = anyio.CapacityLimiter(slots)
-        self._threads = anyio.CapacityLimiter(slots)
+        self._threads = anyio.CapacityLimiter(slots * len(self.targets))
         self._table: StreamTable[_Stream] = StreamTable(
             self._make_stream, max_streams=max_streams, max_pending_finals=max_pending_finals
         )
@@ -185,14 +224,42 @@ class IncrementalTranslator:
 
     @classmethod
     def from_dir(
-        cls, model_dir: str | Path, options: StreamingOptions | None = None, **kwargs: Any
+        cls,
+        model_dir: str | Path | Sequence[str | Path],
+        options: StreamingOptions | None = None,
+        **kwargs: Any,
     ) -> IncrementalTranslator:
-        """Load a model directory (see `Translator.from_dir` for the keyword options)."""
-        return cls(Translator.from_dir(model_dir, **kwargs), options)
+        """Load a model directory, or several for fan-out (one per target language,
+        loaded by `Targets.load`; see `Translator.from_dir` for the keyword options)."""
+        dirs = [model_dir] if isinstance(model_dir, (str, Path)) else list(model_dir)
+        return cls(Targets.load(dirs, **kwargs), options)
 
     @property
     def max_streams(self) -> int:
         return self._table.max_streams
+
+    @property
+    def languages(self) -> list[str]:
+        """The target languages, the default (first) one first."""
+        return self.targets.languages
+
+    def language(self, tag: str | None) -> str | None:
+        """The language a subscriber's tag names ("zh-Hans" -> "zh"; None stays None:
+        every language). Raises `InvalidEvent` (`invalid_message`, field `lang`) for a
+        language no model translates into."""
+        if tag is None:
+            return None
+        lang = self.targets.find(tag)
+        if lang is None:
+            raise InvalidEvent(
+                ErrorMessage(
+                    ErrorCode.INVALID_MESSAGE,
+                    f"no translation into {tag[:40]!r} here; languages: "
+                    + ", ".join(self.languages),
+                    "lang",
+                )
+            )
+        return lang
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -256,10 +323,17 @@ class IncrementalTranslator:
                 log.error("%r: %d finals queued, %d owed", stream, len(finals), owed)
             for event in finals:
                 answered += 1
-                error = ErrorMessage(
-                    ErrorCode.UNAVAILABLE, reason, None, event.stream_id, event.seq
-                )
-                self._deliver(error, stream)
+                # A final being translated may have been answered in some languages
+                # already: the error then answers only the others, naming each.
+                done = stream.answered if event is stream.current else set()
+                langs: list[str | None] = [None]
+                if done:
+                    langs = [lang for lang in stream.sessions if lang not in done]
+                for lang in langs:
+                    error = ErrorMessage(
+                        ErrorCode.UNAVAILABLE, reason, None, event.stream_id, event.seq, lang
+                    )
+                    self._deliver(error, stream)
         self._end_subscriptions()
         self.stats["aborted_finals"] += answered
         return answered
@@ -281,11 +355,21 @@ class IncrementalTranslator:
         stream = self._table.get(stream_id)
         return stream.phase if stream is not None else Phase.CLOSED
 
-    def updates(self, stream_id: str | None = None, *, owner: Owner | None = None) -> Subscription:
+    def updates(
+        self,
+        stream_id: str | None = None,
+        *,
+        owner: Owner | None = None,
+        lang: str | None = None,
+    ) -> Subscription:
         """Subscribe now (before pushing, so nothing is missed) to one stream or all, or
         with `owner` to the replies of every stream that owner holds (a writer's updates,
-        and the `error` replies that answer its finals)."""
-        sub = Subscription(stream_id, self.queue_size, owner)
+        and the `error` replies that answer its finals). `lang`: only that target
+        language's updates (a tag such as "zh-Hans" names the model of its base
+        language; `InvalidEvent` for one no model translates into); None: every
+        language's, each update saying which (`lang`)."""
+        lang = self.language(lang)
+        sub = Subscription(stream_id, self.queue_size, owner, lang)
         if self._closed:
             sub.close()
             return sub
@@ -297,11 +381,14 @@ class IncrementalTranslator:
         for stream in self._table:
             if stream_id not in (None, stream.stream_id):
                 continue
-            for final in stream.recent_finals:
-                sub.put(final)
-            last = stream.last_update
-            if last is not None and not last.is_final:
-                sub.put(last)
+            for language in stream.sessions:
+                if lang not in (None, language):
+                    continue
+                for final in stream.recent_finals[language]:
+                    sub.put(final)
+                last = stream.last_update.get(language)
+                if last is not None and not last.is_final:
+                    sub.put(last)
         self._subscriptions.setdefault(stream_id, []).append(sub)
         return sub
 
@@ -320,10 +407,13 @@ class IncrementalTranslator:
                 self._subscriptions.pop(sub.stream_id, None)
         sub.close()
 
-    def last_update(self, stream_id: str) -> TranslationUpdate | None:
-        """The newest update of an open stream (a viewer joining late starts from it)."""
+    def last_update(self, stream_id: str, lang: str | None = None) -> TranslationUpdate | None:
+        """The newest update of an open stream in a language (default: the default
+        language; a viewer joining late starts from it)."""
         stream = self._table.get(stream_id)
-        return stream.last_update if stream else None
+        if stream is None:
+            return None
+        return stream.last_update.get(self.language(lang) or self.targets.default)
 
     async def push(self, event: PartialTranscript, owner: Owner | None = None) -> None:
         """Queue an event and return at once; raises `InvalidEvent` for a refused one
@@ -390,32 +480,41 @@ class IncrementalTranslator:
     # -- internals ------------------------------------------------------------------
 
     def _make_stream(self, stream_id: str, owner: Owner | None, epoch: int) -> _Stream:
-        session = StreamSession(stream_id, self.translator, self.options)
-        return _Stream(stream_id, owner, epoch, session)
+        sessions = {
+            lang: StreamSession(stream_id, translator, self.options, lang=lang)
+            for lang, translator in self.targets.items()
+        }
+        return _Stream(stream_id, owner, epoch, sessions)
 
-    def _prepare(self, event: PartialTranscript) -> tuple[str, list[int] | None]:
-        """Admission's text step: normalise and tokenise once; decoding reuses both."""
-        source = self.options.clean(event.text, self.translator.config.source_lang)
+    def _prepare(self, event: PartialTranscript) -> tuple[str, dict[str, list[int]]]:
+        """Admission's text step: normalise once (every model shares the source
+        language) and tokenise once per model; decoding reuses both."""
+        source = self.options.clean(event.text, self.targets.source_lang)
         if not source:
-            return source, None
-        return source, self.translator.source_ids(source, partial=not event.is_final)
+            return source, {}
+        partial = not event.is_final
+        return source, {
+            lang: translator.source_ids(source, partial=partial)
+            for lang, translator in self.targets.items()
+        }
 
-    def _publish(self, stream: _Stream, update: TranslationUpdate) -> None:
+    def _publish(self, stream: _Stream, lang: str, update: TranslationUpdate) -> None:
         update = dataclasses.replace(update, epoch=stream.epoch)
-        stream.last_update = update
+        stream.last_update[lang] = update
         self.stats["updates"] += 1
         if update.is_final:
             self.stats["finals"] += 1
-            stream.recent_finals.append(update)
+            stream.recent_finals[lang].append(update)
         self._deliver(update, stream)
 
     def _deliver(self, reply: Reply, stream: _Stream) -> None:
-        """To the stream's owner, its subscribers and those of every stream."""
-        if stream.owner is not None:
-            for sub in self._owner_subscriptions.get(stream.owner, ()):
-                sub.put(reply)
+        """To the stream's owner, its subscribers and those of every stream (each in
+        the language it asked for)."""
+        subs = list(self._owner_subscriptions.get(stream.owner, ())) if stream.owner else []
         for key in (reply.stream_id, None):
-            for sub in self._subscriptions.get(key, ()):
+            subs.extend(self._subscriptions.get(key, ()))
+        for sub in subs:
+            if sub.wants(reply):
                 sub.put(reply)
 
     async def _run_stream(self, stream: _Stream) -> None:
@@ -449,21 +548,66 @@ class IncrementalTranslator:
     async def _translate(
         self, stream: _Stream, admission: Admission[_Stream], received: float
     ) -> None:
+        """Translate one admitted event into every language at once; publish each
+        language's update when it is ready; a final is answered once all have."""
         event = admission.event
         cancellable = not event.is_final and stream.cancelled_in_row < MAX_CANCELLED_IN_A_ROW
 
         def newer_waiting() -> bool:
             return bool(stream.pending)
 
-        work = functools.partial(
-            stream.session.answer,
-            event,
-            newer_waiting if cancellable else None,
-            received=received,
-            source=admission.source,
-            source_ids=admission.source_ids,
-        )
+        cancelled = False
+
+        async def one(lang: str, session: StreamSession) -> None:
+            nonlocal cancelled
+            work = functools.partial(
+                session.answer,
+                event,
+                newer_waiting if cancellable else None,
+                received=received,
+                source=admission.source,
+                source_ids=admission.source_ids.get(lang),
+            )
+            try:
+                update = await anyio.to_thread.run_sync(work, limiter=self._threads)
+            except DecodingCancelled:
+                cancelled = True
+                self.stats["cancelled"] += 1
+                return
+            except Exception:  # a bug must not take the stream (or others) down with it
+                self.stats["errors"] += 1
+                log.exception(
+                    "translation into %s failed for stream %r seq %d",
+                    lang,
+                    event.stream_id,
+                    event.seq,
+                )
+                if event.is_final and not stream.closed:
+                    # Every final gets exactly one reply per language: this one.
+                    stream.answered.add(lang)
+                    self._deliver(
+                        ErrorMessage(
+                            ErrorCode.INTERNAL,
+                            "translating this final transcript failed (logged on the server); "
+                            "the stream goes on",
+                            stream_id=event.stream_id,
+                            seq=event.seq,
+                            lang=lang,
+                        ),
+                        stream,
+                    )
+                return
+            if stream.closed:  # aborted meanwhile: `abort` answered it
+                return
+            if event.is_final:
+                stream.answered.add(lang)
+            if update is None:
+                self.stats["unchanged"] += 1
+                return
+            self._publish(stream, lang, update)
+
         stream.current = event
+        stream.answered = set()
         try:
             async with self._limiter:
                 # Waiting for a worker can take a while when many streams are busy; a
@@ -474,36 +618,13 @@ class IncrementalTranslator:
                     return
                 if stream.closed:  # aborted while waiting: answered
                     return
-                update = await anyio.to_thread.run_sync(work, limiter=self._threads)
-        except DecodingCancelled:
-            stream.cancelled_in_row += 1
-            self.stats["cancelled"] += 1
-            return
-        except Exception:  # a bug must not take the stream (or others) down with it
-            self.stats["errors"] += 1
-            log.exception("translation failed for stream %r seq %d", event.stream_id, event.seq)
-            if event.is_final and not stream.closed:
-                # Every final gets exactly one reply: this one.
-                stream.fire(Trigger.ANSWERED)
-                self._deliver(
-                    ErrorMessage(
-                        ErrorCode.INTERNAL,
-                        "translating this final transcript failed (logged on the server); "
-                        "the stream goes on",
-                        stream_id=event.stream_id,
-                        seq=event.seq,
-                    ),
-                    stream,
-                )
-            return
+                async with anyio.create_task_group() as languages:
+                    for lang, session in stream.sessions.items():
+                        languages.start_soon(one, lang, session)
         finally:
             stream.current = None
-        if stream.closed:  # aborted meanwhile: `abort` answered it
+        if stream.closed:  # aborted meanwhile: `abort` answered what was left
             return
-        stream.cancelled_in_row = 0
+        stream.cancelled_in_row = stream.cancelled_in_row + 1 if cancelled else 0
         if event.is_final:
             stream.fire(Trigger.ANSWERED)
-        if update is None:
-            self.stats["unchanged"] += 1
-            return
-        self._publish(stream, update)

@@ -204,9 +204,10 @@ class StreamLifecycle:
 
 S = TypeVar("S", bound=StreamLifecycle)
 
-Prepare = Callable[[PartialTranscript], tuple[str, list[int] | None]]
-"""Admission's text step: the event's normalised source and its token ids (None for an
-empty source); raises `InputTooLongError` for a text the model cannot take."""
+Prepare = Callable[[PartialTranscript], tuple[str, Mapping[str, list[int]]]]
+"""Admission's text step: the event's normalised source and its token ids for each target
+language's model (models tokenise, and may prefix, differently; empty for an empty
+source); raises `InputTooLongError` for a text a model cannot take."""
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ class Admission(Generic[S]):
     stream: S
     event: PartialTranscript
     source: str
-    source_ids: list[int] | None
+    source_ids: Mapping[str, list[int]]
     opened: bool
 
 

@@ -193,13 +193,24 @@ def _extends_words(before: str, after: str) -> bool:
 
 
 class StreamSession:
-    """Translate one stream's partial transcripts, segment after segment."""
+    """Translate one stream's partial transcripts into one language, segment after segment.
+
+    A stream translated into several languages (fan-out) has one session per language:
+    what is stable, the history and the encoder output are per model and language.
+    `lang` is the target language its updates carry (default: the model's own).
+    """
 
     def __init__(
-        self, stream_id: str, translator: Translator, options: StreamingOptions | None = None
+        self,
+        stream_id: str,
+        translator: Translator,
+        options: StreamingOptions | None = None,
+        *,
+        lang: str | None = None,
     ) -> None:
         self.stream_id = stream_id
         self.translator = translator
+        self.lang = lang if lang is not None else translator.config.target_lang
         self.options = options or StreamingOptions()
         self.boundaries = BoundaryFinder(translator.tokenizer.id_to_piece)
         self._prefix_trained = bool(translator.config.partial_suffix)
@@ -286,6 +297,7 @@ class StreamSession:
             source_text=source,
             start_ms=event.start_ms,
             end_ms=event.end_ms,
+            lang=self.lang,
         )
 
     def _partial(

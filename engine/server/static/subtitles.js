@@ -1,5 +1,6 @@
 // Live subtitle viewer: subscribes to one stream on the server's /ws and shows the last
-// lines, each as its stable text followed by the tentative tail. Plain browser JavaScript,
+// lines, each as its stable text followed by the tentative tail. `lang` picks the target
+// language when the server translates into several (and tags the text for fonts). Plain browser JavaScript,
 // no build step and nothing loaded from elsewhere.
 "use strict";
 
@@ -14,6 +15,7 @@
     stream: params.get("stream") || "main",
     lines: intParam("lines", 2, 1, 50),
     token: params.get("token"),
+    lang: params.get("lang"),
   };
 
   applyStyle();
@@ -108,7 +110,9 @@
     const ws = new WebSocket(socketUrl());
     socket = ws;
     ws.addEventListener("open", () => {
-      ws.send(JSON.stringify({ type: "subscribe", stream_id: config.stream }));
+      const subscribe = { type: "subscribe", stream_id: config.stream };
+      if (config.lang) subscribe.lang = config.lang;
+      ws.send(JSON.stringify(subscribe));
       attempt = 0;
       setState("open");
     });
@@ -123,6 +127,9 @@
         show(message);
       } else if (message.type === "error") {
         console.warn("subtitle server:", message.code, message.message);
+        // A language the server does not translate into: say so on the page, since
+        // nothing will ever show otherwise.
+        if (message.field === "lang") status.textContent = message.message;
       }
     });
     ws.addEventListener("close", () => {
