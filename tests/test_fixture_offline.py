@@ -49,7 +49,8 @@ def rows() -> list[tuple[str, str, str]]:
     """heldout.tsv: source, reference, style."""
     needs_fixture("offline")
     lines = (FIXTURE_OFFLINE_DIR / "heldout.tsv").read_text(encoding="utf-8").splitlines()
-    return [tuple(line.split("\t")) for line in lines if line]  # type: ignore[misc]
+    cells = [line.split("\t") for line in lines if line]
+    return [(c[0], c[1], c[2]) for c in cells]
 
 
 @pytest.fixture(scope="module")
