@@ -9,7 +9,7 @@ machine must still give is the quality the fixture documents, checked here. It t
 
     python -m pytest -m slow tests/test_fixture_training.py
 
-The offline fixture (`--kind offline`, ~7 minutes) is checked the same way: >= 95% exact
+The offline fixture (`--kind offline`, ~3.5 minutes) is checked the same way: >= 95% exact
 match in every style on unseen sentences.
 """
 
