@@ -17,6 +17,17 @@ FIXTURE_MODEL = FIXTURE_DIR / "model"
 # The committed PyTorch checkpoint the committed ONNX was exported from (the export tests
 # re-export it); NMT_FIXTURE_CHECKPOINT points them at another one, e.g. a fresh retrain.
 FIXTURE_CHECKPOINT = Path(os.environ.get("NMT_FIXTURE_CHECKPOINT", FIXTURE_DIR / "checkpoint"))
+# The second fixture, trained like real OPUS-MT (whole sentences in recogniser styles, no
+# partial marker): it invents endings for partials, as real models do. Streaming guarantees
+# are checked on both (`FIXTURE_MODELS`).
+FIXTURE_OFFLINE_DIR = ROOT / "models" / "fixture_offline"
+FIXTURE_OFFLINE_MODEL = FIXTURE_OFFLINE_DIR / "model"
+FIXTURE_OFFLINE_CHECKPOINT = Path(
+    os.environ.get("NMT_FIXTURE_OFFLINE_CHECKPOINT", FIXTURE_OFFLINE_DIR / "checkpoint")
+)
+FIXTURE_DIRS = {"prefix": FIXTURE_DIR, "offline": FIXTURE_OFFLINE_DIR}
+FIXTURE_MODELS = {"prefix": FIXTURE_MODEL, "offline": FIXTURE_OFFLINE_MODEL}
+FIXTURE_CHECKPOINTS = {"prefix": FIXTURE_CHECKPOINT, "offline": FIXTURE_OFFLINE_CHECKPOINT}
 SHARED = ROOT.parent / "shared"
 ZH_EN = SHARED / "opus-mt-zh-en"
 FLORES = SHARED / "flores200-devtest"
@@ -25,9 +36,9 @@ FLORES = SHARED / "flores200-devtest"
 SIDE_FILES = (*TOKENIZER_FILES, *OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG)
 
 
-def needs_fixture() -> None:
-    if not (FIXTURE_MODEL / "encoder_model.onnx").is_file():
-        pytest.skip("fixture model not built (models/fixture/build.py)")
+def needs_fixture(kind: str = "prefix") -> None:
+    if not (FIXTURE_MODELS[kind] / "encoder_model.onnx").is_file():
+        pytest.skip(f"{kind} fixture model not built (models/fixture/build.py --kind {kind})")
 
 
 def model_copy(dest: Path, onnx_files: dict[str, Path]) -> Path:

@@ -5,7 +5,9 @@ Most tests read the committed ONNX files and need no torch. Those that export ne
 and optimum (skipped without them). The re-export check exports the committed PyTorch
 checkpoint (`models/fixture/checkpoint/`) and compares with the committed ONNX: both are
 files in git, so the check means the same on every machine (a retrain would not: training
-is deterministic on one CPU, not across CPUs).
+is deterministic on one CPU, not across CPUs). The checks of the committed weights against
+PyTorch (references, checkpoint, re-export) run on both fixtures, the prefix-trained one
+and `models/fixture_offline/`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from engine.conversion import (
 )
 from engine.conversion.export import OPTIMUM_FILES
 from engine.conversion.quantize import check_quantized_merged
-from tests.conftest import FIXTURE_CHECKPOINT as CHECKPOINT
+from tests.conftest import FIXTURE_CHECKPOINTS, FIXTURE_DIRS
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "models" / "fixture"
@@ -44,6 +46,14 @@ LAYERS = int(CONFIG["decoder_layers"])
 HEADS = int(CONFIG["decoder_attention_heads"])
 HEAD_DIM = int(CONFIG["d_model"]) // HEADS
 REFERENCE = json.loads((FIXTURE / "reference_outputs.json").read_text("utf-8"))
+# Every built fixture's reference outputs, by kind (the offline one may not be built yet).
+REFERENCES = {
+    kind: json.loads((directory / "reference_outputs.json").read_text("utf-8"))
+    for kind, directory in FIXTURE_DIRS.items()
+    if (directory / "reference_outputs.json").is_file()
+}
+KINDS = sorted(REFERENCES)
+FORCED_CASES = [(k, i) for k in KINDS for i in range(len(REFERENCES[k]["forced_logits"]))]
 
 sys.path.insert(0, str(FIXTURE))
 from ort_greedy import OrtGreedy  # noqa: E402
@@ -233,19 +243,21 @@ def test_fp32_lm_head_is_tied_and_untying_preserves_logits(tmp_path: Path) -> No
     np.testing.assert_allclose(after, before, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", range(len(REFERENCE["forced_logits"])))
-def test_onnx_logits_match_pytorch_reference(case: int) -> None:
-    forced = REFERENCE["forced_logits"][case]
+@pytest.mark.parametrize(("kind", "case"), FORCED_CASES)
+def test_onnx_logits_match_pytorch_reference(kind: str, case: int) -> None:
+    forced = REFERENCES[kind]["forced_logits"][case]
+    model = FIXTURE_DIRS[kind] / "model"
     want = np.array(forced["logits"], dtype=np.float32)
-    got = merged_logits(MODEL, forced["source_ids"], forced["decoder_input_ids"])
+    got = merged_logits(model, forced["source_ids"], forced["decoder_input_ids"])
     np.testing.assert_allclose(got, want, atol=2e-4)
-    int8 = merged_logits(MODEL, forced["source_ids"], forced["decoder_input_ids"], True)
+    int8 = merged_logits(model, forced["source_ids"], forced["decoder_input_ids"], True)
     assert (int8.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
-def test_greedy_onnx_decoding_reproduces_pytorch_ids() -> None:
-    refs = REFERENCE["greedy"][:60]
-    decoder = OrtGreedy(MODEL)
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_onnx_decoding_reproduces_pytorch_ids(kind: str) -> None:
+    refs = REFERENCES[kind]["greedy"][:60]
+    decoder = OrtGreedy(FIXTURE_DIRS[kind] / "model")
     assert decoder.translate_ids([r["source"] for r in refs]) == [r["ids"] for r in refs]
     assert [decoder.tok.encode(r["source"]) for r in refs] == [r["source_ids"] for r in refs]
 
@@ -307,12 +319,14 @@ def test_variants_match_pytorch_reference(case: int) -> None:
 # --- exporting (torch) -----------------------------------------------------------------
 
 
-def test_committed_checkpoint_holds_the_committed_onnx_weights() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_committed_checkpoint_holds_the_committed_onnx_weights(kind: str) -> None:
     """Every parameter of the committed checkpoint, bit for bit, is the one the committed
-    fp32 ONNX files hold (read back by name, MatMul weights transposed)."""
+    fp32 ONNX files hold (read back by name, MatMul weights transposed; the offline fixture's
+    decoder from its merged file)."""
     safetensors = pytest.importorskip("safetensors.numpy")
-    state = safetensors.load_file(str(CHECKPOINT / "model.safetensors"))
-    onnx_params = recover(MODEL)
+    state = safetensors.load_file(str(FIXTURE_CHECKPOINTS[kind] / "model.safetensors"))
+    onnx_params = recover(FIXTURE_DIRS[kind] / "model")
     # Marian's sinusoidal position tables are computed from the config at load, not saved
     # (the re-export test below shows the computed ones equal the exported ones).
     positions = {name for name in onnx_params if name.endswith("embed_positions.weight")}
@@ -327,27 +341,32 @@ def test_committed_checkpoint_holds_the_committed_onnx_weights() -> None:
         np.testing.assert_array_equal(state[name], value, err_msg=name)
 
 
-def test_reexported_checkpoint_matches_committed_onnx(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_reexported_checkpoint_matches_committed_onnx(kind: str, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("optimum.exporters.onnx")
-    assert (CHECKPOINT / "model.safetensors").is_file(), f"no fixture checkpoint at {CHECKPOINT}"
+    checkpoint, model = FIXTURE_CHECKPOINTS[kind], FIXTURE_DIRS[kind] / "model"
+    assert (checkpoint / "model.safetensors").is_file(), f"no fixture checkpoint at {checkpoint}"
     from engine.conversion import export_marian, quantize_int8
 
     out = tmp_path / "model"
-    export_marian(CHECKPOINT, out, validate=False)
+    export_marian(checkpoint, out, validate=False)
     for name in (*OPTIMUM_FILES, *TOKENIZER_FILES, "nmt-incremental.json"):
         assert (out / name).is_file(), name
-    for forced in REFERENCE["forced_logits"]:
+    assert (out / "nmt-incremental.json").read_bytes() == (
+        model / "nmt-incremental.json"
+    ).read_bytes()
+    for forced in REFERENCES[kind]["forced_logits"]:
         args = (forced["source_ids"], forced["decoder_input_ids"])
         np.testing.assert_allclose(
-            merged_logits(out, *args), merged_logits(MODEL, *args), atol=1e-4
+            merged_logits(out, *args), merged_logits(model, *args), atol=1e-4
         )
     quantize_int8(out)
-    for forced in REFERENCE["forced_logits"]:
+    for forced in REFERENCES[kind]["forced_logits"]:
         args = (forced["source_ids"], forced["decoder_input_ids"])
         np.testing.assert_allclose(
             merged_logits(out, *args, quantized=True),
-            merged_logits(MODEL, *args, quantized=True),
+            merged_logits(model, *args, quantized=True),
             atol=1e-4,
         )
 

@@ -1,5 +1,8 @@
 """Replay of transcript logs: every final arrives and equals offline translation, metrics are
-sane, bad logs and refused events are reported, realtime mode delivers every final."""
+sane, bad logs and refused events are reported, realtime mode delivers every final.
+
+The model-driven tests run on both committed fixtures: the prefix-trained one and the
+offline one trained like real OPUS-MT (which invents endings for partials)."""
 
 from __future__ import annotations
 
@@ -30,11 +33,14 @@ from engine.replay import (
 )
 from engine.streaming import MaskK, StreamingOptions
 from engine.translator import Translator
-from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
+from tests.conftest import FIXTURE_MODELS, ROOT, needs_fixture
 
 LOGS = ROOT / "examples" / "logs"
 EN_ZH_LOG = LOGS / "fixture_en_zh.jsonl"
 EN_ZH_REFS = LOGS / "fixture_en_zh.ref.txt"
+# Recogniser-style logs (lowercase, no punctuation, shown words rewritten): of the prefix
+# fixture's held-out sentences, and of the offline fixture's written ones.
+ASR_LOGS = ("fixture_en_zh_asr", "fixture_offline_en_zh_asr")
 TWO_STREAMS_LOG = LOGS / "fixture_two_streams.jsonl"
 
 
@@ -44,10 +50,10 @@ def needs_logs() -> None:
         pytest.skip("examples/logs not made yet (see examples/logs/README.md)")
 
 
-@pytest.fixture(scope="module")
-def translator() -> Translator:
-    needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL)
+@pytest.fixture(scope="module", params=sorted(FIXTURE_MODELS))
+def translator(request: pytest.FixtureRequest) -> Translator:
+    needs_fixture(request.param)
+    return Translator.from_dir(FIXTURE_MODELS[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +155,24 @@ def test_other_policy_and_decode_options_are_used(
     assert result.settings["policy"] == "mask-3" and result.settings["beam_size"] == 2
     # mask-k commits everything it shows: no unstable tail before the final.
     assert all(t.update.unstable_text == "" for t in result.updates)
+
+
+@pytest.mark.parametrize("name", ASR_LOGS)
+def test_recogniser_style_log_on_the_offline_fixture(name: str) -> None:
+    """A realistic log (lowercase, no punctuation, shown words rewritten): every final is
+    the offline translation, and the offline fixture, trained on recogniser styles,
+    translates those lowercase finals to their references."""
+    needs_fixture("offline")
+    if not (LOGS / f"{name}.jsonl").is_file():
+        pytest.skip("examples/logs not made yet (see examples/logs/README.md)")
+    translator = Translator.from_dir(FIXTURE_MODELS["offline"])
+    lines = read_log(LOGS / f"{name}.jsonl")
+    result = replay(translator, lines)
+    check_finals(result, lines)
+    finals = [t.update.stable_text for t in result.updates if t.update.is_final]
+    refs = read_references(LOGS / f"{name}.ref.txt")
+    exact = sum(f == r for f, r in zip(finals, refs, strict=True))
+    assert exact >= 0.9 * len(refs), (exact, len(refs))
 
 
 def test_two_streams(translator: Translator) -> None:

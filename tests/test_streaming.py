@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,7 +26,7 @@ from engine.streaming import (
 )
 from engine.streaming.controller import Subscription
 from protocol import InvalidEvent, NmtIncremental, PartialTranscript, TranslationUpdate
-from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, needs_fixture
+from tests.conftest import FIXTURE_DIR, FIXTURE_DIRS, FIXTURE_MODEL, FIXTURE_MODELS, needs_fixture
 
 POLICIES = [LocalAgreement(2), LocalAgreement(3), MaskK(2), BiasedDecoding(0.3)]
 
@@ -36,11 +37,26 @@ def translator() -> Translator:
     return Translator.from_dir(FIXTURE_MODEL)
 
 
+def read_heldout(directory: Path) -> list[tuple[str, str]]:
+    rows = (directory / "heldout.tsv").read_text(encoding="utf-8").splitlines()
+    cells = [r.split("\t") for r in rows if r.strip()]
+    return [(c[0], c[1]) for c in cells][:30]
+
+
 @pytest.fixture(scope="module")
 def heldout() -> list[tuple[str, str]]:
     needs_fixture()
-    rows = (FIXTURE_DIR / "heldout.tsv").read_text(encoding="utf-8").splitlines()
-    return [tuple(r.split("\t")[:2]) for r in rows if r.strip()][:30]  # type: ignore[misc]
+    return read_heldout(FIXTURE_DIR)
+
+
+@pytest.fixture(scope="module", params=sorted(FIXTURE_MODELS))
+def each_fixture(request: pytest.FixtureRequest) -> tuple[Translator, list[tuple[str, str]]]:
+    """Each committed fixture with its held-out sentences: the prefix-trained one, and the
+    offline one that, like real OPUS-MT, invents endings for partials (its held-out rows mix
+    written, lowercase, filler and fragment styles)."""
+    needs_fixture(request.param)
+    translator = Translator.from_dir(FIXTURE_MODELS[request.param])
+    return translator, read_heldout(FIXTURE_DIRS[request.param])
 
 
 def events_of(lines: Iterable[dict[str, Any]]) -> list[PartialTranscript]:
@@ -85,8 +101,9 @@ def check_segments(updates: list[TranslationUpdate], translator: Translator) -> 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
 def test_stable_text_only_grows_and_finals_are_offline(
-    policy: Any, translator: Translator, heldout: list[tuple[str, str]]
+    policy: Any, each_fixture: tuple[Translator, list[tuple[str, str]]]
 ) -> None:
+    translator, heldout = each_fixture
     log = generate_log([en for en, _ in heldout], "en", seed=3)
     session = StreamSession("s1", translator, StreamingOptions(policy=policy))
     updates = run_session(session, events_of(log))
@@ -105,7 +122,10 @@ def test_default_policy_shows_stable_text_early_and_rarely_revises(
     assert counts["revised"] <= counts["segments"] * 0.2
 
 
-def test_unchanged_partial_runs_neither_encoder_nor_decoder(translator: Translator) -> None:
+def test_unchanged_partial_runs_neither_encoder_nor_decoder(
+    each_fixture: tuple[Translator, list[tuple[str, str]]],
+) -> None:
+    translator = each_fixture[0]
     session = StreamSession("s1", translator)
     first = session.answer(PartialTranscript("s1", 0, 0, "I will meet Tom", False))
     assert first is not None
