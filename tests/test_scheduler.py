@@ -423,17 +423,28 @@ def test_a_draft_changes_nothing_but_the_steps(translator: Translator, kind: str
         assert steps == len(tail) - accepted, (kind, steps)
 
 
-def test_replay_with_drafts_gives_the_same_updates_in_fewer_steps() -> None:
+@pytest.mark.parametrize(
+    ("fixture", "log"),
+    [
+        ("prefix", "fixture_en_zh"),
+        ("prefix", "fixture_en_zh_asr"),
+        ("offline", "fixture_en_zh"),
+        ("offline", "fixture_offline_en_zh_asr"),
+    ],
+)
+def test_replay_with_drafts_gives_the_same_updates_in_fewer_steps(fixture: str, log: str) -> None:
+    """Every committed fixture and log: the same updates (stable and tentative text) with
+    and without drafts, in fewer decoder steps."""
     needs_fixture()
     from engine.evaluation.translogs import read_log
     from engine.replay import ReplayOptions, replay
     from engine.streaming import StreamingOptions
-    from tests.conftest import ROOT
+    from tests.conftest import FIXTURE_MODELS, ROOT
 
-    lines = read_log(ROOT / "examples" / "logs" / "fixture_en_zh_asr.jsonl")
+    lines = read_log(ROOT / "examples" / "logs" / f"{log}.jsonl")
     shown, steps = {}, {}
     for drafts in (False, True):
-        tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
+        tr = Translator.from_dir(FIXTURE_MODELS[fixture], scheduler=SchedulerOptions(lanes=1))
         options = ReplayOptions(streaming=StreamingOptions(drafts=drafts), progress=False)
         result = replay(tr, lines, options)
         shown[drafts] = [
