@@ -235,6 +235,23 @@ def run_logs_make(args: argparse.Namespace, stderr: TextIO) -> int:
     return 0
 
 
+def run_logs_hint(args: argparse.Namespace, stderr: TextIO) -> int:
+    from engine.evaluation.translogs import with_stability_hints
+
+    lines = with_stability_hints(read_log(args.log), lag=args.lag)
+    write_log(args.out, lines)
+    hinted = [line for line in lines if "stable_chars" in line]
+    share = sum(line["stable_chars"] for line in hinted) / max(
+        sum(len(line["text"]) for line in hinted), 1
+    )
+    print(
+        f"{args.out}: {len(lines)} events, {len(hinted)} partials with stable_chars "
+        f"(lag {args.lag}); {share:.0%} of their characters settled",
+        file=stderr,
+    )
+    return 0
+
+
 def run_logs_merge(args: argparse.Namespace, stderr: TextIO) -> int:
     from engine.replay import interleave_logs
 
@@ -337,10 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     logs = commands.add_parser(
         "logs",
-        help="make and merge transcript logs",
+        help="make, hint and merge transcript logs",
         description="Transcript logs are what replay reads: partial_transcript messages with "
         "the time the recogniser emitted each. `make` synthesises one from parallel text, "
-        "`merge` interleaves logs of several streams.",
+        "`hint` adds recogniser stability hints, `merge` interleaves logs of several streams.",
     )
     log_commands = logs.add_subparsers(dest="logs_command", required=True)
     make = log_commands.add_parser(
@@ -379,6 +396,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make.add_argument("--lowercase", action="store_true", help="lowercase text")
     make.add_argument("--no-punctuation", action="store_true", help="drop punctuation")
+    hint = log_commands.add_parser(
+        "hint",
+        help="add recogniser stability hints (stable_chars) to a log",
+        description="Write LOG with stable_chars on every partial: the characters no later "
+        "message of its segment changes, less the last --lag units. Truthful by "
+        "construction: what a recogniser that reports its settled text could send.",
+    )
+    hint.add_argument("log", metavar="LOG", help="transcript log to read")
+    hint.add_argument("--out", required=True, help="log to write (JSON Lines)")
+    hint.add_argument(
+        "--lag",
+        type=non_negative_int,
+        default=0,
+        help="units a recogniser takes to confirm a word (default %(default)s)",
+    )
     merge = log_commands.add_parser(
         "merge",
         help="interleave logs of different streams by emit time",
@@ -409,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_replay(args, sys.stdout, sys.stderr)
         if args.command == "logs" and args.logs_command == "make":
             return run_logs_make(args, sys.stderr)
+        if args.command == "logs" and args.logs_command == "hint":
+            return run_logs_hint(args, sys.stderr)
         if args.command == "logs" and args.logs_command == "merge":
             return run_logs_merge(args, sys.stderr)
         if args.command == "serve":

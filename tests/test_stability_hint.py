@@ -182,3 +182,53 @@ def test_without_a_hint_the_words_partials_share_are_the_settled_source(
     assert committed_any
     assert shared_words(["a b c", "a b d", "a x"]) == "a"
     assert shared_words(["a b", "a b"]) == "a b"
+
+
+@pytest.mark.parametrize("lag", [0, 2])
+def test_logs_get_truthful_hints(lag: int) -> None:
+    """`logs hint`: each partial's settled characters are a whole-word prefix of every later
+    message of its segment (so a recogniser sending them keeps its promise), and none
+    could be added (lag 0: the next word is changed by some later message)."""
+    from engine.evaluation.translogs import read_log, with_stability_hints
+    from tests.conftest import ROOT
+
+    lines = read_log(ROOT / "examples" / "logs" / "fixture_en_zh_asr.jsonl")
+    hinted = with_stability_hints(lines, lag=lag)
+    assert [{k: v for k, v in h.items() if k != "stable_chars"} for h in hinted] == lines
+    assert all(("stable_chars" in h) != h["is_final"] for h in hinted)
+    assert any(h.get("stable_chars") for h in hinted)
+    for i, line in enumerate(hinted):
+        if line["is_final"]:
+            continue
+        settled = line["text"][: line["stable_chars"]]
+        assert not settled or line["text"][len(settled) :][:1] in ("", " ")
+        later = [
+            h["text"]
+            for h in hinted[i + 1 :]
+            if (h["stream_id"], h["segment_id"]) == (line["stream_id"], line["segment_id"])
+        ]
+        assert all(text.startswith(settled) for text in later)
+        if lag == 0 and len(settled) < len(line["text"]):
+            words = line["text"].split()
+            more = " ".join(words[: len(settled.split()) + 1])
+            assert not all(
+                text == more or text.startswith(more + " ") for text in later
+            ), (line["text"], settled)
+    with pytest.raises(ValueError):
+        with_stability_hints(lines, lag=-1)
+
+
+def test_hinted_replay_keeps_the_streaming_guarantees(translator: Translator) -> None:
+    """Replaying a hinted log: finals are still the offline translation, and fewer finals
+    revise stable text than without hints."""
+    from engine.evaluation.translogs import read_log, with_stability_hints
+    from engine.replay import ReplayOptions, replay
+    from tests.conftest import ROOT
+
+    lines = read_log(ROOT / "examples" / "logs" / "fixture_en_zh_asr.jsonl")
+    revised = {}
+    for name, log in (("plain", lines), ("hinted", with_stability_hints(lines))):
+        result = replay(translator, log, ReplayOptions(progress=False))
+        assert result.final_exact_match == 1.0
+        revised[name] = sum(1 for u in result.updates if u.update.is_final and u.update.revised)
+    assert revised["hinted"] < revised["plain"]

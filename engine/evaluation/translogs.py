@@ -372,6 +372,47 @@ def generate_log(
     return lines
 
 
+def with_stability_hints(
+    lines: Sequence[Mapping[str, Any]], *, lag: int = 0, lang: str | None = None
+) -> list[dict[str, Any]]:
+    """The log as a recogniser that reports what it settled would send it: each partial gets
+    ``stable_chars``, the length of its longest unit prefix that no later message of its
+    segment (the final included) changes, less its last ``lag`` units.
+
+    Truthful by construction, so it is what a recogniser keeping its promise could say at
+    best (``lag`` 0) or with a confirmation delay (e.g. whisper_streaming confirms a word
+    when two consecutive hypotheses agree on it: ``lag`` 1-2). Finals get no hint (a final
+    settles everything). Lines are returned in the same order, copied.
+    """
+    if lag < 0:
+        raise ValueError(f"lag must be >= 0, got {lag}")
+    out = [dict(line) for line in lines]
+    later: dict[tuple[str, int], list[str]] = {}
+    for line in reversed(out):
+        key = (line["stream_id"], line["segment_id"])
+        texts = later.setdefault(key, [])
+        if not line["is_final"]:
+            spans = unit_spans(line["text"], lang)
+            settled = 0
+            for k, (_, end) in enumerate(spans):
+                prefix = line["text"][:end]
+                if not all(_unit_prefix(prefix, t, lang) for t in texts):
+                    break
+                settled = k + 1
+            settled = max(settled - lag, 0)
+            line["stable_chars"] = spans[settled - 1][1] if settled else 0
+        texts.append(line["text"])
+    return out
+
+
+def _unit_prefix(prefix: str, text: str, lang: str | None) -> bool:
+    """Whether ``text`` starts with ``prefix`` as whole units ("draw" is not a prefix of
+    "drawer"; Chinese units are characters)."""
+    if not text.startswith(prefix):
+        return False
+    return len(text) == len(prefix) or any(end == len(prefix) for _, end in unit_spans(text, lang))
+
+
 @dataclass(frozen=True)
 class SourceRevisions:
     """How a log's partials change, seen from the source side (what the recogniser did).
