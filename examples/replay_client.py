@@ -50,13 +50,26 @@ class ReplayResult:
     client_ms: list[float] = field(default_factory=list)
     server_ms: list[float] = field(default_factory=list)
     finals_expected: set[tuple[str, int]] = field(default_factory=set)
-    finals_received: set[tuple[str, int]] = field(default_factory=set)
-    finals_refused: set[tuple[str, int]] = field(default_factory=set)  # an error replied
+    # (stream, seq, language): a server translating into several languages (fan-out)
+    # answers each final once per language; a writer hears every language.
+    finals_received: set[tuple[str, int, str | None]] = field(default_factory=set)
+    # An error replied; language None: about the message itself, so for every language.
+    finals_refused: set[tuple[str, int, str | None]] = field(default_factory=set)
+    languages: set[str | None] = field(default_factory=set)  # seen on updates
 
     @property
-    def lost_finals(self) -> set[tuple[str, int]]:
-        """Finals that got no reply at all (neither their final update nor an error)."""
-        return self.finals_expected - self.finals_received - self.finals_refused
+    def lost_finals(self) -> set[tuple[str, int, str | None]]:
+        """(stream, seq, language) of finals that got no reply in a language the server
+        answers in (neither their final update nor an error)."""
+        languages = self.languages or {None}
+        return {
+            (stream, seq, lang)
+            for stream, seq in self.finals_expected
+            for lang in languages
+            if (stream, seq, lang) not in self.finals_received
+            and (stream, seq, lang) not in self.finals_refused
+            and (stream, seq, None) not in self.finals_refused
+        }
 
 
 def read_log(path: str | Path, rename: Callable[[str], str] = str) -> list[LogLine]:
@@ -131,14 +144,14 @@ async def _receive(
             if sent is not None:
                 result.client_ms.append((now - sent) * 1000.0)
             result.server_ms.append(message.latency_ms)
+            result.languages.add(message.lang)
             if message.is_final:
-                result.finals_received.add((message.stream_id, message.seq))
+                result.finals_received.add((message.stream_id, message.seq, message.lang))
         elif isinstance(message, ErrorMessage):
             result.errors.append(message)
-            if message.stream_id is not None and message.seq is not None:
-                key = (message.stream_id, message.seq)
-                if key in result.finals_expected:
-                    result.finals_refused.add(key)
+            key = (message.stream_id or "", message.seq if message.seq is not None else -1)
+            if key in result.finals_expected:
+                result.finals_refused.add((*key, message.lang))
         if on_message is not None and isinstance(message, TranslationUpdate | ErrorMessage):
             on_message(message)
 
@@ -221,7 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"sent {result.sent} partials, got {len(result.updates)} updates, "
         f"{len(result.errors)} errors; latency p50 {percentile(result.client_ms, 50):.0f} ms, "
         f"p95 {percentile(result.client_ms, 95):.0f} ms (client-measured); "
-        f"finals {len(result.finals_received)}/{len(result.finals_expected)} translated, "
+        f"finals {len(result.finals_received)}/"
+        f"{len(result.finals_expected) * max(len(result.languages), 1)} translated "
+        f"({len(result.languages) or 1} language(s)), "
         f"{len(result.finals_refused)} refused with an error, {len(result.lost_finals)} "
         "without a reply",
         file=sys.stderr,

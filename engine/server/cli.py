@@ -264,10 +264,14 @@ def describe_model(translator: Translator) -> str:
     how = " (split at load)" if model.split_at_load else ""
     batching = f"{translator.scheduler.batching} batching"
     rows = translator.scheduler.options.max_rows
+    head = ""
+    if model.masked is not None and model.masked.head is not None:
+        head = f", output projection on {model.options.head_threads}"
     return (
         f"{model.model_dir} ({pair}, {model.layout.value} decoder{how}: {files}; "
         f"{batching}, up to {rows} rows per step; "
-        f"{lanes} lane{'s' if lanes > 1 else ''} x {threads} thread{'s' if threads > 1 else ''})"
+        f"{lanes} lane{'s' if lanes > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}"
+        f"{head})"
     )
 
 

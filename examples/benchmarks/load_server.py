@@ -174,7 +174,10 @@ def summarize(n: int, results: list[ReplayResult], wall: float, before: str, aft
     updates = sum(len(r.updates) for r in results)
     errors = sum(len(r.errors) for r in results)
     expected = sum(len(r.finals_expected) for r in results)
-    received = sum(len(r.finals_received & r.finals_expected) for r in results)
+    received = sum(
+        len({(stream, seq) for stream, seq, _ in r.finals_received} & r.finals_expected)
+        for r in results
+    )
     dropped = metric(after, "nmt_server_dropped_updates_total") - metric(
         before, "nmt_server_dropped_updates_total"
     )
