@@ -403,11 +403,14 @@ class StreamSession:
         key = (settled, tuple(seg.committed))
         if seg.settled is None or seg.settled[0] != key:
             ids = self.translator.source_ids(settled, partial=True)
+            # The settled part's last translation is the natural draft for its next one.
+            draft = seg.settled[1][len(seg.committed) :] if seg.settled else []
             hyp = self.translator.decode(
                 self.translator.encode([ids]),
                 self.options.decode_for(len(ids), len(seg.committed), partial=True),
                 prefixes=[seg.committed],
                 should_stop=should_stop,
+                drafts=[draft if self.options.drafts else []],
             )[0]
             seg.settled = (key, list(hyp.token_ids))
         agreed = 0
