@@ -330,6 +330,39 @@ def test_a_rewrite_that_changes_the_logits_is_refused_for_lockstep(
     assert tr.translate([SOURCES[0]])[0].token_ids == ref.token_ids
 
 
+def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The output projection cut apart is checked against the whole step: a head whose
+    numbers differ (here its bias nudged) is refused with one warning, and the step runs
+    whole, continuous batching unchanged."""
+    needs_fixture()
+    import onnx
+    from onnx import numpy_helper
+
+    import engine.batched_decoder as bd
+
+    real = bd.split_output_projection
+
+    def nudged(data: bytes, vocab: int, logits: str = "logits") -> bd.HeadSplit | None:
+        split = real(data, vocab, logits)
+        assert split is not None
+        head = onnx.load_from_string(split.head)
+        bias = next(i for i in head.graph.initializer if "bias" in i.name)
+        bias.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(bias) + 0.5, bias.name))
+        return bd.HeadSplit(split.body, head.SerializeToString(), split.hidden)
+
+    monkeypatch.setattr(bd, "split_output_projection", nudged)
+    with caplog.at_level("WARNING"):
+        tr = Translator.from_dir(FIXTURE_MODEL, scheduler=HEAD_APART)
+    assert tr.scheduler.batching == "continuous"
+    assert tr.model.masked is not None and tr.model.masked.head is None
+    refusals = [r for r in caplog.records if "kept whole" in r.getMessage()]
+    assert len(refusals) == 1
+    ref = alone(tr, SOURCES[0], [], DecodeOptions())
+    assert tr.translate([SOURCES[0]])[0].token_ids == ref.token_ids
+
+
 def test_two_lanes_share_the_work_and_give_the_same_results() -> None:
     needs_fixture()
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=2))
