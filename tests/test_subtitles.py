@@ -6,6 +6,7 @@ from __future__ import annotations
 from itertools import pairwise
 from pathlib import Path
 
+import anyio
 import pytest
 
 from engine.cli import main
@@ -130,3 +131,63 @@ async def test_serve_records_each_streams_finals_as_they_arrive(tmp_path: Path) 
     cues = list(webvtt.read(str(path)))
     assert [c.start_time.in_milliseconds() for c in cues] == [1200, 3500]
     assert all(c.text for c in cues)
+
+
+def test_the_recorder_forgets_stream_lives_that_ended(tmp_path: Path) -> None:
+    """A server that runs for weeks must not hold the finals of every stream it ever
+    recorded: a life's track goes when the same id's next life speaks (at once), or in a
+    periodic sweep once the engine no longer has that life and it was quiet GRACE_S."""
+    from engine.server.recorder import GRACE_S, _Track, forget_ended
+    from protocol import TranslationUpdate
+
+    class Engine:
+        def __init__(self) -> None:
+            self.open = {"a": 2, "b": 1}
+
+        def epoch_of(self, stream_id: str) -> int | None:
+            return self.open.get(stream_id)
+
+    def update(stream_id: str, epoch: int) -> TranslationUpdate:
+        return TranslationUpdate(stream_id, 0, 1, "x", "", True, 1.0, 1.0, epoch=epoch)
+
+    tracks = {
+        ("a", 1, None): _Track(tmp_path / "a1", 0.0, last_seen=0.0),
+        ("a", 2, None): _Track(tmp_path / "a2", 0.0, last_seen=0.0),
+        ("b", 1, None): _Track(tmp_path / "b1", 0.0, last_seen=0.0),
+        ("c", 1, None): _Track(tmp_path / "c1", 0.0, last_seen=0.0),  # closed: not open
+        ("d", 1, None): _Track(tmp_path / "d1", 0.0, last_seen=100.0),  # closed, recent
+    }
+    engine = Engine()
+    assert forget_ended(engine, tracks, update("a", 2), False, 1.0) == 1  # a's first life
+    assert set(tracks) == {("a", 2, None), ("b", 1, None), ("c", 1, None), ("d", 1, None)}
+    now = 100.0 + GRACE_S / 2
+    assert forget_ended(engine, tracks, update("b", 1), True, now) == 1  # c, long quiet
+    assert set(tracks) == {("a", 2, None), ("b", 1, None), ("d", 1, None)}
+    assert forget_ended(engine, tracks, update("b", 1), True, 100.0 + GRACE_S + 1) == 1
+    assert set(tracks) == {("a", 2, None), ("b", 1, None)}  # the open lives stay
+
+
+@pytest.mark.anyio
+async def test_a_reopened_stream_gets_its_own_file_and_the_old_one_stays(tmp_path: Path) -> None:
+    from engine.server.recorder import record
+    from engine.streaming import IncrementalTranslator
+    from protocol import PartialTranscript
+
+    needs_fixture()
+    async with (
+        IncrementalTranslator.from_dir(FIXTURE_MODEL) as nmt,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(record, nmt, tmp_path, "srt")
+        await anyio.sleep(0.05)
+        for text in ("I will meet Tom", "Tom reads a book"):
+            await nmt.push(PartialTranscript("talk", 0, 0, text, True, 0.0, 1500.0))
+            await nmt.close_stream("talk")
+            await nmt.wait_idle()
+            assert nmt.epoch_of("talk") is None
+        await nmt.aclose()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["talk.1.srt", "talk.2.srt"]
+    tr = nmt.translator
+    assert tr.translate(["I will meet Tom"])[0].text in (tmp_path / files[0]).read_text("utf-8")
+    assert tr.translate(["Tom reads a book"])[0].text in (tmp_path / files[1]).read_text("utf-8")

@@ -355,6 +355,12 @@ class IncrementalTranslator:
         stream = self._table.get(stream_id)
         return stream.phase if stream is not None else Phase.CLOSED
 
+    def epoch_of(self, stream_id: str) -> int | None:
+        """The life (`epoch`) of the id now open, or None when the id is free: a consumer
+        keeping state per stream life drops it once this no longer names that life."""
+        stream = self._table.get(stream_id)
+        return stream.epoch if stream is not None else None
+
     def updates(
         self,
         stream_id: str | None = None,
