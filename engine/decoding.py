@@ -90,6 +90,20 @@ def _length_limit(config: ModelConfig, options: DecodeOptions) -> int:
     return limit
 
 
+def _allowed(
+    logits: FloatArray, generated: Sequence[int], config: ModelConfig, options: DecodeOptions
+) -> FloatArray:
+    """A float32 copy of `logits` [rows, vocab] with what may not come next at -inf: the
+    model's banned tokens, and eos in a row that has generated fewer than
+    `min_new_tokens` (`generated[r]` tokens so far)."""
+    out = logits.astype(np.float32, copy=True)
+    out[:, list(config.bad_token_ids)] = -np.inf
+    for r, count in enumerate(generated):
+        if count < options.min_new_tokens:
+            out[r, config.eos_token_id] = -np.inf
+    return out
+
+
 def _scores(
     logits: FloatArray,
     rows: Sequence[Sequence[int]],
@@ -98,12 +112,7 @@ def _scores(
     hook: StepHook | None,
 ) -> FloatArray:
     """Log-probabilities of the next token with banned tokens and early eos masked."""
-    logits = logits.astype(np.float32, copy=True)
-    logits[:, list(config.bad_token_ids)] = -np.inf
-    for r, tokens in enumerate(rows):
-        if len(tokens) < options.min_new_tokens:
-            logits[r, config.eos_token_id] = -np.inf
-    scores = log_softmax(logits)
+    scores = log_softmax(_allowed(logits, [len(tokens) for tokens in rows], config, options))
     if hook is not None:
         scores = hook(rows, scores)
     return scores
@@ -115,10 +124,7 @@ def _greedy_choice(
     """The argmax of one row's `_scores` and its log-probability, with the same float32
     operations, without building the whole log-softmax row: at one row per stream that
     row (65001 floats for OPUS-MT, several passes) cost ~5% of a step."""
-    row = logits.astype(np.float32, copy=True)
-    row[list(config.bad_token_ids)] = -np.inf
-    if generated < options.min_new_tokens:
-        row[config.eos_token_id] = -np.inf
+    row = _allowed(logits[None], [generated], config, options)[0]
     token = int(row.argmax())
     top = row[token]  # the row's max
     total = np.exp(row - top).sum(dtype=np.float32)
