@@ -173,11 +173,15 @@ class _View:
         return None
 
     def ancestry(
-        self, name: str, stop_at: frozenset[str] = frozenset()
+        self,
+        name: str,
+        stop_at: frozenset[str] = frozenset(),
+        leaves_at: frozenset[str] = frozenset(),
     ) -> tuple[list[onnx.NodeProto], set[str]]:
         """Nodes whose values flow into `name` and the leaf tensors (inputs, initializers,
-        outer names) they read; does not look through shape-only ops. Stops early (and
-        returns what it has) at the first node whose type is in `stop_at`."""
+        outer names, and any of `leaves_at`, not traced further) they read; does not look
+        through shape-only ops. Stops early (and returns what it has) at the first node
+        whose type is in `stop_at`."""
         nodes: list[onnx.NodeProto] = []
         leaves: set[str] = set()
         seen: set[str] = set()
@@ -188,7 +192,7 @@ class _View:
                 continue
             seen.add(current)
             node = self.producer.get(current)
-            if node is None:
+            if node is None or current in leaves_at:
                 leaves.add(current)
                 continue
             nodes.append(node)
@@ -869,20 +873,12 @@ def split_output_projection(data: bytes, vocab: int, logits: str = "logits") -> 
     if quantize is not None and quantize.op_type == "DynamicQuantizeLinear":
         hidden = quantize.input[0]
     # The head: every node between `hidden` and `logits`.
-    head_ids: set[int] = set()
-    todo, seen = [logits], {hidden}
-    while todo:
-        name = todo.pop()
-        if name in seen or not name:
-            continue
-        seen.add(name)
-        node = view.producer.get(name)
-        if node is None:
-            if name in view.initializers:
-                continue
-            return None  # the logits read a graph input besides `hidden`
-        head_ids.add(id(node))
-        todo.extend(node.input)
+    nodes, leaves = view.ancestry(logits, leaves_at=frozenset({hidden}))
+    if leaves - {hidden} - view.initializers.keys():
+        return None  # the logits read a graph input besides `hidden`
+    if any(node.op_type in _SHAPE_ONLY for node in nodes):
+        return None  # a shape read from the body, which the walk does not follow
+    head_ids = {id(node) for node in nodes}
     head_nodes = [n for n in graph.node if id(n) in head_ids]
     if projections[0] not in head_nodes:
         return None
