@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 from engine.hub import resolve_model
 from engine.scheduler import SchedulerOptions
@@ -163,14 +164,20 @@ def load_translator(args: argparse.Namespace) -> Translator:
     """The translator `add_model_arguments`' options ask for (a catalog name or repo id
     is resolved, and downloaded when missing)."""
     return Translator.from_dir(
-        resolve_model(args.model, quantized=args.quantized),
-        quantized=args.quantized,
-        use_cache=not args.no_cache,
-        intra_op_threads=args.threads,
-        allow_spinning=args.spin,
-        batchable=not args.lockstep,
-        scheduler=SchedulerOptions(max_rows=args.max_batch_rows),
+        resolve_model(args.model, quantized=args.quantized), **_load_options(args)
     )
+
+
+def _load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`Translator.from_dir`'s keyword options from `add_model_arguments`' options."""
+    return {
+        "quantized": args.quantized,
+        "use_cache": not args.no_cache,
+        "intra_op_threads": args.threads,
+        "allow_spinning": args.spin,
+        "batchable": not args.lockstep,
+        "scheduler": SchedulerOptions(max_rows=args.max_batch_rows),
+    }
 
 
 def load_targets(args: argparse.Namespace) -> Targets:
@@ -181,10 +188,5 @@ def load_targets(args: argparse.Namespace) -> Targets:
     return Targets.load(
         specs,
         resolve=lambda spec: resolve_model(spec, quantized=args.quantized),
-        quantized=args.quantized,
-        use_cache=not args.no_cache,
-        intra_op_threads=args.threads,
-        allow_spinning=args.spin,
-        batchable=not args.lockstep,
-        scheduler=SchedulerOptions(max_rows=args.max_batch_rows),
+        **_load_options(args),
     )
