@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -105,3 +111,44 @@ def relabelled_de(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@dataclass
+class Served:
+    """A `nmt-incremental serve` subprocess and the stderr lines it has written so far."""
+
+    proc: subprocess.Popen[str]
+    reader: threading.Thread
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@contextlib.contextmanager
+def serving(args: Sequence[str], ready_within: float) -> Iterator[Served]:
+    """`nmt-incremental serve --port 0 ARGS` in a subprocess, yielded once it logs "ready"
+    (asserted within `ready_within` s), its stderr lines collected as they come; killed on
+    the way out if it still runs."""
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", *args]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    ready = threading.Event()
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line.rstrip("\n"))
+            if line.rstrip().endswith(" ready"):
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(ready_within), "\n".join(lines)
+        yield Served(proc, reader, lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -17,7 +17,7 @@ from engine.cli import main
 from engine.evaluation.translogs import read_log
 from engine.replay import read_updates
 from engine.translator import Translator
-from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT, needs_fixture
+from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT, needs_fixture, serving
 
 LOGS = ROOT / "examples" / "logs"
 EN_ZH_LOG = LOGS / "fixture_en_zh.jsonl"
@@ -260,43 +260,19 @@ def test_serve_says_where_it_is_and_when_it_is_ready_then_stops_on_sigterm() -> 
     "stopped", exit status 0."""
     import re
     import signal
-    import threading
     import urllib.request
 
     needs_fixture()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", "--model", str(FIXTURE_MODEL), "--port", "0"],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert proc.stderr is not None
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line.rstrip("\n"))
-            if line.rstrip().endswith(" ready"):
-                ready.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert ready.wait(60), "\n".join(lines)
-        text = "\n".join(lines)
+    with serving(["--model", str(FIXTURE_MODEL)], ready_within=60) as served:
+        text = served.text
         page = re.search(r"subtitle page: (http://127\.0\.0\.1:(\d+)/)\?stream=demo", text)
         assert page, text
         assert f"websocket: ws://127.0.0.1:{page.group(2)}/ws" in text
         assert re.search(r"model: .*fixture/model \(en->zh, split decoder: ", text), text
         with urllib.request.urlopen(page.group(1) + "readyz", timeout=10) as response:
             assert response.status == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        reader.join(10)
-        assert lines[-1].endswith("stopped") and "delivered 0 updates" in lines[-1], lines
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=30) == 0
+        served.reader.join(10)
+        last = served.lines[-1]
+        assert last.endswith("stopped") and "delivered 0 updates" in last, served.lines

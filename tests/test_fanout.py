@@ -12,8 +12,6 @@ import itertools
 import json
 import re
 import signal
-import subprocess
-import sys
 import threading
 import urllib.request
 from collections.abc import Sequence
@@ -35,7 +33,7 @@ from engine.streaming.controller import Reply
 from engine.targets import Targets
 from engine.translator import Translator
 from protocol import ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
-from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT, needs_fixture, relabel
+from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, needs_fixture, relabel, serving
 from tests.test_server import SENTENCE, recv, send_sentence, wait_for, ws_url
 from tests.test_streaming import check_segments, events_of
 
@@ -292,24 +290,9 @@ def test_serve_refuses_to_start_when_a_model_fails_to_load(
 
 
 def test_serve_with_two_models_says_each_model_and_language(relabelled_de: Path) -> None:
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0"]
-    cmd += ["--model", str(FIXTURE_MODEL), "--model", str(relabelled_de)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line.rstrip("\n"))
-            if line.rstrip().endswith(" ready"):
-                ready.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert ready.wait(90), "\n".join(lines)
-        text = "\n".join(lines)
+    models = ["--model", str(FIXTURE_MODEL), "--model", str(relabelled_de)]
+    with serving(models, ready_within=90) as served:
+        text = served.text
         assert re.search(r"model: .*fixture/model \(en->zh, ", text), text
         assert re.search(r"model: .*en-de \(en->de, ", text), text
         page = re.search(r"languages: zh \(default\), de; subtitle pages: (http://\S+)", text)
@@ -317,12 +300,8 @@ def test_serve_with_two_models_says_each_model_and_language(relabelled_de: Path)
         assert page.group(1).endswith("?stream=demo&lang=zh,")
         with urllib.request.urlopen(page.group(1).rstrip(","), timeout=10) as response:
             assert response.status == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=30) == 0
 
 
 @pytest.mark.anyio
