@@ -26,8 +26,8 @@ from engine.decoding import StepHook
 from engine.runtime import FloatArray
 
 
-def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
-    """Length of the longest prefix all sequences share."""
+def common_prefix_length(seqs: Sequence[Sequence[object]]) -> int:
+    """Length of the longest prefix all sequences share (token ids, words, ...)."""
     if not seqs:
         return 0
     n = min(len(s) for s in seqs)

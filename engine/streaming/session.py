@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from engine.decoding import DecodeOptions
 from engine.languages import drop_fillers, is_cjk
 from engine.runtime import EncoderOutput
-from engine.streaming.policies import LocalAgreement, Policy
+from engine.streaming.policies import LocalAgreement, Policy, common_prefix_length
 from engine.translator import Translator
 from protocol import PartialTranscript, TranslationUpdate
 
@@ -157,12 +157,7 @@ class SegmentState:
 def shared_words(sources: Sequence[str]) -> str:
     """The words every one of `sources` starts with (local agreement on the source)."""
     split = [source.split() for source in sources]
-    shared: list[str] = []
-    for words in zip(*split, strict=False):
-        if any(word != words[0] for word in words):
-            break
-        shared.append(words[0])
-    return " ".join(shared)
+    return " ".join(split[0][: common_prefix_length(split)]) if split else ""
 
 
 def settled_source(text: str, stable_chars: int) -> str:
@@ -385,8 +380,9 @@ class StreamSession:
         tokens: list[int],
         should_stop: Callable[[], bool] | None,
     ) -> int | None:
-        """How many of `tokens` the recogniser's settled source supports, or None when the
-        event has no hint or its whole text is settled.
+        """How many of `tokens` the settled source (`_settled`: the recogniser's hint, or
+        the words recent partials share) supports, or None when there is none or the
+        whole source is settled.
 
         The settled part is translated on its own (after the committed prefix, like the
         partial); only the tokens on which that translation and the partial's agree are
@@ -413,12 +409,7 @@ class StreamSession:
                 drafts=[draft if self.options.drafts else []],
             )[0]
             seg.settled = (key, list(hyp.token_ids))
-        agreed = 0
-        for mine, theirs in zip(tokens, seg.settled[1], strict=False):
-            if mine != theirs:
-                break
-            agreed += 1
-        return agreed
+        return common_prefix_length([tokens, seg.settled[1]])
 
     def _final(
         self,
