@@ -387,30 +387,46 @@ def with_stability_hints(
     if lag < 0:
         raise ValueError(f"lag must be >= 0, got {lag}")
     out = [dict(line) for line in lines]
-    later: dict[tuple[str, int], list[str]] = {}
+    # Per segment, walking backwards: what every later message shares, as the longest
+    # common character prefix and the unit ends that are unit ends in each of them (so a
+    # settled prefix is whole units there too: "draw" does not settle "drawer").
+    later: dict[tuple[str, int], _Later] = {}
     for line in reversed(out):
         key = (line["stream_id"], line["segment_id"])
-        texts = later.setdefault(key, [])
+        text = line["text"]
+        ends = [end for _, end in unit_spans(text, lang)]
+        shared = later.get(key)
         if not line["is_final"]:
-            spans = unit_spans(line["text"], lang)
-            settled = 0
-            for k, (_, end) in enumerate(spans):
-                prefix = line["text"][:end]
-                if not all(_unit_prefix(prefix, t, lang) for t in texts):
-                    break
-                settled = k + 1
+            if shared is None:  # nothing comes after it: all of it stands
+                settled = len(ends)
+            else:
+                agree = _common_prefix_chars(text, shared.text)
+                settled = 0
+                for k, end in enumerate(ends):
+                    if end > agree or end not in shared.ends:
+                        break
+                    settled = k + 1
             settled = max(settled - lag, 0)
-            line["stable_chars"] = spans[settled - 1][1] if settled else 0
-        texts.append(line["text"])
+            line["stable_chars"] = ends[settled - 1] if settled else 0
+        if shared is None:
+            later[key] = _Later(text, set(ends))
+        else:
+            shared.text = shared.text[: _common_prefix_chars(shared.text, text)]
+            shared.ends &= set(ends)
     return out
 
 
-def _unit_prefix(prefix: str, text: str, lang: str | None) -> bool:
-    """Whether ``text`` starts with ``prefix`` as whole units ("draw" is not a prefix of
-    "drawer"; Chinese units are characters)."""
-    if not text.startswith(prefix):
-        return False
-    return len(text) == len(prefix) or any(end == len(prefix) for _, end in unit_spans(text, lang))
+@dataclass
+class _Later:
+    """What the later messages of a segment share (`with_stability_hints`)."""
+
+    text: str  # their longest common prefix
+    ends: set[int]  # character offsets that end a unit in every one of them
+
+
+def _common_prefix_chars(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass(frozen=True)
