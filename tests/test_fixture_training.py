@@ -45,23 +45,19 @@ def translate_torch_function() -> Any:
     return evaluate.translate_torch
 
 
+def train_fresh(kind: str, checkpoint: Path) -> Path:
+    """Train the fixture of `kind` from scratch into `checkpoint` (train.py, as its README
+    says to), offline."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(FIXTURE_DIR / "train.py"), "--kind", kind, "--out", str(checkpoint)]
+    subprocess.run(cmd, check=True, env=env)
+    return checkpoint
+
+
 @pytest.mark.slow
 def test_fresh_offline_training_reaches_the_documented_exact_match(tmp_path: Path) -> None:
     translate_torch = translate_torch_function()
-    checkpoint = tmp_path / "checkpoint"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    subprocess.run(
-        [
-            sys.executable,
-            str(FIXTURE_DIR / "train.py"),
-            "--kind",
-            "offline",
-            "--out",
-            str(checkpoint),
-        ],
-        check=True,
-        env=env,
-    )
+    checkpoint = train_fresh("offline", tmp_path / "checkpoint")
     for style in styles.STYLES:
         pairs = styles.unseen_styled(style, EVAL_SEED, EVAL_SENTENCES)
         hyps = translate_torch(checkpoint, [en for en, _ in pairs])
@@ -73,14 +69,7 @@ def test_fresh_offline_training_reaches_the_documented_exact_match(tmp_path: Pat
 @pytest.mark.slow
 def test_fresh_training_reaches_the_documented_exact_match(tmp_path: Path) -> None:
     translate_torch = translate_torch_function()
-
-    checkpoint = tmp_path / "checkpoint"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    subprocess.run(
-        [sys.executable, str(FIXTURE_DIR / "train.py"), "--out", str(checkpoint)],
-        check=True,
-        env=env,
-    )
+    checkpoint = train_fresh("prefix", tmp_path / "checkpoint")
     pairs = corpus.unseen(EVAL_SEED, EVAL_SENTENCES)
     finals = translate_torch(checkpoint, [en for en, _ in pairs])
     exact = sum(h == zh for h, (_, zh) in zip(finals, pairs, strict=True)) / len(pairs)
