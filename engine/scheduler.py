@@ -389,9 +389,19 @@ class DecodeScheduler:
         return chosen
 
     def _finish(self, lane: _Lane, search: Search) -> None:
+        """Answer an ended search's request. The request has already left `running`, so
+        `_fail_lane` would not see it: a result that cannot be built is that request's
+        error, never a future left waiting (the caller would hang, and a final would go
+        unanswered)."""
         request = lane.running.pop(search)
-        request.future.set_result(search.result())
         lane.stats["rows_ended"] += 1
+        try:
+            result = search.result()
+        except Exception as exc:
+            log.exception("a decode's result could not be built; its request gets the error")
+            request.future.set_exception(exc)
+            return
+        request.future.set_result(result)
 
     def _cancel(self, lane: _Lane, request: _Request) -> None:
         request.future.set_exception(DecodingCancelled())

@@ -284,6 +284,47 @@ def test_a_closed_scheduler_refuses_work(tmp_path: Path) -> None:
         tr.translate(["we eat noodles"])
 
 
+def test_a_result_that_cannot_be_built_is_that_requests_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A search that fails while its answer is built (after its row left the batch) gets
+    the error; it used to leave the caller waiting for ever. The other requests and later
+    calls are answered as usual."""
+    needs_fixture()
+    from engine.decoding import GreedySearch
+
+    tr = Translator.from_dir(FIXTURE_MODEL)
+    built = GreedySearch.result
+
+    def result(self: GreedySearch) -> Hypothesis:
+        if self.prefix == [5]:
+            raise RuntimeError("broken result")
+        return built(self)
+
+    monkeypatch.setattr(GreedySearch, "result", result)
+    ids, mask = _ids(tr, SOURCES[:2])
+    enc = tr.encode([list(row[: int(m.sum())]) for row, m in zip(ids, mask, strict=True)])
+    outcome: list[BaseException | list[Hypothesis]] = []
+
+    def call() -> None:
+        try:
+            outcome.append(tr.decode(enc, DecodeOptions(), prefixes=[[5], []]))
+        except BaseException as exc:  # what the caller gets, checked below
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)  # daemon: a hang fails, not blocks
+    caller.start()
+    caller.join(timeout=60)
+    assert outcome, "the caller is still waiting for its answer"
+    assert isinstance(outcome[0], RuntimeError) and "broken result" in str(outcome[0])
+    assert tr.translate([SOURCES[0]])[0].text == alone_text(tr, SOURCES[0])
+    tr.close()
+
+
+def alone_text(tr: Translator, text: str) -> str:
+    return tr.detokenize(alone(tr, text, [], DecodeOptions()).token_ids)
+
+
 def test_scheduler_runs_encoder_jobs_batched() -> None:
     needs_fixture()
     tr = Translator.from_dir(FIXTURE_MODEL)
