@@ -130,7 +130,7 @@ def run_replay(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
             )
     options = ReplayOptions(
         streaming=StreamingOptions(
-            policy=parse_policy(args.policy),
+            policy=parse_policy(args.policy) if args.policy else None,
             decode=decode_options(args),
             forced_length_ratio=args.forced_length_ratio,
             source_agreement=args.source_agreement,

@@ -16,10 +16,10 @@ from engine.scheduler import SchedulerOptions
 from engine.targets import Targets
 from engine.translator import Translator
 
-DEFAULT_POLICY = "local-agreement:2"
 POLICY_HELP = (
-    "stability policy: local-agreement[:n] (la[:n]), mask[:k] or biased[:beta] "
-    "(default %(default)s)"
+    "stability policy: local-agreement[:n] (la[:n]), mask[:k], biased[:beta] or "
+    "first-word[:n] (default: local-agreement:2 for a model trained on marked prefixes, "
+    "first-word:2 for an ordinary one)"
 )
 
 
@@ -126,7 +126,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
 
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", type=policy_spec, default=DEFAULT_POLICY, help=POLICY_HELP)
+    parser.add_argument("--policy", type=policy_spec, default=None, help=POLICY_HELP)
     parser.add_argument(
         "--source-agreement",
         type=positive_int,

@@ -319,12 +319,12 @@ def _show_progress(option: bool | None, total: int) -> bool:
     return total >= PROGRESS_MIN_EVENTS and sys.stderr.isatty()
 
 
-def _settings(options: ReplayOptions) -> dict[str, Any]:
+def _settings(options: ReplayOptions, translator: Translator) -> dict[str, Any]:
     decode = options.streaming.decode
     return {
         "mode": "realtime" if options.realtime else "fast",
         "speed": options.speed if options.realtime else None,
-        "policy": options.streaming.policy.name,
+        "policy": options.streaming.policy_for(translator.config).name,
         "beam_size": decode.beam_size,
         "max_new_tokens": decode.max_new_tokens,
         "min_new_tokens": decode.min_new_tokens,
@@ -574,7 +574,7 @@ async def replay_async(
         counts=counts,
         wall_s=run.wall_s,
         emit_span_ms=max(emits) - min(emits) if emits else 0.0,
-        settings=_settings(options),
+        settings=_settings(options, translator),
         source=source_revisions(lines, translator.config.source_lang) if lines else None,
         traces=tuple(traces),
         references=None if references is None else tuple(references),

@@ -7,10 +7,12 @@ import pytest
 
 from engine.streaming.policies import (
     BiasedDecoding,
+    FirstWord,
     LocalAgreement,
     MaskK,
     bias_toward,
     common_prefix_length,
+    default_policy,
     parse_policy,
 )
 from engine.streaming.session import BoundaryFinder, normalize_source
@@ -28,6 +30,8 @@ PIECES = {
     10: "<0xA0>",
     11: "Tom",
     12: "s",
+    13: "\u2581",
+    14: "要在",
 }
 bounds = BoundaryFinder(lambda i: PIECES[i])
 
@@ -45,6 +49,53 @@ def test_local_agreement_commits_the_agreed_prefix() -> None:
     p = la.propose([[1, 2, 3], [1, 2, 4, 5]], committed=0)
     assert (p.commit, p.display) == (2, 4)
     assert LocalAgreement(3).propose([[1, 9], [1, 2, 3], [1, 2, 4]], 0).commit == 1
+
+
+def test_first_word_agrees_once_and_then_waits_for_the_final() -> None:
+    fw = FirstWord(2)
+    assert fw.propose([[1, 2, 3]], committed=0).commit == 0  # one hypothesis: nothing yet
+    p = fw.propose([[1, 2, 3], [1, 2, 4, 5]], committed=0)
+    # what agrees, limited to the first word by the session (which knows the words)
+    assert (p.commit, p.display, p.first_word) == (2, 4, True)
+    p = fw.propose([[1, 2, 3, 4], [1, 2, 3, 4, 5]], committed=1)
+    assert (p.commit, p.display, p.first_word) == (1, 5, False)  # committed: no more
+    assert default_policy(prefix_trained=True) == LocalAgreement(2)
+    assert default_policy(prefix_trained=False) == FirstWord(2)
+
+
+def test_first_word_end() -> None:
+    assert bounds.first_word_end([1, 2, 3, 4], 0, False) == 1  # "I"
+    assert bounds.first_word_end([2, 3, 4], 0, False) == 2  # "will": two pieces
+    assert bounds.first_word_end([13, 14, 6], 0, False) == 2  # "\u2581" + "要在"
+    assert bounds.first_word_end([2, 3], 0, False) == 0  # the only word may still grow
+    assert bounds.first_word_end([2, 3], 0, True) == 2  # ... unless eos followed it
+
+
+def test_an_ordinary_model_commits_only_its_first_word_before_the_final() -> None:
+    """The offline-trained fixture gets `FirstWord` by default: however long the partials
+    agree, only the first word becomes stable; the final is still the offline translation."""
+    from engine import Translator
+    from engine.streaming.session import StreamingOptions, StreamSession
+    from protocol import PartialTranscript
+    from tests.conftest import FIXTURE_MODEL, FIXTURE_OFFLINE_MODEL, needs_fixture
+
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_OFFLINE_MODEL)
+    session = StreamSession("s", tr, StreamingOptions())
+    assert session.policy == FirstWord(2)
+    words = "kate helps jack every evening".split()
+    updates = []
+    for seq in range(len(words)):
+        update = session.answer(PartialTranscript("s", 1, seq, " ".join(words[: seq + 1]), False))
+        assert update is not None
+        updates.append(update)
+    assert {u.stable_text for u in updates} <= {"", "凯特"}
+    assert updates[-1].stable_text == "凯特"
+    final = session.answer(PartialTranscript("s", 1, 9, " ".join(words), True))
+    assert final is not None and not final.revised
+    assert final.stable_text == tr.translate([" ".join(words)])[0].text
+    prefix = StreamSession("s", Translator.from_dir(FIXTURE_MODEL), StreamingOptions())
+    assert prefix.policy == LocalAgreement(2)
 
 
 def test_mask_k_hides_the_tail() -> None:
@@ -75,6 +126,8 @@ def test_bias_formula() -> None:
         ("mask-k", MaskK(3)),
         ("biased:0.5", BiasedDecoding(0.5)),
         ("biased", BiasedDecoding()),
+        ("first-word", FirstWord(2)),
+        ("first-word:3", FirstWord(3)),
     ],
 )
 def test_parse_policy(spec: str, policy: object) -> None:
@@ -107,6 +160,42 @@ def test_byte_pieces_never_split_a_character() -> None:
     assert not bounds.ok(tokens, 2, False)
     assert not bounds.ok(tokens, 3, False)
     assert bounds.ok(tokens, 4, False)
+
+
+def test_a_lone_word_start_marker_is_never_the_last_committed_piece() -> None:
+    """Committing a bare "\u2581" shows nothing but forces the next word to come without its
+    marker (the usual "\u2581你" is then impossible): it is not a boundary."""
+    tokens = [13, 14, 6]  # "\u2581" + "要在" + "我"
+    assert not bounds.ok(tokens, 1, False)
+    assert bounds.ok(tokens, 2, False)
+    assert bounds.snap(tokens, 1, 0, False) == 0
+    assert not bounds.ok([6, 13, 14], 2, False)  # after a character, a lone marker too
+    assert bounds.ok([6, 13, 14], 1, False)
+
+
+def test_a_partial_never_commits_an_invisible_prefix_that_changes_later_hypotheses() -> None:
+    """On the offline fixture "park will" and "park will not" translate to "\u2581" + "要在"
+    ... and "\u2581" + "不会" ...: LocalAgreement-2 used to commit the bare marker they
+    share, which forced it on the next partial, so that "you will not cook a cake" lost its
+    subject (你): what a recogniser's corrected first word looks like."""
+    from engine import Translator
+    from engine.streaming.session import StreamingOptions, StreamSession
+    from protocol import PartialTranscript
+    from tests.conftest import FIXTURE_OFFLINE_MODEL, needs_fixture
+
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_OFFLINE_MODEL)
+    session = StreamSession("s", tr, StreamingOptions())
+    texts = ["park will", "park will not", "you will not cook a cake"]
+    updates = [
+        session.answer(PartialTranscript("s", 1, seq, text, False))
+        for seq, text in enumerate(texts)
+    ]
+    last = updates[-1]
+    assert last is not None
+    assert last.stable_text == ""
+    assert last.unstable_text == tr.translate([texts[-1]])[0].text
+    assert last.unstable_text.startswith("你")
 
 
 def test_normalize_source() -> None:

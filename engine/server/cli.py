@@ -163,7 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Run the server until a signal; 0 after a graceful stop, 2 on a bad model/option."""
     setup_logging(args.log_level)
     try:
-        policy = parse_policy(args.policy)
+        policy = parse_policy(args.policy) if args.policy else None
         options = options_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

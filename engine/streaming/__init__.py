@@ -2,7 +2,14 @@
 
 from engine.streaming.controller import IncrementalTranslator, Subscription
 from engine.streaming.lifecycle import Owner, Phase, StreamTable
-from engine.streaming.policies import BiasedDecoding, LocalAgreement, MaskK, Policy, parse_policy
+from engine.streaming.policies import (
+    BiasedDecoding,
+    FirstWord,
+    LocalAgreement,
+    MaskK,
+    Policy,
+    parse_policy,
+)
 from engine.streaming.session import (
     StreamingOptions,
     StreamSession,
@@ -11,6 +18,7 @@ from engine.streaming.session import (
 
 __all__ = [
     "BiasedDecoding",
+    "FirstWord",
     "IncrementalTranslator",
     "LocalAgreement",
     "MaskK",

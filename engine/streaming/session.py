@@ -18,10 +18,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from engine.config import ModelConfig
 from engine.decoding import DecodeOptions
 from engine.languages import drop_fillers, is_cjk
 from engine.runtime import EncoderOutput
-from engine.streaming.policies import LocalAgreement, Policy, common_prefix_length
+from engine.streaming.policies import Policy, common_prefix_length, default_policy
 from engine.translator import Translator
 from protocol import PartialTranscript, TranslationUpdate
 
@@ -36,6 +37,9 @@ def normalize_source(text: str) -> str:
 class StreamingOptions:
     """How a stream is decoded and committed.
 
+    `policy`: what to commit (`engine.streaming.policies`); None, the default, takes the
+    model's own (`default_policy`: LocalAgreement-2 for a model trained on marked
+    prefixes, FirstWord for an ordinary one).
     `decode` is shared with the final, offline translation, so a final equals `translate`
     with these options. `history` bounds the hypotheses kept per segment.
     `partial_length` caps a partial's hypothesis at a * source tokens + b: a model that
@@ -57,7 +61,7 @@ class StreamingOptions:
     with or without (greedy; used when the model batches continuously).
     """
 
-    policy: Policy = field(default_factory=LocalAgreement)
+    policy: Policy | None = None
     decode: DecodeOptions = DecodeOptions()
     history: int = 4
     partial_length: tuple[float, int] | None = (1.5, 8)
@@ -67,6 +71,10 @@ class StreamingOptions:
     source_agreement: int | None = None
     settled_source: int | None = None
     drafts: bool = True
+
+    def policy_for(self, config: ModelConfig) -> Policy:
+        """`policy`, or the default for this model (`default_policy`)."""
+        return self.policy or default_policy(bool(config.partial_suffix))
 
     def clean(self, text: str, lang: str | None) -> str:
         """The source the engine translates: NFC and collapsed whitespace
@@ -120,6 +128,12 @@ class BoundaryFinder:
         if k >= len(tokens):
             return finished and k == len(tokens)
         prev, nxt = self._piece(tokens[k - 1]), self._piece(tokens[k])
+        if not prev.strip("\u2581 "):
+            # A lone word-start marker shows nothing, yet committing it forces every later
+            # hypothesis of the segment to start its next word without the marker: the
+            # usual piece ("\u2581你") can no longer come, and the model drops or garbles the
+            # word (the offline fixture lost its subjects this way).
+            return False
         if _is_byte_piece(nxt):
             # Byte-fallback pieces spell one character over several tokens: cut only where
             # a new character starts (a UTF-8 lead byte, not a 10xxxxxx continuation byte).
@@ -127,6 +141,14 @@ class BoundaryFinder:
         if nxt.startswith("\u2581"):
             return True
         return not (prev and nxt and _word_char(prev[-1]) and _word_char(nxt[0]))
+
+    def first_word_end(self, tokens: Sequence[int], floor: int, finished: bool) -> int:
+        """The shortest cut past `floor`: where the first word after it ends (a Chinese
+        character, or a piece such as "\u2581凯特"); `floor` when there is none yet."""
+        for k in range(floor + 1, len(tokens) + 1):
+            if self.ok(tokens, k, finished):
+                return k
+        return floor
 
     def snap(self, tokens: Sequence[int], k: int, floor: int, finished: bool) -> int:
         """Largest allowed cut in [floor, k]; `floor` (already committed) always is."""
@@ -209,6 +231,7 @@ class StreamSession:
         self.options = options or StreamingOptions()
         self.boundaries = BoundaryFinder(translator.tokenizer.id_to_piece)
         self._prefix_trained = bool(translator.config.partial_suffix)
+        self.policy = self.options.policy_for(translator.config)
         self.segment: SegmentState | None = None
         self._admitted: list[int] | None = None  # source ids admission computed, if any
 
@@ -304,7 +327,7 @@ class StreamSession:
         started: float,
         received: float,
     ) -> TranslationUpdate:
-        policy = self.options.policy
+        policy = self.policy
         enc = self._encode(seg, source, partial=True, ids=self._admitted)
         previous = seg.history[-1] if seg.history else None
         draft: list[int] = []
@@ -335,6 +358,9 @@ class StreamSession:
         # part ends, so there eos does close a committable hypothesis.
         through_end = hyp.finished and self._prefix_trained
         commit = self.boundaries.snap(tokens, proposal.commit, len(seg.committed), through_end)
+        if proposal.first_word:
+            first = self.boundaries.first_word_end(tokens, len(seg.committed), through_end)
+            commit = min(commit, first)
         agree = self.options.source_agreement
         if agree is not None and seg.source_settled_at < agree:
             commit = len(seg.committed)  # the source is still being rewritten: wait
