@@ -1,0 +1,97 @@
+"""How far drafts taken from the previous hypothesis can cut stepwise decoding, at best.
+
+Draft verification (issue 14) confirms, in the prefill call, the tokens of the previous
+hypothesis that the new one repeats from its start. Tokens the previous hypothesis never
+had (the translation of new source words) still cost one decoder step each, whatever is
+done with the draft. This replays every committed fixture and log (fast, default options,
+drafts on) and records, for every decode, its forced prefix, its draft and its tokens, then
+prints stepwise decoder calls (one per generated token: each is fed to get the next)
+
+- without drafts: every generated token;
+- with drafts as built: generated tokens less the draft's confirmed run from the start;
+- at best with any re-alignment of that draft: generated tokens less their longest common
+  subsequence with the draft, i.e. every token the previous hypothesis had, wherever it
+  moved, confirmed for free (no extra call counted): a bound no drafting from the previous
+  hypothesis can beat.
+
+    python examples/benchmarks/draft_bound.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGS = ROOT / "examples" / "logs"
+PAIRS = [
+    ("prefix", "fixture", "fixture_en_zh.jsonl"),
+    ("prefix", "fixture", "fixture_en_zh_asr.jsonl"),
+    ("offline", "fixture_offline", "fixture_en_zh.jsonl"),
+    ("offline", "fixture_offline", "fixture_offline_en_zh_asr.jsonl"),
+]
+
+
+def decodes(model: Path, log: Path) -> list[tuple[list[int], list[int], list[int]]]:
+    """(forced prefix, draft, tokens after the prefix) of every greedy decode of a fast
+    replay, the offline check of the finals left out."""
+    from engine import Translator
+    from engine.decoding import GreedySearch, Hypothesis
+    from engine.evaluation.translogs import read_log
+    from engine.replay import ReplayOptions, replay
+    from engine.scheduler import SchedulerOptions
+
+    seen: list[tuple[list[int], list[int], list[int]]] = []
+    original = GreedySearch.result
+
+    def result(self: GreedySearch) -> Hypothesis:
+        hyp = original(self)
+        seen.append((list(self.prefix), list(self.draft), list(hyp.token_ids[len(self.prefix) :])))
+        return hyp
+
+    GreedySearch.result = result  # type: ignore[method-assign]
+    try:
+        tr = Translator.from_dir(model, scheduler=SchedulerOptions(lanes=1))
+        run = replay(tr, read_log(log), ReplayOptions(progress=False))
+    finally:
+        GreedySearch.result = original  # type: ignore[method-assign]
+    # The replay ends by checking each final against an offline translation: one decode
+    # per final, not part of the stream, left out.
+    return seen[: len(seen) - run.finals_checked]
+
+
+def confirmed_run(draft: list[int], tokens: list[int]) -> int:
+    n = 0
+    while n < min(len(draft), len(tokens)) and draft[n] == tokens[n]:
+        n += 1
+    return n
+
+
+def lcs(a: list[int], b: list[int]) -> int:
+    row = [0] * (len(b) + 1)
+    for x in a:
+        diagonal = 0
+        for j, y in enumerate(b):
+            above = row[j + 1]
+            row[j + 1] = diagonal + 1 if x == y else max(row[j + 1], row[j])
+            diagonal = above
+    return row[-1]
+
+
+def main() -> int:
+    print("| fixture | log | decodes | steps without drafts | with drafts | at best (LCS) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for kind, directory, name in PAIRS:
+        records = decodes(ROOT / "models" / directory / "model", LOGS / name)
+        base = sum(len(t) for _, _, t in records)
+        built = sum(len(t) - confirmed_run(d, t) for _, d, t in records)
+        best = sum(len(t) - lcs(t, d) for _, d, t in records)
+        print(
+            f"| {kind} | {name} | {len(records)} | {base} | {built} ({built / base:.0%}) "
+            f"| {best} ({best / base:.0%}) |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
