@@ -917,6 +917,12 @@ def split_output_projection(data: bytes, vocab: int, logits: str = "logits") -> 
         [logits_info],
         [i for i in graph.initializer if i.name in used(head_nodes)],
     )
+    # The shapes the graph knows go with each part: ORT's fusions need them (without them
+    # the body's Add + LayerNormalization stayed unfused where the whole step had
+    # SkipLayerNormalization, which rounds differently: not the same values bit for bit).
+    for part, part_nodes in ((body_graph, body_nodes), (head_graph, head_nodes)):
+        names = used(part_nodes) | {out for node in part_nodes for out in node.output}
+        part.value_info.extend(v for v in graph.value_info if v.name in names)
     parts = []
     for part in (body_graph, head_graph):
         out = helper.make_model(part, opset_imports=list(model.opset_import))
