@@ -22,6 +22,51 @@ from engine.errors import ModelLoadError
 PIECE_MARKER = "\u2581"
 
 
+_NORMALIZER_SPEC = 3  # ModelProto field every trained sentencepiece model writes, after its pieces
+
+
+def _top_level_fields(data: bytes) -> set[int] | None:
+    """The field numbers of a serialized protobuf message's top-level fields, or None when
+    its records do not add up to its length (a cut or corrupt file)."""
+
+    def varint(pos: int) -> tuple[int, int] | None:
+        value, shift = 0, 0
+        while pos < len(data) and shift < 64:
+            byte = data[pos]
+            value |= (byte & 0x7F) << shift
+            pos, shift = pos + 1, shift + 7
+            if not byte & 0x80:
+                return value, pos
+        return None
+
+    fields: set[int] = set()
+    pos = 0
+    while pos < len(data):
+        tag = varint(pos)
+        if tag is None:
+            return None
+        key, pos = tag
+        wire = key & 7
+        if wire == 0:
+            skip = varint(pos)
+            if skip is None:
+                return None
+            pos = skip[1]
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            size = varint(pos)
+            if size is None:
+                return None
+            pos = size[1] + size[0]
+        elif wire == 5:
+            pos += 4
+        else:
+            return None
+        fields.add(key >> 3)
+    return fields if pos == len(data) else None
+
+
 def _load_spm(path: Path, model_dir: Path) -> spm.SentencePieceProcessor:
     if not path.is_file():
         raise ModelLoadError(f"{model_dir}: missing tokenizer file {path.name}")
@@ -32,6 +77,15 @@ def _load_spm(path: Path, model_dir: Path) -> spm.SentencePieceProcessor:
         raise ModelLoadError(
             f"{model_dir}: corrupt sentencepiece model {path.name}: {exc}"
         ) from exc
+    # sentencepiece loads a file cut between two of its pieces without complaint, with the
+    # pieces after the cut missing (text would then tokenize to <unk>): a complete model
+    # ends with its normalizer spec.
+    fields = _top_level_fields(path.read_bytes())
+    if fields is None or _NORMALIZER_SPEC not in fields:
+        raise ModelLoadError(
+            f"{model_dir}: corrupt sentencepiece model {path.name}: truncated "
+            "(no normalizer spec after the pieces)"
+        )
     return processor
 
 
