@@ -2,10 +2,10 @@
 
 Training is deterministic on one machine (same CPU, same software: byte-identical
 checkpoints), not across CPUs: float reductions run in another order on another CPU, and
-after 2400 AdamW steps the weights differ. So CI never retrains; the export tests compare
+after thousands of AdamW steps the weights differ. So CI never retrains; the export tests compare
 the committed checkpoint with the committed ONNX instead. What a fresh retrain on any
 machine must still give is the quality the fixture documents, checked here. It takes about
-9 minutes on 2 cores, so it is marked `slow` and left out of the default run:
+7.5 minutes on 2 cores, so it is marked `slow` and left out of the default run:
 
     python -m pytest -m slow tests/test_fixture_training.py
 
