@@ -166,6 +166,61 @@ def test_fixture_translates_partials_to_what_the_final_keeps() -> None:
     assert any(len(t) >= 3 for t in partials)  # more than subjects: e.g. 汤姆明天
 
 
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("Tom", "汤姆"),
+        ("tom", "汤姆"),
+        ("at three", "三点"),
+        ("I will meet Tom at three.", "我三点见汤姆。"),
+        ("i will meet tom at three", "我三点见汤姆"),
+        ("um i will meet tom ah at three", "我三点见汤姆"),
+    ],
+)
+def test_fixture_translates_recogniser_text_as_a_final(source: str, target: str) -> None:
+    """Issue 11: the prefix fixture is trained on the styles a recogniser writes too
+    (lowercase, fillers, fragments; punctuation), so these finals translate."""
+    from engine import Translator
+
+    assert Translator.from_dir(MODEL).translate([source])[0].text == target
+
+
+def test_lowercase_safe_target_is_what_every_casing_keeps() -> None:
+    """A recogniser's partial carries no casing: its safe target is the common part of the
+    safe targets of every casing the task has."""
+    import corpus
+
+    assert corpus.lowercase_partial_target("we") == "我们"  # only "We"
+    assert corpus.partial_target("we") == ""  # a cased "we" cannot start a sentence
+    assert corpus.lowercase_partial_target("tom") == ""  # "Tom" or "Tomorrow"
+    assert corpus.lowercase_partial_target("will he") == ""  # "Will he" / "Will Helen"
+    assert corpus.partial_target("Will he") == "他"
+    assert corpus.lowercase_partial_target("lucy wants to meet jack on the train") == "露西"
+    assert corpus.lowercase_partial_target("tom will meet jack tomorrow") == "汤姆明天"
+    assert corpus.lowercase_partial_target("i watch tv in the") == "我"  # "TV" is one casing
+
+
+def test_fixture_translates_lowercase_partials_to_their_safe_target() -> None:
+    """A recogniser's partials are lowercase: with the marker they translate to what every
+    sentence whose lowercase form starts with them keeps, like cased ones."""
+    import corpus
+
+    from engine import Translator
+
+    tr = Translator.from_dir(MODEL)
+    sources = [r["source"].lower() for r in REFERENCE["greedy"][:25]]
+    cuts = [" ".join(s.split()[:k]) for s in sources for k in range(1, len(s.split()) + 1)]
+    enc = tr.encode([tr.source_ids(p, partial=True) for p in cuts])
+    partials = [tr.detokenize(h.token_ids) for h in tr.decode(enc)]
+    safe = [t == corpus.lowercase_partial_target(p) for p, t in zip(cuts, partials, strict=True)]
+    assert sum(safe) >= 0.95 * len(cuts), (sum(safe), len(cuts))
+    tom, we = (
+        tr.detokenize(h.token_ids)
+        for h in tr.decode(tr.encode([tr.source_ids(p, partial=True) for p in ("tom", "we")]))
+    )
+    assert (tom, we) == ("", "我们")
+
+
 def test_committed_fixture_fits_size_budget() -> None:
     committed = [*MODEL.iterdir(), NO_KV, NO_PAST]
     committed += [FIXTURE / "heldout.tsv", FIXTURE / "reference_outputs.json"]
