@@ -9,6 +9,7 @@ any row's tokens or scores.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -150,23 +151,32 @@ def test_rows_join_and_leave_a_running_batch(translator: Translator) -> None:
     ref_long = alone(translator, long_text, [], options)
     ref_short = alone(translator, short_text, [], DecodeOptions())
     started = threading.Event()
+    sent = threading.Event()  # the short request is being submitted
     result: list[Hypothesis] = []
 
     def hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
         if len(rows[0]) == 5:
             started.set()
+            # Hold the long row (this runs on the lane's thread) until the short request
+            # waits (or another lane took it), so that it joins mid-decode however slow the
+            # machine is: the long row used to end first now and then in a loaded run.
+            assert sent.wait(30)
+            deadline = time.monotonic() + 0.2
+            while not translator.scheduler._waiting and time.monotonic() < deadline:
+                time.sleep(0.0005)
         return scores
 
     def long_request() -> None:
         enc = translator.encode([translator.source_ids(long_text)])
         result.append(translator.decode(enc, options, hook=hook)[0])
 
+    short_enc = translator.encode([translator.source_ids(short_text)])  # the lane encodes
     sizes_before = dict(translator.scheduler.batch_sizes)
     thread = threading.Thread(target=long_request)
     thread.start()
     assert started.wait(30)
-    enc = translator.encode([translator.source_ids(short_text)])
-    short = translator.decode(enc, DecodeOptions())[0]
+    sent.set()
+    short = translator.decode(short_enc, DecodeOptions())[0]
     thread.join(30)
     assert short.token_ids == ref_short.token_ids
     assert short.score == pytest.approx(
