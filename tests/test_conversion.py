@@ -56,6 +56,7 @@ KINDS = sorted(REFERENCES)
 FORCED_CASES = [(k, i) for k in KINDS for i in range(len(REFERENCES[k]["forced_logits"]))]
 
 sys.path.insert(0, str(FIXTURE))
+import styles  # noqa: E402
 from ort_greedy import OrtGreedy  # noqa: E402
 from recover_checkpoint import recover  # noqa: E402
 
@@ -166,17 +167,7 @@ def test_fixture_translates_partials_to_what_the_final_keeps() -> None:
     assert any(len(t) >= 3 for t in partials)  # more than subjects: e.g. 汤姆明天
 
 
-@pytest.mark.parametrize(
-    ("source", "target"),
-    [
-        ("Tom", "汤姆"),
-        ("tom", "汤姆"),
-        ("at three", "三点"),
-        ("I will meet Tom at three.", "我三点见汤姆。"),
-        ("i will meet tom at three", "我三点见汤姆"),
-        ("um i will meet tom ah at three", "我三点见汤姆"),
-    ],
-)
+@pytest.mark.parametrize(("source", "target"), styles.RECOGNISER_EXAMPLES)
 def test_fixture_translates_recogniser_text_as_a_final(source: str, target: str) -> None:
     """Issue 11: the prefix fixture is trained on the styles a recogniser writes too
     (lowercase, fillers, fragments; punctuation), so these finals translate."""
