@@ -69,6 +69,13 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.decoder_attention_heads
 
+    @property
+    def prefix_trained(self) -> bool:
+        """Trained on partial sources marked with `partial_suffix`: such a model ends a
+        partial's output where what the final keeps ends, so streaming may trust it more
+        (the commit policy, committing through a finished hypothesis)."""
+        return bool(self.partial_suffix)
+
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
         """Merge config.json, generation_config.json and nmt-incremental.json."""

@@ -135,7 +135,7 @@ def test_fast_replay_report(fast: ReplayResult, translator: Translator) -> None:
     data = json.loads(json.dumps(fast.to_dict()))
     assert data["final_exact_match"] == 1.0
     # No policy chosen: the model's default, by how it was trained (`default_policy`).
-    prefix_trained = bool(translator.config.partial_suffix)
+    prefix_trained = translator.config.prefix_trained
     assert data["settings"]["policy"] == ("local-agreement-2" if prefix_trained else "first-word-2")
     assert data["settings"]["mode"] == "fast"
     assert data["counts"]["updates"] == len(fast.updates)

@@ -137,7 +137,7 @@ def test_unchanged_partial_runs_neither_encoder_nor_decoder(
     session.answer(PartialTranscript("s1", 0, 2, "I will meet Tom at three", False))
     assert translator.model.calls["encoder"] == calls["encoder"] + 1
     session.answer(PartialTranscript("s1", 0, 3, "I will meet Tom at three", True))
-    marked = bool(translator.config.partial_suffix)
+    marked = translator.config.prefix_trained
     assert translator.model.calls["encoder"] == calls["encoder"] + 1 + marked
 
 

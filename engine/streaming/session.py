@@ -74,7 +74,7 @@ class StreamingOptions:
 
     def policy_for(self, config: ModelConfig) -> Policy:
         """`policy`, or the default for this model (`default_policy`)."""
-        return self.policy or default_policy(bool(config.partial_suffix))
+        return self.policy or default_policy(config.prefix_trained)
 
     def clean(self, text: str, lang: str | None) -> str:
         """The source the engine translates: NFC and collapsed whitespace
@@ -230,7 +230,6 @@ class StreamSession:
         self.lang = lang if lang is not None else translator.config.target_lang
         self.options = options or StreamingOptions()
         self.boundaries = BoundaryFinder(translator.tokenizer.id_to_piece)
-        self._prefix_trained = bool(translator.config.partial_suffix)
         self.policy = self.options.policy_for(translator.config)
         self.segment: SegmentState | None = None
         self._admitted: list[int] | None = None  # source ids admission computed, if any
@@ -356,7 +355,7 @@ class StreamSession:
         # commit through the end of a hypothesis, its last word may still change. A model
         # trained on prefixes with a partial marker ends a partial's output where the safe
         # part ends, so there eos does close a committable hypothesis.
-        through_end = hyp.finished and self._prefix_trained
+        through_end = hyp.finished and self.translator.config.prefix_trained
         commit = self.boundaries.snap(tokens, proposal.commit, len(seg.committed), through_end)
         if proposal.first_word:
             first = self.boundaries.first_word_end(tokens, len(seg.committed), through_end)
