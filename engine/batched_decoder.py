@@ -91,6 +91,11 @@ _LOOKUP_CHAIN = frozenset({"Cast", "Identity", "DequantizeLinear", "Mul", "Unsqu
 _NEGATIVE_ENOUGH = -1e4  # a mask constant at or below this is "the large negative value"
 
 
+CAUSAL_KEY = "nmt_incremental.causal_over_new_tokens"
+"""Metadata of a rewritten decoder: "1" when its self-attention is causal among several
+new tokens after a cache (so a step may verify lookahead tokens), "0" when not."""
+
+
 class _Unsupported(Exception):
     """The graph does not have the structure the rewrite understands (message says why)."""
 
@@ -605,8 +610,16 @@ def _rewrite(model: onnx.ModelProto) -> onnx.ModelProto:
             _apply(view, plan, tag, opset)
     else:
         view = _View(graph, {})
-        _apply(view, _plan(view), "main", opset)
+        plans = [("main", view, _plan(view))]
+        _apply(view, plans[0][2], "main", opset)
     _add_inputs(graph)
+    # Several new tokens per row after a cache need a causal mask among them; a graph
+    # whose self-attention had no mask at all (traced with one token) gets only the
+    # padding mask from the rewrite, so its rows must take one token per call.
+    causal = not any(plan.unmasked for _, _, plan in plans)
+    helper_props = {p.key: p for p in out.metadata_props}
+    prop = helper_props.get(CAUSAL_KEY) or out.metadata_props.add()
+    prop.key, prop.value = CAUSAL_KEY, "1" if causal else "0"
     return out
 
 

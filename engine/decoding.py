@@ -144,6 +144,20 @@ MAX_DRAFT = 64
 prefill call (about 0.13 ms for the int8 OPUS-MT decoder, against 3.3 ms for a step), so
 a long draft that the new source contradicts early is still cheap; the cap bounds it."""
 
+LOOKAHEAD = 4
+"""Draft tokens a greedy row may have verified in one cached step, after the draft was
+re-aligned (`GreedySearch.lookahead`). On the committed fixture logs 4 confirms all but
+1-2% of what any longer run would (examples/benchmarks/draft_bound.py)."""
+
+LOOKAHEAD_POSITIONS = 8
+"""Extra positions one cached step may compute for looked-ahead tokens, over all its rows.
+Every row of a step is padded to the longest row's positions, so a lookahead costs each
+row of the batch; measured on the int8 OPUS-MT-size decoder (2-core AMD EPYC), the layers
+take ~0.15 ms per extra position at one row (1.71 ms for one token, 2.09 for four) and a
+step saved is ~2.5 ms, while at 16 rows one more position per row costs more than the
+step it could save for one of them. So a lone row looks 4 ahead, 2 rows 4, 4 rows 2, 8
+rows 1 and a busier step none (speculation pays at low load, as in LLM serving)."""
+
 
 class Search(ABC):
     """One request's search: the rows it holds in a batch and how one step advances them.
@@ -152,7 +166,8 @@ class Search(ABC):
     start token; `advance` takes the logits of the search's rows after each call.
     `draft`: tokens expected after the prefix (the stream's previous hypothesis), which a
     batch that can may verify in the prefill call instead of decoding them one step each
-    (`ContinuousBatch.join`); the result is the same either way.
+    (`ContinuousBatch.join`), and again, re-aligned, in later steps (`lookahead`); the
+    result is the same either way.
     """
 
     def __init__(
@@ -201,6 +216,11 @@ class Search(ABC):
     def scores(self, logits: FloatArray) -> FloatArray:
         return _scores(logits, self.rows(), self.config, self.options, self.hook)
 
+    def lookahead(self, most: int) -> list[int]:
+        """Up to `most` tokens expected after the next one fed (its last row's last
+        token), for a batch that can verify them in the same cached step; none here."""
+        return []
+
 
 class GreedySearch(Search):
     """One row: the forced prefix, then the most likely token until eos or the limit."""
@@ -217,6 +237,9 @@ class GreedySearch(Search):
         self.tokens: list[int] = []
         self.score = 0.0
         self.finished = False
+        self._draft_at = 0  # where the draft is expected to go on (re-alignment)
+        self._looked: list[int] = []  # lookahead tokens not confirmed yet
+        self.looked_ahead = 0  # lookahead tokens confirmed, over all steps
 
     @property
     def width(self) -> int:
@@ -242,9 +265,44 @@ class GreedySearch(Search):
             self.finished = True
             return None
         self.tokens.append(token)
+        if self._looked and token == self._looked[0]:
+            del self._looked[0]
+            self._draft_at += 1
+            self.looked_ahead += 1
+        else:
+            self._looked = []
         if len(self.tokens) >= self.limit:
             return None
         return [token], [0]
+
+    def lookahead(self, most: int) -> list[int]:
+        """The draft re-aligned after a disagreement: where the last two tokens (else the
+        last one) occur in the draft, the draft's next tokens, up to `most` and the length
+        limit. The first occurrence at or after where the draft was last confirmed wins,
+        else the last one before it. A revision usually inserts, drops or replaces a few
+        words and keeps the rest, so the previous hypothesis goes on where the new one
+        meets it again: prompt-lookup decoding with the previous hypothesis as the text
+        looked up. Only a guess: the batch verifies each token against the argmax."""
+        most = min(most, self.limit - len(self.tokens))
+        if most <= 0 or not self.draft or not self.tokens:
+            return []
+        start = max(self._draft_at, self.accepted)
+        for n in (2, 1):
+            key = self.tokens[-n:]
+            if len(key) < n:
+                continue
+            found = [
+                m + 1
+                for m in range(n - 1, len(self.draft) - 1)
+                if self.draft[m - n + 1 : m + 1] == key
+            ]
+            if found:
+                later = [m for m in found if m >= start]
+                at = later[0] if later else found[-1]
+                self._draft_at = at
+                self._looked = self.draft[at : at + most]
+                return list(self._looked)
+        return []
 
     def result(self) -> Hypothesis:
         return Hypothesis(tuple(self.tokens), self.score, self.finished)
@@ -516,11 +574,23 @@ class ContinuousBatch:
     slot for everyone. Positions are each row's own length. Slots no live row uses any
     more are cut off; cross-attention KV and encoder states are padded to the longest
     source with `encoder_attention_mask` 0. Same cycle and methods as `Batch`.
+
+    Lookahead: when the step is small enough (`LOOKAHEAD_POSITIONS`), a greedy row with a
+    draft feeds its next token and the tokens its re-aligned draft expects after it
+    (`Search.lookahead`) in the same cached step, every row padded to the longest; the
+    logits at each position are what feeding the tokens one step each would give (causal
+    attention), so the row keeps the run its argmax confirms and the slots of the rest
+    are masked out like padding. Those holes are squeezed out once they outnumber the
+    real slots.
     """
 
-    def __init__(self, model: MarianOnnx, decoder: MaskedDecoder) -> None:
+    def __init__(
+        self, model: MarianOnnx, decoder: MaskedDecoder, lookahead_positions: int = 0
+    ) -> None:
         self.model = model
         self.decoder = decoder
+        # Extra positions a step may compute for lookahead (0: none; the scheduler sets it).
+        self.lookahead_positions = lookahead_positions if decoder.lookahead else 0
         self.stats: Counter[str] = Counter()  # draft_offered, draft_accepted (tokens)
         self._reset()
 
@@ -533,6 +603,7 @@ class ContinuousBatch:
         self._lengths: IntArray = np.zeros(0, dtype=np.int64)  # tokens so far, start included
         self._last: FloatArray | None = None
         self._next: IntArray = np.zeros((0, 1), dtype=np.int64)
+        self._ahead: list[list[int]] = []  # per row: the lookahead fed after `_next`
 
     def __len__(self) -> int:
         return len(self.searches)
@@ -599,7 +670,7 @@ class ContinuousBatch:
             self.stats["draft_offered"] += len(draft)
             self.stats["draft_accepted"] += accepted
         slots = (np.arange(width)[None, :] < real[:, None]).astype(np.int64)
-        newcomers = ContinuousBatch(self.model, self.decoder)
+        newcomers = ContinuousBatch(self.model, self.decoder, self.lookahead_positions)
         newcomers.searches = kept
         newcomers._enc, newcomers._self, newcomers._cross = enc, self_kv, cross_kv
         newcomers._slots, newcomers._lengths = slots, real
@@ -639,11 +710,61 @@ class ContinuousBatch:
 
     def advance(self) -> list[Search]:
         assert self._last is not None
-        ended, select, tokens = _advance_all(self, self._last)
+        if self._last.ndim == 3:
+            ended, select, tokens = self._advance_ahead(self._last)
+        else:
+            ended, select, tokens = _advance_all(self, self._last)
         self._last = None
         self._reorder(select)
         self._next = np.array(tokens, dtype=np.int64).reshape(-1, 1)
+        if self._slots.shape[1] > 2 * int(self._slots.sum(axis=1).max(initial=0)) + LOOKAHEAD:
+            self._squeeze()
         return ended
+
+    def _advance_ahead(self, logits: FloatArray) -> tuple[list[Search], list[int], list[int]]:
+        """`_advance_all` after a step with lookahead (`logits` [rows, T, vocab]): a row
+        takes the positions its argmax confirms, one by one, as the prefill's draft run
+        does; the slots after its last confirmed token are masked out."""
+        ended: list[Search] = []
+        kept: list[Search] = []
+        select: list[int] = []
+        tokens: list[int] = []
+        fed = logits.shape[1]
+        row = 0
+        for search in self.searches:
+            width, ahead = search.width, self._ahead[row]
+            taken = 0
+            while True:
+                step = search.advance(logits[row : row + width, taken])
+                if step is None:
+                    ended.append(search)
+                    break
+                new_tokens, parents = step
+                if taken < len(ahead) and new_tokens == [ahead[taken]]:
+                    taken += 1  # its KV is in this step's cache already
+                    continue
+                kept.append(search)
+                select.extend(row + p for p in parents)
+                tokens.extend(new_tokens)
+                break
+            self._slots[row, self._slots.shape[1] - fed + 1 + taken :] = 0
+            self._lengths[row] += taken
+            self.stats["lookahead_offered"] += len(ahead)
+            self.stats["lookahead_accepted"] += taken
+            row += width
+        self.searches = kept
+        return ended, select, tokens
+
+    def _squeeze(self) -> None:
+        """Drop the holes that rejected lookahead left in the self KV: each row's real
+        slots moved together at the end (right-aligned, as after a join)."""
+        keep = self._slots.sum(axis=1)
+        width = int(keep.max(initial=0))
+        order = np.argsort(self._slots, axis=1, kind="stable")[:, self._slots.shape[1] - width :]
+        self._self = tuple(
+            np.take_along_axis(a, order[:, None, :, None], axis=2) for a in self._self
+        )
+        self._slots = (np.arange(width)[None, :] >= (width - keep)[:, None]).astype(np.int64)
 
     def remove(self, gone: Sequence[Search]) -> None:
         select = _rows_without(self, gone)
@@ -683,10 +804,23 @@ class ContinuousBatch:
             return
         assert self._enc is not None
         rows = self._slots.shape[0]
-        mask = np.concatenate([self._slots, np.ones((rows, 1), dtype=np.int64)], axis=1)
-        positions = self._lengths.reshape(-1, 1)
+        most = min(LOOKAHEAD, self.lookahead_positions // rows)
+        self._ahead = []
+        for search in self.searches:
+            looked = search.lookahead(most) if most and search.width == 1 else []
+            self._ahead += [looked] + [[] for _ in range(search.width - 1)]
+        fed = 1 + max(map(len, self._ahead))
+        ids = np.full((rows, fed), self.model.config.pad_token_id, dtype=np.int64)
+        new = np.zeros((rows, fed), dtype=np.int64)
+        ids[:, 0], new[:, 0] = self._next[:, 0], 1
+        for r, looked in enumerate(self._ahead):
+            ids[r, 1 : 1 + len(looked)] = looked
+            new[r, 1 : 1 + len(looked)] = 1
+        # Each row's own positions; padding gets any in-range one (its own next).
+        positions = self._lengths[:, None] + np.arange(fed)[None, :] * new
+        mask = np.concatenate([self._slots, new], axis=1)
         self._last, self._self = self.decoder.step(
-            self._enc, self._next, positions, mask, self._self, self._cross
+            self._enc, ids, positions, mask, self._self, self._cross
         )
         self._slots, self._lengths = mask, self._lengths + 1
 

@@ -248,6 +248,10 @@ class ReplayResult:
                 "draft tokens accepted / offered",
                 f"{c.get('draft_accepted', 0)} / {c.get('draft_offered', 0)}",
             ),
+            (
+                "lookahead tokens accepted / offered",
+                f"{c.get('lookahead_accepted', 0)} / {c.get('lookahead_offered', 0)}",
+            ),
             ("wall time (s)", num(self.wall_s, 2)),
             ("wall time / emit span", num(self.wall_rtf, 3)),
         ]
@@ -561,7 +565,14 @@ async def replay_async(
     for key in ("updates", "unchanged", "cancelled", "superseded", "errors"):
         counts[key] = run.stats[key]
     counts["dropped"] = run.dropped
-    for key in ("decoder_steps", "prefill_calls", "draft_offered", "draft_accepted"):
+    for key in (
+        "decoder_steps",
+        "prefill_calls",
+        "draft_offered",
+        "draft_accepted",
+        "lookahead_offered",
+        "lookahead_accepted",
+    ):
         counts[key] = run.decoding[key]
     emits = [float(line["emit_ms"]) for line in lines]
     return ReplayResult(

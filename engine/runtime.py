@@ -733,6 +733,54 @@ def _split_head(
     return body, (head, split.hidden)
 
 
+def _causal_over_new_tokens(
+    first: ort.InferenceSession,
+    step: ort.InferenceSession,
+    config: ModelConfig,
+    options: RuntimeOptions,
+) -> bool:
+    """Whether the rewritten step may take several tokens per row after a cache: its
+    rewrite found a causal self-attention mask (`CAUSAL_KEY`; a with-past graph traced
+    with one token has none) and, in fp32, the logits of three tokens fed after a cache
+    equal those of one no-past call over the whole sequence. int8 cannot be compared that
+    way (activations are quantized with one scale per call, so any two differently shaped
+    calls differ a little) and rests on the structure."""
+    from engine.batched_decoder import CAUSAL_KEY, MASK_INPUT, POSITIONS_INPUT, REWRITE_TOLERANCE
+
+    if step.get_modelmeta().custom_metadata_map.get(CAUSAL_KEY) != "1":
+        return False
+    if options.quantized:
+        return True
+    rng = np.random.default_rng(0)
+    layers, total, past = config.decoder_layers, 7, 4
+    ids = rng.integers(1, min(config.vocab_size, 1000), (1, total), dtype=np.int64)
+    values: dict[str, Any] = {
+        "input_ids": ids,
+        "encoder_hidden_states": rng.standard_normal((1, 5, config.d_model)).astype(np.float32),
+        "encoder_attention_mask": np.ones((1, 5), dtype=np.int64),
+        MASK_INPUT: np.ones((1, total), dtype=np.int64),
+        POSITIONS_INPUT: np.arange(total, dtype=np.int64)[None],
+        "use_cache_branch": np.array([False]),
+    }
+    self_out, cross_out = (
+        _past_names(layers, "decoder", "present"),
+        _past_names(layers, "encoder", "present"),
+    )
+    names = {i.name for i in first.get_inputs()}
+    out = first.run(
+        ["logits", *self_out, *cross_out], {k: v for k, v in values.items() if k in names}
+    )
+    whole, kv = out[0], out[1:]
+    values.update(input_ids=ids[:, past:], use_cache_branch=np.array([True]))
+    values[POSITIONS_INPUT] = np.arange(past, total, dtype=np.int64)[None]
+    mine, cross = kv[: len(self_out)], kv[len(self_out) :]
+    values.update(zip(_past_names(layers, "decoder"), (a[:, :, :past] for a in mine), strict=True))
+    values.update(zip(_past_names(layers, "encoder"), cross, strict=True))
+    names = {i.name for i in step.get_inputs()}
+    cached = step.run(["logits"], {k: v for k, v in values.items() if k in names})[0]
+    return float(np.max(np.abs(cached - whole[:, past:]))) <= REWRITE_TOLERANCE
+
+
 def _release_freed_memory() -> None:
     """Give freed heap pages back to the OS (glibc only; elsewhere a no-op). The rewrite
     parses and serialises whole decoder graphs in Python and the original sessions are
@@ -753,7 +801,8 @@ class MaskedDecoder:
     self-attention cache are masked out and each row's positions are its own.
 
     `prefill` runs start token + forced prefix of new rows (right-padded) in one call and
-    returns their self and cross KV; `step` runs one token for every row of a batch.
+    returns their self and cross KV; `step` runs one token for every row of a batch, or
+    several (lookahead) where `lookahead` says the graph is causal among new tokens.
     """
 
     def __init__(
@@ -764,9 +813,12 @@ class MaskedDecoder:
         max_difference: float,
         calls: Counter[str],
         head: tuple[ort.InferenceSession, str] | None = None,
+        lookahead: bool = False,
     ) -> None:
         self.first = first
         self.step_session = step
+        # Whether a step may take several tokens per row (`ContinuousBatch` lookahead).
+        self.lookahead = lookahead
         # (session, input name): the step's output projection run apart (`_split_head`).
         self.head = head
         self.max_difference = max_difference
@@ -822,18 +874,20 @@ class MaskedDecoder:
                 REWRITE_TOLERANCE,
             )
             return None
+        lookahead = _causal_over_new_tokens(first, step, config, options)
         head = _split_head(model_dir, rewritten.step, step, config, options)
         log.info(
             "%s: continuous batching (decoder rewritten with masks and positions; "
-            "max logit difference to the original %.2g)%s",
+            "max logit difference to the original %.2g)%s%s",
             model_dir,
             worst,
             f"; output projection on {options.head_threads} threads" if head else "",
+            "" if lookahead else "; one token per row per step (no lookahead)",
         )
         if head is not None:
             step, head_pair = head
-            return cls(first, step, config.decoder_layers, worst, calls, head_pair)
-        return cls(first, step, config.decoder_layers, worst, calls)
+            return cls(first, step, config.decoder_layers, worst, calls, head_pair, lookahead)
+        return cls(first, step, config.decoder_layers, worst, calls, None, lookahead)
 
     def _feed(self, declared: set[str], values: dict[str, Any]) -> dict[str, Any]:
         return {name: value for name, value in values.items() if name in declared}
@@ -870,7 +924,9 @@ class MaskedDecoder:
         self_kv: tuple[FloatArray, ...],
         cross_kv: tuple[FloatArray, ...],
     ) -> tuple[FloatArray, tuple[FloatArray, ...]]:
-        """One token per row: logits [B, V] and the self KV grown by one slot."""
+        """One token per row: logits [B, V] and the self KV grown by one slot. Several per
+        row (`input_ids` [B, T], T > 1: lookahead, whose padding `mask` marks 0 in its
+        last T columns): logits [B, T, V], meaningless at padding, and T more slots."""
         from engine.batched_decoder import MASK_INPUT, POSITIONS_INPUT
 
         values: dict[str, Any] = {
@@ -884,10 +940,18 @@ class MaskedDecoder:
         values.update(zip(self._cross_in, cross_kv, strict=True))
         self.calls["decoder"] += 1
         feed = self._feed(self._step_inputs, values)
+        fed = input_ids.shape[1]
         if self.head is None:
             out = self.step_session.run(["logits", *self._self_out], feed)
-            return out[0][:, -1, :], tuple(out[1:])
+            return (out[0][:, -1, :] if fed == 1 else out[0]), tuple(out[1:])
         head, hidden = self.head
         out = self.step_session.run([hidden, *self._self_out], feed)
-        logits = head.run(["logits"], {hidden: out[0]})[0]
-        return logits[:, -1, :], tuple(out[1:])
+        if fed == 1:
+            logits = head.run(["logits"], {hidden: out[0]})[0]
+            return logits[:, -1, :], tuple(out[1:])
+        # The projection, most of a step's cost, only at the real positions.
+        real = mask[:, -fed:].astype(bool)
+        some = head.run(["logits"], {hidden: out[0][real][None]})[0][0]
+        logits = np.empty((*real.shape, some.shape[-1]), dtype=some.dtype)
+        logits[real] = some
+        return logits, tuple(out[1:])

@@ -43,6 +43,7 @@ from typing import NamedTuple
 import numpy as np
 
 from engine.decoding import (
+    LOOKAHEAD_POSITIONS,
     Batch,
     ContinuousBatch,
     DecodeOptions,
@@ -81,10 +82,13 @@ class SchedulerOptions:
     an explicit `intra_op_threads` given when loading the model wins. `head_threads`:
     threads of a decoder step's output projection (default: the whole share): the one op
     of a step big enough to share out, so a lone stream gets both cores there while the
-    step's small ops stay on its lane's thread.
+    step's small ops stay on its lane's thread. `lookahead_positions`: extra positions a
+    cached step may compute to verify re-aligned draft tokens, over all its rows (see
+    `engine.decoding.LOOKAHEAD_POSITIONS`; 0 turns lookahead off).
     """
 
     max_rows: int = 32
+    lookahead_positions: int = LOOKAHEAD_POSITIONS
     lanes: int | None = None
     threads_per_lane: int | None = None
     cores: int | None = None
@@ -100,6 +104,8 @@ class SchedulerOptions:
                 raise ValueError(f"{name} must be >= 1")
         if self.models < 1:
             raise ValueError("models must be >= 1")
+        if self.lookahead_positions < 0:
+            raise ValueError("lookahead_positions must be >= 0")
 
     def resolved(self, cores: int | None = None) -> Threads:
         """Lanes and threads of one of `models` schedulers on `cores` cores (default:
@@ -179,7 +185,9 @@ class DecodeScheduler:
     def stats(self) -> Counter[str]:
         """Counters summed over the lanes: decoder_steps, prefill_calls, prefill_rows,
         encoder_calls, rows_ended, rows_cancelled, queue_wait_ms, idle_ms (waiting for
-        work), draft_offered and draft_accepted (draft tokens verified in prefills)."""
+        work), draft_offered and draft_accepted (draft tokens verified in prefills),
+        lookahead_offered and lookahead_accepted (re-aligned draft tokens verified in
+        steps)."""
         total: Counter[str] = Counter()
         for lane in self._lanes:
             total.update(lane.stats)
@@ -195,7 +203,9 @@ class DecodeScheduler:
 
     def _new_batch(self) -> Batch | ContinuousBatch:
         masked = self.model.masked
-        return Batch(self.model) if masked is None else ContinuousBatch(self.model, masked)
+        if masked is None:
+            return Batch(self.model)
+        return ContinuousBatch(self.model, masked, self.options.lookahead_positions)
 
     # -- API (any thread) ---------------------------------------------------------------
 
@@ -340,9 +350,6 @@ class DecodeScheduler:
                 ended = batch.join([(r.search, r.enc) for r in chosen])
                 for search in ended:
                     self._finish(lane, search)
-                if isinstance(batch, ContinuousBatch):  # draft tokens offered / accepted
-                    lane.stats.update(batch.stats)
-                    batch.stats.clear()
                 lane.stats["prefill_calls"] += 1
                 lane.stats["prefill_rows"] += len(chosen)
         stale = [s for s in batch.searches if lane.running[s].stale()]
@@ -355,6 +362,9 @@ class DecodeScheduler:
             lane.batch_sizes[rows] += 1
             lane.stats["decoder_steps"] += 1
             batch.forward()
+        if isinstance(batch, ContinuousBatch):  # draft and lookahead tokens verified
+            lane.stats.update(batch.stats)
+            batch.stats.clear()
 
     def _drop_stale_waiting(self, lane: _Lane) -> None:
         with self._cond:

@@ -688,3 +688,34 @@ def test_a_graph_without_that_projection_is_not_cut() -> None:
     cfg = ModelConfig.from_dir(FIXTURE_MODEL)
     assert split_output_projection(pair.step, cfg.vocab_size + 1) is None  # no such matmul
     assert split_output_projection(pair.step, cfg.vocab_size, logits="nope") is None
+
+
+# -- several new tokens per row after a cache (lookahead) -----------------------------------
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_only_a_causal_step_takes_several_tokens_per_row(quantized: bool) -> None:
+    """A step may verify lookahead tokens only where its self-attention is causal among
+    new tokens: the rewrite says so in the graph's metadata (an older with-past graph,
+    traced with one token, has no mask to make it so) and, in fp32, three tokens fed after
+    a cache must give the logits of one no-past call; a graph that claims it falsely is
+    caught there."""
+    from engine.batched_decoder import CAUSAL_KEY
+    from engine.runtime import RuntimeOptions, _causal_over_new_tokens
+
+    config = ModelConfig.from_dir(FIXTURE_MODEL)
+    options = RuntimeOptions(quantized=quantized)
+    for kind, causal in (("split", True), ("older", False), ("older_flat", False)):
+        _, first_new, _, step_new = _rewritten_pair(kind, quantized)
+        step = _session(step_new)
+        assert step.get_modelmeta().custom_metadata_map[CAUSAL_KEY] == ("1" if causal else "0")
+        assert _causal_over_new_tokens(_session(first_new), step, config, options) is causal
+    if quantized:
+        return
+    _, first_new, _, step_new = _rewritten_pair("older", quantized)
+    claims = _load(step_new)
+    for prop in claims.metadata_props:
+        if prop.key == CAUSAL_KEY:
+            prop.value = "1"
+    lying = _session(claims.SerializeToString())
+    assert not _causal_over_new_tokens(_session(first_new), lying, config, options)

@@ -51,7 +51,8 @@ class _SchedulerStats(Collector):
             "nmt_scheduler_work",
             "Decode scheduler work per model, by target language (decoder_steps, "
             "prefill_calls, prefill_rows, encoder_calls, rows_ended, rows_cancelled, "
-            "draft_offered, draft_accepted, queue_wait_ms, idle_ms).",
+            "draft_offered, draft_accepted, lookahead_offered, lookahead_accepted, "
+            "queue_wait_ms, idle_ms).",
             labels=["kind", "lang"],
         )
         for lang, stats in sorted((self._stats() or {}).items()):

@@ -165,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         "on its lane's thread)",
     )
     parser.add_argument("--no-drafts", action="store_true", help="no draft verification")
+    parser.add_argument(
+        "--lookahead-positions",
+        type=int,
+        default=None,
+        help="extra positions a step may compute for re-aligned draft tokens (default: the "
+        "scheduler's; 0: drafts in the prefill only)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
@@ -184,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             "lanes": args.lanes,
             "head_threads": args.head_threads,
         }
-        kwargs["scheduler"] = SchedulerOptions(**{k: v for k, v in chosen.items() if v})
+        if args.lookahead_positions is not None:
+            chosen["lookahead_positions"] = args.lookahead_positions
+        kwargs["scheduler"] = SchedulerOptions(**{k: v for k, v in chosen.items() if v is not None})
     except ImportError:  # an older engine, for before/after runs
         pass
     translator = Translator.from_dir(args.model, **kwargs)

@@ -8,7 +8,11 @@ drafts on) and records, for every decode, its forced prefix, its draft and its t
 prints stepwise decoder calls (one per generated token: each is fed to get the next)
 
 - without drafts: every generated token;
-- with drafts as built: generated tokens less the draft's confirmed run from the start;
+- with the prefill's draft run alone: generated tokens less the draft's confirmed run
+  from the start;
+- as built (prefill run, then the draft re-aligned and verified ahead in later steps,
+  `GreedySearch.lookahead`): generated tokens less every draft token confirmed, counted
+  by the searches themselves;
 - at best with any re-alignment of that draft: generated tokens less their longest common
   subsequence with the draft, i.e. every token the previous hypothesis had, wherever it
   moved, confirmed for free (no extra call counted): a bound no drafting from the previous
@@ -31,21 +35,27 @@ PAIRS = [
 ]
 
 
-def decodes(model: Path, log: Path) -> list[tuple[list[int], list[int], list[int]]]:
-    """(forced prefix, draft, tokens after the prefix) of every greedy decode of a fast
-    replay, the offline check of the finals left out."""
+Record = tuple[list[int], list[int], list[int], int]
+
+
+def decodes(model: Path, log: Path) -> list[Record]:
+    """(forced prefix, draft, tokens after the prefix, draft tokens confirmed in all) of
+    every greedy decode of a fast replay, the offline check of the finals left out."""
     from engine import Translator
     from engine.decoding import GreedySearch, Hypothesis
     from engine.evaluation.translogs import read_log
     from engine.replay import ReplayOptions, replay
     from engine.scheduler import SchedulerOptions
 
-    seen: list[tuple[list[int], list[int], list[int]]] = []
+    seen: list[Record] = []
     original = GreedySearch.result
 
     def result(self: GreedySearch) -> Hypothesis:
         hyp = original(self)
-        seen.append((list(self.prefix), list(self.draft), list(hyp.token_ids[len(self.prefix) :])))
+        tokens = list(hyp.token_ids[len(self.prefix) :])
+        seen.append(
+            (list(self.prefix), list(self.draft), tokens, self.accepted + self.looked_ahead)
+        )
         return hyp
 
     GreedySearch.result = result  # type: ignore[method-assign]
@@ -78,16 +88,20 @@ def lcs(a: list[int], b: list[int]) -> int:
 
 
 def main() -> int:
-    print("| fixture | log | decodes | steps without drafts | with drafts | at best (LCS) |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "| fixture | log | decodes | steps without drafts | prefill draft run only "
+        "| as built (+ lookahead) | at best (LCS) |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
     for kind, directory, name in PAIRS:
         records = decodes(ROOT / "models" / directory / "model", LOGS / name)
-        base = sum(len(t) for _, _, t in records)
-        built = sum(len(t) - confirmed_run(d, t) for _, d, t in records)
-        best = sum(len(t) - lcs(t, d) for _, d, t in records)
+        base = sum(len(t) for _, _, t, _ in records)
+        run = sum(len(t) - confirmed_run(d, t) for _, d, t, _ in records)
+        built = sum(len(t) - confirmed for _, _, t, confirmed in records)
+        best = sum(len(t) - lcs(t, d) for _, d, t, _ in records)
         print(
-            f"| {kind} | {name} | {len(records)} | {base} | {built} ({built / base:.0%}) "
-            f"| {best} ({best / base:.0%}) |",
+            f"| {kind} | {name} | {len(records)} | {base} | {run} ({run / base:.0%}) "
+            f"| {built} ({built / base:.0%}) | {best} ({best / base:.0%}) |",
             flush=True,
         )
     return 0

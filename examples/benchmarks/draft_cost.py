@@ -1,19 +1,23 @@
 """Per-update decoder compute with and without draft verification, on the realistic model.
 
 Random weights cannot agree with themselves, so how much of a draft is confirmed is taken
-from real behaviour: a fast replay of a fixture log (the tiny self-trained model) records,
-for every decode, its forced prefix P, draft D, tokens confirmed A and final length L.
-Each record is then replayed as decoder calls on the OPUS-MT-sized benchmark model (int8,
-one row, one ORT thread, a median-length FLORES source):
+from real behaviour: a fast replay of a fixture log (the tiny self-trained models) records,
+for every decode, its forced prefix P, draft D, tokens confirmed in the prefill A, final
+length L and, for each later step, how many lookahead tokens it fed besides its own (the
+re-aligned draft, `GreedySearch.lookahead`). Each record is then replayed as decoder calls
+on the OPUS-MT-sized benchmark model (int8, one row, as the scheduler runs a lone stream:
+the layers on one thread, the output projection on all cores; a median-length FLORES
+source):
 
 - without drafts: one prefill of start + P tokens, then L - P steps (the last finds eos);
-- with drafts: one prefill of start + P + D tokens, then L - P - A steps.
+- with drafts: one prefill of start + P + D tokens, then the steps the fixture took, each
+  fed 1 + its lookahead tokens.
 
-It prints per-update compute p50 / p95 / max (ms) both ways and the stepwise calls per
-update. These are measured costs per call with acceptance taken from the fixture logs,
-not a realistic model's own acceptance.
+It prints, per fixture and log, per-update compute p50 / p95 / max (ms) both ways and the
+stepwise calls per update. These are measured costs per call with acceptance taken from
+the fixture logs, not a realistic model's own acceptance.
 
-    python examples/benchmarks/draft_cost.py [--log examples/logs/fixture_en_zh_asr.jsonl]
+    python examples/benchmarks/draft_cost.py [--only prefix|offline]
 """
 
 from __future__ import annotations
@@ -27,39 +31,55 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURE = ROOT / "models" / "fixture" / "model"
 MODEL = ROOT / ".cache" / "benchmark-model" / "onnx"
 FLORES_ZH = ROOT.parent / "shared" / "flores200-devtest" / "zho_Hans.devtest"
-LOGS = [ROOT / "examples" / "logs" / n for n in ("fixture_en_zh.jsonl", "fixture_en_zh_asr.jsonl")]
+PAIRS = [
+    ("prefix", "fixture", "fixture_en_zh.jsonl"),
+    ("prefix", "fixture", "fixture_en_zh_asr.jsonl"),
+    ("offline", "fixture_offline", "fixture_en_zh.jsonl"),
+    ("offline", "fixture_offline", "fixture_offline_en_zh_asr.jsonl"),
+]
+
+Record = tuple[int, int, int, int, list[int]]
 
 
-def records(log: Path) -> list[tuple[int, int, int, int]]:
-    """(P, D, A, L) of every decode of a fast replay with drafts."""
+def records(model: Path, log: Path) -> list[Record]:
+    """(P, D, A, L, lookahead tokens fed at each step) of every decode of a fast replay
+    with drafts (the replay's offline check of the finals included)."""
     from engine import Translator
     from engine.decoding import GreedySearch
     from engine.evaluation.translogs import read_log
     from engine.replay import ReplayOptions, replay
     from engine.scheduler import SchedulerOptions
 
-    seen: list[tuple[int, int, int, int]] = []
-    original = GreedySearch.result
+    seen: list[Record] = []
+    fed: dict[int, list[int]] = {}
+    result, lookahead = GreedySearch.result, GreedySearch.lookahead
 
-    def result(self: GreedySearch) -> object:
-        seen.append((len(self.prefix), len(self.draft), self.accepted, len(self.tokens)))
-        return original(self)
+    def recorded_lookahead(self: GreedySearch, most: int) -> list[int]:
+        tokens = lookahead(self, most)
+        fed.setdefault(id(self), []).append(len(tokens))
+        return tokens
 
-    GreedySearch.result = result  # type: ignore[method-assign]
+    def recorded_result(self: GreedySearch) -> object:
+        steps = fed.pop(id(self), [])
+        seen.append((len(self.prefix), len(self.draft), self.accepted, len(self.tokens), steps))
+        return result(self)
+
+    GreedySearch.result = recorded_result  # type: ignore[method-assign]
+    GreedySearch.lookahead = recorded_lookahead  # type: ignore[method-assign]
     try:
-        tr = Translator.from_dir(FIXTURE, scheduler=SchedulerOptions(lanes=1))
+        tr = Translator.from_dir(model, scheduler=SchedulerOptions(lanes=1))
         replay(tr, read_log(log), ReplayOptions(progress=False))
     finally:
-        GreedySearch.result = original  # type: ignore[method-assign]
+        GreedySearch.result = result  # type: ignore[method-assign]
+        GreedySearch.lookahead = lookahead  # type: ignore[method-assign]
     return seen
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--log", type=Path, action="append", help="fixture logs (default: both)")
+    parser.add_argument("--only", choices=("prefix", "offline"), help="one fixture's logs")
     parser.add_argument("--line", type=int, default=37, help="FLORES zh line used as source")
     args = parser.parse_args(argv)
     if not (MODEL / "encoder_model_quantized.onnx").is_file() or not FLORES_ZH.is_file():
@@ -68,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     from engine import Translator
     from engine.scheduler import SchedulerOptions
 
-    recs = [r for log in args.log or LOGS for r in records(log)]
+    pairs = [p for p in PAIRS if args.only in (None, p[0])]
+    logs = {
+        (kind, name): records(ROOT / "models" / d / "model", ROOT / "examples" / "logs" / name)
+        for kind, d, name in pairs
+    }
     tr = Translator.from_dir(MODEL, quantized=True, scheduler=SchedulerOptions(lanes=1))
     masked = tr.model.masked
     assert masked is not None, "the benchmark model's decoder was not rewritten"
@@ -77,41 +101,48 @@ def main(argv: list[str] | None = None) -> int:
     enc = tr.model.encode(np.array([ids]), np.ones((1, len(ids)), dtype=np.int64))
     start = tr.config.decoder_start_token_id
 
-    def update_ms(fed: int, steps: int) -> float:
+    def update_ms(fed: int, steps: list[int]) -> float:
+        """A prefill of start + `fed` tokens, then one step per entry of `steps`, each fed
+        one token and that many lookahead tokens."""
         began = time.perf_counter()
         tokens = np.full((1, fed + 1), 5, dtype=np.int64)
         tokens[0, 0] = start
         _, self_kv, cross_kv = masked.prefill(enc, tokens, np.ones_like(tokens))
         past = fed + 1
-        for _ in range(steps):
-            mask = np.ones((1, past + 1), dtype=np.int64)
-            _, self_kv = masked.step(
-                enc, np.array([[5]]), np.array([[past]]), mask, self_kv, cross_kv
-            )
-            past += 1
+        for ahead in steps:
+            new = 1 + ahead
+            mask = np.ones((1, past + new), dtype=np.int64)
+            ids = np.full((1, new), 5, dtype=np.int64)
+            positions = np.arange(past, past + new, dtype=np.int64)[None]
+            _, self_kv = masked.step(enc, ids, positions, mask, self_kv, cross_kv)
+            past += new
         return (time.perf_counter() - began) * 1000
 
-    update_ms(10, 5)  # warm up
-    before, after, steps_b, steps_a = [], [], [], []
-    for p, d, a, length in recs:
-        steps_b.append(length - p)
-        steps_a.append(length - p - a)
-        before.append(update_ms(p, length - p))
-        after.append(update_ms(p + d, length - p - a))
+    update_ms(10, [0] * 5)  # warm up
 
     def show(name: str, ms: list[float], steps: list[int]) -> None:
         q = statistics.quantiles(ms, n=20)
         print(
-            f"{name:<16} p50 {statistics.median(ms):6.1f}  p95 {q[18]:6.1f}  max {max(ms):6.1f} ms"
-            f"   steps per update {statistics.mean(steps):.2f}"
+            f"  {name:<15} p50 {statistics.median(ms):6.1f}  p95 {q[18]:6.1f}  "
+            f"max {max(ms):6.1f} ms   steps per update {statistics.mean(steps):.2f}",
+            flush=True,
         )
 
-    print(
-        f"{len(recs)} decodes from {', '.join(p.name for p in args.log or LOGS)}; "
-        f"draft tokens confirmed {sum(r[2] for r in recs)} / offered {sum(r[1] for r in recs)}"
-    )
-    show("without drafts", before, steps_b)
-    show("with drafts", after, steps_a)
+    for (kind, name), recs in logs.items():
+        before, after, steps_b, steps_a = [], [], [], []
+        for p, d, _a, length, ahead in recs:
+            steps_b.append(length - p)
+            steps_a.append(len(ahead))
+            before.append(update_ms(p, [0] * (length - p)))
+            after.append(update_ms(p + d, ahead))
+        offered = sum(sum(r[4]) for r in recs)
+        print(
+            f"{kind} fixture, {name}: {len(recs)} decodes; draft tokens confirmed in the "
+            f"prefill {sum(r[2] for r in recs)} / offered {sum(r[1] for r in recs)}; "
+            f"lookahead tokens fed {offered}"
+        )
+        show("without drafts", before, steps_b)
+        show("with drafts", after, steps_a)
     return 0
 
 
