@@ -591,7 +591,7 @@ class ContinuousBatch:
         self.decoder = decoder
         # Extra positions a step may compute for lookahead (0: none; the scheduler sets it).
         self.lookahead_positions = lookahead_positions if decoder.lookahead else 0
-        self.stats: Counter[str] = Counter()  # draft_offered, draft_accepted (tokens)
+        self.stats: Counter[str] = Counter()  # draft_ and lookahead_ offered, accepted
         self._reset()
 
     def _reset(self) -> None:

@@ -618,3 +618,24 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
         assert got.score == pytest.approx(ref.score, abs=tolerance(translator, len(got.token_ids)))
     assert 0 < batch.stats["lookahead_accepted"] < batch.stats["lookahead_offered"]
     assert squeezed or int8, "no holes to squeeze"
+
+
+def test_lookahead_is_the_schedulers_to_turn_off() -> None:
+    """`SchedulerOptions.lookahead_positions=0`: the draft is verified in the prefill only,
+    every later token costs a step, and the answer is the same."""
+    needs_fixture()
+    tr = Translator.from_dir(
+        FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, lookahead_positions=0)
+    )
+    for text, prefix in requests(tr)[:4]:
+        ref = alone(tr, text, prefix, DecodeOptions())
+        tail = list(ref.token_ids[len(prefix) :])
+        enc = tr.encode([tr.source_ids(text)])
+        before = tr.scheduler.stats
+        hyp = tr.decode(
+            enc, prefixes=[prefix], drafts=[_drafts(tail, tr.config.vocab_size)["shifted"]]
+        )[0]
+        after = tr.scheduler.stats
+        assert hyp.token_ids == ref.token_ids
+        assert after["lookahead_offered"] == before["lookahead_offered"]
+        assert after["decoder_steps"] - before["decoder_steps"] == len(tail)

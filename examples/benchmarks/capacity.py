@@ -11,7 +11,8 @@ Per N it prints: update latency (partial pushed -> its update, as the engine mea
 p50 / p95 / max; the share of non-final partials answered (the rest were superseded by a
 newer partial of their stream before or during their decode); decoder rows per step
 (p50 / p95 / max) and steps; CPU use (process CPU time / wall time / cores); RSS growth per
-stream. Then the largest N with p95 <= 300 ms and >= 80% of partials answered.
+stream; draft and lookahead tokens confirmed / offered. Then the largest N with p95 <= 300
+ms and >= 80% of partials answered.
 
     HF_HUB_OFFLINE=1 python models/build_benchmark_model.py     # once
     python examples/benchmarks/capacity.py --streams 1,8,16,24,32,48
@@ -136,6 +137,8 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
         "rows_p95": percentile(sizes, 95),
         "rows_max": max(sizes, default=float("nan")),
         "steps": len(sizes),
+        "draft": f"{counts.get('draft_accepted', 0)}/{counts.get('draft_offered', 0)}",
+        "lookahead": f"{counts.get('lookahead_accepted', 0)}/{counts.get('lookahead_offered', 0)}",
         "cpu_use": cpu / wall / (os.cpu_count() or 1),
         "rss_mib_per_stream": max(0.0, rss_peak - rss0) / n,
         "wall_s": wall,
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu}, {os.cpu_count()} cores; {args.sentences} sentences per stream")
     header = (
         f"{'N':>3} {'p50':>6} {'p95':>6} {'max':>6} {'answered':>8} {'cancel':>6} "
-        f"{'rows p50/p95/max':>16} {'steps':>6} {'cpu':>5} {'MiB/str':>7} {'finals':>8}"
+        f"{'rows p50/p95/max':>16} {'steps':>6} {'cpu':>5} {'MiB/str':>7} {'finals':>8} "
+        f"{'draft acc/off':>13} {'lookahead acc/off':>17}"
     )
     print(header)
     results = []
@@ -216,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{n:>3} {r['p50_ms']:>6.0f} {r['p95_ms']:>6.0f} {r['max_ms']:>6.0f} "
             f"{r['answered']:>8.0%} {r['cancelled']:>6} {rows:>16} {r['steps']:>6} "
-            f"{r['cpu_use']:>5.0%} {r['rss_mib_per_stream']:>7.1f} {r['finals']:>8}",
+            f"{r['cpu_use']:>5.0%} {r['rss_mib_per_stream']:>7.1f} {r['finals']:>8} "
+            f"{r['draft']:>13} {r['lookahead']:>17}",
             flush=True,
         )
         if r["p95_ms"] <= P95_MAX_MS and r["answered"] >= ANSWERED_MIN:
