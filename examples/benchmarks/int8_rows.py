@@ -1,0 +1,176 @@
+"""What it would cost to make int8 rows independent of their batch mates.
+
+The int8 files (`quantize_dynamic`) quantize a matmul's activations with
+`DynamicQuantizeLinear`: one scale and zero point for the whole input tensor, batch rows
+included, so a row's int8 logits move with the other rows of its step (see
+`tests/test_scheduler.py::tolerance`). This builds the OPUS-MT output projection (512 x
+65001, the largest matmul of a step) three ways and times B = 1 and 16 rows (one token
+each, as a cached step feeds them) on 1 and 2 threads:
+
+- `dynamic`: the files' own `DynamicQuantizeLinear` + `MatMulInteger` (+ Cast, Mul);
+- `per-row`: the same arithmetic with one scale and zero point per row, from standard
+  ops (ReduceMin/Max, a per-axis `QuantizeLinear`, `MatMulInteger` without the first
+  input's zero point, which ONNX Runtime only takes as a scalar, and the zero point
+  times the weights' column sums subtracted after);
+- `nbits`: `MatMulNBits` with the same int8 weights (one block scale each) and
+  `accuracy_level=4`, which quantizes activations per row and block of 32 (other values
+  than the files' own).
+
+For each it prints the largest difference between 16 rows run together and each row run
+alone through `dynamic` (per-row: 0 means bit for bit what decoding alone gives). Alone,
+the projection's 33 MB of weights may stay in a 32 MB L3 between calls, which a real
+step's other 22 MB evict: compare the variants with each other, not with step times.
+
+    python examples/benchmarks/int8_rows.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+K, N, BLOCK = 512, 65001, 32
+
+
+def _models() -> dict[str, Any]:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = rng.integers(-127, 128, (K, N)).astype(np.int8)
+    scale = np.float32(0.003)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 1, K])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    shared = [
+        numpy_helper.from_array(weights, "W"),
+        numpy_helper.from_array(np.int8(0), "wz"),
+        numpy_helper.from_array(np.array(scale, np.float32), "ws"),
+    ]
+
+    def model(nodes: list[Any], inits: list[Any], opset: int, ms: bool = False) -> Any:
+        imports = [helper.make_opsetid("", opset)]
+        if ms:
+            imports.append(helper.make_opsetid("com.microsoft", 1))
+        return helper.make_model(
+            helper.make_graph(nodes, "g", [x], [y], inits), opset_imports=imports
+        )
+
+    node = helper.make_node
+    dynamic = model(
+        [
+            node("DynamicQuantizeLinear", ["x"], ["q", "xs", "xz"]),
+            node("MatMulInteger", ["q", "W", "xz", "wz"], ["y32"]),
+            node("Cast", ["y32"], ["yf"], to=TensorProto.FLOAT),
+            node("Mul", ["xs", "ws"], ["sc"]),
+            node("Mul", ["yf", "sc"], ["y"]),
+        ],
+        shared,
+        17,
+    )
+
+    def const(name: str, value: Any) -> Any:
+        return numpy_helper.from_array(np.array(value), name)
+
+    column_sums = weights.astype(np.int32).sum(axis=0).astype(np.int32)
+    per_row = model(
+        [
+            node("ReduceMax", ["x", "axes"], ["mx0"], keepdims=1),
+            node("ReduceMin", ["x", "axes"], ["mn0"], keepdims=1),
+            node("Max", ["mx0", "zero"], ["mx"]),
+            node("Min", ["mn0", "zero"], ["mn"]),
+            node("Sub", ["mx", "mn"], ["range"]),
+            node("Div", ["range", "levels"], ["xs"]),
+            node("Div", ["mn", "xs"], ["t"]),
+            node("Neg", ["t"], ["nt"]),
+            node("Clip", ["nt", "zero", "levels"], ["ct"]),
+            node("Round", ["ct"], ["rt"]),
+            node("Cast", ["rt"], ["xz"], to=TensorProto.UINT8),
+            node("Reshape", ["xs", "flat"], ["xs1"]),
+            node("Reshape", ["xz", "flat"], ["xz1"]),
+            node("QuantizeLinear", ["x", "xs1", "xz1"], ["q"], axis=0),
+            node("MatMulInteger", ["q", "W", "", "wz"], ["y0"]),
+            node("Cast", ["xz"], ["xzi"], to=TensorProto.INT32),
+            node("Mul", ["xzi", "colsum"], ["correction"]),
+            node("Sub", ["y0", "correction"], ["y32"]),
+            node("Cast", ["y32"], ["yf"], to=TensorProto.FLOAT),
+            node("Mul", ["xs", "ws"], ["sc"]),
+            node("Mul", ["yf", "sc"], ["y"]),
+        ],
+        [
+            *shared,
+            const("zero", np.float32(0)),
+            const("levels", np.float32(255)),
+            const("flat", np.array([-1], np.int64)),
+            const("axes", np.array([1, 2], np.int64)),
+            numpy_helper.from_array(column_sums, "colsum"),
+        ],
+        18,
+    )
+    shifted = (weights.T.astype(np.int16) + 128).astype(np.uint8).reshape(N, K // BLOCK, BLOCK)
+    nbits = model(
+        [
+            node(
+                "MatMulNBits",
+                ["x", "B", "scales", "zeros"],
+                ["y"],
+                domain="com.microsoft",
+                K=K,
+                N=N,
+                bits=8,
+                block_size=BLOCK,
+                accuracy_level=4,
+            )
+        ],
+        [
+            numpy_helper.from_array(shifted, "B"),
+            numpy_helper.from_array(np.full(N * K // BLOCK, scale, np.float32), "scales"),
+            numpy_helper.from_array(np.full(N * K // BLOCK, 128, np.uint8), "zeros"),
+        ],
+        17,
+        ms=True,
+    )
+    return {"dynamic": dynamic, "per-row": per_row, "nbits": nbits}
+
+
+def _median_ms(run: Callable[[], Any], reps: int = 40) -> float:
+    run()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def main() -> int:
+    import onnxruntime as ort
+
+    models = _models()
+    rows = np.random.default_rng(1).standard_normal((16, 1, K)).astype(np.float32)
+    print(f"onnxruntime {ort.__version__}; projection {K} x {N}; medians of 40 calls")
+    print(f"{'threads':>7} {'variant':>8} {'B=1 ms':>8} {'B=16 ms':>8} {'vs alone':>9}")
+    for threads in (1, 2):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        sessions = {
+            name: ort.InferenceSession(
+                m.SerializeToString(), options, providers=["CPUExecutionProvider"]
+            )
+            for name, m in models.items()
+        }
+        reference = sessions["dynamic"]
+        alone = np.concatenate([reference.run(None, {"x": rows[i : i + 1]})[0] for i in range(16)])
+        for name, session in sessions.items():
+            together = session.run(None, {"x": rows})[0]
+            one = _median_ms(lambda s=session: s.run(None, {"x": rows[:1]}))
+            many = _median_ms(lambda s=session: s.run(None, {"x": rows}))
+            diff = float(np.abs(together - alone).max())
+            print(f"{threads:>7} {name:>8} {one:>8.3f} {many:>8.3f} {diff:>9.3g}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
