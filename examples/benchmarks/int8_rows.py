@@ -26,12 +26,14 @@ step's other 22 MB evict: compare the variants with each other, not with step ti
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_anatomy import median_ms
 
 K, N, BLOCK = 512, 65001, 32
 
@@ -135,16 +137,6 @@ def _models() -> dict[str, Any]:
     return {"dynamic": dynamic, "per-row": per_row, "nbits": nbits}
 
 
-def _median_ms(run: Callable[[], Any], reps: int = 40) -> float:
-    run()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
-
-
 def main() -> int:
     import onnxruntime as ort
 
@@ -165,8 +157,8 @@ def main() -> int:
         alone = np.concatenate([reference.run(None, {"x": rows[i : i + 1]})[0] for i in range(16)])
         for name, session in sessions.items():
             together = session.run(None, {"x": rows})[0]
-            one = _median_ms(lambda s=session: s.run(None, {"x": rows[:1]}))
-            many = _median_ms(lambda s=session: s.run(None, {"x": rows}))
+            one = median_ms(lambda s=session: s.run(None, {"x": rows[:1]}), 40, warmup=1)
+            many = median_ms(lambda s=session: s.run(None, {"x": rows}), 40, warmup=1)
             diff = float(np.abs(together - alone).max())
             print(f"{threads:>7} {name:>8} {one:>8.3f} {many:>8.3f} {diff:>9.3g}", flush=True)
     return 0
