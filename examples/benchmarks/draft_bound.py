@@ -23,6 +23,7 @@ prints stepwise decoder calls (one per generated token: each is fed to get the n
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,35 +36,59 @@ PAIRS = [
 ]
 
 
-Record = tuple[list[int], list[int], list[int], int]
+@dataclass(frozen=True)
+class Decode:
+    """One greedy decode of a replay: its forced prefix, draft and tokens after the prefix;
+    draft tokens confirmed in the prefill (`accepted`) and in later steps (`looked_ahead`);
+    and how many lookahead tokens each later step fed besides the row's own (`widths`, one
+    entry per step)."""
+
+    prefix: list[int]
+    draft: list[int]
+    tokens: list[int]
+    accepted: int
+    looked_ahead: int
+    widths: list[int]
 
 
-def decodes(model: Path, log: Path) -> list[Record]:
-    """(forced prefix, draft, tokens after the prefix, draft tokens confirmed in all) of
-    every greedy decode of a fast replay, the offline check of the finals left out."""
+def decodes(model: Path, log: Path) -> list[Decode]:
+    """Every greedy decode of a fast replay of `log` on `model`, drafts on, the replay's
+    offline check of the finals left out (not part of the stream). Also what
+    draft_cost.py replays on the realistic model."""
     from engine import Translator
     from engine.decoding import GreedySearch, Hypothesis
     from engine.evaluation.translogs import read_log
     from engine.replay import ReplayOptions, replay
     from engine.scheduler import SchedulerOptions
 
-    seen: list[Record] = []
-    original = GreedySearch.result
+    seen: list[Decode] = []
+    widths: dict[int, list[int]] = {}
+    result, lookahead = GreedySearch.result, GreedySearch.lookahead
 
-    def result(self: GreedySearch) -> Hypothesis:
-        hyp = original(self)
+    def recorded_lookahead(self: GreedySearch, most: int) -> list[int]:
+        tokens = lookahead(self, most)
+        widths.setdefault(id(self), []).append(len(tokens))
+        return tokens
+
+    def recorded_result(self: GreedySearch) -> Hypothesis:
+        hyp = result(self)
         tokens = list(hyp.token_ids[len(self.prefix) :])
+        steps = widths.pop(id(self), [])
         seen.append(
-            (list(self.prefix), list(self.draft), tokens, self.accepted + self.looked_ahead)
+            Decode(
+                list(self.prefix), list(self.draft), tokens, self.accepted, self.looked_ahead, steps
+            )
         )
         return hyp
 
-    GreedySearch.result = result  # type: ignore[method-assign]
+    GreedySearch.result = recorded_result  # type: ignore[method-assign]
+    GreedySearch.lookahead = recorded_lookahead  # type: ignore[method-assign]
     try:
         tr = Translator.from_dir(model, scheduler=SchedulerOptions(lanes=1))
         run = replay(tr, read_log(log), ReplayOptions(progress=False))
     finally:
-        GreedySearch.result = original  # type: ignore[method-assign]
+        GreedySearch.result = result  # type: ignore[method-assign]
+        GreedySearch.lookahead = lookahead  # type: ignore[method-assign]
     # The replay ends by checking each final against an offline translation: one decode
     # per final, not part of the stream, left out.
     return seen[: len(seen) - run.finals_checked]
@@ -95,10 +120,10 @@ def main() -> int:
     print("|---|---|---:|---:|---:|---:|---:|")
     for kind, directory, name in PAIRS:
         records = decodes(ROOT / "models" / directory / "model", LOGS / name)
-        base = sum(len(t) for _, _, t, _ in records)
-        run = sum(len(t) - confirmed_run(d, t) for _, d, t, _ in records)
-        built = sum(len(t) - confirmed for _, _, t, confirmed in records)
-        best = sum(len(t) - lcs(t, d) for _, d, t, _ in records)
+        base = sum(len(r.tokens) for r in records)
+        run = sum(len(r.tokens) - confirmed_run(r.draft, r.tokens) for r in records)
+        built = sum(len(r.tokens) - r.accepted - r.looked_ahead for r in records)
+        best = sum(len(r.tokens) - lcs(r.tokens, r.draft) for r in records)
         print(
             f"| {kind} | {name} | {len(records)} | {base} | {run} ({run / base:.0%}) "
             f"| {built} ({built / base:.0%}) | {best} ({best / base:.0%}) |",

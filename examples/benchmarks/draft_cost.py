@@ -2,14 +2,15 @@
 
 Random weights cannot agree with themselves, so how much of a draft is confirmed is taken
 from real behaviour: a fast replay of a fixture log (the tiny self-trained models) records,
-for every decode, its forced prefix P, draft D, tokens confirmed in the prefill A, final
-length L and, for each later step, how many lookahead tokens it fed besides its own (the
-re-aligned draft, `GreedySearch.lookahead`). Each record is then replayed as decoder calls
+for every decode of the stream (`draft_bound.decodes`: the replay's offline check of the
+finals left out), its forced prefix P, draft D, its L tokens after the prefix and, for
+each later step, how many lookahead tokens it fed besides its own (the re-aligned draft,
+`GreedySearch.lookahead`). Each record is then replayed as decoder calls
 on the OPUS-MT-sized benchmark model (int8, one row, as the scheduler runs a lone stream:
 the layers on one thread, the output projection on all cores; a median-length FLORES
 source):
 
-- without drafts: one prefill of start + P tokens, then L - P steps (the last finds eos);
+- without drafts: one prefill of start + P tokens, then L steps (the last finds eos);
 - with drafts: one prefill of start + P + D tokens, then the steps the fixture took, each
   fed 1 + its lookahead tokens.
 
@@ -30,51 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_bound import PAIRS, decodes
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / ".cache" / "benchmark-model" / "onnx"
 FLORES_ZH = ROOT.parent / "shared" / "flores200-devtest" / "zho_Hans.devtest"
-PAIRS = [
-    ("prefix", "fixture", "fixture_en_zh.jsonl"),
-    ("prefix", "fixture", "fixture_en_zh_asr.jsonl"),
-    ("offline", "fixture_offline", "fixture_en_zh.jsonl"),
-    ("offline", "fixture_offline", "fixture_offline_en_zh_asr.jsonl"),
-]
-
-Record = tuple[int, int, int, int, list[int]]
-
-
-def records(model: Path, log: Path) -> list[Record]:
-    """(P, D, A, L, lookahead tokens fed at each step) of every decode of a fast replay
-    with drafts (the replay's offline check of the finals included)."""
-    from engine import Translator
-    from engine.decoding import GreedySearch
-    from engine.evaluation.translogs import read_log
-    from engine.replay import ReplayOptions, replay
-    from engine.scheduler import SchedulerOptions
-
-    seen: list[Record] = []
-    fed: dict[int, list[int]] = {}
-    result, lookahead = GreedySearch.result, GreedySearch.lookahead
-
-    def recorded_lookahead(self: GreedySearch, most: int) -> list[int]:
-        tokens = lookahead(self, most)
-        fed.setdefault(id(self), []).append(len(tokens))
-        return tokens
-
-    def recorded_result(self: GreedySearch) -> object:
-        steps = fed.pop(id(self), [])
-        seen.append((len(self.prefix), len(self.draft), self.accepted, len(self.tokens), steps))
-        return result(self)
-
-    GreedySearch.result = recorded_result  # type: ignore[method-assign]
-    GreedySearch.lookahead = recorded_lookahead  # type: ignore[method-assign]
-    try:
-        tr = Translator.from_dir(model, scheduler=SchedulerOptions(lanes=1))
-        replay(tr, read_log(log), ReplayOptions(progress=False))
-    finally:
-        GreedySearch.result = result  # type: ignore[method-assign]
-        GreedySearch.lookahead = lookahead  # type: ignore[method-assign]
-    return seen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs = [p for p in PAIRS if args.only in (None, p[0])]
     logs = {
-        (kind, name): records(ROOT / "models" / d / "model", ROOT / "examples" / "logs" / name)
+        (kind, name): decodes(ROOT / "models" / d / "model", ROOT / "examples" / "logs" / name)
         for kind, d, name in pairs
     }
     tr = Translator.from_dir(MODEL, quantized=True, scheduler=SchedulerOptions(lanes=1))
@@ -130,16 +92,15 @@ def main(argv: list[str] | None = None) -> int:
 
     for (kind, name), recs in logs.items():
         before, after, steps_b, steps_a = [], [], [], []
-        for p, d, _a, length, ahead in recs:
-            steps_b.append(length - p)
-            steps_a.append(len(ahead))
-            before.append(update_ms(p, [0] * (length - p)))
-            after.append(update_ms(p + d, ahead))
-        offered = sum(sum(r[4]) for r in recs)
+        for r in recs:
+            steps_b.append(len(r.tokens))
+            steps_a.append(len(r.widths))
+            before.append(update_ms(len(r.prefix), [0] * len(r.tokens)))
+            after.append(update_ms(len(r.prefix) + len(r.draft), r.widths))
         print(
             f"{kind} fixture, {name}: {len(recs)} decodes; draft tokens confirmed in the "
-            f"prefill {sum(r[2] for r in recs)} / offered {sum(r[1] for r in recs)}; "
-            f"lookahead tokens fed {offered}"
+            f"prefill {sum(r.accepted for r in recs)} / offered {sum(len(r.draft) for r in recs)}; "
+            f"lookahead tokens fed {sum(sum(r.widths) for r in recs)}"
         )
         show("without drafts", before, steps_b)
         show("with drafts", after, steps_a)
