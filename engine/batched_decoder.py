@@ -617,8 +617,8 @@ def _rewrite(model: onnx.ModelProto) -> onnx.ModelProto:
     # whose self-attention had no mask at all (traced with one token) gets only the
     # padding mask from the rewrite, so its rows must take one token per call.
     causal = not any(plan.unmasked for _, _, plan in plans)
-    helper_props = {p.key: p for p in out.metadata_props}
-    prop = helper_props.get(CAUSAL_KEY) or out.metadata_props.add()
+    props = {p.key: p for p in out.metadata_props}
+    prop = props.get(CAUSAL_KEY) or out.metadata_props.add()
     prop.key, prop.value = CAUSAL_KEY, "1" if causal else "0"
     return out
 
