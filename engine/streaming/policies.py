@@ -22,7 +22,7 @@ split, and never lets it shrink.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -173,10 +173,10 @@ class FirstWord:
         return f"first-word-{self.n}"
 
     def propose(self, history: Sequence[Sequence[int]], committed: int) -> Proposal:
-        newest = history[-1]
-        if committed or len(history) < self.n:
-            return Proposal(committed, len(newest))
-        return Proposal(common_prefix_length(history[-self.n :]), len(newest), first_word=True)
+        if committed:  # the first word is in: nothing more until the final
+            return Proposal(committed, len(history[-1]))
+        agreed = LocalAgreement(self.n).propose(history, committed)
+        return replace(agreed, first_word=len(history) >= self.n)
 
     def hook(self, previous: Sequence[int] | None) -> StepHook | None:
         return None
