@@ -569,6 +569,22 @@ def _advance_all(
     return ended, select, tokens
 
 
+def _confirm(
+    search: Search, logits: FloatArray, expected: Sequence[int]
+) -> tuple[Advance | None, int]:
+    """Advance a one-row `search` through consecutive positions of `logits` [positions,
+    vocab] while the token it picks is the `expected` one fed there (a draft in the
+    prefill, a lookahead in a step: the logits after an expected token are what feeding it
+    one step later would give). Returns its last step (None: it ended) and how many
+    expected tokens it confirmed, whose KV the same call computed."""
+    confirmed = 0
+    while True:
+        step = search.advance(logits[confirmed][None])
+        if step is None or confirmed >= len(expected) or step[0] != [expected[confirmed]]:
+            return step, confirmed
+        confirmed += 1
+
+
 def _rows_without(batch: Batch | ContinuousBatch, gone: Sequence[Search]) -> list[int] | None:
     """The rows left once `gone` leave (`batch.searches` updated), or None if none is
     in the batch."""
@@ -674,20 +690,13 @@ class ContinuousBatch:
         real = np.zeros(len(searches), dtype=np.int64)  # valid slots per prefilled row
         for r, search in enumerate(searches):
             start, draft = len(search.prefix), search.draft
-            accepted = 0
-            while True:
-                step = search.advance(logits[r, start + accepted][None])
-                if step is None:
-                    ended.append(search)
-                    break
-                new_tokens, parents = step
-                if accepted < len(draft) and new_tokens == [draft[accepted]]:
-                    accepted += 1  # its KV is in the prefill already
-                    continue
+            step, accepted = _confirm(search, logits[r, start:], draft)
+            if step is None:
+                ended.append(search)
+            else:
                 kept.append(search)
-                select.extend(r + p for p in parents)
-                tokens.extend(new_tokens)
-                break
+                select.extend(r + p for p in step[1])
+                tokens.extend(step[0])
             real[r] = 1 + start + accepted
             search.accepted = accepted
             self.stats["draft_offered"] += len(draft)
@@ -733,14 +742,17 @@ class ContinuousBatch:
 
     def advance(self) -> list[Search]:
         assert self._last is not None
-        if self._last.ndim == 3:
+        looked = self._last.ndim == 3
+        if looked:
             ended, select, tokens = self._advance_ahead(self._last)
         else:
             ended, select, tokens = _advance_all(self, self._last)
         self._last = None
         self._reorder(select)
         self._next = np.array(tokens, dtype=np.int64).reshape(-1, 1)
-        if self._slots.shape[1] > 2 * int(self._slots.sum(axis=1).max(initial=0)) + LOOKAHEAD:
+        # Only rejected lookahead leaves holes (a join right-aligns, `_reorder` trims).
+        slots = self._slots
+        if looked and slots.shape[1] > 2 * int(slots.sum(axis=1).max(initial=0)) + LOOKAHEAD:
             self._squeeze()
         return ended
 
@@ -756,20 +768,16 @@ class ContinuousBatch:
         row = 0
         for search in self.searches:
             width, ahead = search.width, self._ahead[row]
-            taken = 0
-            while True:
-                step = search.advance(logits[row : row + width, taken])
-                if step is None:
-                    ended.append(search)
-                    break
-                new_tokens, parents = step
-                if taken < len(ahead) and new_tokens == [ahead[taken]]:
-                    taken += 1  # its KV is in this step's cache already
-                    continue
+            if width == 1:
+                step, taken = _confirm(search, logits[row], ahead)
+            else:  # a beam: never looks ahead, its rows' first positions
+                step, taken = search.advance(logits[row : row + width, 0]), 0
+            if step is None:
+                ended.append(search)
+            else:
                 kept.append(search)
-                select.extend(row + p for p in parents)
-                tokens.extend(new_tokens)
-                break
+                select.extend(row + p for p in step[1])
+                tokens.extend(step[0])
             self._slots[row, self._slots.shape[1] - fed + 1 + taken :] = 0
             self._lengths[row] += taken
             self.stats["lookahead_offered"] += len(ahead)
@@ -832,8 +840,7 @@ class ContinuousBatch:
         if most:
             row = 0
             for search in self.searches:
-                if search.width == 1:
-                    self._ahead[row] = search.lookahead(most)
+                self._ahead[row] = search.lookahead(most)  # a beam's: none
                 row += search.width
         fed = 1 + max(map(len, self._ahead))
         if fed == 1:  # no lookahead: the common step, kept lean (it runs once per token)
