@@ -24,7 +24,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -543,30 +543,42 @@ class Batch:
         self._last, self._cache = self.model.decode_next(self._enc, self._cache, self._next)
 
 
+@dataclass
+class _Steps:
+    """What one decoder call did to a batch's searches, gathered search by search: those
+    that ended, those still running, the rows to keep (in their new order: a beam reorders
+    and widens its own rows) and the next token of each kept row."""
+
+    ended: list[Search] = field(default_factory=list)
+    kept: list[Search] = field(default_factory=list)
+    select: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def add(self, search: Search, row: int, step: Advance | None) -> None:
+        """`search`, whose rows start at `row`, took `step` (None: it ended)."""
+        if step is None:
+            self.ended.append(search)
+            return
+        new_tokens, parents = step
+        self.kept.append(search)
+        self.select.extend(row + p for p in parents)
+        self.tokens.extend(new_tokens)
+
+
 def _advance_all(
     batch: Batch | ContinuousBatch, logits: FloatArray
 ) -> tuple[list[Search], list[int], list[int]]:
     """Each search of the batch takes its rows' logits. Returns the searches that ended,
-    the rows to keep (in their new order: a beam reorders and widens its own rows) and the
-    next token of each kept row; `batch.searches` keeps the searches still running."""
-    ended: list[Search] = []
-    kept: list[Search] = []
-    select: list[int] = []
-    tokens: list[int] = []
+    the rows to keep and the next token of each kept row (`_Steps`); `batch.searches`
+    keeps the searches still running."""
+    steps = _Steps()
     row = 0
     for search in batch.searches:
-        width = search.width
-        step = search.advance(logits[row : row + width])
-        if step is None:
-            ended.append(search)
-        else:
-            new_tokens, parents = step
-            kept.append(search)
-            select.extend(row + p for p in parents)
-            tokens.extend(new_tokens)
+        width = search.width  # before the step: a beam widens
+        steps.add(search, row, search.advance(logits[row : row + width]))
         row += width
-    batch.searches = kept
-    return ended, select, tokens
+    batch.searches = steps.kept
+    return steps.ended, steps.select, steps.tokens
 
 
 def _confirm(
@@ -683,34 +695,26 @@ class ContinuousBatch:
             search.start(len(search.prefix))
         enc = stack_encoder_outputs([e for _, e in members])
         logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask)
-        ended: list[Search] = []
-        kept: list[Search] = []
-        select: list[int] = []
-        tokens: list[int] = []
+        steps = _Steps()
         real = np.zeros(len(searches), dtype=np.int64)  # valid slots per prefilled row
         for r, search in enumerate(searches):
             start, draft = len(search.prefix), search.draft
             step, accepted = _confirm(search, logits[r, start:], draft)
-            if step is None:
-                ended.append(search)
-            else:
-                kept.append(search)
-                select.extend(r + p for p in step[1])
-                tokens.extend(step[0])
+            steps.add(search, r, step)
             real[r] = 1 + start + accepted
             search.accepted = accepted
             self.stats["draft_offered"] += len(draft)
             self.stats["draft_accepted"] += accepted
         slots = (np.arange(width)[None, :] < real[:, None]).astype(np.int64)
         newcomers = ContinuousBatch(self.model, self.decoder, self.lookahead_positions)
-        newcomers.searches = kept
+        newcomers.searches = steps.kept
         newcomers._enc, newcomers._self, newcomers._cross = enc, self_kv, cross_kv
         newcomers._slots, newcomers._lengths = slots, real
-        newcomers._reorder(select)
-        newcomers._next = np.array(tokens, dtype=np.int64).reshape(-1, 1)
+        newcomers._reorder(steps.select)
+        newcomers._next = np.array(steps.tokens, dtype=np.int64).reshape(-1, 1)
         if newcomers.searches:
             self._merge(newcomers)
-        return ended
+        return steps.ended
 
     def _merge(self, other: ContinuousBatch) -> None:
         assert other._enc is not None
@@ -760,10 +764,7 @@ class ContinuousBatch:
         """`_advance_all` after a step with lookahead (`logits` [rows, T, vocab]): a row
         takes the positions its argmax confirms, one by one, as the prefill's draft run
         does; the slots after its last confirmed token are masked out."""
-        ended: list[Search] = []
-        kept: list[Search] = []
-        select: list[int] = []
-        tokens: list[int] = []
+        steps = _Steps()
         fed = logits.shape[1]
         row = 0
         for search in self.searches:
@@ -772,19 +773,14 @@ class ContinuousBatch:
                 step, taken = _confirm(search, logits[row], ahead)
             else:  # a beam: never looks ahead, its rows' first positions
                 step, taken = search.advance(logits[row : row + width, 0]), 0
-            if step is None:
-                ended.append(search)
-            else:
-                kept.append(search)
-                select.extend(row + p for p in step[1])
-                tokens.extend(step[0])
+            steps.add(search, row, step)
             self._slots[row, self._slots.shape[1] - fed + 1 + taken :] = 0
             self._lengths[row] += taken
             self.stats["lookahead_offered"] += len(ahead)
             self.stats["lookahead_accepted"] += taken
             row += width
-        self.searches = kept
-        return ended, select, tokens
+        self.searches = steps.kept
+        return steps.ended, steps.select, steps.tokens
 
     def _squeeze(self) -> None:
         """Drop the holes that rejected lookahead left in the self KV: each row's real
