@@ -113,6 +113,10 @@ class BatchedDecoder:
     step: bytes
     sources: tuple[str, ...]
     max_difference: float | None  # None: not checked (`load_batched_decoder(check=False)`)
+    # `load_batched_decoder(per_token=True)` on int8 files: `first` and `tokens` (the step)
+    # quantize activations per token (`engine.token_quantization`); `step` keeps the files'
+    # quantization, the same values for a call of one token and faster. None otherwise.
+    tokens: bytes | None = None
 
 
 # -- graph inspection --------------------------------------------------------------------
@@ -752,6 +756,7 @@ def load_batched_decoder(
     quantized: bool = False,
     check: bool = True,
     tolerance: float = REWRITE_TOLERANCE,
+    per_token: bool = False,
 ) -> BatchedDecoder | None:
     """The model's no-past and with-past decoders rewritten and checked, or None (logged).
 
@@ -760,6 +765,9 @@ def load_batched_decoder(
     on a multi-token no-past probe and a one-token cached step; a difference above
     `tolerance` rejects it. `check=False` skips that (it opens four sessions) for a caller
     that runs `check_rewrite` on its own sessions; `max_difference` is then None.
+    `per_token`: also the int8 no-past decoder and step (`tokens`) with activations
+    quantized per token, as `MarianOnnx` opens int8 files (`RuntimeOptions.int8_per_token`);
+    the check covers the mask rewrite, on the files' quantization.
     """
     try:
         import onnx  # noqa: F401
@@ -822,7 +830,15 @@ def load_batched_decoder(
             )
             return None
         worst = max(worst, difference)
-    return BatchedDecoder(out[0], out[1], sources, worst)
+    if not per_token:
+        return BatchedDecoder(out[0], out[1], sources, worst)
+    from engine.token_quantization import per_token_graph
+
+    first = per_token_graph(out[0], f"{sources[0]} (no past)")
+    tokens = per_token_graph(out[1], f"{sources[0]} (with past)")
+    if first is None or tokens is None:
+        return BatchedDecoder(out[0], out[1], sources, worst)  # fp32, or logged why not
+    return BatchedDecoder(first, out[1], sources, worst, tokens)
 
 
 # -- the output projection as a graph of its own ---------------------------------------
@@ -882,9 +898,13 @@ def split_output_projection(data: bytes, vocab: int, logits: str = "logits") -> 
     if len(projections) != 1 or logits not in {o.name for o in graph.output}:
         return None
     hidden = projections[0].input[0]
-    quantize = view.producer.get(hidden)
-    if quantize is not None and quantize.op_type == "DynamicQuantizeLinear":
-        hidden = quantize.input[0]
+    if projections[0].op_type == "MatMulInteger":
+        from engine.token_quantization import activation_source
+
+        source = activation_source(view.producer, hidden)
+        if source is None:
+            return None  # int8 activations from something this cut does not know
+        hidden = source
     # The head: every node between `hidden` and `logits`.
     nodes, leaves = view.ancestry(logits, leaves_at=frozenset({hidden}))
     if leaves - {hidden} - view.initializers.keys():

@@ -95,6 +95,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
         parser.add_argument("--model", required=True, help=what)
     parser.add_argument("--quantized", action="store_true", help="use the *_quantized ONNX files")
     parser.add_argument(
+        "--int8-per-call",
+        action="store_true",
+        help="with --quantized: quantize activations per call as the files do, not per "
+        "token (faster under load, but a row's output then depends on its batch mates)",
+    )
+    parser.add_argument(
         "--no-cache", action="store_true", help="re-run the whole prefix every step (slow)"
     )
     parser.add_argument(
@@ -176,6 +182,7 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         "intra_op_threads": args.threads,
         "allow_spinning": args.spin,
         "batchable": not args.lockstep,
+        "int8_per_token": not args.int8_per_call,
         "scheduler": SchedulerOptions(max_rows=args.max_batch_rows),
     }
 

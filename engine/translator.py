@@ -70,6 +70,7 @@ class Translator:
         allow_spinning: bool = False,
         batchable: bool = True,
         scheduler: SchedulerOptions | None = None,
+        int8_per_token: bool = True,
     ) -> Translator:
         """Load a model directory in the Optimum layout (ONNX files at the top or in `onnx/`)."""
         path = Path(model_dir)
@@ -94,6 +95,7 @@ class Translator:
             allow_spinning=allow_spinning,
             batchable=batchable,
             head_threads=threads.head,
+            int8_per_token=int8_per_token,
         )
         return cls(MarianOnnx(path, config, options), tokenizer, scheduler)
 

@@ -3,7 +3,9 @@ exactly what decoding each alone gives; stale partials leave the batch; finals g
 
 "Alone" is `engine.decoding.search` on the original (not rewritten) graphs, one source at
 a time, so a test here fails if batching, padding, the rewrite or the scheduler changes
-any row's tokens or scores.
+any row's tokens or scores. int8 graphs, original and rewritten, run with activations
+quantized per token (`engine.token_quantization`; `tests/test_token_quantization.py` checks
+that against the files themselves).
 """
 
 from __future__ import annotations
@@ -54,14 +56,10 @@ def layouts() -> list[tuple[str, dict[str, object]]]:
 HEAD_APART = SchedulerOptions(lanes=1, threads_per_lane=1, head_threads=2)
 
 
-def tolerance(tr: Translator, tokens: int = 1) -> float:
-    """Score tolerance against decoding alone. fp32: 1e-4. The int8 files quantize
-    activations per call (`DynamicQuantizeLinear` takes one scale for the whole input
-    tensor, batch included), so a row's int8 logits depend on its batch mates (up to 0.2
-    on the fixture, log-probs by up to about 1e-2 per token), as in any batched call of
-    these graphs (the lockstep path and offline batches too); tokens must still be
-    equal."""
-    return 2e-2 * max(tokens, 1) if tr.model.options.quantized else 1e-4
+SCORE_TOLERANCE = 1e-4
+"""Score tolerance against decoding alone, fp32 and int8 alike: the engine quantizes int8
+activations per token (`engine.token_quantization`), so a row's values do not depend on
+its batch mates, its padding or the other tokens of its call."""
 
 
 _REFERENCES: dict[tuple[bool, bool], Translator] = {}
@@ -141,7 +139,7 @@ def test_concurrent_requests_equal_decoding_each_alone(translator: Translator, b
     for (text, prefix), hyp, ref in zip(todo, got, expected, strict=True):
         assert hyp.token_ids == ref.token_ids, (text, prefix)
         assert hyp.finished == ref.finished
-        assert hyp.score == pytest.approx(ref.score, abs=tolerance(translator, len(ref.token_ids)))
+        assert hyp.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
     steps = translator.scheduler.stats["decoder_steps"] - before
     alone_steps = sum(len(ref.token_ids) for ref in expected)
     assert steps < alone_steps / 2  # they did share steps
@@ -185,13 +183,9 @@ def test_rows_join_and_leave_a_running_batch(translator: Translator) -> None:
     short = translator.decode(short_enc, DecodeOptions())[0]
     thread.join(30)
     assert short.token_ids == ref_short.token_ids
-    assert short.score == pytest.approx(
-        ref_short.score, abs=tolerance(translator, len(ref_short.token_ids))
-    )
+    assert short.score == pytest.approx(ref_short.score, abs=SCORE_TOLERANCE)
     assert result[0].token_ids == ref_long.token_ids
-    assert result[0].score == pytest.approx(
-        ref_long.score, abs=tolerance(translator, len(ref_long.token_ids))
-    )
+    assert result[0].score == pytest.approx(ref_long.score, abs=SCORE_TOLERANCE)
     grew = translator.scheduler.batch_sizes[2] - sizes_before.get(2, 0)
     assert grew >= len(short.token_ids)  # they shared steps while both ran
 
@@ -497,7 +491,7 @@ def test_a_draft_changes_nothing_but_the_steps(translator: Translator, kind: str
         after = translator.scheduler.stats
         assert hyp.token_ids == ref.token_ids, (kind, text, prefix)
         assert hyp.finished == ref.finished
-        assert hyp.score == pytest.approx(ref.score, abs=tolerance(translator, len(tail)))
+        assert hyp.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
         if translator.scheduler.batching != "continuous":
             continue
         accepted = after["draft_accepted"] - before["draft_accepted"]
@@ -591,10 +585,8 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
         squeeze(self)
 
     monkeypatch.setattr(ContinuousBatch, "_squeeze", counted)
-    # Long rows, so that holes pile up, except in int8: tokens forced past the fixture's
-    # eos are near-ties there that the per-call activation scale may flip (see tolerance).
-    int8 = model.options.quantized
-    options = DecodeOptions() if int8 else DecodeOptions(min_new_tokens=12, max_new_tokens=16)
+    # Long rows (tokens forced past the fixture's eos), so that holes pile up.
+    options = DecodeOptions(min_new_tokens=12, max_new_tokens=16)
     todo = []
     for i, (text, prefix) in enumerate(requests(translator)[:8]):
         ref = alone(translator, text, prefix, options)
@@ -615,9 +607,9 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
     for ref, s, text in todo:
         got = s.result()
         assert got.token_ids == ref.token_ids, (text, s.draft)
-        assert got.score == pytest.approx(ref.score, abs=tolerance(translator, len(got.token_ids)))
+        assert got.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
     assert 0 < batch.stats["lookahead_accepted"] < batch.stats["lookahead_offered"]
-    assert squeezed or int8, "no holes to squeeze"
+    assert squeezed, "no holes to squeeze"
 
 
 def test_lookahead_is_the_schedulers_to_turn_off() -> None:

@@ -211,9 +211,10 @@ def test_logs_get_truthful_hints(lag: int) -> None:
         if lag == 0 and len(settled) < len(line["text"]):
             words = line["text"].split()
             more = " ".join(words[: len(settled.split()) + 1])
-            assert not all(
-                text == more or text.startswith(more + " ") for text in later
-            ), (line["text"], settled)
+            assert not all(text == more or text.startswith(more + " ") for text in later), (
+                line["text"],
+                settled,
+            )
     with pytest.raises(ValueError):
         with_stability_hints(lines, lag=-1)
 

@@ -1,0 +1,223 @@
+"""int8 activations quantized per token: what a row gets no longer depends on its batch.
+
+The int8 files quantize each matmul input with one scale over the whole tensor, so
+batching moves a row's values; `engine.token_quantization.per_token` gives every token its
+own scale with the files' arithmetic. Checked here against the files themselves: for one
+token the values are the files' bit for bit, and each row of a batch gets exactly what it
+gets alone (which the files' graphs do not).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from engine.batched_decoder import probe_feed
+from engine.token_quantization import (
+    PER_TOKEN_KEY,
+    NotPerToken,
+    per_token,
+    per_token_graph,
+)
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+
+
+def _session(source: Path | bytes) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 1
+    data = str(source) if isinstance(source, Path) else source
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+def _matmul_model(weights: np.ndarray, zero_point: Any, extra_user: bool = False) -> Any:
+    """x [B, T, K] -> DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul, as
+    `quantize_dynamic` writes a matmul (uint8 weights with a zero point, or int8)."""
+    k = weights.shape[0]
+    node = helper.make_node
+    nodes = [
+        node("DynamicQuantizeLinear", ["x"], ["q", "xs", "xz"]),
+        node("MatMulInteger", ["q", "W", "xz", "wz"], ["y32"]),
+        node("Cast", ["y32"], ["yf"], to=TensorProto.FLOAT),
+        node("Mul", ["xs", "ws"], ["sc"]),
+        node("Mul", ["yf", "sc"], ["y"]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if extra_user:  # a quantization read by something other than a matmul
+        nodes.append(node("Cast", ["q"], ["leak"], to=TensorProto.FLOAT))
+        outputs.append(helper.make_tensor_value_info("leak", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", k])],
+        outputs,
+        [
+            numpy_helper.from_array(weights, "W"),
+            numpy_helper.from_array(zero_point, "wz"),
+            numpy_helper.from_array(np.array(0.004, np.float32), "ws"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _rows() -> np.ndarray:
+    """Tokens that stress the range: mixed signs, all positive, all negative, all zero,
+    one tiny value, and wide ones."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 2, 16)).astype(np.float32)
+    x[1] = np.abs(x[1]) + 0.5
+    x[2] = -np.abs(x[2]) - 0.5
+    x[3] = 0.0
+    x[4, 0] = 0.0
+    x[4, 0, 5] = 1e-30
+    x[5] *= 40.0
+    return x
+
+
+@pytest.mark.parametrize(
+    ("weights", "zero_point"),
+    [
+        (np.random.default_rng(0).integers(-127, 128, (16, 8)).astype(np.int8), np.int8(0)),
+        (np.random.default_rng(1).integers(0, 256, (16, 8)).astype(np.uint8), np.uint8(131)),
+    ],
+    ids=["int8 weights", "uint8 weights with a zero point"],
+)
+def test_each_token_gets_what_it_gets_alone_and_one_token_the_files_value(
+    weights: np.ndarray, zero_point: Any
+) -> None:
+    model = _matmul_model(weights, zero_point)
+    files = _session(model.SerializeToString())
+    done = per_token(model)
+    assert (done.quantizations, done.matmuls) == (1, 1)
+    assert {p.key: p.value for p in model.metadata_props}[PER_TOKEN_KEY] == "1"
+    tokens = _session(model.SerializeToString())
+    x = _rows()
+    together = tokens.run(["y"], {"x": x})[0]
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            one = x[b : b + 1, t : t + 1]
+            expected = files.run(["y"], {"x": one})[0]
+            # Bit for bit: the files' own arithmetic on one token, and no dependence on the
+            # other 11 tokens of the call.
+            np.testing.assert_array_equal(tokens.run(["y"], {"x": one})[0], expected)
+            np.testing.assert_array_equal(together[b : b + 1, t : t + 1], expected)
+    assert np.all(together[3] == 0.0)  # an all-zero token: zeros, not 0 / 0
+    # The files' graph itself is not per token: the same call moves rows.
+    shared = files.run(["y"], {"x": x})[0]
+    alone = np.concatenate([files.run(["y"], {"x": x[b : b + 1]})[0] for b in range(6)])
+    assert float(np.abs(shared - alone).max()) > 1e-2
+
+
+def test_a_quantization_read_by_anything_but_matmuls_is_refused_and_the_graph_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    weights = np.ones((16, 8), np.int8)
+    model = _matmul_model(weights, np.int8(0), extra_user=True)
+    before = model.SerializeToString()
+    with pytest.raises(NotPerToken, match="values feed Cast"):
+        per_token(model)
+    assert model.SerializeToString() == before
+    with caplog.at_level(logging.WARNING):
+        assert per_token_graph(model, "leaky") is None
+    assert "leaky: int8 activations stay quantized per call" in caplog.text
+
+
+def test_an_fp32_graph_has_nothing_to_rewrite() -> None:
+    needs_fixture()
+    model = onnx.load(str(FIXTURE_MODEL / "decoder_with_past_model.onnx"))
+    assert per_token(model).quantizations == 0
+    assert PER_TOKEN_KEY not in {p.key for p in model.metadata_props}
+    assert per_token_graph(FIXTURE_MODEL / "decoder_with_past_model.onnx", "fp32") is None
+
+
+@pytest.mark.parametrize(
+    "file", ["decoder_with_past_model", "decoder_model", "decoder_model_merged", "encoder_model"]
+)
+def test_the_fixtures_int8_graphs_per_token(file: str) -> None:
+    """One row of one token: the files' outputs bit for bit. Four rows in one call: each
+    row's outputs what it gets alone, bit for bit (the files' graphs: not)."""
+    needs_fixture()
+    path = FIXTURE_MODEL / f"{file}_quantized.onnx"
+    rewritten = per_token_graph(path, file)
+    assert rewritten is not None
+    files, tokens = _session(path), _session(rewritten)
+    output = files.get_outputs()[0].name
+    inputs = files.get_inputs()
+    if file == "encoder_model":
+        rng = np.random.default_rng(0)
+        ids = rng.integers(1, 60, (4, 1), dtype=np.int64)
+        feeds = [{"input_ids": ids, "attention_mask": np.ones_like(ids)}]
+    else:
+        # One token in every quantized tensor: one target token, and in the no-past call
+        # (which projects the encoder states for cross-attention) a one-token source.
+        past = 0 if file == "decoder_model" else 4
+        feeds = [
+            probe_feed(
+                inputs,
+                past_len=past,
+                cur_len=1,
+                batch=4,
+                vocab=60,
+                seed=s,
+                source_len=1 if past == 0 else 5,
+            )
+            for s in (0, 1)
+        ]
+    for feed in feeds:
+        together = tokens.run([output], feed)[0]
+        shared = files.run([output], feed)[0]
+        moved = 0.0
+        for r in range(4):
+            row = {k: v[r : r + 1] if v.ndim and v.shape[0] == 4 else v for k, v in feed.items()}
+            alone = files.run([output], row)[0]
+            np.testing.assert_array_equal(tokens.run([output], row)[0], alone)
+            np.testing.assert_array_equal(together[r : r + 1], alone)
+            moved = max(moved, float(np.abs(shared[r : r + 1] - alone).max()))
+        assert moved > 1e-4, "the files' graph did not depend on the batch: nothing tested"
+
+
+def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Encodes of padded batches give each source what it gets alone; a step of one row
+    and one token runs the files' quantization (fused kernels, same values), every other
+    step the per-token graph. `int8_per_token=False` runs the files as they are."""
+    from engine import DecodeOptions, Translator
+
+    needs_fixture()
+    texts = ["I will meet Tom at three", "we eat noodles"]
+    moved = {}
+    for per_token_on in (True, False):
+        tr = Translator.from_dir(FIXTURE_MODEL, quantized=True, int8_per_token=per_token_on)
+        assert tr.model.masked is not None
+        assert (tr.model.masked.one is not None) == per_token_on
+        sources = [tr.source_ids(t) for t in texts]
+        both = tr.encode(sources).hidden_states
+        moved[per_token_on] = max(
+            float(np.abs(both[r, : len(s)] - tr.encode([s]).hidden_states[0]).max())
+            for r, s in enumerate(sources)
+        )
+    assert moved[True] <= 1e-5 < 1e-3 < moved[False]
+
+    tr = Translator.from_dir(FIXTURE_MODEL, quantized=True)
+    masked = tr.model.masked
+    assert masked is not None and masked.one is not None
+    runs = {"one": 0, "tokens": 0}
+    for name, graph in (("one", masked.one), ("tokens", masked.steps)):
+        original = graph.session.run
+
+        def counted(*args: Any, _name: str = name, _run: Any = original) -> Any:
+            runs[_name] += 1
+            return _run(*args)
+
+        monkeypatch.setattr(graph.session, "run", counted)
+    enc = tr.encode([tr.source_ids(texts[0])])
+    tr.decode(enc, DecodeOptions(), prefixes=[[]])
+    assert runs["one"] > 0 and runs["tokens"] == 0
