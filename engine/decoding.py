@@ -694,7 +694,8 @@ class ContinuousBatch:
             mask[r, : len(row_ids)] = 1
             search.start(len(search.prefix))
         enc = stack_encoder_outputs([e for _, e in members])
-        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask)
+        needed = np.array([len(s.prefix) for s in searches], dtype=np.int64)
+        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed)
         steps = _Steps()
         real = np.zeros(len(searches), dtype=np.int64)  # valid slots per prefilled row
         for r, search in enumerate(searches):

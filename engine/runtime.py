@@ -222,12 +222,16 @@ def _graph(source: Path | bytes, options: RuntimeOptions, name: str) -> str | by
     return str(source) if isinstance(source, Path) else source
 
 
-def _open_session(path: Path, model_dir: Path, options: RuntimeOptions) -> ort.InferenceSession:
+def _open_session(
+    path: Path, model_dir: Path, options: RuntimeOptions, *, decoder: bool = True
+) -> ort.InferenceSession:
+    """A session of `path`; a decoder's int8 activations per token (`_graph`), the
+    encoder's as in the file (`MarianOnnx.encode` runs its rows apart instead)."""
     if not path.is_file():
         raise ModelLoadError(f"{model_dir}: missing {path.name}")
     try:
         return ort.InferenceSession(
-            _graph(path, options, f"{model_dir}: {path.name}"),
+            _graph(path, options, f"{model_dir}: {path.name}") if decoder else str(path),
             _session_options(options),
             providers=list(options.providers),
         )
@@ -252,7 +256,7 @@ class MarianOnnx:
         # Which ONNX files this model runs, by role (encoder / first / step).
         self.files: dict[str, Path] = {"encoder": path(ENCODER)}
 
-        self.encoder = _open_session(path(ENCODER), model_dir, options)
+        self.encoder = _open_session(path(ENCODER), model_dir, options, decoder=False)
         enc_inputs = {i.name for i in self.encoder.get_inputs()}
         if enc_inputs != {"input_ids", "attention_mask"}:
             raise ModelLoadError(
@@ -343,6 +347,21 @@ class MarianOnnx:
                 self.first, self.step = self.masked.first, self.masked.step_session
                 del originals, native  # the last references to the original sessions
                 _release_freed_memory()
+
+    @property
+    def int8_activations(self) -> str | None:
+        """How the decoder quantizes int8 activations: "per token" (rows exact in any
+        batch, `RuntimeOptions.int8_per_token`) or "per call" (the files' own, when turned
+        off or the graph could not be rewritten); None for fp32."""
+        if not self.options.quantized:
+            return None
+        from engine.token_quantization import PER_TOKEN_KEY
+
+        if self.masked is not None:
+            per_token = self.masked.one is not None
+        else:
+            per_token = PER_TOKEN_KEY in self.first.get_modelmeta().custom_metadata_map
+        return "per token" if per_token else "per call"
 
     @property
     def batching(self) -> str:
@@ -454,11 +473,33 @@ class MarianOnnx:
     # -- calls ---------------------------------------------------------------------------
 
     def encode(self, input_ids: IntArray, attention_mask: IntArray) -> EncoderOutput:
-        """Run the encoder once for a (padded) batch of sources."""
-        self.calls["encoder"] += 1
-        (hidden,) = self.encoder.run(
-            ["last_hidden_state"], {"input_ids": input_ids, "attention_mask": attention_mask}
-        )
+        """Run the encoder for a (padded) batch of sources: in one call, or, for int8 per
+        token (`RuntimeOptions.int8_per_token`), one call per source without its padding,
+        so that each gets what it gets alone, the file's own values.
+
+        Why not the encoder quantized per token, like the decoder: measured on the
+        OPUS-MT-size int8 encoder (2-core AMD EPYC, 30 tokens), one source 2.5 ms as in
+        the file against 4.8 per token, and four sources one by one 10.9 ms against 11.4
+        per token in one call (the file's single call: 7.0, but not each row's values);
+        a source's tokens quantized together are also what the file gives it."""
+        if not self.options.per_token or input_ids.shape[0] == 1:
+            self.calls["encoder"] += 1
+            (hidden,) = self.encoder.run(
+                ["last_hidden_state"], {"input_ids": input_ids, "attention_mask": attention_mask}
+            )
+            return EncoderOutput(hidden, attention_mask)
+        hidden = None
+        for row in range(input_ids.shape[0]):
+            real = attention_mask[row].astype(bool)
+            ids = input_ids[row, real][None]
+            self.calls["encoder"] += 1
+            (states,) = self.encoder.run(
+                ["last_hidden_state"], {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+            )
+            if hidden is None:  # padding positions stay 0: masked out, and finite
+                hidden = np.zeros((*input_ids.shape, states.shape[-1]), dtype=states.dtype)
+            hidden[row, real] = states[0]
+        assert hidden is not None
         return EncoderOutput(hidden, attention_mask)
 
     def decode_first(
@@ -714,6 +755,9 @@ def _split_head(
     step: ort.InferenceSession,
     config: ModelConfig,
     options: RuntimeOptions,
+    past_len: int = 4,
+    cur_len: int = 1,
+    always: bool = False,
 ) -> tuple[ort.InferenceSession, tuple[ort.InferenceSession, str]] | None:
     """The with-past step as two sessions, its body on the lane's threads and its output
     projection on `options.head_threads`, when those differ; None (the step session stays
@@ -726,22 +770,31 @@ def _split_head(
     projection runs ~1.7x faster on two cores. Measured on the OPUS-MT-sized int8 model
     (2-core AMD EPYC): step 2.6-2.8 ms whole on two threads, 2.2-2.6 ms cut (body on one
     thread, head on two); one thread whole 2.3-2.9 ms.
+
+    `always`: cut even where the threads are the same (the head then on the body's), for a
+    no-past graph whose logits are needed at a few of its positions only (`prefill`);
+    `past_len` / `cur_len` shape the probe.
     """
     threads, body_threads = options.head_threads, options.intra_op_threads
-    if not threads or not body_threads or threads <= body_threads:
+    apart = bool(threads and body_threads and threads > body_threads)
+    if not apart and not always:
         return None
+    threads = threads if apart else body_threads
+    what = "prefill" if past_len == 0 else "step"
     from engine.batched_decoder import REWRITE_TOLERANCE, probe_feed, split_output_projection
 
     try:
         split = split_output_projection(step_graph, config.vocab_size)
         if split is None:
-            log.info("%s: output projection not cut from the step (unexpected graph)", model_dir)
+            log.info(
+                "%s: output projection not cut from the %s (unexpected graph)", model_dir, what
+            )
             return None
         providers = list(options.providers)
         body = ort.InferenceSession(split.body, _session_options(options), providers=providers)
-        head_options = _session_options(replace(options, intra_op_threads=threads))
+        head_options = _session_options(replace(options, intra_op_threads=threads or None))
         head = ort.InferenceSession(split.head, head_options, providers=providers)
-        feed = probe_feed(step.get_inputs(), past_len=4, cur_len=1, batch=2)
+        feed = probe_feed(step.get_inputs(), past_len=past_len, cur_len=cur_len, batch=2)
         names = [o.name for o in step.get_outputs()]
         whole = dict(zip(names, step.run(names, feed), strict=True))
         rest = [n for n in names if n != "logits"]
@@ -750,11 +803,14 @@ def _split_head(
         parts["logits"] = head.run(["logits"], {split.hidden: cut[0]})[0]
         worst = max(float(np.max(np.abs(whole[n] - parts[n]), initial=0.0)) for n in names)
     except Exception as exc:  # a graph the cut did not foresee: keep the step whole
-        log.warning("%s: output projection not cut from the step (%s)", model_dir, exc)
+        log.warning("%s: output projection not cut from the %s (%s)", model_dir, what, exc)
         return None
     if not worst <= REWRITE_TOLERANCE:
         log.warning(
-            "%s: step cut at the output projection differs by %.3g: kept whole", model_dir, worst
+            "%s: %s cut at the output projection differs by %.3g: kept whole",
+            model_dir,
+            what,
+            worst,
         )
         return None
     return body, (head, split.hidden)
@@ -836,8 +892,15 @@ class _StepGraph(NamedTuple):
         session: ort.InferenceSession,
         config: ModelConfig,
         options: RuntimeOptions,
+        prefill: bool = False,
     ) -> _StepGraph:
-        split = _split_head(model_dir, graph, session, config, options)
+        """`prefill`: the no-past graph, cut wherever it can be (see `MaskedDecoder.prefill`)."""
+        if prefill:
+            split = _split_head(
+                model_dir, graph, session, config, options, past_len=0, cur_len=3, always=True
+            )
+        else:
+            split = _split_head(model_dir, graph, session, config, options)
         return cls(session, None) if split is None else cls(*split)
 
 
@@ -854,7 +917,7 @@ class MaskedDecoder:
 
     def __init__(
         self,
-        first: ort.InferenceSession,
+        first: _StepGraph,
         step: _StepGraph,
         layers: int,
         max_difference: float,
@@ -862,7 +925,9 @@ class MaskedDecoder:
         lookahead: bool = False,
         one: _StepGraph | None = None,
     ) -> None:
-        self.first = first
+        # The no-past graph, or its body where its projection runs apart (`prefill`).
+        self.prefills = first
+        self.first = first.session
         self.steps = step
         self.step_session = step.session
         # A call of one token (one row, no lookahead) where that has a faster graph of its
@@ -873,7 +938,7 @@ class MaskedDecoder:
         # (session, input name): the step's output projection run apart (`_split_head`).
         self.head = step.head
         self.max_difference = max_difference
-        self._first_inputs = {i.name for i in first.get_inputs()}
+        self._first_inputs = {i.name for i in first.session.get_inputs()}
         self._step_inputs = {i.name for i in step.session.get_inputs()}
         self._self_out = _past_names(layers, "decoder", "present")
         self._cross_out = _past_names(layers, "encoder", "present")
@@ -938,6 +1003,13 @@ class MaskedDecoder:
             )
             return None
         lookahead = _causal_over_new_tokens(first, step, config, options)
+        # A position's logits depend on no other position's in fp32 and int8 per token, so
+        # the prefill's projection may run on the positions a search reads only.
+        prefills = (
+            _StepGraph(first, None)
+            if options.quantized and not options.per_token
+            else _StepGraph.load(model_dir, rewritten.first, first, config, options, prefill=True)
+        )
         steps = _StepGraph.load(model_dir, step_graph, step, config, options)
         ones = (
             None
@@ -953,16 +1025,26 @@ class MaskedDecoder:
             "" if lookahead else "; one token per row per step (no lookahead)",
             "; int8 activations quantized per token" if ones is not None else "",
         )
-        return cls(first, steps, config.decoder_layers, worst, calls, lookahead, ones)
+        return cls(prefills, steps, config.decoder_layers, worst, calls, lookahead, ones)
 
     def _feed(self, declared: set[str], values: dict[str, Any]) -> dict[str, Any]:
         return {name: value for name, value in values.items() if name in declared}
 
     def prefill(
-        self, enc: EncoderOutput, input_ids: IntArray, mask: IntArray
+        self,
+        enc: EncoderOutput,
+        input_ids: IntArray,
+        mask: IntArray,
+        needed_from: IntArray | None = None,
     ) -> tuple[FloatArray, tuple[FloatArray, ...], tuple[FloatArray, ...]]:
         """Logits [B, T, V] and the rows' self and cross KV, for right-padded `input_ids`
-        whose real tokens `mask` marks (1)."""
+        whose real tokens `mask` marks (1). `needed_from` [B]: each row's first position
+        whose logits the caller reads (after the forced prefix); where the projection runs
+        apart, the earlier ones and the padding are not computed (zeros).
+
+        Why: a forced prefix is often longer than the draft and the tail read after it,
+        and the vocabulary projection is most of a position's cost (OPUS-MT size: 33 of
+        the 55 MB of int8 weights, 512 x 65001 multiply-adds per position)."""
         from engine.batched_decoder import MASK_INPUT, POSITIONS_INPUT
 
         batch, length = input_ids.shape
@@ -975,11 +1057,21 @@ class MaskedDecoder:
             POSITIONS_INPUT: positions,
         }
         self.calls["decoder"] += 1
-        out = self.first.run(
-            ["logits", *self._self_out, *self._cross_out], self._feed(self._first_inputs, values)
-        )
+        feed = self._feed(self._first_inputs, values)
+        kv = [*self._self_out, *self._cross_out]
         n = len(self._self_out)
-        return out[0], tuple(out[1 : 1 + n]), tuple(out[1 + n :])
+        if self.prefills.head is None:
+            out = self.first.run(["logits", *kv], feed)
+            return out[0], tuple(out[1 : 1 + n]), tuple(out[1 + n :])
+        head, hidden = self.prefills.head
+        out = self.first.run([hidden, *kv], feed)
+        wanted = mask.astype(bool)
+        if needed_from is not None:
+            wanted &= np.arange(length)[None, :] >= needed_from[:, None]
+        some = head.run(["logits"], {hidden: out[0][wanted][None]})[0][0]
+        logits = np.zeros((batch, length, some.shape[-1]), dtype=some.dtype)
+        logits[wanted] = some
+        return logits, tuple(out[1 : 1 + n]), tuple(out[1 + n :])
 
     def step(
         self,

@@ -181,9 +181,7 @@ def page_url(ws_url: str, stream_id: str, token: str | None = None) -> str:
     parts = urllib.parse.urlsplit(ws_url)
     scheme = "https" if parts.scheme == "wss" else "http"
     query = {"stream": stream_id, **({"token": token} if token else {})}
-    return urllib.parse.urlunsplit(
-        (scheme, parts.netloc, "/", urllib.parse.urlencode(query), "")
-    )
+    return urllib.parse.urlunsplit((scheme, parts.netloc, "/", urllib.parse.urlencode(query), ""))
 
 
 def renamer(lines: Sequence[LogLine], stream_id: str | None) -> Callable[[str], str]:

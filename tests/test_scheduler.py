@@ -384,9 +384,9 @@ def test_a_rewrite_that_changes_the_logits_is_refused_for_lockstep(
 def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The output projection cut apart is checked against the whole step: a head whose
-    numbers differ (here its bias nudged) is refused with one warning, and the step runs
-    whole, continuous batching unchanged."""
+    """The output projection cut apart is checked against the whole graph: a head whose
+    numbers differ (here its bias nudged) is refused with one warning each for the step
+    and the prefill, which then run whole, continuous batching unchanged."""
     needs_fixture()
     import onnx
     from onnx import numpy_helper
@@ -408,8 +408,11 @@ def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
         tr = Translator.from_dir(FIXTURE_MODEL, scheduler=HEAD_APART)
     assert tr.scheduler.batching == "continuous"
     assert tr.model.masked is not None and tr.model.masked.head is None
-    refusals = [r for r in caplog.records if "kept whole" in r.getMessage()]
-    assert len(refusals) == 1
+    assert tr.model.masked.prefills.head is None
+    refusals = sorted(
+        r.getMessage().split()[1] for r in caplog.records if "kept whole" in r.getMessage()
+    )
+    assert refusals == ["prefill", "step"]
     ref = alone(tr, SOURCES[0], [], DecodeOptions())
     assert tr.translate([SOURCES[0]])[0].token_ids == ref.token_ids
 
@@ -631,3 +634,21 @@ def test_lookahead_is_the_schedulers_to_turn_off() -> None:
         assert hyp.token_ids == ref.token_ids
         assert after["lookahead_offered"] == before["lookahead_offered"]
         assert after["decoder_steps"] - before["decoder_steps"] == len(tail)
+
+
+def test_the_prefill_projects_only_the_positions_a_search_reads(translator: Translator) -> None:
+    """Logits of a forced prefix before its last token are never read: with `needed_from`
+    they are not computed (zeros), and the others are what the whole call gives."""
+    masked = translator.model.masked
+    assert masked is not None and masked.prefills.head is not None
+    config = translator.config
+    enc = translator.encode([translator.source_ids(SOURCES[2])])
+    forced = alone(translator, SOURCES[2], [], DecodeOptions()).token_ids[:4]
+    ids = np.array([[config.decoder_start_token_id, *forced]], dtype=np.int64)
+    mask = np.ones_like(ids)
+    whole, self_kv, _ = masked.prefill(enc, ids, mask)
+    part, part_kv, _ = masked.prefill(enc, ids, mask, np.array([3]))
+    assert not np.any(part[0, :3]) and np.all(np.any(whole[0] != 0, axis=-1))
+    np.testing.assert_allclose(part[0, 3:], whole[0, 3:], atol=1e-5, rtol=0)
+    for a, b in zip(self_kv, part_kv, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -267,6 +267,8 @@ def describe_model(translator: Translator) -> str:
     head = ""
     if model.masked is not None and model.masked.head is not None:
         head = f", output projection on {model.options.head_threads}"
+    if model.int8_activations:
+        head += f"; int8 activations {model.int8_activations}"
     return (
         f"{model.model_dir} ({pair}, {model.layout.value} decoder{how}: {files}; "
         f"{batching}, up to {rows} rows per step; "

@@ -153,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratio", type=float, default=1.02, help="forced length ratio")
     parser.add_argument("--fp32", action="store_true", help="fp32 (default: int8)")
     parser.add_argument(
+        "--int8-per-call",
+        action="store_true",
+        help="int8 activations quantized per call as the files do (default: per token, "
+        "rows exact; see engine/token_quantization.py)",
+    )
+    parser.add_argument(
         "--batching",
         choices=("continuous", "lockstep"),
         default="continuous",
@@ -185,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine import Translator
 
     kwargs: dict[str, Any] = {"quantized": not args.fp32}
+    if args.int8_per_call:
+        kwargs["int8_per_token"] = False
     try:
         from engine.scheduler import SchedulerOptions
 
@@ -203,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     batching = getattr(getattr(translator, "scheduler", None), "batching", "none")
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((x.split(":", 1)[1].strip() for x in cpuinfo if "model name" in x), "?")
-    print(f"model {args.model} ({'fp32' if args.fp32 else 'int8'}), batching: {batching}")
+    precision = "fp32" if args.fp32 else "int8 per call" if args.int8_per_call else "int8"
+    print(f"model {args.model} ({precision}), batching: {batching}")
     print(f"CPU: {cpu}, {os.cpu_count()} cores; {args.sentences} sentences per stream")
     header = (
         f"{'N':>3} {'p50':>6} {'p95':>6} {'max':>6} {'answered':>8} {'cancel':>6} "

@@ -50,6 +50,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ours fp32 no-cache": {"engine": "ours", "quantized": False, "use_cache": False},
     "ours int8 cache": {"engine": "ours", "quantized": True, "use_cache": True},
     "ours int8 no-cache": {"engine": "ours", "quantized": True, "use_cache": False},
+    # The files' per-call activation scale (rows then depend on their batch mates).
+    "ours int8 per call": {
+        "engine": "ours",
+        "quantized": True,
+        "use_cache": True,
+        "int8_per_token": False,
+    },
     "ct2 fp32": {"engine": "ct2", "dir": "ct2-float32"},
     "ct2 int8": {"engine": "ct2", "dir": "ct2-int8"},
 }
@@ -111,6 +118,7 @@ def _ours_runner(spec: dict[str, Any]) -> tuple[Runner, Callable[[], None]]:
         allow_spinning=spec.get("allow_spinning", False),
         intra_op_threads=spec["threads"] if everything else None,
         scheduler=SchedulerOptions(cores=spec["threads"], head_threads=spec.get("head_threads")),
+        **({"int8_per_token": False} if spec.get("int8_per_token") is False else {}),
     )
     ids = tr.source_ids(spec["source"])
     enc = tr.encode([ids])
