@@ -51,8 +51,9 @@ large negative constant, a per-axis dequantized table) returns None and logs why
 then batch only rows of equal length (lockstep).
 
 int8 caveat, not the rewrite's: `DynamicQuantizeLinear` takes one scale per tensor over
-the whole batch, so any batching (lockstep too) moves a row's int8 logits a little (0.2 on
-the fixture) against decoding it alone.
+the whole batch, so with the files' quantization any batching (lockstep too) moves a row's
+int8 logits a little (0.2 on the fixture) against decoding it alone; `per_token=True`
+(what the engine runs) quantizes per token instead (`engine.token_quantization`).
 
 Needs the `onnx` package, imported only here, like `engine.merged_split`.
 """

@@ -825,9 +825,9 @@ def _causal_over_new_tokens(
     """Whether the rewritten step may take several tokens per row after a cache: its
     rewrite found a causal self-attention mask (`CAUSAL_KEY`; a with-past graph traced
     with one token has none) and, in fp32, the logits of three tokens fed after a cache
-    equal those of one no-past call over the whole sequence. int8 cannot be compared that
-    way (activations are quantized with one scale per call, so any two differently shaped
-    calls differ a little) and rests on the structure."""
+    equal those of one no-past call over the whole sequence. int8 is not compared that way
+    (per call, tokens share a scale; per token, fp32 rounding between the two call shapes
+    may still flip an int8 rounding) and rests on the structure."""
     from engine.batched_decoder import CAUSAL_KEY, MASK_INPUT, POSITIONS_INPUT, REWRITE_TOLERANCE
 
     if step.get_modelmeta().custom_metadata_map.get(CAUSAL_KEY) != "1":

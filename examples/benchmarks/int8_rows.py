@@ -8,10 +8,10 @@ included, so a row's int8 logits move with the other rows of its step (see
 each, as a cached step feeds them) on 1 and 2 threads:
 
 - `dynamic`: the files' own `DynamicQuantizeLinear` + `MatMulInteger` (+ Cast, Mul);
-- `per-row`: the same arithmetic with one scale and zero point per row, from standard
-  ops (ReduceMin/Max, a per-axis `QuantizeLinear`, `MatMulInteger` without the first
-  input's zero point, which ONNX Runtime only takes as a scalar, and the zero point
-  times the weights' column sums subtracted after);
+- `per-row`: the same arithmetic with one scale and zero point per row (token), as the
+  engine runs int8 (`engine.token_quantization.per_token` applied to `dynamic`: standard
+  ops, `MatMulInteger` without the first input's zero point, which ONNX Runtime only
+  takes as a scalar, and the zero point times the weights' column sums subtracted after);
 - `nbits`: `MatMulNBits` with the same int8 weights (one block scale each) and
   `accuracy_level=4`, which quantizes activations per row and block of 32 (other values
   than the files' own).
@@ -39,7 +39,10 @@ K, N, BLOCK = 512, 65001, 32
 
 
 def _models() -> dict[str, Any]:
+    import onnx
     from onnx import TensorProto, helper, numpy_helper
+
+    from engine.token_quantization import per_token
 
     rng = np.random.default_rng(0)
     weights = rng.integers(-127, 128, (K, N)).astype(np.int8)
@@ -73,44 +76,10 @@ def _models() -> dict[str, Any]:
         17,
     )
 
-    def const(name: str, value: Any) -> Any:
-        return numpy_helper.from_array(np.array(value), name)
-
-    column_sums = weights.astype(np.int32).sum(axis=0).astype(np.int32)
-    per_row = model(
-        [
-            node("ReduceMax", ["x", "axes"], ["mx0"], keepdims=1),
-            node("ReduceMin", ["x", "axes"], ["mn0"], keepdims=1),
-            node("Max", ["mx0", "zero"], ["mx"]),
-            node("Min", ["mn0", "zero"], ["mn"]),
-            node("Sub", ["mx", "mn"], ["range"]),
-            node("Div", ["range", "levels"], ["xs"]),
-            node("Div", ["mn", "xs"], ["t"]),
-            node("Neg", ["t"], ["nt"]),
-            node("Clip", ["nt", "zero", "levels"], ["ct"]),
-            node("Round", ["ct"], ["rt"]),
-            node("Cast", ["rt"], ["xz"], to=TensorProto.UINT8),
-            node("Reshape", ["xs", "flat"], ["xs1"]),
-            node("Reshape", ["xz", "flat"], ["xz1"]),
-            node("QuantizeLinear", ["x", "xs1", "xz1"], ["q"], axis=0),
-            node("MatMulInteger", ["q", "W", "", "wz"], ["y0"]),
-            node("Cast", ["xz"], ["xzi"], to=TensorProto.INT32),
-            node("Mul", ["xzi", "colsum"], ["correction"]),
-            node("Sub", ["y0", "correction"], ["y32"]),
-            node("Cast", ["y32"], ["yf"], to=TensorProto.FLOAT),
-            node("Mul", ["xs", "ws"], ["sc"]),
-            node("Mul", ["yf", "sc"], ["y"]),
-        ],
-        [
-            *shared,
-            const("zero", np.float32(0)),
-            const("levels", np.float32(255)),
-            const("flat", np.array([-1], np.int64)),
-            const("axes", np.array([1, 2], np.int64)),
-            numpy_helper.from_array(column_sums, "colsum"),
-        ],
-        18,
-    )
+    # The engine's rewrite (what `MarianOnnx` runs for int8), applied to the files' graph.
+    per_row = onnx.ModelProto()
+    per_row.CopyFrom(dynamic)
+    per_token(per_row)
     shifted = (weights.T.astype(np.int16) + 128).astype(np.uint8).reshape(N, K // BLOCK, BLOCK)
     nbits = model(
         [
