@@ -106,6 +106,9 @@ def main() -> int:
     parser.add_argument("--policy", default="la2")
     parser.add_argument("--quantized", action="store_true", help="the int8 files")
     parser.add_argument(
+        "--int8-per-call", action="store_true", help="serve's --int8-per-call (files' scale)"
+    )
+    parser.add_argument(
         "--forced-length-ratio",
         type=float,
         default=None,
@@ -126,6 +129,8 @@ def main() -> int:
             command += ["--threads", str(args.threads)]
         if args.quantized:
             command += ["--quantized"]
+        if args.int8_per_call:
+            command += ["--int8-per-call"]
         if args.forced_length_ratio:
             command += ["--forced-length-ratio", str(args.forced_length_ratio)]
         server_log = open(Path(tmp) / "server.log", "w+", encoding="utf-8")  # noqa: SIM115
