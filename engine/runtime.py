@@ -759,10 +759,10 @@ def _split_head(
     cur_len: int = 1,
     always: bool = False,
 ) -> tuple[ort.InferenceSession, tuple[ort.InferenceSession, str]] | None:
-    """The with-past step as two sessions, its body on the lane's threads and its output
-    projection on `options.head_threads`, when those differ; None (the step session stays
-    whole) when they do not, or when the graph cannot be cut or the cut pair does not give
-    `step`'s outputs (one log line).
+    """A decoder graph (the with-past step unless `always`) as two sessions, its body on the
+    lane's threads and its output projection on `options.head_threads`, when those
+    differ; None (the session stays whole) when they do not, or when the graph cannot be
+    cut or the cut pair does not give `step`'s outputs (one log line).
 
     Why: at one row the step is ~450 ops of a few microseconds and one large matmul (the
     vocabulary projection, 60% of the weights read). An intra-op thread pool wakes its
@@ -877,9 +877,10 @@ def _release_freed_memory() -> None:
         pass
 
 
-class _StepGraph(NamedTuple):
-    """One rewritten with-past graph as the scheduler runs it: whole, or its body with the
-    output projection apart (`head`: session and the input it takes, `_split_head`)."""
+class _CutGraph(NamedTuple):
+    """One rewritten decoder graph (no-past or with-past) as the scheduler runs it: whole
+    (`session`, `head` None), or its body (`session`) with the output projection apart
+    (`head`: session and the input it takes, `_split_head`)."""
 
     session: ort.InferenceSession
     head: tuple[ort.InferenceSession, str] | None
@@ -893,7 +894,7 @@ class _StepGraph(NamedTuple):
         config: ModelConfig,
         options: RuntimeOptions,
         prefill: bool = False,
-    ) -> _StepGraph:
+    ) -> _CutGraph:
         """`prefill`: the no-past graph, cut wherever it can be (see `MaskedDecoder.prefill`)."""
         if prefill:
             split = _split_head(
@@ -917,13 +918,13 @@ class MaskedDecoder:
 
     def __init__(
         self,
-        first: _StepGraph,
-        step: _StepGraph,
+        first: _CutGraph,
+        step: _CutGraph,
         layers: int,
         max_difference: float,
         calls: Counter[str],
         lookahead: bool = False,
-        one: _StepGraph | None = None,
+        one: _CutGraph | None = None,
     ) -> None:
         # The no-past graph, or its body where its projection runs apart (`prefill`).
         self.prefills = first
@@ -1006,15 +1007,13 @@ class MaskedDecoder:
         # A position's logits depend on no other position's in fp32 and int8 per token, so
         # the prefill's projection may run on the positions a search reads only.
         prefills = (
-            _StepGraph(first, None)
+            _CutGraph(first, None)
             if options.quantized and not options.per_token
-            else _StepGraph.load(model_dir, rewritten.first, first, config, options, prefill=True)
+            else _CutGraph.load(model_dir, rewritten.first, first, config, options, prefill=True)
         )
-        steps = _StepGraph.load(model_dir, step_graph, step, config, options)
+        steps = _CutGraph.load(model_dir, step_graph, step, config, options)
         ones = (
-            None
-            if one is None
-            else _StepGraph.load(model_dir, rewritten.step, one, config, options)
+            None if one is None else _CutGraph.load(model_dir, rewritten.step, one, config, options)
         )
         log.info(
             "%s: continuous batching (decoder rewritten with masks and positions; "
