@@ -79,9 +79,10 @@ class RuntimeOptions:
     `int8_per_token`: run int8 files with their activations quantized per token
     (`engine.token_quantization`), so that a token's values do not depend on what else
     shares its call (batch mates, padding, a forced prefix): batching is then exact in
-    int8 too. One-token calls give the files' own values either way; a one-row step runs
-    the files' quantization (fused kernels, ~25% faster at one row). Off: the files as they
-    are (needs the `onnx` package; without it, as if off).
+    int8 too. One-token calls give the files' own values either way, so a one-row step of
+    the batchable layout runs the files' quantization (fused kernels, ~25% faster at one
+    row; lockstep layouts run every call per token). Off: the files as they are (needs
+    the `onnx` package; without it, as if off).
     """
 
     quantized: bool = False
