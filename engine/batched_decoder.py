@@ -931,6 +931,7 @@ def split_output_projection(data: bytes, vocab: int, logits: str = "logits") -> 
     body_reads = used(body_nodes)
     shared = {id(n) for n in head_nodes if n.op_type == "Constant" and body_reads & set(n.output)}
     body_nodes = [n for n in graph.node if id(n) not in head_ids or id(n) in shared]
+    body_reads, head_reads = used(body_nodes), used(head_nodes)  # once: graphs are large
 
     hidden_info = helper.make_tensor_value_info(hidden, onnx.TensorProto.FLOAT, None)
     logits_info = next(o for o in graph.output if o.name == logits)
@@ -939,9 +940,9 @@ def split_output_projection(data: bytes, vocab: int, logits: str = "logits") -> 
         f"{graph.name}_body",
         list(graph.input),
         [hidden_info, *(o for o in graph.output if o.name != logits)],
-        [i for i in graph.initializer if i.name in used(body_nodes)],
+        [i for i in graph.initializer if i.name in body_reads],
     )
-    body_inputs = used(body_nodes) | {hidden}
+    body_inputs = body_reads | {hidden}
     del body_graph.input[:]
     body_graph.input.extend(i for i in graph.input if i.name in body_inputs)
     head_graph = helper.make_graph(
@@ -949,13 +950,16 @@ def split_output_projection(data: bytes, vocab: int, logits: str = "logits") -> 
         f"{graph.name}_head",
         [hidden_info],
         [logits_info],
-        [i for i in graph.initializer if i.name in used(head_nodes)],
+        [i for i in graph.initializer if i.name in head_reads],
     )
     # The shapes the graph knows go with each part: ORT's fusions need them (without them
     # the body's Add + LayerNormalization stayed unfused where the whole step had
     # SkipLayerNormalization, which rounds differently: not the same values bit for bit).
-    for part, part_nodes in ((body_graph, body_nodes), (head_graph, head_nodes)):
-        names = used(part_nodes) | {out for node in part_nodes for out in node.output}
+    for part, part_nodes, reads in (
+        (body_graph, body_nodes, body_reads),
+        (head_graph, head_nodes, head_reads),
+    ):
+        names = reads | {out for node in part_nodes for out in node.output}
         part.value_info.extend(v for v in graph.value_info if v.name in names)
     parts = []
     for part in (body_graph, head_graph):
