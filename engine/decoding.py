@@ -92,12 +92,19 @@ def _length_limit(config: ModelConfig, options: DecodeOptions) -> int:
 
 
 def _allowed(
-    logits: FloatArray, generated: Sequence[int], config: ModelConfig, options: DecodeOptions
+    logits: FloatArray,
+    generated: Sequence[int],
+    config: ModelConfig,
+    options: DecodeOptions,
+    out: FloatArray | None = None,
 ) -> FloatArray:
     """A float32 copy of `logits` [rows, vocab] with what may not come next at -inf: the
     model's banned tokens, and eos in a row that has generated fewer than
-    `min_new_tokens` (`generated[r]` tokens so far)."""
-    out = logits.astype(np.float32, copy=True)
+    `min_new_tokens` (`generated[r]` tokens so far). Written into `out` when given."""
+    if out is None:
+        out = logits.astype(np.float32, copy=True)
+    else:
+        np.copyto(out, logits, casting="same_kind")
     out[:, list(config.bad_token_ids)] = -np.inf
     for r, count in enumerate(generated):
         if count < options.min_new_tokens:
@@ -138,11 +145,9 @@ def _greedy_choice(
     and the exponentials go into one buffer kept per thread, not into two fresh
     260 kB arrays per step (fresh pages: in a running decode the copy alone took ~60 us,
     ten times its cost on warm memory)."""
-    row = _scratch_row(logits.shape[-1])
-    np.copyto(row, logits, casting="same_kind")
-    row[list(config.bad_token_ids)] = -np.inf
-    if generated < options.min_new_tokens:
-        row[config.eos_token_id] = -np.inf
+    row = _allowed(
+        logits[None], [generated], config, options, _scratch_row(logits.shape[-1])[None]
+    )[0]
     token = int(row.argmax())
     top = row[token]  # the row's max
     np.subtract(row, top, out=row)
