@@ -878,6 +878,20 @@ def _release_freed_memory() -> None:
         pass
 
 
+def _project(
+    head: tuple[ort.InferenceSession, str], states: FloatArray, wanted: npt.NDArray[np.bool_]
+) -> FloatArray:
+    """Logits [B, T, V] from a cut graph's hidden `states` [B, T, d], computed only at the
+    positions `wanted` marks (zeros elsewhere): the output projection is most of a
+    position's cost, and padding, lookahead slots past a row's own and a forced prefix
+    are never read."""
+    session, hidden = head
+    some = session.run(["logits"], {hidden: states[wanted][None]})[0][0]
+    logits = np.zeros((*wanted.shape, some.shape[-1]), dtype=some.dtype)
+    logits[wanted] = some
+    return logits
+
+
 class _CutGraph(NamedTuple):
     """One rewritten decoder graph (no-past or with-past) as the scheduler runs it: whole
     (`session`, `head` None), or its body (`session`) with the output projection apart
@@ -927,18 +941,15 @@ class MaskedDecoder:
         lookahead: bool = False,
         one: _CutGraph | None = None,
     ) -> None:
-        # The no-past graph, or its body where its projection runs apart (`prefill`).
+        # The no-past graph, and the with-past one for steps (`one`: see below), each
+        # whole or cut at its output projection.
         self.prefills = first
-        self.first = first.session
         self.steps = step
-        self.step_session = step.session
         # A call of one token (one row, no lookahead) where that has a faster graph of its
         # own (int8 per token: the files' fused quantization gives the same values).
         self.one = one
         # Whether a step may take several tokens per row (`ContinuousBatch` lookahead).
         self.lookahead = lookahead
-        # (session, input name): the step's output projection run apart (`_split_head`).
-        self.head = step.head
         self.max_difference = max_difference
         self._first_inputs = {i.name for i in first.session.get_inputs()}
         self._step_inputs = {i.name for i in step.session.get_inputs()}
@@ -947,6 +958,22 @@ class MaskedDecoder:
         self._self_in = _past_names(layers, "decoder")
         self._cross_in = _past_names(layers, "encoder")
         self.calls = calls  # the model's call counter, shared
+
+    @property
+    def first(self) -> ort.InferenceSession:
+        """The no-past session: the whole graph, or its body where the projection runs
+        apart (`prefill`)."""
+        return self.prefills.session
+
+    @property
+    def step_session(self) -> ort.InferenceSession:
+        """The with-past session of steps of several tokens (or its body)."""
+        return self.steps.session
+
+    @property
+    def head(self) -> tuple[ort.InferenceSession, str] | None:
+        """(session, input name): the step's output projection run apart (`_split_head`)."""
+        return self.steps.head
 
     @classmethod
     def load(
@@ -1063,14 +1090,12 @@ class MaskedDecoder:
         if self.prefills.head is None:
             out = self.first.run(["logits", *kv], feed)
             return out[0], tuple(out[1 : 1 + n]), tuple(out[1 + n :])
-        head, hidden = self.prefills.head
-        out = self.first.run([hidden, *kv], feed)
+        head = self.prefills.head
+        out = self.first.run([head[1], *kv], feed)
         wanted = mask.astype(bool)
         if needed_from is not None:
             wanted &= np.arange(length)[None, :] >= needed_from[:, None]
-        some = head.run(["logits"], {hidden: out[0][wanted][None]})[0][0]
-        logits = np.zeros((batch, length, some.shape[-1]), dtype=some.dtype)
-        logits[wanted] = some
+        logits = _project(head, out[0], wanted)
         return logits, tuple(out[1 : 1 + n]), tuple(out[1 + n :])
 
     def step(
@@ -1108,9 +1133,4 @@ class MaskedDecoder:
         if fed == 1:
             logits = head.run(["logits"], {hidden: out[0]})[0]
             return logits[:, -1, :], tuple(out[1:])
-        # The projection, most of a step's cost, only at the real positions.
-        real = mask[:, -fed:].astype(bool)
-        some = head.run(["logits"], {hidden: out[0][real][None]})[0][0]
-        logits = np.empty((*real.shape, some.shape[-1]), dtype=some.dtype)
-        logits[real] = some
-        return logits, tuple(out[1:])
+        return _project(graph.head, out[0], mask[:, -fed:].astype(bool)), tuple(out[1:])
