@@ -10,12 +10,10 @@ gets alone (which the files' graphs do not).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -27,14 +25,7 @@ from engine.token_quantization import (
     per_token_graph,
 )
 from tests.conftest import FIXTURE_MODEL, needs_fixture
-
-
-def _session(source: Path | bytes) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.intra_op_num_threads = 1
-    data = str(source) if isinstance(source, Path) else source
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+from tests.test_batched_decoder import _session
 
 
 def _matmul_model(weights: np.ndarray, zero_point: Any, extra_user: bool = False) -> Any:

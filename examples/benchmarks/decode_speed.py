@@ -118,7 +118,7 @@ def _ours_runner(spec: dict[str, Any]) -> tuple[Runner, Callable[[], None]]:
         allow_spinning=spec.get("allow_spinning", False),
         intra_op_threads=spec["threads"] if everything else None,
         scheduler=SchedulerOptions(cores=spec["threads"], head_threads=spec.get("head_threads")),
-        **({"int8_per_token": False} if spec.get("int8_per_token") is False else {}),
+        int8_per_token=spec.get("int8_per_token", True),
     )
     ids = tr.source_ids(spec["source"])
     enc = tr.encode([ids])
