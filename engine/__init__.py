@@ -1,12 +1,20 @@
-"""nmt-incremental engine: OPUS-MT / MarianMT ONNX translation for live, incremental input."""
+"""nmt-incremental engine: OPUS-MT / MarianMT ONNX translation for live, incremental input.
 
-from engine.config import ModelConfig
-from engine.decoding import DecodeOptions, DecodingCancelled, Hypothesis
+The folders are the layers, each importing only those below it (tests/test_layers.py):
+`model` (ONNX files, graph passes, sessions) <- `decoding` (searches, batches, the scheduler,
+`Translator`) <- `streaming` (one lifecycle and session per stream, policies, subscriptions)
+<- the I/O adapters (`server`, `cli`, `replay`, `subtitles`). `hub`, `conversion` and
+`evaluation` are tools beside them; `errors` and `languages` are facts every layer reads.
+"""
+
+from engine import _moved
+from engine.decoding.search import DecodeOptions, DecodingCancelled, Hypothesis
+from engine.decoding.targets import Targets
+from engine.decoding.translator import TranslationResult, Translator
 from engine.errors import EngineError, InputTooLongError, ModelLoadError
-from engine.runtime import DecoderLayout, MarianOnnx, RuntimeOptions
-from engine.targets import Targets
-from engine.tokenizer import MarianTokenizer
-from engine.translator import TranslationResult, Translator
+from engine.model import DecoderLayout, MarianOnnx, MarianTokenizer, ModelConfig, RuntimeOptions
+
+_moved.install()
 
 __all__ = [
     "DecodeOptions",

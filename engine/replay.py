@@ -31,6 +31,7 @@ import anyio
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 import protocol
+from engine.decoding.translator import Translator
 from engine.evaluation.metrics import (
     SegmentTrace,
     StreamingReport,
@@ -50,7 +51,6 @@ from engine.evaluation.translogs import (
     source_revisions,
 )
 from engine.streaming import IncrementalTranslator, StreamingOptions
-from engine.translator import Translator
 from protocol import (
     ErrorCode,
     ErrorMessage,

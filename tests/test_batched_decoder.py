@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.batched_decoder import (
+from engine.model.batched_decoder import (
     MASK_INPUT,
     POSITIONS_INPUT,
     _load,
@@ -23,10 +23,10 @@ from engine.batched_decoder import (
     rewrite_decoder,
     split_output_projection,
 )
-from engine.config import ModelConfig
-from engine.merged_split import split_merged
-from engine.token_quantization import per_token_graph
-from engine.tokenizer import MarianTokenizer
+from engine.model.config import ModelConfig
+from engine.model.passes.merged_split import split_merged
+from engine.model.passes.per_token import per_token_graph
+from engine.model.tokenizer import MarianTokenizer
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, model_copy, needs_fixture
 
 onnx = pytest.importorskip("onnx")
@@ -600,7 +600,7 @@ def test_an_unknown_graph_gives_none_and_a_reason(
 ) -> None:
     model = make()
     before = model.SerializeToString()
-    with caplog.at_level(logging.WARNING, logger="engine.batched_decoder"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.batched_decoder"):
         assert rewrite_decoder(model, "probe.onnx") is None
     assert any(
         reason in r.getMessage() and "probe.onnx" in r.getMessage() for r in caplog.records
@@ -641,7 +641,7 @@ def test_a_model_directory_gives_a_checked_pair(
 def test_a_model_without_a_cached_decoder_gives_none(
     fixture_variants: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine.batched_decoder"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.batched_decoder"):
         assert load_batched_decoder(fixture_variants["no_cache"]) is None
     assert "no decoder with past" in caplog.text
 
@@ -707,8 +707,8 @@ def test_only_a_causal_step_takes_several_tokens_per_row(quantized: bool) -> Non
     traced with one token, has no mask to make it so) and, in fp32, three tokens fed after
     a cache must give the logits of one no-past call; a graph that claims it falsely is
     caught there."""
-    from engine.batched_decoder import CAUSAL_KEY
-    from engine.runtime import RuntimeOptions, _causal_over_new_tokens
+    from engine.model.batched_decoder import CAUSAL_KEY
+    from engine.model.runtime import RuntimeOptions, _causal_over_new_tokens
 
     config = ModelConfig.from_dir(FIXTURE_MODEL)
     options = RuntimeOptions(quantized=quantized)

@@ -15,8 +15,8 @@ from typing import Any
 import anyio
 import pytest
 
+from engine.decoding.translator import Translator
 from engine.streaming import IncrementalTranslator
-from engine.translator import Translator
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_server import STREAMING, serving
 
@@ -189,8 +189,8 @@ async def test_page_shows_the_language_it_asks_for(relabelled_de: Path) -> None:
     `conftest.relabel`), and a language the server lacks is said on the page."""
     from websockets.asyncio.client import connect
 
+    from engine.decoding.targets import Targets
     from engine.server import Limits, ServerOptions, SubtitleServer
-    from engine.targets import Targets
 
     targets = Targets.load([FIXTURE_MODEL, relabelled_de])
     options = ServerOptions(port=0, limits=Limits(rate_limit=None))

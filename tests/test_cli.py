@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 import protocol
-from engine.cli import main
+from engine.cli.main import main
+from engine.decoding.translator import Translator
 from engine.evaluation.translogs import read_log
 from engine.replay import read_updates
-from engine.translator import Translator
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT, needs_fixture, serving
 
 LOGS = ROOT / "examples" / "logs"

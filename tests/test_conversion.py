@@ -126,7 +126,7 @@ def test_fixture_model_dir_is_complete_and_self_contained() -> None:
 def test_partial_marker_is_one_source_id_after_the_text_pieces() -> None:
     """The engine appends `partial_suffix` to partials: it must add exactly one id, the
     same for our tokenizer and MarianTokenizer, and leave the text's own ids alone."""
-    from engine.tokenizer import MarianTokenizer
+    from engine.model import MarianTokenizer
 
     vocab = json.loads((MODEL / "vocab.json").read_text("utf-8"))
     ours = MarianTokenizer.from_dir(MODEL)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine import DecodeOptions, DecoderLayout, Translator
-from engine.decoding import greedy_search
+from engine.decoding.search import greedy_search
 
 SOURCES = [
     "I will meet Tom at three",

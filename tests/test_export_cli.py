@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine.cli.models import add_models_parser, run_models
 from engine.conversion import verify as export_verify
-from engine.hub.cli import add_models_parser, run_models
-from engine.translator import Translator
+from engine.decoding.translator import Translator
 from tests.conftest import FIXTURE_CHECKPOINT as CHECKPOINT
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES
+from engine.cli.models import add_models_parser, run_models
+from engine.decoding.translator import Translator
 from engine.errors import ModelLoadError
 from engine.hub import (
     CatalogError,
@@ -45,8 +46,7 @@ from engine.hub import (
 )
 from engine.hub import download as hub_download
 from engine.hub.catalog import parse_catalog
-from engine.hub.cli import add_models_parser, run_models
-from engine.translator import Translator
+from engine.model import OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES
 from tests.conftest import FIXTURE_MODEL, model_copy, needs_fixture
 
 ONNX_REPO = "Xenova/opus-mt-en-zh"

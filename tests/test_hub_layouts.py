@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.decoding.translator import Translator
 from engine.hub.layout import LayoutError, RepoLayout, discover
-from engine.runtime import DecoderLayout
-from engine.translator import Translator
+from engine.model import DecoderLayout
 from tests.conftest import FIXTURE_MODEL
 from tests.test_hub import (
     SENTENCE,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import _lang_code
 from engine.evaluation import units
 from engine.languages import CJK_RANGES, base_lang, is_cjk
+from engine.model.config import _lang_code
 from engine.streaming import session
 
 

@@ -178,7 +178,7 @@ def test_a_split_that_disagrees_with_the_merged_graph_is_refused(
     and the merged file runs as it is."""
     onnx = pytest.importorskip("onnx")
     needs_fixture()
-    from engine import runtime
+    from engine.model import runtime
 
     step = onnx.load(str(FIXTURE_MODEL / "decoder_with_past_model.onnx"))
     for init in step.graph.initializer:
@@ -190,7 +190,7 @@ def test_a_split_that_disagrees_with_the_merged_graph_is_refused(
     monkeypatch.setattr(runtime, "split_merged", lambda path: wrong)
     names = ("encoder_model.onnx", "decoder_model_merged.onnx")
     model_dir = model_copy(tmp_path / "merged", {n: FIXTURE_MODEL / n for n in names})
-    with caplog.at_level("WARNING", logger="engine.runtime"):
+    with caplog.at_level("WARNING", logger="engine.model.runtime"):
         tr = Translator.from_dir(model_dir)
     assert tr.model.layout is DecoderLayout.MERGED and not tr.model.split_at_load
     assert any("keeping the merged file" in r.getMessage() for r in caplog.records)

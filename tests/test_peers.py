@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from engine.decoding.translator import Translator
 from engine.evaluation.metrics import average_lagging, differentiable_average_lagging
 from engine.evaluation.peers import write_simuleval, write_simulstream
 from engine.evaluation.units import split_units
 from engine.replay import ReplayResult, replay_file
-from engine.translator import Translator
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 
 LOGS = ROOT / "examples" / "logs"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from engine.cli import build_parser
+from engine.cli.main import build_parser
 from tests.conftest import ROOT
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")

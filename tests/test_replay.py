@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from engine.decoding import DecodeOptions
+from engine.decoding.search import DecodeOptions
+from engine.decoding.translator import Translator
 from engine.evaluation.translogs import (
     TranscriptLogError,
     generate_log,
@@ -32,7 +33,6 @@ from engine.replay import (
     segment_order,
 )
 from engine.streaming import LocalAgreement, MaskK, StreamingOptions
-from engine.translator import Translator
 from tests.conftest import FIXTURE_MODELS, ROOT, needs_fixture
 
 LOGS = ROOT / "examples" / "logs"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
+from engine.cli.main import main
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -1,10 +1,10 @@
 """The decode scheduler: requests from many threads share decoder steps and still get
 exactly what decoding each alone gives; stale partials leave the batch; finals go first.
 
-"Alone" is `engine.decoding.search` on the original (not rewritten) graphs, one source at
+"Alone" is `engine.decoding.search.search` on the original (not rewritten) graphs, one source at
 a time, so a test here fails if batching, padding, the rewrite or the scheduler changes
 any row's tokens or scores. int8 graphs, original and rewritten, run with activations
-quantized per token (`engine.token_quantization`; `tests/test_token_quantization.py` checks
+quantized per token (`engine.model.passes.per_token`; `tests/test_token_quantization.py` checks
 that against the files themselves).
 """
 
@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 
 from engine import DecodeOptions, Translator
-from engine.decoding import (
+from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
+from engine.decoding.search import (
     LOOKAHEAD,
     LOOKAHEAD_POSITIONS,
     DecodingCancelled,
     Hypothesis,
     search,
 )
-from engine.runtime import FloatArray
-from engine.scheduler import DecodeScheduler, SchedulerOptions
+from engine.model import FloatArray
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 
 SOURCES = [
@@ -58,7 +58,7 @@ HEAD_APART = SchedulerOptions(lanes=1, threads_per_lane=1, head_threads=2)
 
 SCORE_TOLERANCE = 1e-4
 """Score tolerance against decoding alone, fp32 and int8 alike: the engine quantizes int8
-activations per token (`engine.token_quantization`), so a row's values do not depend on
+activations per token (`engine.model.passes.per_token`), so a row's values do not depend on
 its batch mates, its padding or the other tokens of its call."""
 
 
@@ -288,7 +288,7 @@ def test_a_closed_scheduler_refuses_work(tmp_path: Path) -> None:
     tr = Translator.from_dir(FIXTURE_MODEL)
     assert tr.translate(["we eat noodles"])[0].text
     tr.close()
-    from engine.scheduler import SchedulerClosed
+    from engine.decoding.scheduler import SchedulerClosed
 
     with pytest.raises(SchedulerClosed):
         tr.translate(["we eat noodles"])
@@ -301,7 +301,7 @@ def test_a_result_that_cannot_be_built_is_that_requests_error(
     the error; it used to leave the caller waiting for ever. The other requests and later
     calls are answered as usual."""
     needs_fixture()
-    from engine.decoding import GreedySearch
+    from engine.decoding.search import GreedySearch
 
     tr = Translator.from_dir(FIXTURE_MODEL)
     built = GreedySearch.result
@@ -356,7 +356,7 @@ def test_a_rewrite_that_changes_the_logits_is_refused_for_lockstep(
     import onnx
     from onnx import numpy_helper
 
-    import engine.batched_decoder as bd
+    import engine.model.batched_decoder as bd
 
     real = bd.rewrite_decoder
 
@@ -391,7 +391,7 @@ def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
     import onnx
     from onnx import numpy_helper
 
-    import engine.batched_decoder as bd
+    import engine.model.batched_decoder as bd
 
     real = bd.split_output_projection
 
@@ -575,7 +575,7 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
     share steps with rows that take one, join at different steps, and each still gets what
     decoding it alone gives; rejected lookahead leaves holes in the cache that are
     squeezed out without changing anything."""
-    from engine.decoding import ContinuousBatch, make_search
+    from engine.decoding.search import ContinuousBatch, make_search
 
     model = translator.model
     if model.masked is None or not model.masked.lookahead:

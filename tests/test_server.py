@@ -18,7 +18,8 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from engine.decoding import DecodeOptions
+from engine.decoding.search import DecodeOptions
+from engine.decoding.translator import Translator
 from engine.server import Limits, ServerOptions, SubtitleServer
 from engine.server.connection import (
     Close,
@@ -37,7 +38,6 @@ from engine.server.connection import (
 )
 from engine.server.outbox import Outbox
 from engine.streaming import IncrementalTranslator, StreamingOptions
-from engine.translator import Translator
 from protocol import ErrorMessage, TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 

@@ -10,8 +10,8 @@ import json
 import anyio
 import pytest
 
+from engine.decoding.translator import Translator
 from engine.server.connection import SINGLE_HEADERS, duplicate_headers
-from engine.translator import Translator
 from tests.test_server import serving, translator
 
 __all__ = ["translator"]  # the module fixture, shared with test_server

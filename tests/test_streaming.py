@@ -13,9 +13,9 @@ import anyio
 import pytest
 
 from engine import DecodingCancelled, Translator
-from engine.decoding import StepHook
+from engine.decoding.search import StepHook
 from engine.evaluation.translogs import generate_log
-from engine.runtime import FloatArray
+from engine.model import FloatArray
 from engine.streaming import (
     BiasedDecoding,
     IncrementalTranslator,

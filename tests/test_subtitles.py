@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from engine.cli import main
+from engine.cli.main import main
 from engine.evaluation.translogs import read_log
 from engine.subtitles import Cue, CueRules, Final, layout, wrap, write
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
@@ -92,8 +92,8 @@ async def test_serve_records_each_streams_finals_as_they_arrive(tmp_path: Path) 
     import anyio
     from websockets.asyncio.client import connect
 
+    from engine.decoding.translator import Translator
     from engine.server.recorder import record
-    from engine.translator import Translator
     from tests.test_server import serving, ws_url
 
     webvtt = pytest.importorskip("webvtt")

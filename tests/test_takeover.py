@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from engine.translator import Translator
+from engine.decoding.translator import Translator
 from tests.test_server import _partial, serving, translator, wait_for, ws_url
 
 __all__ = ["translator"]  # the module fixture, shared with test_server

@@ -1,7 +1,7 @@
 """int8 activations quantized per token: what a row gets no longer depends on its batch.
 
 The int8 files quantize each matmul input with one scale over the whole tensor, so
-batching moves a row's values; `engine.token_quantization.per_token` gives every token its
+batching moves a row's values; `engine.model.passes.per_token.per_token` gives every token its
 own scale with the files' arithmetic. Checked here against the files themselves: for one
 token the values are the files' bit for bit, and each row of a batch gets exactly what it
 gets alone (which the files' graphs do not).
@@ -17,8 +17,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engine.batched_decoder import probe_feed
-from engine.token_quantization import (
+from engine.model.batched_decoder import probe_feed
+from engine.model.passes.per_token import (
     PER_TOKEN_KEY,
     NotPerToken,
     per_token,

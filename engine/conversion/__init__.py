@@ -4,7 +4,6 @@ Build-time only: torch, transformers and optimum are imported inside the functio
 need them, so importing this package (or the runtime) never pulls them in.
 """
 
-from engine.config import TOKENIZER_FILES
 from engine.conversion.export import (
     copy_tokenizer_files,
     export_decoder_without_encoder_kv,
@@ -19,6 +18,7 @@ from engine.conversion.quantize import (
     quantized_op_counts,
     untie_lm_head,
 )
+from engine.model import TOKENIZER_FILES
 
 __all__ = [
     "QUANTIZED_SUFFIX",

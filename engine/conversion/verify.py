@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.decoding import DecodeOptions
+from engine.decoding.search import DecodeOptions
+from engine.decoding.translator import Translator
 from engine.errors import EngineError
-from engine.translator import Translator
+from engine.model import ModelConfig
 
 EXPORT_MODULES = ("torch", "transformers", "optimum.exporters.onnx", "onnx")
 EXPORT_EXTRA_HELP = (

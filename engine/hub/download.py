@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
 from engine.errors import ModelLoadError
 from engine.hub.catalog import (
     Catalog,
@@ -54,6 +53,7 @@ from engine.hub.errors import (
     UnknownModelError,
 )
 from engine.hub.layout import DECODER_STEMS, VARIANT_SUFFIX, LayoutError, discover, onnx_files
+from engine.model import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 HOME_ENV = "NMT_INCREMENTAL_HOME"

@@ -19,8 +19,8 @@ import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from engine.config import TOKENIZER_FILES
 from engine.hub.errors import HubError
+from engine.model import TOKENIZER_FILES
 
 ENCODER_STEM = "encoder_model"
 # Decoder files by layout, in the order they are preferred when a folder has both: the

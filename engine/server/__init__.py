@@ -1,11 +1,11 @@
-"""Live subtitles over WebSocket: `nmt-incremental serve` and the subtitle page.
+"""Live subtitles over WebSocket: the server behind `nmt-incremental serve` and its pages.
 
 `connection` holds the per-connection rules (sans I/O), `app` the asyncio server built on
-the `websockets` library, `metrics` the Prometheus metrics, `cli` the command line.
+the `websockets` library, `metrics` the Prometheus metrics; the command line is
+`engine.cli.serve`.
 """
 
 from engine.server.app import ServerOptions, SubtitleServer
-from engine.server.cli import add_serve_parser, run_serve
 from engine.server.connection import Limits
 
-__all__ = ["Limits", "ServerOptions", "SubtitleServer", "add_serve_parser", "run_serve"]
+__all__ = ["Limits", "ServerOptions", "SubtitleServer"]

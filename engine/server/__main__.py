@@ -2,6 +2,6 @@
 
 import sys
 
-from engine.server.cli import main
+from engine.cli.serve import main
 
 sys.exit(main())

@@ -2,12 +2,12 @@
 
 One anyio task per stream takes its pending events in order and runs `StreamSession` in a
 worker thread, whose encoder and decoder calls go to the model's one decode scheduler
-(`engine.scheduler`), where the streams' decodes share batched decoder steps. When a newer
+(`engine.decoding.scheduler`), where the streams' decodes share batched decoder steps. When a newer
 event arrives while a partial is being decoded, that decode leaves the batch at its next
 step and the newest source is decoded instead, so delay never piles up behind a fast
 talker; finals are never skipped or cancelled.
 
-Fan-out: with several models (`engine.targets.Targets`, one per target language) a stream
+Fan-out: with several models (`engine.decoding.targets.Targets`, one per target language) a stream
 keeps one lifecycle, one queue and one task, and one session per language. Each admitted
 event is translated into every language at once (one worker thread per language, each
 model's scheduler batching its own rows) and each language's update is published as soon
@@ -32,7 +32,9 @@ from typing import Any, TypeAlias
 import anyio
 import anyio.abc
 
-from engine.decoding import DecodingCancelled
+from engine.decoding.search import DecodingCancelled
+from engine.decoding.targets import Targets
+from engine.decoding.translator import Translator
 from engine.streaming.lifecycle import (
     Admission,
     Owner,
@@ -42,8 +44,6 @@ from engine.streaming.lifecycle import (
     Trigger,
 )
 from engine.streaming.session import StreamingOptions, StreamSession
-from engine.targets import Targets
-from engine.translator import Translator
 from protocol import (
     EngineClosed,
     ErrorCode,

@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from engine.decoding import StepHook
-from engine.runtime import FloatArray
+from engine.decoding.search import StepHook
+from engine.model import FloatArray
 
 
 def common_prefix_length(seqs: Sequence[Sequence[object]]) -> int:

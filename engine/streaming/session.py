@@ -18,12 +18,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from engine.config import ModelConfig
-from engine.decoding import DecodeOptions
+from engine.decoding.search import DecodeOptions
+from engine.decoding.translator import Translator
 from engine.languages import drop_fillers, is_cjk
-from engine.runtime import EncoderOutput
+from engine.model import EncoderOutput, ModelConfig
 from engine.streaming.policies import Policy, common_prefix_length, default_policy
-from engine.translator import Translator
 from protocol import PartialTranscript, TranslationUpdate
 
 

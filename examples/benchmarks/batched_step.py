@@ -1,4 +1,4 @@
-"""Cost of the batched-decoder rewrite (`engine.batched_decoder`) on one cached step.
+"""Cost of the batched-decoder rewrite (`engine.model.batched_decoder`) on one cached step.
 
 Prints the median time of one with-past decoder step for the original graph and for its
 rewrite (the extra `decoder_attention_mask` / `decoder_position_ids` inputs) at batch 1,
@@ -28,14 +28,14 @@ import onnxruntime as ort
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from engine.batched_decoder import (  # noqa: E402
+from engine.model.batched_decoder import (  # noqa: E402
     MASK_INPUT,
     POSITIONS_INPUT,
     load_batched_decoder,
     probe_feed,
 )
-from engine.merged_split import split_merged  # noqa: E402
-from engine.runtime import onnx_dir  # noqa: E402
+from engine.model.passes.merged_split import split_merged  # noqa: E402
+from engine.model.runtime import onnx_dir  # noqa: E402
 
 
 def session(model: Path | bytes, threads: int) -> ort.InferenceSession:

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         "--int8-per-call",
         action="store_true",
         help="int8 activations quantized per call as the files do (default: per token, "
-        "rows exact; see engine/token_quantization.py)",
+        "rows exact; see engine/model/passes/per_token.py)",
     )
     parser.add_argument(
         "--batching",
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.int8_per_call:
         kwargs["int8_per_token"] = False
     try:
-        from engine.scheduler import SchedulerOptions
+        from engine.decoding.scheduler import SchedulerOptions
 
         kwargs["batchable"] = args.batching == "continuous"
         chosen = {

@@ -104,7 +104,7 @@ def _ours_runner(spec: dict[str, Any]) -> tuple[Runner, Callable[[], None]]:
     import numpy as np
 
     from engine import DecodeOptions, Translator
-    from engine.scheduler import SchedulerOptions
+    from engine.decoding.scheduler import SchedulerOptions
 
     # --threads is the cores the model may use, set the way the engine sets them: its
     # scheduler decides the threads of each call (one per lane, the output projection on

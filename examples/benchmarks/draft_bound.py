@@ -56,10 +56,10 @@ def decodes(model: Path, log: Path) -> list[Decode]:
     offline check of the finals left out (not part of the stream). Also what
     draft_cost.py replays on the realistic model."""
     from engine import Translator
-    from engine.decoding import GreedySearch, Hypothesis
+    from engine.decoding.scheduler import SchedulerOptions
+    from engine.decoding.search import GreedySearch, Hypothesis
     from engine.evaluation.translogs import read_log
     from engine.replay import ReplayOptions, replay
-    from engine.scheduler import SchedulerOptions
 
     seen: list[Decode] = []
     widths: dict[int, list[int]] = {}

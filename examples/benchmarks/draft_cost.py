@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs the benchmark model (models/build_benchmark_model.py) and ../shared")
         return 2
     from engine import Translator
-    from engine.scheduler import SchedulerOptions
+    from engine.decoding.scheduler import SchedulerOptions
 
     pairs = [p for p in PAIRS if args.only in (None, p[0])]
     logs = {

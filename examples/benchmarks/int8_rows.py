@@ -9,7 +9,7 @@ each, as a cached step feeds them) on 1 and 2 threads:
 
 - `dynamic`: the files' own `DynamicQuantizeLinear` + `MatMulInteger` (+ Cast, Mul);
 - `per-row`: the same arithmetic with one scale and zero point per row (token), as the
-  engine runs int8 (`engine.token_quantization.per_token` applied to `dynamic`: standard
+  engine runs int8 (`engine.model.passes.per_token.per_token` applied to `dynamic`: standard
   ops, `MatMulInteger` without the first input's zero point, which ONNX Runtime only
   takes as a scalar, and the zero point times the weights' column sums subtracted after);
 - `nbits`: `MatMulNBits` with the same int8 weights (one block scale each) and
@@ -42,7 +42,7 @@ def _models() -> dict[str, Any]:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from engine.token_quantization import per_token
+    from engine.model.passes.per_token import per_token
 
     rng = np.random.default_rng(0)
     weights = rng.integers(-127, 128, (K, N)).astype(np.int8)

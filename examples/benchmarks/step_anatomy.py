@@ -4,7 +4,7 @@ At one row a step of the OPUS-MT-sized int8 decoder reads every weight once (abo
 for the six layers and 33 MB for the 512 x 65001 output projection) and does little
 arithmetic with each byte, so its speed is set by how fast the machine streams weights,
 not by its int8 kernels. This script measures the pieces on the rewritten with-past step
-(`engine.batched_decoder`), cut at the output projection (`split_output_projection`):
+(`engine.model.batched_decoder`), cut at the output projection (`split_output_projection`):
 
 - the body alone and the head alone, each run back to back: their weights stay in the
   last-level cache if they fit;
@@ -107,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO_ROOT))
     import onnxruntime as ort
 
-    from engine.batched_decoder import load_batched_decoder, probe_feed, split_output_projection
-    from engine.config import ModelConfig
+    from engine.model.batched_decoder import (
+        load_batched_decoder,
+        probe_feed,
+        split_output_projection,
+    )
+    from engine.model.config import ModelConfig
 
     onnx_dir = args.model / "onnx"
     if not onnx_dir.is_dir():

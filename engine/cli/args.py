@@ -11,10 +11,10 @@ import argparse
 import math
 from typing import Any
 
+from engine.decoding.scheduler import SchedulerOptions
+from engine.decoding.targets import Targets
+from engine.decoding.translator import Translator
 from engine.hub import resolve_model
-from engine.scheduler import SchedulerOptions
-from engine.targets import Targets
-from engine.translator import Translator
 
 POLICY_HELP = (
     "stability policy: local-agreement[:n] (la[:n]), mask[:k], biased[:beta] or "

@@ -20,13 +20,13 @@ What it costs and what it changes: about sixteen small ops per quantized input (
 in an OPUS-MT step) and no fused `DynamicQuantizeMatMul` kernel, measured on a 2-core AMD
 EPYC as +0.8 ms on a 2.7 ms one-row step and ~+30% per row-token in batched steps
 (`examples/benchmarks/decode_speed.py`, "ours int8 per call" for the files' way), so
-`engine.runtime` runs one-row one-token steps on the files' graph (the same values); the
+`engine.model.runtime` runs one-row one-token steps on the files' graph (the same values); the
 values of a call with several tokens differ from the files' (each token on its own scale,
 which is closer to fp32, not farther).
 
 A quantization whose outputs feed anything but `MatMulInteger` (values and zero point) and
 `Mul` (scale) is left alone and reported: the caller then knows the graph is not per token.
-Needs the `onnx` package, imported only here, like `engine.batched_decoder`.
+Needs the `onnx` package, imported only here, like `engine.model.batched_decoder`.
 """
 
 from __future__ import annotations

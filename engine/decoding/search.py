@@ -5,7 +5,7 @@ advances: it holds the tokens so far, the forced prefix left to feed, scores and
 and turns its rows' logits into the next tokens and which of its rows they extend. A
 `Batch` runs the rows of many searches through one decoder call per step; searches leave
 it when they end (eos, length limit) or are cancelled, and a `DecodeScheduler`
-(`engine.scheduler`) admits new ones. `greedy_search` / `beam_search` run a batch of
+(`engine.decoding.scheduler`) admits new ones. `greedy_search` / `beam_search` run a batch of
 searches that start together, which is also how a batch without per-row positions must
 run (lockstep).
 
@@ -15,7 +15,7 @@ one token at a time with the cache. In a lockstep batch whose prefixes differ in
 common length goes in that first call and the rest is forced step by step.
 
 The encoder runs once per source (the caller passes its output in), and the encoder KV of
-the first decoder call is reused at every later step (see `engine.runtime`).
+the first decoder call is reused at every later step (see `engine.model.runtime`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engine.config import ModelConfig
-from engine.runtime import (
+from engine.model import (
     DecoderCache,
     EncoderOutput,
     FloatArray,
     IntArray,
     MarianOnnx,
     MaskedDecoder,
+    ModelConfig,
 )
 
 # Called before each decoding step with the tokens of every live row (forced prefix included)

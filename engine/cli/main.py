@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import BinaryIO, TextIO
 
 import protocol
-from engine.cli_args import (
+from engine.cli.args import (
     add_model_arguments,
     add_policy_argument,
     load_translator,
@@ -24,7 +24,9 @@ from engine.cli_args import (
     positive_int,
     probability,
 )
-from engine.decoding import DecodeOptions
+from engine.cli.models import add_models_parser, run_models
+from engine.cli.serve import add_serve_parser, run_serve
+from engine.decoding.search import DecodeOptions
 from engine.errors import EngineError
 from engine.evaluation.metrics import SegmentTrace
 from engine.evaluation.translogs import (
@@ -37,8 +39,6 @@ from engine.evaluation.translogs import (
     source_revisions,
     write_log,
 )
-from engine.hub.cli import add_models_parser, run_models
-from engine.server.cli import add_serve_parser, run_serve
 
 
 def _stream_id(value: str) -> str:

@@ -1,7 +1,7 @@
 """`nmt-incremental models ...`: pull, list, verify and export models.
 
 A thin I/O layer: `add_models_parser` adds the subcommands to the main parser and
-`run_models` runs them; the work is in `engine.hub.download`, `engine.hub.export` (the
+`run_models` runs them; the work is in `engine.hub.download`, `engine.cli.export` (the
 `models export` stages) and `engine.conversion`.
 Results go to stdout (the last line of `pull` is the model directory, for scripts);
 progress and diagnostics go to stderr.
@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from engine.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
 from engine.conversion.verify import CHECK_TEXTS
 from engine.errors import EngineError
 from engine.hub.catalog import ONNX_FILES, load_catalog
@@ -30,6 +29,7 @@ from engine.hub.download import (
     resolve_model,
 )
 from engine.hub.errors import UnknownModelError
+from engine.model import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
 
 __all__ = ["add_models_parser", "resolve_model", "run_models"]
 
@@ -138,7 +138,7 @@ def run_models(args: argparse.Namespace) -> int:
         if args.models_command == "verify":
             return _verify(args, sys.stdout)
         if args.models_command == "export":
-            from engine.hub.export import run_export
+            from engine.cli.export import run_export
 
             return run_export(args, sys.stdout)
     except KeyboardInterrupt:
@@ -213,8 +213,8 @@ def _verify(args: argparse.Namespace, out: TextIO) -> int:
     decoding without it gives (a broken with-past graph or cache bookkeeping shows here),
     and int8 is compared with fp32 when both are present (reported, not judged: int8 may
     legitimately differ)."""
-    from engine.runtime import onnx_dir
-    from engine.translator import Translator
+    from engine.decoding.translator import Translator
+    from engine.model import onnx_dir
 
     model_dir = resolve_model(args.model, download=False)
     print(f"model directory: {model_dir}", file=out)

@@ -16,20 +16,20 @@ from pathlib import Path
 import anyio
 
 import protocol
-from engine.cli_args import (
+from engine.cli.args import (
     add_model_arguments,
     add_policy_argument,
     load_targets,
     non_negative_float,
     positive_int,
 )
+from engine.decoding.targets import Targets
+from engine.decoding.translator import Translator
 from engine.errors import EngineError
 from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.connection import Limits
 from engine.server.recorder import record
 from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
-from engine.targets import Targets
-from engine.translator import Translator
 
 log = logging.getLogger("engine.server")
 LOG_LEVELS = ("debug", "info", "warning", "error")

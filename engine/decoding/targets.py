@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.decoding.scheduler import SchedulerOptions
+from engine.decoding.translator import Translator
 from engine.errors import EngineError, ModelLoadError
 from engine.languages import match_lang
-from engine.scheduler import SchedulerOptions
-from engine.translator import Translator
 
 UNKNOWN_LANG = "und"
 """The key of a lone model that does not say its target language (BCP 47 "undetermined");

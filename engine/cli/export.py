@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine.config import ModelConfig
 from engine.conversion import verify
 from engine.conversion.verify import CHECK_TEXTS, ExportCheck, ExportError, check_export
 from engine.errors import EngineError
+from engine.model import ModelConfig
 
 
 def run_export(args: argparse.Namespace, out: TextIO) -> int:

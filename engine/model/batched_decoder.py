@@ -53,9 +53,9 @@ then batch only rows of equal length (lockstep).
 int8 caveat, not the rewrite's: `DynamicQuantizeLinear` takes one scale per tensor over
 the whole batch, so with the files' quantization any batching (lockstep too) moves a row's
 int8 logits a little (0.2 on the fixture) against decoding it alone; `per_token=True`
-(what the engine runs) quantizes per token instead (`engine.token_quantization`).
+(what the engine runs) quantizes per token instead (`engine.model.passes.per_token`).
 
-Needs the `onnx` package, imported only here, like `engine.merged_split`.
+Needs the `onnx` package, imported only here, like `engine.model.passes.merged_split`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from engine.merged_split import split_merged
+from engine.model.passes.merged_split import split_merged
 
 if TYPE_CHECKING:
     import onnx
@@ -115,7 +115,7 @@ class BatchedDecoder:
     sources: tuple[str, ...]
     max_difference: float | None  # None: not checked (`load_batched_decoder(check=False)`)
     # `load_batched_decoder(per_token=True)` on int8 files: `first` and `tokens` (the step)
-    # quantize activations per token (`engine.token_quantization`); `step` keeps the files'
+    # quantize activations per token (`engine.model.passes.per_token`); `step` keeps the files'
     # quantization, the same values for a call of one token and faster. None otherwise.
     tokens: bytes | None = None
 
@@ -762,8 +762,8 @@ def load_batched_decoder(
     """The model's no-past and with-past decoders rewritten and checked, or None (logged).
 
     Takes the split pair when both files exist, else the merged file cut into its two
-    branches (`engine.merged_split`). Each rewrite is compared with the file it came from
-    on a multi-token no-past probe and a one-token cached step; a difference above
+    branches (`engine.model.passes.merged_split`). Each rewrite is compared with the file it
+    came from on a multi-token no-past probe and a one-token cached step; a difference above
     `tolerance` rejects it. `check=False` skips that (it opens four sessions) for a caller
     that runs `check_rewrite` on its own sessions; `max_difference` is then None.
     `per_token`: also the int8 no-past decoder and step (`tokens`) with activations
@@ -775,8 +775,8 @@ def load_batched_decoder(
     except ImportError:
         log.info("onnx not installed: no batched-decoder rewrite")
         return None
-    # Imported here so that engine.runtime may one day import this module.
-    from engine.runtime import (
+    # Imported here so that engine.model.runtime may one day import this module.
+    from engine.model.runtime import (
         DECODER,
         DECODER_MERGED,
         DECODER_WITH_PAST,
@@ -833,7 +833,7 @@ def load_batched_decoder(
         worst = max(worst, difference)
     if not per_token:
         return BatchedDecoder(out[0], out[1], sources, worst)
-    from engine.token_quantization import per_token_graph
+    from engine.model.passes.per_token import per_token_graph
 
     first = per_token_graph(out[0], f"{sources[0]} (no past)")
     tokens = per_token_graph(out[1], f"{sources[0]} (with past)")
@@ -900,7 +900,7 @@ def split_output_projection(data: bytes, vocab: int, logits: str = "logits") -> 
         return None
     hidden = projections[0].input[0]
     if projections[0].op_type == "MatMulInteger":
-        from engine.token_quantization import activation_source
+        from engine.model.passes.per_token import activation_source
 
         source = activation_source(view.producer, hidden)
         if source is None:

@@ -34,9 +34,9 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.merged_split import split_merged
+from engine.model.config import ModelConfig
+from engine.model.passes.merged_split import split_merged
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,14 @@ class RuntimeOptions:
     5-11% per token: the split files when present, else the merged file's two branches cut
     apart at load (needs the `onnx` package; checked against the merged graph first).
     `batchable`: also load the decoders rewritten to take a per-row self-attention mask and
-    position ids (`engine.batched_decoder`, checked against the originals), so that rows of
+    position ids (`engine.model.batched_decoder`, checked against the originals), so that rows of
     different decoder lengths share a call (continuous batching); without them, or when
     the rewrite fails, rows are batched only when they start together (lockstep).
     `head_threads`: threads of the batchable step's output projection, run as a session of
     its own when this differs from `intra_op_threads` (see `_split_head`); the scheduler
     sets both (`SchedulerOptions`).
     `int8_per_token`: run int8 files with their activations quantized per token
-    (`engine.token_quantization`), so that a token's values do not depend on what else
+    (`engine.model.passes.per_token`), so that a token's values do not depend on what else
     shares its call (batch mates, padding, a forced prefix): batching is then exact in
     int8 too. One-token calls give the files' own values either way, so a one-row step of
     the batchable layout runs the files' quantization (fused kernels, ~25% faster at one
@@ -215,7 +215,7 @@ def _graph(source: Path | bytes, options: RuntimeOptions, name: str) -> str | by
     """What a session of `source` is opened from: its int8 activations quantized per token
     where `options.per_token` says so and the graph allows it, else the graph as it is."""
     if options.per_token:
-        from engine.token_quantization import per_token_graph
+        from engine.model.passes.per_token import per_token_graph
 
         rewritten = per_token_graph(source, name)
         if rewritten is not None:
@@ -356,7 +356,7 @@ class MarianOnnx:
         off or the graph could not be rewritten); None for fp32."""
         if not self.options.quantized:
             return None
-        from engine.token_quantization import PER_TOKEN_KEY
+        from engine.model.passes.per_token import PER_TOKEN_KEY
 
         if self.masked is not None:
             per_token = self.masked.one is not None
@@ -709,7 +709,7 @@ class NoCacheLayout(LayoutDecoder):
 
 class MaskedLayout(LayoutDecoder):
     """The batchable rewrite (`MaskedDecoder`) run as a plain layout, for calls whose rows
-    all have the same length (lockstep batches, `engine.decoding.search`): an all-ones
+    all have the same length (lockstep batches, `engine.decoding.search.search`): an all-ones
     mask and consecutive positions, with which it gives the original graphs' logits."""
 
     def __init__(
@@ -782,7 +782,7 @@ def _split_head(
         return None
     threads = threads if apart else body_threads
     what = "prefill" if past_len == 0 else "step"
-    from engine.batched_decoder import REWRITE_TOLERANCE, probe_feed, split_output_projection
+    from engine.model.batched_decoder import REWRITE_TOLERANCE, probe_feed, split_output_projection
 
     try:
         split = split_output_projection(step_graph, config.vocab_size)
@@ -829,7 +829,12 @@ def _causal_over_new_tokens(
     equal those of one no-past call over the whole sequence. int8 is not compared that way
     (per call, tokens share a scale; per token, fp32 rounding between the two call shapes
     may still flip an int8 rounding) and rests on the structure."""
-    from engine.batched_decoder import CAUSAL_KEY, MASK_INPUT, POSITIONS_INPUT, REWRITE_TOLERANCE
+    from engine.model.batched_decoder import (
+        CAUSAL_KEY,
+        MASK_INPUT,
+        POSITIONS_INPUT,
+        REWRITE_TOLERANCE,
+    )
 
     if step.get_modelmeta().custom_metadata_map.get(CAUSAL_KEY) != "1":
         return False
@@ -923,7 +928,7 @@ class _CutGraph(NamedTuple):
 class MaskedDecoder:
     """The batchable decoder layout: the model's no-past and with-past decoders rewritten
     to take `decoder_attention_mask` [B, past + cur] and `decoder_position_ids` [B, cur]
-    (`engine.batched_decoder`), so that each row has its own length: padding slots in the
+    (`engine.model.batched_decoder`), so that each row has its own length: padding slots in the
     self-attention cache are masked out and each row's positions are its own.
 
     `prefill` runs start token + forced prefix of new rows (right-padded) in one call and
@@ -988,7 +993,7 @@ class MaskedDecoder:
         no-past and with-past sessions the model runs otherwise, per token where int8 is)
         on a forced prefix and a cached step; None, logged once with the reason, when the
         rewrite or its check fails, and the model batches in lockstep."""
-        from engine.batched_decoder import (
+        from engine.model.batched_decoder import (
             MASK_INPUT,
             REWRITE_TOLERANCE,
             check_rewrite,
@@ -1072,7 +1077,7 @@ class MaskedDecoder:
         Why: a forced prefix is often longer than the draft and the tail read after it,
         and the vocabulary projection is most of a position's cost (OPUS-MT size: 33 of
         the 55 MB of int8 weights, 512 x 65001 multiply-adds per position)."""
-        from engine.batched_decoder import MASK_INPUT, POSITIONS_INPUT
+        from engine.model.batched_decoder import MASK_INPUT, POSITIONS_INPUT
 
         batch, length = input_ids.shape
         positions = np.tile(np.arange(length, dtype=np.int64), (batch, 1))
@@ -1110,7 +1115,7 @@ class MaskedDecoder:
         """One token per row: logits [B, V] and the self KV grown by one slot. Several per
         row (`input_ids` [B, T], T > 1: lookahead, whose padding `mask` marks 0 in its
         last T columns): logits [B, T, V], meaningless at padding, and T more slots."""
-        from engine.batched_decoder import MASK_INPUT, POSITIONS_INPUT
+        from engine.model.batched_decoder import MASK_INPUT, POSITIONS_INPUT
 
         values: dict[str, Any] = {
             "encoder_attention_mask": enc.attention_mask,

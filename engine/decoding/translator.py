@@ -15,12 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.decoding import DecodeOptions, Hypothesis, StepHook
+from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
+from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
 from engine.errors import InputTooLongError, ModelLoadError
-from engine.runtime import EncoderOutput, MarianOnnx, RuntimeOptions
-from engine.scheduler import DecodeScheduler, SchedulerOptions
-from engine.tokenizer import MarianTokenizer
+from engine.model import EncoderOutput, MarianOnnx, MarianTokenizer, ModelConfig, RuntimeOptions
 
 _SENTENCE_END = re.compile(r"(?<=[.!?。！？；;])\s*")
 _CLAUSE_END = re.compile(r"(?<=[,，、:：])\s*")

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from engine.decoding import (
+from engine.decoding.search import (
     LOOKAHEAD_POSITIONS,
     Batch,
     ContinuousBatch,
@@ -53,7 +53,7 @@ from engine.decoding import (
     StepHook,
     make_search,
 )
-from engine.runtime import EncoderOutput, IntArray, MarianOnnx
+from engine.model import EncoderOutput, IntArray, MarianOnnx
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class SchedulerOptions:
     of a step big enough to share out, so a lone stream gets both cores there while the
     step's small ops stay on its lane's thread. `lookahead_positions`: extra positions a
     cached step may compute to verify re-aligned draft tokens, over all its rows (see
-    `engine.decoding.LOOKAHEAD_POSITIONS`; 0 turns lookahead off).
+    `engine.decoding.search.LOOKAHEAD_POSITIONS`; 0 turns lookahead off).
     """
 
     max_rows: int = 32

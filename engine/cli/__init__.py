@@ -1,0 +1,6 @@
+"""The `nmt-incremental` command: one module per subcommand group (`serve`, `models`,
+`export`), `args` for the options they share, `main` for the parser and dispatch."""
+
+from engine.cli.main import main
+
+__all__ = ["main"]

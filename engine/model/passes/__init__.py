@@ -1,0 +1,1 @@
+"""Graph rewrites, onnx -> onnx, that need no onnxruntime: each takes a graph and returns one."""
