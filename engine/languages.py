@@ -1,14 +1,17 @@
-"""Language facts in one table each: language codes, and which characters are CJK.
+"""Language facts, one table each: codes, CJK script ranges, which languages are written
+without spaces, the languages metrics count units for, and hesitation fillers.
 
 Several layers need them and must agree: the model config (which language a model
-translates from and to), the streaming session (a CJK character is a commit boundary of
-its own, a Latin word is not) and the metrics (words for English, characters for
-Chinese). Pure Python, no dependencies, so every layer may import it.
+translates from and to), the translator (how translated pieces are joined), the streaming
+session (a CJK character is a commit boundary of its own, a Latin word is not), the metrics
+and peer formats (words for English, characters for Chinese) and the subtitle layout. Pure
+Python, no dependencies, so every layer may import it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 # Codes as models and corpora write them (ISO 639-1/2/3, OPUS and FLORES names) -> the
 # short code the engine uses. Cantonese and Wu count as Chinese: the same units.
@@ -22,6 +25,15 @@ LANG_ALIASES: dict[str, str] = {
     "wuu": "zh",
     "chinese": "zh",
 }
+
+WITHOUT_SPACES: frozenset[str] = frozenset({"zh"})
+"""Languages (short codes) written without spaces between words: their pieces are joined
+with nothing, and metrics count their text in characters rather than words."""
+
+Lang = Literal["en", "zh"]
+"""The languages metrics count units for: words (English) or characters (Chinese)."""
+
+UNIT_LANGS: tuple[Lang, ...] = ("en", "zh")
 
 # Ideographs, kana, hangul, CJK symbols and punctuation, full-width forms: each character
 # is a unit (and a commit boundary) of its own.
@@ -42,6 +54,10 @@ IDEOGRAPH_RANGES: tuple[tuple[int, int], ...] = (
     (0x20000, 0x3FFFF),
 )
 
+CJK_TEXT_SHARE = 0.3
+"""A text counts as Chinese (CJK) when at least this share of its non-space characters is:
+a share rather than "any" keeps English with a quoted Chinese name English."""
+
 
 # Hesitation fillers recognisers write out ("um I will meet Tom"): not content, never
 # translated or committed. Chinese ones are single characters written without spaces; only
@@ -51,18 +67,6 @@ FILLERS: dict[str, frozenset[str]] = {
     "zh": frozenset({"嗯", "呃"}),
 }
 _EDGE_PUNCTUATION = ",.;:!?…，。；：！？、"
-
-
-def drop_fillers(text: str, lang: str | None) -> str:
-    """`text` without the filler words of its language (a word with trailing punctuation,
-    "Um," included); other languages are left as they are."""
-    fillers = FILLERS.get(base_lang(lang)) if lang else None
-    if not fillers:
-        return text
-    if base_lang(lang or "") == "zh":
-        return "".join(ch for ch in text if ch not in fillers)
-    kept = [w for w in text.split(" ") if w.strip(_EDGE_PUNCTUATION).lower() not in fillers]
-    return " ".join(kept)
 
 
 def base_lang(code: str) -> str:
@@ -81,6 +85,29 @@ def match_lang(tag: str, languages: Iterable[str]) -> str | None:
     return base if base in known else None
 
 
+def written_without_spaces(lang: str | None) -> bool:
+    """Whether `lang` (any code `base_lang` knows; None: unknown) is in `WITHOUT_SPACES`."""
+    return lang is not None and base_lang(lang) in WITHOUT_SPACES
+
+
+def word_joiner(lang: str | None) -> str:
+    """What goes between two pieces of text in `lang`: nothing, or a space."""
+    return "" if written_without_spaces(lang) else " "
+
+
+def normalize_lang(lang: str) -> Lang:
+    """Map a language code (``en``, ``eng_Latn``, ``zh-CN``, ``cmn_Hans``...) to ``en``/``zh``.
+
+    Raises ValueError for anything else so that a typo does not silently change the units.
+    """
+    base = base_lang(lang)
+    if base == "en":
+        return "en"
+    if base == "zh":
+        return "zh"
+    raise ValueError(f"unsupported language {lang!r}: expected one of en/eng or zh/zho/cmn")
+
+
 def in_ranges(ch: str, ranges: tuple[tuple[int, int], ...]) -> bool:
     cp = ord(ch)
     return any(lo <= cp <= hi for lo, hi in ranges)
@@ -93,3 +120,37 @@ def is_cjk(ch: str) -> bool:
 
 def is_ideograph(ch: str) -> bool:
     return in_ranges(ch, IDEOGRAPH_RANGES)
+
+
+def cjk_share(text: str, *, ideographs: bool = False) -> float | None:
+    """The share of the non-space characters of `text` that are CJK (`ideographs`: only
+    ideographs count); None for a text of spaces only."""
+    chars = [ch for ch in text if not ch.isspace()]
+    if not chars:
+        return None
+    test = is_ideograph if ideographs else is_cjk
+    return sum(1 for ch in chars if test(ch)) / len(chars)
+
+
+def guess_lang(text: str, *, threshold: float = CJK_TEXT_SHARE) -> Lang:
+    """``zh`` when at least ``threshold`` of the non-space characters are CJK ideographs,
+    else ``en``: for a log or caller that does not say which language a text is in."""
+    share = cjk_share(text, ideographs=True)
+    return "zh" if share is not None and share >= threshold else "en"
+
+
+def text_lang(text: str, lang: str | None = None) -> Lang:
+    """The unit language of `text`: `lang` normalized when given, else guessed from it."""
+    return guess_lang(text) if lang is None else normalize_lang(lang)
+
+
+def drop_fillers(text: str, lang: str | None) -> str:
+    """`text` without the filler words of its language (a word with trailing punctuation,
+    "Um," included); other languages are left as they are."""
+    fillers = FILLERS.get(base_lang(lang)) if lang else None
+    if not fillers:
+        return text
+    if written_without_spaces(lang):
+        return "".join(ch for ch in text if ch not in fillers)
+    kept = [w for w in text.split(" ") if w.strip(_EDGE_PUNCTUATION).lower() not in fillers]
+    return " ".join(kept)

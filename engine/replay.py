@@ -1,7 +1,7 @@
 """Replay of transcript logs through the incremental translator, with streaming metrics.
 
-A transcript log (``engine.evaluation.translogs``) holds ``partial_transcript`` messages plus
-the ``emit_ms`` at which the ASR emitted each. Two ways to replay it:
+A transcript log (``engine.logs``) holds ``partial_transcript`` messages plus the
+``emit_ms`` at which the ASR emitted each. Two ways to replay it:
 
 - fast (default, deterministic): every event is pushed in log order and the engine is left
   to finish it before the next, so every partial is translated. Update times are then put
@@ -42,14 +42,22 @@ from engine.evaluation.metrics import (
     segment_audio_span,
     simulated_done_times,
 )
-from engine.evaluation.translogs import (
+from engine.evaluation.revisions import SourceRevisions, source_revisions
+from engine.logs import (
     PathLike,
-    SourceRevisions,
+    SegmentKey,
     TranscriptLogError,
+    check_references,
+    event_of,
     read_log,
     read_references,
-    source_revisions,
+    segment_order,
 )
+
+# `by_emit_time` and `interleave_logs` lived here until 2026-11 (as did `event_of` and
+# `segment_order`, imported above): re-exported for one release, import them from `engine.logs`.
+from engine.logs import by_emit_time as by_emit_time
+from engine.logs import interleave_logs as interleave_logs
 from engine.streaming import IncrementalTranslator, StreamingOptions
 from protocol import (
     ErrorCode,
@@ -62,8 +70,6 @@ from protocol import (
 
 PROGRESS_MIN_EVENTS = 200
 """With progress left on automatic, logs shorter than this replay without a bar."""
-
-SegmentKey = tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -274,47 +280,6 @@ class ReplayResult:
 
 # ---------------------------------------------------------------------------------------
 # Pure helpers
-
-
-def by_emit_time(lines: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Log lines in emit order; ties keep log order, so one stream's order is preserved."""
-    return sorted(lines, key=lambda line: float(line["emit_ms"]))
-
-
-def interleave_logs(*logs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Merge logs of different streams into one, by emit time.
-
-    Refuses logs that share a stream id, since their ``seq`` values would collide.
-    """
-    seen: dict[str, int] = {}
-    for i, log in enumerate(logs):
-        for sid in {line["stream_id"] for line in log}:
-            if sid in seen and seen[sid] != i:
-                raise ValueError(f"stream {sid!r} appears in logs {seen[sid] + 1} and {i + 1}")
-            seen[sid] = i
-    return [dict(line) for line in by_emit_time([line for log in logs for line in log])]
-
-
-def event_of(line: Mapping[str, Any]) -> PartialTranscript:
-    """The protocol event of a log line (raises ``InvalidMessage`` for one it forbids)."""
-    return PartialTranscript(
-        stream_id=line["stream_id"],
-        segment_id=line["segment_id"],
-        seq=line["seq"],
-        text=line["text"],
-        is_final=line["is_final"],
-        start_ms=line.get("start_ms"),
-        end_ms=line.get("end_ms"),
-        stable_chars=line.get("stable_chars"),
-    )
-
-
-def segment_order(lines: Sequence[Mapping[str, Any]]) -> list[SegmentKey]:
-    """Segments ``(stream_id, segment_id)`` in order of first appearance (reference order)."""
-    keys: dict[SegmentKey, None] = {}
-    for line in lines:
-        keys.setdefault((line["stream_id"], line["segment_id"]), None)
-    return list(keys)
 
 
 def _show_progress(option: bool | None, total: int) -> bool:
@@ -545,11 +510,8 @@ async def replay_async(
     are simulated from the measured compute then).
     """
     options = options or ReplayOptions()
-    segments = segment_order(lines)
-    if references is not None and len(references) != len(segments):
-        raise TranscriptLogError(
-            f"{len(references)} references for {len(segments)} segments in the log"
-        )
+    if references is not None:
+        check_references(references, lines)
     run = await _drive(translator, lines, options, on_update)
     updates = _timed_updates(run, options)
     if on_update is not None and not options.realtime:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.languages import is_cjk
+from engine.languages import CJK_TEXT_SHARE, cjk_share
 
 if TYPE_CHECKING:
     import pysubs2
@@ -81,8 +81,9 @@ class Cue:
 
 
 def _is_cjk_text(text: str) -> bool:
-    letters = [ch for ch in text if not ch.isspace()]
-    return bool(letters) and sum(is_cjk(ch) for ch in letters) >= 0.3 * len(letters)
+    """Whether `text` is laid out as CJK script (kana and hangul count, not only ideographs)."""
+    share = cjk_share(text)
+    return share is not None and share >= CJK_TEXT_SHARE
 
 
 def wrap(text: str, max_chars: int) -> list[str]:

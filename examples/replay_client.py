@@ -1,7 +1,7 @@
 """Replay a transcript log into a running `nmt-incremental serve`, in real time.
 
 A log is JSON Lines of `partial_transcript` messages with an extra `emit_ms` (when the
-recogniser emitted it; see `engine/evaluation/translogs.py`). Each line is sent at its
+recogniser emitted it; see `engine/logs/format.py`). Each line is sent at its
 `emit_ms` (divided by `--speed`) without `emit_ms`, and the updates are printed as they
 come. Needs only the `protocol` package and `websockets`, like any pipeline client:
 

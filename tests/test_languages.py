@@ -1,11 +1,15 @@
-"""One table of language facts: the session's commit boundaries, the metrics' units and the
-model config's language codes come from `engine.languages` and agree."""
+"""One table of language facts: the session's commit boundaries, the metrics' units, the
+model config's language codes and which languages are written without spaces come from
+`engine.languages` and agree."""
 
 from __future__ import annotations
 
 import pytest
 
+from engine import languages
 from engine.evaluation import units
+from engine.evaluation.metrics import SegmentTrace, UpdatePoint, build_report, display_text
+from engine.evaluation.peers import simuleval_instances
 from engine.languages import CJK_RANGES, base_lang, is_cjk
 from engine.model.config import _lang_code
 from engine.streaming import session
@@ -41,3 +45,29 @@ def test_cjk_characters_are_units_and_commit_boundaries_alike() -> None:
         assert units.split_units(f"ab{ch}{ch}cd", "zh") == ["ab", ch, ch, "cd"], hex(ord(ch))
         assert not session._word_char(ch)  # a CJK character never extends a word
     assert session._word_char("a") and session._word_char("7")
+
+
+def test_one_table_says_which_languages_are_written_without_spaces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Units, the displayed text, peer formats and fillers all read `WITHOUT_SPACES`: with
+    English added to it, English text is counted, joined and cleaned like Chinese."""
+
+    def prediction(text: str) -> object:
+        update = UpdatePoint("ab cd", text, text, True, 0.0, 1.0)
+        report = build_report([SegmentTrace([update], 0.0, 1.0, "en", "en")])
+        return simuleval_instances(report, target_lang="en")[0]["prediction"]
+
+    assert languages.word_joiner("zh-Hans") == "" and languages.word_joiner("en") == " "
+    assert units.split_units("ab cd", "en") == ["ab", "cd"]
+    assert display_text("ab", "cd", "en") == "ab cd"
+    assert prediction("ab cd") == "ab cd"
+    assert languages.drop_fillers("um hello", "en") == "hello"
+
+    monkeypatch.setattr(languages, "WITHOUT_SPACES", frozenset({"zh", "en"}))
+    assert languages.word_joiner("en") == "" and languages.written_without_spaces("eng")
+    assert units.split_units("ab cd", "en") == ["ab", "cd"]  # Latin runs stay whole
+    assert units.split_units("ab,cd", "en") == ["ab", ",", "cd"]  # punctuation: a unit
+    assert display_text("ab", "cd", "en") == "abcd"
+    assert prediction("ab cd") == "abcd"
+    assert languages.drop_fillers("um hello", "en") == "um hello"  # by character now

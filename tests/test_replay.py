@@ -16,21 +16,18 @@ import pytest
 
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
-from engine.evaluation.translogs import (
+from engine.logs import (
     TranscriptLogError,
-    generate_log,
     read_log,
     read_references,
-    write_log,
+    segment_order,
 )
 from engine.replay import (
     ReplayOptions,
     ReplayResult,
     TimedUpdate,
-    interleave_logs,
     replay,
     replay_file,
-    segment_order,
 )
 from engine.streaming import LocalAgreement, MaskK, StreamingOptions
 from tests.conftest import FIXTURE_MODELS, ROOT, needs_fixture
@@ -276,20 +273,3 @@ def test_realtime_delivers_every_final(
         assert t.done_ms >= t.emit_ms
     c = result.counts
     assert c["updates"] + c["unchanged"] + c["cancelled"] + c["superseded"] == c["accepted"]
-
-
-# ---------------------------------------------------------------------------------------
-# Pure helpers (no model)
-
-
-def test_interleave_logs(tmp_path: Path) -> None:
-    a = generate_log(["I will go home now.", "He added that."], "en", stream_id="a")
-    b = generate_log(["The quick brown fox jumps."], "en", stream_id="b", seed=1)
-    merged = interleave_logs(a, b)
-    assert len(merged) == len(a) + len(b)
-    assert [m["emit_ms"] for m in merged] == sorted(m["emit_ms"] for m in merged)
-    assert [m for m in merged if m["stream_id"] == "a"] == a
-    assert segment_order(merged)[0] in {("a", 0), ("b", 0)}
-    write_log(tmp_path / "m.jsonl", merged)  # still a valid log
-    with pytest.raises(ValueError, match="stream 'a' appears in logs 1 and 2"):
-        interleave_logs(a, a)

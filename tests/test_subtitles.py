@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from engine.cli.main import main
-from engine.evaluation.translogs import read_log
+from engine.logs import read_log
 from engine.subtitles import Cue, CueRules, Final, layout, wrap, write
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 

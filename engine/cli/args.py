@@ -1,8 +1,8 @@
 """Command-line pieces every `nmt-incremental` command shares, defined once.
 
-`translate`, `replay` and `serve` load a model the same way and take the same model and
-policy options; their value checks and help texts live here so that the commands (and the
-README, which a test compares with them) cannot drift apart.
+`translate`, `replay` and `serve` load a model the same way and take the same model,
+search and policy options; their value checks and help texts live here so that the
+commands (and the README, which a test compares with them) cannot drift apart.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import math
 from typing import Any
 
 from engine.decoding.scheduler import SchedulerOptions
+from engine.decoding.search import DecodeOptions
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.hub import resolve_model
+from engine.streaming import parse_policy
 
 POLICY_HELP = (
     "stability policy: local-agreement[:n] (la[:n]), mask[:k], biased[:beta] or "
@@ -67,8 +69,6 @@ def probability(value: str) -> float:
 
 def policy_spec(value: str) -> str:
     """Check a policy spec while parsing, so a typo fails before the model loads."""
-    from engine.streaming import parse_policy
-
     try:
         parse_policy(value)
     except ValueError as exc:
@@ -129,6 +129,25 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
         help="do not rewrite the decoder for continuous batching: batch only requests that "
         "start together",
     )
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The search options of `translate` and `replay`."""
+    parser.add_argument(
+        "--beam", type=positive_int, default=1, metavar="N", help="beam size (default 1: greedy)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="stop every decode after N tokens (default: the model's length limit)",
+    )
+
+
+def decode_options(args: argparse.Namespace) -> DecodeOptions:
+    """`DecodeOptions` from `add_decode_arguments`' options."""
+    return DecodeOptions(beam_size=args.beam, max_new_tokens=args.max_new_tokens)
 
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.conversion import verify
-from engine.conversion.verify import CHECK_TEXTS, ExportCheck, ExportError, check_export
+from engine.conversion.verify import ExportCheck, ExportError, check_export, sample_texts
 from engine.errors import EngineError
 from engine.model import ModelConfig
 
@@ -60,7 +60,7 @@ def run_export(args: argparse.Namespace, out: TextIO) -> int:
 
 def _default_texts(model_dir: Path) -> list[str]:
     config = ModelConfig.from_dir(model_dir)
-    return CHECK_TEXTS.get(config.source_lang or "", CHECK_TEXTS["en"])
+    return sample_texts(config.source_lang)
 
 
 def _report(checks: Sequence[ExportCheck], out_dir: Path, tolerance: float, out: TextIO) -> int:

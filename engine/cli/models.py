@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from engine.conversion.verify import CHECK_TEXTS
+from engine.cli.export import run_export
+from engine.conversion.verify import sample_texts
+from engine.decoding.translator import Translator
 from engine.errors import EngineError
 from engine.hub.catalog import ONNX_FILES, load_catalog
 from engine.hub.download import (
@@ -29,7 +31,7 @@ from engine.hub.download import (
     resolve_model,
 )
 from engine.hub.errors import UnknownModelError
-from engine.model import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+from engine.model import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES, onnx_dir
 
 __all__ = ["add_models_parser", "resolve_model", "run_models"]
 
@@ -138,8 +140,6 @@ def run_models(args: argparse.Namespace) -> int:
         if args.models_command == "verify":
             return _verify(args, sys.stdout)
         if args.models_command == "export":
-            from engine.cli.export import run_export
-
             return run_export(args, sys.stdout)
     except KeyboardInterrupt:
         print(
@@ -213,9 +213,6 @@ def _verify(args: argparse.Namespace, out: TextIO) -> int:
     decoding without it gives (a broken with-past graph or cache bookkeeping shows here),
     and int8 is compared with fp32 when both are present (reported, not judged: int8 may
     legitimately differ)."""
-    from engine.decoding.translator import Translator
-    from engine.model import onnx_dir
-
     model_dir = resolve_model(args.model, download=False)
     print(f"model directory: {model_dir}", file=out)
     problems = 0
@@ -242,8 +239,7 @@ def _verify(args: argparse.Namespace, out: TextIO) -> int:
         )
         for path in dict.fromkeys(translator.model.files.values()):
             problems += _check_file(path, True, model_dir, out)
-        texts = [args.text] if args.text else CHECK_TEXTS.get(config.source_lang or "", [])
-        texts = texts or CHECK_TEXTS["en"]
+        texts = [args.text] if args.text else sample_texts(config.source_lang)
         started = time.perf_counter()
         cached = translator.translate(texts)
         elapsed = time.perf_counter() - started

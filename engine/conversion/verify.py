@@ -19,7 +19,7 @@ import numpy as np
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
 from engine.errors import EngineError
-from engine.model import ModelConfig
+from engine.model import TOKENIZER_FILES, ModelConfig
 
 EXPORT_MODULES = ("torch", "transformers", "optimum.exporters.onnx", "onnx")
 EXPORT_EXTRA_HELP = (
@@ -35,6 +35,12 @@ CHECK_TEXTS = {
     "de": ["Ich treffe Tom um drei.", "Tom liest ein Buch.", "Das Wetter ist heute schön."],
 }
 MAX_CHECK_TOKENS = 200
+
+
+def sample_texts(lang: str | None) -> list[str]:
+    """The sample sentences for a model's source language (short code), English when there
+    are none for it."""
+    return CHECK_TEXTS.get(lang or "", CHECK_TEXTS["en"])
 
 
 class ExportError(EngineError):
@@ -87,8 +93,6 @@ def missing_export_modules() -> list[str]:
 
 def check_checkpoint(checkpoint: Path) -> None:
     """Fail before a long export when the checkpoint directory lacks something."""
-    from engine.conversion import TOKENIZER_FILES
-
     if not checkpoint.is_dir():
         raise ExportError(f"{checkpoint}: not a checkpoint directory")
     missing = [name for name in TOKENIZER_FILES if not (checkpoint / name).is_file()]

@@ -1,5 +1,12 @@
-"""Evaluation of streaming translation: units, streaming metrics, synthetic transcript logs."""
+"""Evaluation of streaming translation: units, streaming metrics, how a log's source
+changes, peer formats and the HTML report.
 
+Transcript logs themselves (reading, writing, making them) are `engine.logs`; the names
+this package exported for them (`read_log`, `generate_log`, ...) still resolve here, with
+a DeprecationWarning, for one release (`engine._moved.MOVED_NAMES`).
+"""
+
+from engine import _moved
 from engine.evaluation.metrics import (
     QualityScores,
     SegmentMetrics,
@@ -18,22 +25,15 @@ from engine.evaluation.metrics import (
     segment_metrics,
     simulated_done_times,
 )
-from engine.evaluation.translogs import (
-    TranscriptLogError,
-    generate_log,
-    make_log_files,
-    read_log,
-    read_references,
-    write_log,
-)
+from engine.evaluation.revisions import SourceRevisions, source_revisions
 from engine.evaluation.units import count_units, guess_lang, normalize_lang, split_units
 
 __all__ = [
     "QualityScores",
     "SegmentMetrics",
     "SegmentTrace",
+    "SourceRevisions",
     "StreamingReport",
-    "TranscriptLogError",
     "UpdatePoint",
     "average_lagging",
     "build_report",
@@ -42,17 +42,17 @@ __all__ = [
     "differentiable_average_lagging",
     "display_text",
     "erased_units",
-    "generate_log",
     "guess_lang",
     "length_adaptive_average_lagging",
-    "make_log_files",
     "normalize_lang",
     "normalized_erasure",
-    "read_log",
-    "read_references",
     "segment_audio_span",
     "segment_metrics",
     "simulated_done_times",
+    "source_revisions",
     "split_units",
-    "write_log",
 ]
+
+
+def __getattr__(name: str) -> object:
+    return _moved.moved_name(__name__, name)

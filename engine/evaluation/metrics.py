@@ -1,7 +1,7 @@
 """Streaming metrics for re-translation output: latency, erasure, stability, speed, quality.
 
-Pure functions on plain data (no I/O, no engine imports) so that replay tools, benchmarks
-and tests share one definition of every number they print.
+Pure functions on plain data (no I/O; of the engine only its language table) so that
+replay tools, benchmarks and tests share one definition of every number they print.
 
 Input model: a ``SegmentTrace`` per source segment holds the ``UpdatePoint``s shown to the
 viewer in order, each with the source text it answered, the displayed target text
@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from engine.evaluation.units import guess_lang, normalize_lang, split_units
+from engine.evaluation.units import split_units
+from engine.languages import text_lang, word_joiner
 
 
 @dataclass(frozen=True)
@@ -127,18 +128,16 @@ class SegmentMetrics:
 def display_text(stable_text: str, unstable_text: str, lang: str | None = None) -> str:
     """The text a viewer sees: stable followed by unstable.
 
-    For space-delimited languages a space is inserted when neither side carries one, so
+    For languages written with spaces a space is inserted when neither side carries one, so
     that word counts do not glue the last stable and first unstable word together; Chinese
     is concatenated as is.
     """
     if not stable_text or not unstable_text:
         return stable_text + unstable_text
-    target = normalize_lang(lang) if lang is not None else None
-    if target is None:
-        target = guess_lang(stable_text + unstable_text)
-    if target == "zh" or stable_text[-1].isspace() or unstable_text[0].isspace():
-        return stable_text + unstable_text
-    return f"{stable_text} {unstable_text}"
+    joiner = word_joiner(text_lang(stable_text + unstable_text, lang))
+    if stable_text[-1].isspace() or unstable_text[0].isspace():
+        joiner = ""
+    return stable_text + joiner + unstable_text
 
 
 def lcp_len(a: Sequence[str], b: Sequence[str]) -> int:
@@ -373,15 +372,11 @@ def corpus_quality(
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     import sacrebleu
 
-    lang = normalize_lang(target_lang) if target_lang is not None else _guess(references)
-    tokenize = "zh" if lang == "zh" else "13a"
+    lang = text_lang(" ".join(references), target_lang)
+    tokenize = "zh" if lang == "zh" else "13a"  # sacrebleu's tokenizer for Chinese
     bleu = sacrebleu.corpus_bleu(list(hypotheses), [list(references)], tokenize=tokenize)
     chrf = sacrebleu.corpus_chrf(list(hypotheses), [list(references)])
     return QualityScores(bleu=float(bleu.score), chrf=float(chrf.score))
-
-
-def _guess(texts: Sequence[str]) -> str:
-    return guess_lang(" ".join(texts))
 
 
 # ---------------------------------------------------------------------------------------
@@ -418,8 +413,8 @@ def segment_metrics(trace: SegmentTrace, reference: str | None = None) -> Segmen
             stable_retractions=0, audio_ms=audio_ms, compute_ms=0.0,
         )  # fmt: skip
     final = ups[-1]
-    src_lang = trace.source_lang or _guess([final.source_text])
-    tgt_lang = trace.target_lang or _guess([final.text])
+    src_lang = text_lang(final.source_text, trace.source_lang or None)
+    tgt_lang = text_lang(final.text, trace.target_lang or None)
     source_len = len(split_units(final.source_text, src_lang))
     shown = [split_units(u.text, tgt_lang) for u in ups]
     stable = [split_units(u.stable_text, tgt_lang) for u in ups]

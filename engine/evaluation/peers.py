@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.evaluation.metrics import SegmentTrace, StreamingReport, lcp_len
-from engine.evaluation.units import guess_lang, normalize_lang, split_units
+from engine.evaluation.units import split_units
+from engine.languages import text_lang, word_joiner, written_without_spaces
 
 SIMULEVAL_LOG = "instances.log"
 SIMULEVAL_CONFIG = "config.yaml"
@@ -33,11 +34,8 @@ WORD_MARK = "\u2581"
 
 
 def _lang(lang: str | None, texts: Iterable[str]) -> str:
-    return normalize_lang(lang) if lang else guess_lang(" ".join(texts))
-
-
-def _join(units: Sequence[str], lang: str) -> str:
-    return ("" if lang == "zh" else " ").join(units)
+    """`lang` normalized, or (None or "") guessed from `texts`."""
+    return text_lang(" ".join(texts), lang or None)
 
 
 def simuleval_instances(
@@ -58,7 +56,7 @@ def simuleval_instances(
         units = split_units(seg.hypothesis, tgt)
         entry: dict[str, Any] = {
             "index": index,
-            "prediction": _join(units, tgt),
+            "prediction": word_joiner(tgt).join(units),
             "delays": list(seg.delays_stable),
             "elapsed": list(seg.delays_ms_stable),
             "prediction_length": len(units),
@@ -102,7 +100,7 @@ def write_simuleval(
 
 
 def _tokens(units: Sequence[str], lang: str) -> list[str]:
-    return list(units) if lang == "zh" else [WORD_MARK + unit for unit in units]
+    return list(units) if written_without_spaces(lang) else [WORD_MARK + unit for unit in units]
 
 
 def simulstream_lines(

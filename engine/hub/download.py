@@ -281,7 +281,7 @@ def _cached_files(
 
 def _check_reachable(settings: HubSettings, name: str, timeout: float = 10.0) -> None:
     """Fail at once when the endpoint cannot be reached, instead of after the library's
-    retries (about 25 s per file). Skipped when a proxy is configured for it."""
+    retries for every file. Skipped when a proxy is configured for it."""
     url = urllib.parse.urlsplit(settings.endpoint)
     host = url.hostname
     if not host:

@@ -1,52 +1,32 @@
-"""Synthetic streaming-ASR transcript logs (JSON Lines) for replay and metrics.
+"""Synthetic streaming-ASR transcript logs, made from parallel text.
 
 Real ASR logs with references are scarce, so replays are driven by logs synthesised from
 parallel text: each source sentence is revealed the way a streaming recogniser shows it
 (word by word for English, 1-3 characters for Chinese), with occasional wrong last words
 that the next partial corrects, re-emitted unchanged partials, and a final per segment.
-
-One line is a ``partial_transcript`` wire message plus ``emit_ms``::
-
-    {"type": "partial_transcript", "stream_id": "s1", "segment_id": 0, "seq": 0,
-     "text": "I will", "is_final": false, "start_ms": 0.0, "end_ms": 600.0, "emit_ms": 650.0}
-
-``text`` is the whole current transcript of the segment, ``start_ms``/``end_ms`` the audio
-it covers and ``emit_ms`` when the ASR emitted it, all on one clock (``emit_ms = end_ms +``
-ASR delay); ``seq`` increases per stream across segments.
+The lines are in the format of ``engine.logs.format``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import json
 import math
-import os
 import random
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from engine.evaluation.units import Lang, is_cjk, normalize_lang, unit_spans
-from protocol import PartialTranscript
-
-PathLike = str | os.PathLike[str]
-
-MESSAGE_TYPE = "partial_transcript"
-_FIELDS = tuple(f.name for f in dataclasses.fields(PartialTranscript))
-_REQUIRED_FIELDS = tuple(
-    f.name for f in dataclasses.fields(PartialTranscript) if f.default is dataclasses.MISSING
+from engine.evaluation.units import unit_spans
+from engine.languages import Lang, is_cjk, normalize_lang
+from engine.logs.format import (
+    MESSAGE_TYPE,
+    PathLike,
+    TranscriptLogError,
+    read_lines,
+    read_references,
+    references_output_path,
+    write_log,
 )
-
-
-class TranscriptLogError(ValueError):
-    """A transcript log or its companion file is malformed; the message names file and line."""
-
-
-# ---------------------------------------------------------------------------------------
-# Generation
 
 
 def _is_ideograph_unit(unit: str) -> bool:
@@ -116,6 +96,9 @@ def _chunk_sizes(n_units: int, lang: Lang, rng: random.Random) -> list[int]:
         left -= k
     return sizes
 
+
+DEFAULT_STREAM_ID = "s1"
+"""The stream id of a made log unless told otherwise."""
 
 FIX_SHARE = 0.8
 """Of the rewrites made while some shown units are wrong, the share that hears them right."""
@@ -187,10 +170,9 @@ def _check_range(name: str, value: tuple[float, float]) -> None:
 class AsrStyle:
     """What a recogniser does to its partials beyond revealing the words as they are spoken.
 
-    Real streaming recognisers rewrite words they already showed (in a pocketsphinx run on
-    synthetic speech, 43% of partial changes altered or removed 1.3 shown words on average,
-    up to 6, and the final differed from the last partial in 13 of 30 segments), and many
-    (Vosk, Kaldi, pocketsphinx) emit lowercase text without punctuation.
+    Real streaming recognisers rewrite words they already showed, and their finals often
+    differ from the last partial; many (Vosk, Kaldi, pocketsphinx) emit lowercase text
+    without punctuation.
 
     - ``rewrite_rate``: chance, per partial after the first, that words already shown are
       rewritten: misheard (1 to ``max_rewritten`` consecutive units among the last
@@ -210,7 +192,8 @@ class AsrStyle:
 
     @classmethod
     def realistic(cls) -> AsrStyle:
-        """Rates like the recogniser measured above (see ``source_revisions``)."""
+        """Rates like those of a real recogniser, measured with
+        ``engine.evaluation.revisions.source_revisions`` on a pocketsphinx run."""
         return cls(rewrite_rate=0.3, lowercase=True, punctuation=False)
 
     def __post_init__(self) -> None:
@@ -248,7 +231,7 @@ def generate_log(
     sources: Sequence[str],
     lang: str,
     *,
-    stream_id: str = "s1",
+    stream_id: str = DEFAULT_STREAM_ID,
     seed: int = 0,
     revision_rate: float = 0.15,
     repeat_rate: float = 0.08,
@@ -372,227 +355,6 @@ def generate_log(
     return lines
 
 
-def with_stability_hints(
-    lines: Sequence[Mapping[str, Any]], *, lag: int = 0, lang: str | None = None
-) -> list[dict[str, Any]]:
-    """The log as a recogniser that reports what it settled would send it: each partial gets
-    ``stable_chars``, the length of its longest unit prefix that no later message of its
-    segment (the final included) changes, less its last ``lag`` units.
-
-    Truthful by construction, so it is what a recogniser keeping its promise could say at
-    best (``lag`` 0) or with a confirmation delay (e.g. whisper_streaming confirms a word
-    when two consecutive hypotheses agree on it: ``lag`` 1-2). Finals get no hint (a final
-    settles everything). Lines are returned in the same order, copied.
-    """
-    if lag < 0:
-        raise ValueError(f"lag must be >= 0, got {lag}")
-    out = [dict(line) for line in lines]
-    # Per segment, walking backwards: what every later message shares, as the longest
-    # common character prefix and the unit ends that are unit ends in each of them (so a
-    # settled prefix is whole units there too: "draw" does not settle "drawer").
-    later: dict[tuple[str, int], _Later] = {}
-    for line in reversed(out):
-        key = (line["stream_id"], line["segment_id"])
-        text = line["text"]
-        ends = [end for _, end in unit_spans(text, lang)]
-        shared = later.get(key)
-        if not line["is_final"]:
-            if shared is None:  # nothing comes after it: all of it stands
-                settled = len(ends)
-            else:
-                agree = _common_prefix_chars(text, shared.text)
-                settled = 0
-                for k, end in enumerate(ends):
-                    if end > agree or end not in shared.ends:
-                        break
-                    settled = k + 1
-            settled = max(settled - lag, 0)
-            line["stable_chars"] = ends[settled - 1] if settled else 0
-        if shared is None:
-            later[key] = _Later(text, set(ends))
-        else:
-            shared.text = shared.text[: _common_prefix_chars(shared.text, text)]
-            shared.ends &= set(ends)
-    return out
-
-
-@dataclass
-class _Later:
-    """What the later messages of a segment share (`with_stability_hints`)."""
-
-    text: str  # their longest common prefix
-    ends: set[int]  # character offsets that end a unit in every one of them
-
-
-def _common_prefix_chars(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-@dataclass(frozen=True)
-class SourceRevisions:
-    """How a log's partials change, seen from the source side (what the recogniser did).
-
-    A change is two consecutive messages of a segment (the final included) with different
-    text. It *revises* shown words when the earlier text is not a prefix of the later one
-    unit by unit, allowing its last unit to be completed ("dr" -> "draw" is still being
-    heard, not revised); ``revised_units`` counts the units of the earlier text that the
-    later one alters or drops (on a unit alignment).
-    """
-
-    segments: int
-    changes: int
-    revising_changes: int
-    revised_units: int
-    finals_differing: int  # segments whose final is not the text of their last partial
-
-    @property
-    def revising_share(self) -> float | None:
-        return self.revising_changes / self.changes if self.changes else None
-
-    def format(self) -> str:
-        share = self.revising_share
-        mean = self.revised_units / self.revising_changes if self.revising_changes else 0.0
-        return (
-            f"{self.changes} source changes, {self.revising_changes} revising shown units "
-            f"({'-' if share is None else f'{share:.0%}'}, {mean:.1f} units each); "
-            f"{self.finals_differing}/{self.segments} finals differ from their last partial"
-        )
-
-
-def _revised_units(old: str, new: str, lang: Lang | None) -> int:
-    """Units of ``old`` that ``new`` alters or drops (0 when it only extends it), counted
-    on a unit alignment (difflib), so one misheard word early on counts once."""
-    before = [old[a:b] for a, b in unit_spans(old, lang)]
-    after = [new[a:b] for a, b in unit_spans(new, lang)]
-    same = 0
-    while same < min(len(before), len(after)) and before[same] == after[same]:
-        same += 1
-    if same == len(before):
-        return 0
-    if same == len(before) - 1 and len(after) > same and after[same].startswith(before[same]):
-        return 0  # the last unit was only heard in part
-    matcher = difflib.SequenceMatcher(a=before, b=after, autojunk=False)
-    kept = sum(block.size for block in matcher.get_matching_blocks())
-    return max(1, len(before) - kept)
-
-
-def source_revisions(
-    lines: Sequence[Mapping[str, Any]], lang: str | None = None
-) -> SourceRevisions:
-    """``SourceRevisions`` of a transcript log (any number of streams); ``lang`` None
-    guesses each text's language."""
-    target = normalize_lang(lang) if lang else None
-    last: dict[tuple[str, int], str] = {}
-    last_partial: dict[tuple[str, int], str | None] = {}
-    changes = revising = units = differing = 0
-    for line in lines:
-        key = (str(line["stream_id"]), int(line["segment_id"]))
-        text = str(line["text"])
-        previous = last.get(key)
-        if previous is not None and previous != text:
-            changes += 1
-            revised = _revised_units(previous, text, target)
-            revising += revised > 0
-            units += revised
-        last[key] = text
-        if line["is_final"]:
-            partial = last_partial.get(key)
-            differing += partial is not None and partial != text
-        else:
-            last_partial[key] = text
-    return SourceRevisions(len(last), changes, revising, units, differing)
-
-
-# ---------------------------------------------------------------------------------------
-# Reading and writing
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def validate_message(obj: object) -> dict[str, Any]:
-    """Check one log line's shape; returns it typed as a dict or raises ValueError saying why.
-
-    The message fields are checked by `protocol.PartialTranscript` itself, so a log is
-    refused here for exactly what the engine would refuse at replay. ``start_ms``/``end_ms``
-    are optional (not every recogniser reports audio times); ``emit_ms`` is required; other
-    keys are kept so that logs can carry annotations.
-    """
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    if obj.get("type") != MESSAGE_TYPE:
-        raise ValueError(f"'type' must be {MESSAGE_TYPE!r}, got {obj.get('type')!r}")
-    for key in (*_REQUIRED_FIELDS, "emit_ms"):
-        if key not in obj:
-            raise ValueError(f"missing field {key!r}")
-    if not _is_number(obj["emit_ms"]):
-        raise ValueError(f"'emit_ms' must be a finite number, got {obj['emit_ms']!r}")
-    PartialTranscript(**{k: obj[k] for k in _FIELDS if k in obj})  # raises InvalidMessage
-    return obj
-
-
-def read_log(path: PathLike) -> list[dict[str, Any]]:
-    """Read and validate a transcript log; blank lines are skipped.
-
-    Raises TranscriptLogError naming ``path:line`` for the first malformed line.
-    """
-    lines: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise TranscriptLogError(
-                    f"{path}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
-                ) from None
-            try:
-                lines.append(validate_message(obj))
-            except ValueError as exc:
-                raise TranscriptLogError(f"{path}:{lineno}: {exc}") from None
-    return lines
-
-
-def write_log(path: PathLike, lines: Iterable[Mapping[str, Any]]) -> int:
-    """Validate and write ``lines`` as UTF-8 JSON Lines; returns the number written.
-
-    Everything is validated before the file is opened, so a bad line never leaves a
-    half-written log behind.
-    """
-    checked: list[dict[str, Any]] = []
-    for lineno, line in enumerate(lines, start=1):
-        try:
-            checked.append(validate_message(dict(line)))
-        except ValueError as exc:
-            raise TranscriptLogError(f"{path}:{lineno}: {exc}") from None
-    with open(path, "w", encoding="utf-8") as f:
-        for line in checked:
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    return len(checked)
-
-
-def _read_text_lines(path: PathLike) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return [line.strip() for line in f.read().splitlines()]
-    except UnicodeDecodeError as exc:
-        raise TranscriptLogError(f"{path}: not UTF-8 text ({exc.reason})") from None
-
-
-def read_references(path: PathLike) -> list[str]:
-    """One reference per segment per line, in segment order (surrounding spaces stripped)."""
-    return _read_text_lines(path)
-
-
-def references_output_path(out_path: PathLike) -> Path:
-    """Where ``make_log_files`` puts the references aligned with a log: ``<stem>.ref.txt``."""
-    out = Path(out_path)
-    return out.with_name(out.stem + ".ref.txt")
-
-
 def make_log_files(
     source_path: PathLike,
     out_path: PathLike,
@@ -602,6 +364,7 @@ def make_log_files(
     limit: int | None = None,
     seed: int = 0,
     style: AsrStyle = AsrStyle(),
+    stream_id: str = DEFAULT_STREAM_ID,
 ) -> int:
     """Write a synthetic transcript log for the first ``limit`` lines of ``source_path``.
 
@@ -612,7 +375,7 @@ def make_log_files(
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    sources = _read_text_lines(source_path)
+    sources = read_lines(source_path)
     for lineno, line in enumerate(sources, start=1):
         if not line:
             raise TranscriptLogError(f"{source_path}:{lineno}: empty source line")
@@ -625,7 +388,7 @@ def make_log_files(
                 f"{len(sources)} source lines in {source_path}"
             )
     chosen = sources if limit is None else sources[:limit]
-    write_log(out_path, generate_log(chosen, lang, seed=seed, style=style))
+    write_log(out_path, generate_log(chosen, lang, stream_id=stream_id, seed=seed, style=style))
     if references is not None:
         ref_out = references_output_path(out_path)
         ref_out.write_text("".join(r + "\n" for r in references[: len(chosen)]), encoding="utf-8")

@@ -1,33 +1,40 @@
-"""Synthetic transcript logs: shape, determinism, ASR-like behaviour, file handling."""
+"""Transcript logs (`engine.logs`): synthetic logs' shape, determinism and ASR-like
+behaviour, file handling, merging, and the old `engine.evaluation.translogs` path."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import engine.evaluation
+import engine.logs
 from engine.evaluation.metrics import (
     SegmentTrace,
     UpdatePoint,
     build_report,
     segment_audio_span,
 )
-from engine.evaluation.translogs import (
+from engine.evaluation.revisions import source_revisions
+from engine.evaluation.units import split_units
+from engine.logs import (
     AsrStyle,
     TranscriptLogError,
     generate_log,
+    interleave_logs,
     make_log_files,
     read_log,
     read_references,
     references_output_path,
-    source_revisions,
+    segment_order,
     validate_message,
     write_log,
 )
-from engine.evaluation.units import split_units
 from tests.conftest import FIXTURE_DIR, ROOT
 
 EN = [
@@ -210,7 +217,6 @@ def test_write_log_rejects_bad_lines_before_writing(tmp_path: Path) -> None:
 
 
 def test_audio_times_are_optional() -> None:
-    from engine.evaluation.translogs import validate_message
 
     line = generate_log(["a"], "en")[0]
     del line["start_ms"], line["end_ms"]
@@ -347,3 +353,30 @@ def test_realistic_style_rewrites_shown_words_like_a_recogniser() -> None:
 def test_style_drops_punctuation_in_chinese_too() -> None:
     lines = generate_log(["你好，世界。", "今天很好！"], "zh", style=AsrStyle(punctuation=False))
     assert [line["text"] for line in lines if line["is_final"]] == ["你好世界", "今天很好"]
+
+
+def test_interleave_logs(tmp_path: Path) -> None:
+    a = generate_log(["I will go home now.", "He added that."], "en", stream_id="a")
+    b = generate_log(["The quick brown fox jumps."], "en", stream_id="b", seed=1)
+    merged = interleave_logs(a, b)
+    assert len(merged) == len(a) + len(b)
+    assert [m["emit_ms"] for m in merged] == sorted(m["emit_ms"] for m in merged)
+    assert [m for m in merged if m["stream_id"] == "a"] == a
+    assert segment_order(merged)[0] in {("a", 0), ("b", 0)}
+    write_log(tmp_path / "m.jsonl", merged)  # still a valid log
+    with pytest.raises(ValueError, match="stream 'a' appears in logs 1 and 2"):
+        interleave_logs(a, a)
+
+
+def test_the_old_paths_still_work_and_say_where_the_names_went() -> None:
+    """`engine.evaluation.translogs` and `engine.evaluation.read_log` (until 2026-11) are
+    `engine.logs` and its names, with a DeprecationWarning, for one release."""
+    sys.modules.pop("engine.evaluation.translogs", None)
+    with pytest.warns(DeprecationWarning, match="engine.evaluation.translogs moved to engine.logs"):
+        old = importlib.import_module("engine.evaluation.translogs")
+    assert old is engine.logs
+    assert old.source_revisions is source_revisions and old.generate_log is generate_log
+    with pytest.warns(DeprecationWarning, match="engine.evaluation.read_log moved to engine.logs"):
+        assert engine.evaluation.read_log is read_log
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        _ = engine.evaluation.nothing_here
