@@ -6,11 +6,14 @@ check the same rules end to end over WebSocket.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from engine.errors import InputTooLongError
 from engine.streaming.lifecycle import (
     TRANSITIONS,
+    EnginePhase,
     LifecycleError,
     Owner,
     Phase,
@@ -32,8 +35,15 @@ def prepare(event: PartialTranscript) -> tuple[str, dict[str, list[int]]]:
     return source, {"xx": ids} if ids else {}
 
 
-def table(**kwargs: int) -> StreamTable[StreamLifecycle]:
-    return StreamTable(StreamLifecycle, **kwargs)
+@dataclass(eq=False)
+class Stream:
+    """A stream with nothing but its lifecycle (the controller's adds a queue and sessions)."""
+
+    life: StreamLifecycle
+
+
+def table(**kwargs: int) -> StreamTable[Stream]:
+    return StreamTable(Stream, **kwargs)
 
 
 def ev(
@@ -42,7 +52,7 @@ def ev(
     return PartialTranscript(sid, seg, seq, text, final)
 
 
-def refused(t: StreamTable[StreamLifecycle], event: PartialTranscript, owner: Owner | None) -> str:
+def refused(t: StreamTable[Stream], event: PartialTranscript, owner: Owner | None) -> str:
     with pytest.raises(InvalidEvent) as info:
         t.admit(event, owner, prepare)
     assert info.value.error.seq == event.seq and info.value.error.stream_id == event.stream_id
@@ -61,7 +71,7 @@ def test_the_table_is_complete_and_closed_is_final() -> None:
 def test_segments_move_the_phase_and_finals_are_counted() -> None:
     t = table()
     adm = t.admit(ev("s", 0, "  I   will "), A, prepare)
-    s = adm.stream
+    s = adm.stream.life
     assert adm.opened and (adm.source, adm.source_ids) == ("I will", {"xx": [1, 4]})
     assert s.phase is Phase.LIVE and s.owner == A and s.epoch == 1
     assert not t.admit(ev("s", 1, "I will go", final=True), A, prepare).opened
@@ -84,7 +94,7 @@ def test_admission_rules() -> None:
     assert refused(t, ev("s", 7), A) == "out_of_order"  # segment 0 had its final
     assert refused(t, ev("s", 7, final=True, seg=1), A) == "rate_limited"  # one owed already
     t.admit(ev("s", 8, seg=1), A, prepare)  # a partial is still taken
-    assert t.get("s") is not None and t.get("s").last_seq == 8  # type: ignore[union-attr]
+    assert t.get("s") is not None and t.get("s").life.last_seq == 8  # type: ignore[union-attr]
 
 
 def test_a_refused_event_opens_nothing_and_changes_nothing() -> None:
@@ -94,7 +104,7 @@ def test_a_refused_event_opens_nothing_and_changes_nothing() -> None:
     t.admit(ev("s", 0), A, prepare)
     assert refused(t, ev("s", 1, "x" * 30), A) == "too_large"
     stream = t.get("s")
-    assert stream is not None and stream.last_seq == 0  # the refused seq was not taken
+    assert stream is not None and stream.life.last_seq == 0  # the refused seq was not taken
 
 
 def test_limits_per_owner_and_in_total() -> None:
@@ -119,7 +129,7 @@ def test_closing_refuses_events_and_frees_the_id_only_when_released() -> None:
         t.close("s", B)
     assert info.value.error.code == "forbidden"
     stream = t.close("s", A)
-    assert stream.phase is Phase.CLOSING
+    assert stream.life.phase is Phase.CLOSING
     assert refused(t, ev("s", 1, "Tom reads"), A) == "unknown_stream"
     assert refused(t, ev("s", 1, "Tom reads"), B) == "forbidden"
     with pytest.raises(InvalidEvent) as info:
@@ -127,11 +137,11 @@ def test_closing_refuses_events_and_frees_the_id_only_when_released() -> None:
     assert info.value.error.code == "unknown_stream"
     with pytest.raises(LifecycleError):
         t.release(stream)  # its final is not answered yet
-    stream.fire(Trigger.ANSWERED)
+    stream.life.fire(Trigger.ANSWERED)
     t.release(stream)
-    assert stream.phase is Phase.CLOSED and t.ids == []
+    assert stream.life.phase is Phase.CLOSED and t.ids == []
     again = t.admit(ev("s", 0, "Tom reads"), B, prepare)  # anyone may take the free id
-    assert again.opened and again.stream.epoch == 2 and again.stream.owner == B
+    assert again.opened and again.stream.life.epoch == 2 and again.stream.life.owner == B
 
 
 def test_owner_left_closes_only_its_streams() -> None:
@@ -139,9 +149,9 @@ def test_owner_left_closes_only_its_streams() -> None:
     t.admit(ev("a", 0), A, prepare)
     t.admit(ev("b", 0), B, prepare)
     t.admit(ev("c", 0), None, prepare)  # an embedding caller's: no owner
-    assert [s.stream_id for s in t.owner_left(A)] == ["a"]
+    assert [s.life.stream_id for s in t.owner_left(A)] == ["a"]
     assert t.owner_left(A) == []  # already closing
-    phases = {s.stream_id: s.phase for s in t}
+    phases = {s.life.stream_id: s.life.phase for s in t}
     assert phases == {"a": Phase.CLOSING, "b": Phase.LIVE, "c": Phase.LIVE}
     assert refused(t, ev("c", 1), A) == "forbidden"  # an owned caller cannot write it
     t.admit(ev("c", 1), None, prepare)
@@ -151,12 +161,13 @@ def test_shutdown_and_abort() -> None:
     t = table()
     t.admit(ev("a", 0, final=True), A, prepare)
     t.admit(ev("b", 0), B, prepare)
-    assert {s.stream_id for s in t.shutdown()} == {"a", "b"}
+    assert {s.life.stream_id for s in t.shutdown()} == {"a", "b"}
+    assert t.phase is EnginePhase.DRAINING and not t.accepting
     assert refused(t, ev("new", 0), A) == "unavailable"
     assert refused(t, ev("b", 1), B) == "unavailable"
-    owed = {s.stream_id: n for s, n in t.abort()}
+    owed = {s.life.stream_id: n for s, n in t.abort()}
     assert owed == {"a": 1, "b": 0}  # the caller answers a's final `unavailable`
-    assert all(s.phase is Phase.CLOSED for s in t)
+    assert all(s.life.phase is Phase.CLOSED for s in t) and t.closed
     for stream in t:
         t.release(stream)
     assert len(t) == 0

@@ -29,6 +29,7 @@ from engine.server.connection import (
     Reply,
     Role,
     Route,
+    ServerPhase,
     ServerState,
     TokenBucket,
     Watch,
@@ -38,7 +39,7 @@ from engine.server.connection import (
 )
 from engine.server.outbox import Outbox
 from engine.streaming import IncrementalTranslator, StreamingOptions
-from protocol import ErrorMessage, TranslationUpdate
+from protocol import ErrorMessage, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 
 # --- sans-I/O rules (no model, no network) ----------------------------------------------
@@ -121,9 +122,42 @@ def test_core_roles_and_shutdown() -> None:
     assert isinstance(viewer.receive(subscribe, 0), Ignore)
     reply = viewer.receive(_partial("z", 0), 0)
     assert isinstance(reply, Reply) and reply.error.code == "forbidden"
-    state.accepting = False
+    assert state.stop() and not state.stop()  # the one flag: stopping, once
     reply = writer.receive(_partial("a", 9), 0)
     assert isinstance(reply, Reply) and reply.error.code == "unavailable"
+
+
+def test_server_state_decides_every_loading_and_stopping_refusal() -> None:
+    state = ServerState()
+    assert state.phase is ServerPhase.LOADING and not state.ready
+    assert state.readyz() == (503, "not ready: model loading\n")
+    refusal = state.handshake_refusal()
+    assert refusal is not None and refusal.reason == "Not ready: the model is loading.\n"
+    state.attach(["zh", "de"])
+    assert state.ready and state.languages == ("zh", "de")
+    assert state.readyz() == (200, "ready\n") and state.handshake_refusal() is None
+    core = _core(state)
+    assert state.stop()
+    state.attach(["zh"])  # a model loaded after the stop makes nothing ready
+    assert state.stopping and not state.ready
+    assert state.readyz() == (503, "not ready: shutting down\n")
+    refusal = state.handshake_refusal()
+    assert refusal is not None and refusal.status == 503
+    assert refusal.reason == "Not ready: the server is shutting down.\n"
+    frames = [
+        _partial("a", 0, final=True),
+        json.dumps({"type": "close_stream", "stream_id": "a"}),
+        json.dumps({"type": "subscribe", "stream_id": "a"}),
+    ]
+    replies = [core.receive(frame, 0) for frame in frames]
+    assert all(isinstance(r, Reply) for r in replies)
+    errors = [r.error for r in replies if isinstance(r, Reply)]
+    assert {(e.code, e.message) for e in errors} == {
+        ("unavailable", "the server is shutting down and takes no new messages")
+    }
+    assert [e.stream_id for e in errors] == ["a", "a", "a"] and errors[0].seq == 0
+    assert [r.about_final for r in replies if isinstance(r, Reply)] == [True, False, False]
+    assert errors[0] == state.shutting_down(PartialTranscript("a", 0, 0, "x", True))
 
 
 def test_core_bad_frames_and_rate_limit() -> None:
@@ -153,7 +187,7 @@ def _update(stream: str, seq: int, final: bool = False, segment: int = 0) -> Tra
 
 
 async def _drain(outbox: Outbox) -> list[Any]:
-    outbox.close()
+    outbox.end()
     items = []
     while (item := await outbox.get()) is not None:
         items.append(item)

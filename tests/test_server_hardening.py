@@ -299,8 +299,9 @@ async def test_a_stream_at_the_largest_seq_can_be_closed_and_started_again(
 
 # -- issue 9, finding 4: churn hurt bystanders ---------------------------------------------
 # Partials of connections that had already left waited for a worker and were translated
-# anyway, ahead of live streams' work (a bystander's p95 went from ~30 ms to ~870 ms in
-# the soak). Now a partial whose stream began closing while it waited is not translated.
+# anyway, ahead of live streams' work (the chaos soak, `examples/benchmarks/chaos_soak.py`,
+# showed it in a bystander's latency). Now a partial whose stream began closing while it
+# waited is not translated.
 
 
 @pytest.mark.anyio
@@ -350,7 +351,7 @@ async def test_an_update_is_encoded_once_for_all_its_viewers(
     from websockets.asyncio.client import connect
 
     import protocol
-    from engine.server import app
+    from engine.server import client
     from tests.test_server import send_sentence, until_final, wait_for, ws_url
 
     calls: list[str] = []
@@ -359,7 +360,7 @@ async def test_an_update_is_encoded_once_for_all_its_viewers(
         calls.append(type(message).__name__)
         return protocol.serialize(message)
 
-    monkeypatch.setattr(app, "_encoded", functools.lru_cache(maxsize=64)(counting))
+    monkeypatch.setattr(client, "_encoded", functools.lru_cache(maxsize=64)(counting))
     async with (
         serving(translator) as server,
         connect(ws_url(server)) as writer,

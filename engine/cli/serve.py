@@ -26,8 +26,7 @@ from engine.cli.args import (
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.errors import EngineError
-from engine.server.app import ServerOptions, SubtitleServer
-from engine.server.connection import Limits
+from engine.server import Limits, ServerOptions, SubtitleServer
 from engine.server.recorder import record
 from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
 

@@ -1,8 +1,11 @@
 """Live subtitles over WebSocket: the server behind `nmt-incremental serve` and its pages.
 
-`connection` holds the per-connection rules (sans I/O), `app` the asyncio server built on
-the `websockets` library, `metrics` the Prometheus metrics; the command line is
-`engine.cli.serve`.
+`connection` holds the per-connection rules and the server's state (sans I/O), `routes`
+the plain HTTP answers (page, assets, health, metrics, the handshake gate), `client` one
+connection's I/O (receiving, forwarding subscriptions, sending through its `outbox`),
+`shutdown` the order of a graceful stop, `app` the `SubtitleServer` that puts them
+together on the `websockets` library, `metrics` the Prometheus metrics and `recorder` the
+subtitle files of `--record`; the command line is `engine.cli.serve`.
 """
 
 from engine.server.app import ServerOptions, SubtitleServer

@@ -7,25 +7,29 @@ connection is an `Owner` to the engine, whose one state machine per stream
 (`engine.streaming.lifecycle`) admits, refuses and releases; nothing is reported back.
 Keeping the connection's own rules here makes every one of them testable without a model
 or a network, in the manner of the `websockets` library's own sans-I/O core.
+
+`ServerState` is the server's one record of whether it takes work, and the one place
+that decides what a loading or stopping server refuses (handshakes, `/readyz`, messages).
 """
 
 from __future__ import annotations
 
 import hmac
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeAlias
 from urllib.parse import parse_qs, urlsplit
 
 import protocol
-from engine.languages import match_lang
 from engine.streaming.lifecycle import Owner
+from engine.streaming.subscriptions import target_language
 from protocol import (
     CloseStream,
     ErrorCode,
     ErrorMessage,
+    InvalidEvent,
     Message,
     PartialTranscript,
     Subscribe,
@@ -203,14 +207,67 @@ class TokenBucket:
 # --- server state -------------------------------------------------------------------------
 
 
+class ServerPhase(Enum):
+    """Where the server is in its life."""
+
+    LOADING = "loading"  # no model yet: health checks answer, /readyz and /ws do not
+    READY = "ready"
+    STOPPING = "stopping"  # a shutdown began: nothing new is taken, from then on
+
+
 @dataclass
 class ServerState:
-    """What every connection of a server shares: whether it still takes work (false from
-    the start of a shutdown), and the target languages it translates into, the default
-    (first) one first (empty until a model is loaded)."""
+    """What every connection of a server shares: its phase, the one record of whether it
+    takes work, and the target languages it translates into, the default (first) one
+    first (empty until a model is loaded). Every refusal that a server loading or
+    stopping sends is decided here."""
 
-    accepting: bool = True
+    phase: ServerPhase = ServerPhase.LOADING
     languages: tuple[str, ...] = ()
+
+    def attach(self, languages: Iterable[str]) -> None:
+        """A model is loaded: ready, unless a shutdown began meanwhile."""
+        self.languages = tuple(languages)
+        if self.phase is ServerPhase.LOADING:
+            self.phase = ServerPhase.READY
+
+    def stop(self) -> bool:
+        """Begin stopping; False when the server was stopping already."""
+        if self.phase is ServerPhase.STOPPING:
+            return False
+        self.phase = ServerPhase.STOPPING
+        return True
+
+    @property
+    def ready(self) -> bool:
+        """Model loaded and not stopping: what `/readyz` reports."""
+        return self.phase is ServerPhase.READY
+
+    @property
+    def stopping(self) -> bool:
+        return self.phase is ServerPhase.STOPPING
+
+    def readyz(self) -> tuple[int, str]:
+        """`/readyz`'s status and body."""
+        if self.ready:
+            return 200, "ready\n"
+        why = "shutting down" if self.stopping else "model loading"
+        return 503, f"not ready: {why}\n"
+
+    def handshake_refusal(self) -> Refusal | None:
+        """A 503 for a WebSocket handshake while not ready, else None."""
+        if self.ready:
+            return None
+        why = "the server is shutting down" if self.stopping else "the model is loading"
+        return Refusal(503, f"Not ready: {why}.\n")
+
+    def shutting_down(self, context: Message | None = None) -> ErrorMessage:
+        """The reply to a message that a stopping server (or its closed engine) refuses."""
+        return _error(
+            ErrorCode.UNAVAILABLE,
+            "the server is shutting down and takes no new messages",
+            context=context,
+        )
 
 
 # --- actions ----------------------------------------------------------------------------
@@ -257,6 +314,14 @@ class Ignore:
 
 
 Action: TypeAlias = Reply | Push | Close | Watch | Ignore
+
+
+_MESSAGE_TYPES: dict[type, str] = {
+    PartialTranscript: "partial_transcript",
+    CloseStream: "close_stream",
+    Subscribe: "subscribe",
+}
+"""The metrics' name of each message type a client may send."""
 
 
 class Role(Enum):
@@ -333,31 +398,19 @@ class ConnectionCore:
             )
         if isinstance(message, ErrorMessage):
             return Reply(message)
+        # parse(accept=TO_ENGINE_TYPES) returns nothing else.
+        self.message_type = _MESSAGE_TYPES[type(message)]
+        if self.server.stopping:
+            return Reply(self.server.shutting_down(message), about_final=final)
         if isinstance(message, PartialTranscript):
-            self.message_type = "partial_transcript"
             action = self._partial(message)
             return Reply(action.error, about_final=final) if isinstance(action, Reply) else action
         if isinstance(message, CloseStream):
-            self.message_type = "close_stream"
-            return self._close(message)
-        if isinstance(message, Subscribe):
-            self.message_type = "subscribe"
-            return self._subscribe(message)
-        # decode(accept=TO_ENGINE_TYPES) returns nothing else.
-        raise AssertionError(f"unexpected message {type(message).__name__}")
-
-    def _shutting_down(self, message: PartialTranscript | CloseStream | Subscribe) -> Reply:
-        return Reply(
-            _error(
-                ErrorCode.UNAVAILABLE,
-                "the server is shutting down and takes no new messages",
-                context=message,
-            )
-        )
+            return Close(message.stream_id)
+        assert isinstance(message, Subscribe)
+        return self._subscribe(message)
 
     def _partial(self, event: PartialTranscript) -> Action:
-        if not self.server.accepting:
-            return self._shutting_down(event)
         if self.role is Role.VIEWER:
             return Reply(
                 _error(
@@ -369,14 +422,7 @@ class ConnectionCore:
         self.role = Role.WRITER
         return Push(event)
 
-    def _close(self, message: CloseStream) -> Action:
-        if not self.server.accepting:
-            return self._shutting_down(message)
-        return Close(message.stream_id)
-
     def _subscribe(self, message: Subscribe) -> Action:
-        if not self.server.accepting:
-            return self._shutting_down(message)
         if self.role is Role.WRITER:
             return Reply(
                 _error(
@@ -392,17 +438,10 @@ class ConnectionCore:
         languages = self.server.languages
         lang = message.lang if message.lang is not None or not languages else languages[0]
         if lang is not None and languages:
-            lang = match_lang(lang, languages)
-            if lang is None:
-                return Reply(
-                    _error(
-                        ErrorCode.INVALID_MESSAGE,
-                        f"no translation into {message.lang!r} here; languages: "
-                        + ", ".join(languages),
-                        field="lang",
-                        context=message,
-                    )
-                )
+            try:
+                lang = target_language(lang, languages, sid)
+            except InvalidEvent as exc:
+                return Reply(exc.error)
         if (sid, lang) in self.watched:
             return Ignore()
         if len(self.watched) >= self.limits.max_streams_per_connection:

@@ -9,11 +9,15 @@ Each server gets its own registry, so several servers (tests) never share counte
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from engine.streaming import IncrementalTranslator
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Seconds; live subtitles are judged in tens to hundreds of milliseconds."""
@@ -146,6 +150,45 @@ class ServerMetrics:
         )
         r.register(_SchedulerStats(scheduler_stats))
         r.register(_ModelInfo(models))
+
+    @classmethod
+    def watching(cls, engine: Callable[[], IncrementalTranslator | None]) -> ServerMetrics:
+        """Metrics that read, at scrape time, the engine `engine()` returns (None while a
+        model loads: no streams, no engine series)."""
+
+        def open_streams() -> int:
+            nmt = engine()
+            return len(nmt.streams) if nmt is not None else 0
+
+        def engine_stats() -> Mapping[str, int] | None:
+            nmt = engine()
+            return nmt.stats if nmt is not None else None
+
+        def scheduler_stats() -> dict[str, Mapping[str, int]] | None:
+            """Each model's decode scheduler counters, by target language."""
+            nmt = engine()
+            if nmt is None:
+                return None
+            return {lang: t.scheduler.stats for lang, t in nmt.targets.items()}
+
+        def models() -> list[dict[str, str]]:
+            """What `nmt_model_info` says about each loaded model, default language first."""
+            nmt = engine()
+            if nmt is None:
+                return []
+            targets = nmt.targets
+            return [
+                {
+                    "lang": lang,
+                    "source_lang": t.config.source_lang or "",
+                    "model": str(t.model.model_dir),
+                    "batching": t.scheduler.batching,
+                    "default": str(lang == targets.default).lower(),
+                }
+                for lang, t in targets.items()
+            ]
+
+        return cls(open_streams, engine_stats, scheduler_stats, models)
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, negotiated from `Accept`."""

@@ -45,17 +45,17 @@ class Outbox:
         self._updates = 0
         self._errors = 0
         self._ready = anyio.Event()
-        self._closed = False
+        self._ended = False
 
     def __len__(self) -> int:
         return len(self._items)
 
     @property
-    def closed(self) -> bool:
-        return self._closed
+    def ended(self) -> bool:
+        return self._ended
 
     def put_update(self, update: TranslationUpdate) -> None:
-        if self._closed:
+        if self._ended:
             return
         if self._updates >= self.max_updates and self._shed_update():
             self.dropped_updates += 1
@@ -67,7 +67,7 @@ class Outbox:
     def put_error(self, error: ErrorMessage, *, keep: bool = False) -> bool:
         """Queue an error reply; False when it was dropped (too many pending). `keep`: a
         reply about a final, dropped only past `max_kept_errors`."""
-        if self._closed:
+        if self._ended:
             return False
         if keep:
             if self._kept >= self.max_kept_errors:
@@ -83,15 +83,15 @@ class Outbox:
         self._ready.set()
         return True
 
-    def close(self) -> None:
+    def end(self) -> None:
         """No more items: `get` returns what is queued, then None."""
-        self._closed = True
+        self._ended = True
         self._ready.set()
 
     async def get(self) -> Outgoing | None:
-        """The next item to send, waiting for one; None once closed and empty."""
+        """The next item to send, waiting for one; None once ended and empty."""
         while not self._items:
-            if self._closed:
+            if self._ended:
                 return None
             self._ready = anyio.Event()
             await self._ready.wait()

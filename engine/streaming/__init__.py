@@ -1,7 +1,13 @@
-"""Incremental translation of partial transcripts: sans-I/O session + async controller."""
+"""Incremental translation of partial transcripts: the layer between decoding and I/O.
 
-from engine.streaming.controller import IncrementalTranslator, Subscription
-from engine.streaming.lifecycle import Owner, Phase, StreamTable
+`lifecycle` decides each stream's life (admission, ownership, closing) in one table,
+`session` translates one stream's events (sans I/O), `policies` choose what becomes
+stable, `controller` runs many streams at once (`IncrementalTranslator`) and
+`subscriptions` carries their replies to writers and viewers (`UpdateBus`).
+"""
+
+from engine.streaming.controller import IncrementalTranslator
+from engine.streaming.lifecycle import EnginePhase, Owner, Phase, StreamTable
 from engine.streaming.policies import (
     BiasedDecoding,
     FirstWord,
@@ -15,10 +21,13 @@ from engine.streaming.session import (
     StreamSession,
     normalize_source,
 )
+from engine.streaming.subscriptions import InProcessBus, Subscription, UpdateBus
 
 __all__ = [
     "BiasedDecoding",
+    "EnginePhase",
     "FirstWord",
+    "InProcessBus",
     "IncrementalTranslator",
     "LocalAgreement",
     "MaskK",
@@ -29,6 +38,7 @@ __all__ = [
     "StreamTable",
     "StreamingOptions",
     "Subscription",
+    "UpdateBus",
     "normalize_source",
     "parse_policy",
 ]

@@ -21,6 +21,33 @@ segment before the last final's reply arrives, and a closing stream still owes t
 of the finals it accepted. The count makes the reply contract checkable: a stream may only
 be released (`DRAINED`) when it is zero, and `ABORT` is the one way to drop it, which the
 caller does only after answering each of those finals with an `unavailable` error.
+
+The engine as a whole has a phase too (`EnginePhase`, kept by the table): running, then
+draining (a shutdown: nothing new is taken), then closed. It is the engine's one record of
+whether it takes work; the server keeps its own (`engine.server.connection.ServerState`),
+since it stops before its engine does and may have none yet.
+
+A stream holds its lifecycle (`life`), as h11's `Connection` holds its state object: the
+controller's stream adds its queue and sessions around it, and only the table moves it.
+
+Words for ending things, each with one meaning in the engine and the server:
+
+- **close**: a stream's owner ends the stream (`close_stream` waits until the stream is
+  released, `begin_close` returns at once; `StreamTable.close`, `Trigger.CLOSE`).
+- **owner left**: the owner's connection is gone; its streams close as if it had closed
+  them (`owner_left`, `Trigger.OWNER_LEFT`).
+- **shutdown**: the engine or the server takes nothing new and finishes what it accepted
+  (`StreamTable.shutdown`, `Trigger.SHUTDOWN`, `SubtitleServer.shutdown`);
+  `IncrementalTranslator.aclose` is the engine's shutdown, awaited to the end, under the
+  name Python gives an async resource's close.
+- **abort**: work not finished is given up at once: the engine's, past a shutdown's
+  deadline, every final still owed then answered `unavailable` (`abort`,
+  `Trigger.ABORT`); or a decode's, in its scheduler (`abort(ids)`: a superseded partial's
+  row leaves the batch).
+- **drained / release**: a closing stream with nothing waiting or running leaves the
+  table and its id is free (`Trigger.DRAINED`, `StreamTable.release`).
+- **end**: a reader's queue takes nothing more and stops once emptied (`Subscription.end`,
+  `UpdateBus.end_stream`, `UpdateBus.end_all`, `Outbox.end`).
 """
 
 from __future__ import annotations
@@ -29,7 +56,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from engine.errors import InputTooLongError
 from protocol import ErrorCode, ErrorMessage, InvalidEvent, PartialTranscript
@@ -42,6 +69,14 @@ class Phase(Enum):
     LIVE = "segment_live"  # a segment has had partials and no final yet
     CLOSING = "closing"  # takes nothing; accepted finals are still translated
     CLOSED = "closed"  # released: the id is free, a new stream with it is a new epoch
+
+
+class EnginePhase(Enum):
+    """Where the engine (its table of streams) is in its life."""
+
+    RUNNING = "running"  # takes events
+    DRAINING = "draining"  # shutdown: takes nothing; accepted finals are still translated
+    CLOSED = "closed"  # drained or aborted: nothing more is published
 
 
 class Trigger(Enum):
@@ -202,7 +237,14 @@ class StreamLifecycle:
         self.fire(Trigger.FINAL if event.is_final else Trigger.PARTIAL)
 
 
-S = TypeVar("S", bound=StreamLifecycle)
+class HoldsLifecycle(Protocol):
+    """A stream as the table keeps it: anything that holds a `StreamLifecycle`."""
+
+    @property
+    def life(self) -> StreamLifecycle: ...
+
+
+S = TypeVar("S", bound=HoldsLifecycle)
 
 Prepare = Callable[[PartialTranscript], tuple[str, Mapping[str, list[int]]]]
 """Admission's text step: the event's normalised source and its token ids for each target
@@ -225,15 +267,16 @@ class Admission(Generic[S]):
 class StreamTable(Generic[S]):
     """Every open stream of an engine, by id: the one record of who owns what.
 
-    `factory(stream_id, owner, epoch)` makes the stream object (the controller's subclass
-    of `StreamLifecycle` adds its queue and session). A stream stays in the table from
-    the event that opens it until `release`, closing included, so its id cannot be
-    reopened behind the back of the finals it still owes.
+    The table makes each stream's `StreamLifecycle` (it numbers the epochs) and
+    `factory(life)` the stream that holds it (the controller's adds a queue and
+    sessions). A stream stays in the table from the event that opens it until `release`,
+    closing included, so its id cannot be reopened behind the back of the finals it still
+    owes.
     """
 
     def __init__(
         self,
-        factory: Callable[[str, Owner | None, int], S],
+        factory: Callable[[StreamLifecycle], S],
         *,
         max_streams: int = 256,
         max_pending_finals: int = 32,
@@ -243,7 +286,7 @@ class StreamTable(Generic[S]):
         self.factory = factory
         self.max_streams = max_streams
         self.max_pending_finals = max_pending_finals
-        self.accepting = True
+        self.phase = EnginePhase.RUNNING
         self._streams: dict[str, S] = {}
         self._epochs = itertools.count(1)
 
@@ -260,10 +303,33 @@ class StreamTable(Generic[S]):
     def ids(self) -> list[str]:
         return list(self._streams)
 
+    @property
+    def accepting(self) -> bool:
+        """Whether the engine takes events (not shut down)."""
+        return self.phase is EnginePhase.RUNNING
+
+    @property
+    def closed(self) -> bool:
+        """Drained or aborted: nothing more is published."""
+        return self.phase is EnginePhase.CLOSED
+
     def owned_by(self, owner: Owner) -> list[S]:
-        return [s for s in self._streams.values() if s.owner == owner]
+        return [s for s in self._streams.values() if s.life.owner == owner]
 
     # -- decisions -----------------------------------------------------------------------
+
+    def _stopped(self, stream_id: str, event: PartialTranscript | None) -> InvalidEvent | None:
+        """The engine's shutdown refusal, decided here only: of `event`, or (None) of a
+        request to close the stream."""
+        if self.accepting:
+            return None
+        if event is not None:
+            message = "shutting down: no new transcripts are taken"
+            return InvalidEvent(
+                ErrorMessage(ErrorCode.UNAVAILABLE, message, None, stream_id, event.seq)
+            )
+        message = "shutting down: every stream is closing"
+        return InvalidEvent(ErrorMessage(ErrorCode.UNAVAILABLE, message, "stream_id", stream_id))
 
     def admit(
         self, event: PartialTranscript, owner: Owner | None, prepare: Prepare
@@ -277,8 +343,9 @@ class StreamTable(Generic[S]):
         def refuse(code: ErrorCode, message: str, field: str | None = None) -> InvalidEvent:
             return InvalidEvent(ErrorMessage(code, message, field, event.stream_id, event.seq))
 
-        if not self.accepting:
-            raise refuse(ErrorCode.UNAVAILABLE, "shutting down: no new transcripts are taken")
+        stopped = self._stopped(event.stream_id, event)
+        if stopped is not None:
+            raise stopped
         stream = self._streams.get(event.stream_id)
         if stream is None:
             if len(self._streams) >= self.max_streams:
@@ -295,13 +362,13 @@ class StreamTable(Generic[S]):
                         "stream_id",
                     )
         else:
-            if stream.owner != owner:
+            if stream.life.owner != owner:
                 raise refuse(
                     ErrorCode.FORBIDDEN,
                     f"stream {event.stream_id!r} belongs to another connection",
                     "stream_id",
                 )
-            error = stream.refusal(event, self.max_pending_finals)
+            error = stream.life.refusal(event, self.max_pending_finals)
             if error is not None:
                 raise InvalidEvent(error)
         try:
@@ -310,9 +377,9 @@ class StreamTable(Generic[S]):
             raise refuse(ErrorCode.TOO_LARGE, str(exc), "text") from None
         opened = stream is None
         if stream is None:
-            stream = self.factory(event.stream_id, owner, next(self._epochs))
+            stream = self.factory(StreamLifecycle(event.stream_id, owner, next(self._epochs)))
             self._streams[event.stream_id] = stream
-        stream.accept(event)
+        stream.life.accept(event)
         return Admission(stream, event, source, ids, opened)
 
     def close(self, stream_id: str, owner: Owner | None) -> S:
@@ -322,16 +389,17 @@ class StreamTable(Generic[S]):
         def refuse(code: ErrorCode, message: str) -> InvalidEvent:
             return InvalidEvent(ErrorMessage(code, message, "stream_id", stream_id))
 
-        if not self.accepting:
-            raise refuse(ErrorCode.UNAVAILABLE, "shutting down: every stream is closing")
+        stopped = self._stopped(stream_id, None)
+        if stopped is not None:
+            raise stopped
         stream = self._streams.get(stream_id)
         if stream is None:
             raise refuse(ErrorCode.UNKNOWN_STREAM, f"no open stream {stream_id!r}")
-        if stream.owner != owner:
+        if stream.life.owner != owner:
             raise refuse(ErrorCode.FORBIDDEN, f"stream {stream_id!r} belongs to another connection")
-        if not stream.taking_events:
+        if not stream.life.taking_events:
             raise refuse(ErrorCode.UNKNOWN_STREAM, f"stream {stream_id!r} is already closing")
-        stream.fire(Trigger.CLOSE)
+        stream.life.fire(Trigger.CLOSE)
         return stream
 
     def owner_left(self, owner: Owner) -> list[S]:
@@ -339,34 +407,40 @@ class StreamTable(Generic[S]):
         finals it accepted). Returns those that began closing now."""
         started = []
         for stream in self.owned_by(owner):
-            was_taking = stream.taking_events
-            stream.fire(Trigger.OWNER_LEFT)
+            was_taking = stream.life.taking_events
+            stream.life.fire(Trigger.OWNER_LEFT)
             if was_taking:
                 started.append(stream)
         return started
 
     def shutdown(self) -> list[S]:
         """Take nothing more; every stream starts closing. Returns every stream."""
-        self.accepting = False
+        if self.phase is EnginePhase.RUNNING:
+            self.phase = EnginePhase.DRAINING
         streams = list(self._streams.values())
         for stream in streams:
-            stream.fire(Trigger.SHUTDOWN)
+            stream.life.fire(Trigger.SHUTDOWN)
         return streams
 
+    def finish_shutdown(self) -> None:
+        """Every stream has drained: the engine is closed."""
+        self.phase = EnginePhase.CLOSED
+
     def abort(self) -> list[tuple[S, int]]:
-        """Past a shutdown deadline: every stream is closed on the spot. Returns each
-        with the number of finals it still owed, which the caller answers `unavailable`."""
-        self.accepting = False
+        """Past a shutdown deadline: every stream is closed on the spot, and the engine.
+        Returns each stream with the number of finals it still owed, which the caller
+        answers `unavailable`."""
+        self.phase = EnginePhase.CLOSED
         owed = []
         for stream in self._streams.values():
-            if stream.phase is not Phase.CLOSED:
-                owed.append((stream, stream.finals_pending))
-                stream.fire(Trigger.ABORT)
+            if stream.life.phase is not Phase.CLOSED:
+                owed.append((stream, stream.life.finals_pending))
+                stream.life.fire(Trigger.ABORT)
         return owed
 
     def release(self, stream: S) -> None:
         """A closing stream has nothing waiting or running: it is closed, its id free."""
-        if stream.phase is not Phase.CLOSED:
-            stream.fire(Trigger.DRAINED)
-        if self._streams.get(stream.stream_id) is stream:
-            del self._streams[stream.stream_id]
+        if stream.life.phase is not Phase.CLOSED:
+            stream.life.fire(Trigger.DRAINED)
+        if self._streams.get(stream.life.stream_id) is stream:
+            del self._streams[stream.life.stream_id]

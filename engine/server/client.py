@@ -1,0 +1,210 @@
+"""One WebSocket connection's I/O: receive frames, carry out the core's actions, forward
+subscriptions into the outbox, send.
+
+The rules are the sans-I/O `ConnectionCore`'s; this module only awaits. Per connection,
+one task receives and one task sends, and one forwarder per subscription moves the
+engine's replies into a bounded `Outbox`, so the engine never waits on a socket.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+import protocol
+from engine.server.connection import (
+    Close,
+    ConnectionCore,
+    Ignore,
+    Push,
+    Reply,
+    ServerState,
+    Watch,
+)
+from engine.server.metrics import ServerMetrics
+from engine.server.outbox import Outbox
+from engine.streaming import IncrementalTranslator, Subscription
+from protocol import EngineClosed, ErrorMessage, InvalidEvent, TranslationUpdate
+
+log = logging.getLogger(__name__)
+
+# An update goes to its writer and to every viewer of the stream: encode it once. Updates
+# are frozen (hashable) and the cache holds the last few thousand, far more than are ever
+# in flight at once.
+_encoded = functools.lru_cache(maxsize=4096)(protocol.serialize)
+
+
+@dataclass(eq=False)
+class Client:
+    """One connection: its rules (`core`), its outbox and the tasks that serve it.
+
+    `pumps` counts its subscriptions being forwarded: a stopping server ends the outbox
+    only once the last one has delivered its final replies.
+    """
+
+    ws: ServerConnection
+    core: ConnectionCore
+    outbox: Outbox
+    engine: IncrementalTranslator
+    state: ServerState
+    metrics: ServerMetrics
+    io: anyio.abc.TaskGroup | None = None
+    subscriptions: set[Subscription] = field(default_factory=set)
+    writes: Subscription | None = None  # the replies of the streams it writes
+    pumps: int = 0
+    gone: bool = False
+    sent: anyio.Event = field(default_factory=anyio.Event)
+
+    async def serve(self) -> None:
+        """Serve the connection until it closes."""
+        self.metrics.connections.labels(self.core.role.value).inc()
+        try:
+            async with anyio.create_task_group() as io:
+                self.io = io
+                io.start_soon(self._send_loop)
+                try:
+                    await self._receive_loop()
+                finally:
+                    # Gone mid-stream: its streams close (viewers still get the finals
+                    # it sent) and free their slots; stop sending to it.
+                    self.gone = True
+                    self.engine.owner_left(self.core.owner)
+                    for sub in list(self.subscriptions):
+                        self.engine.unsubscribe(sub)
+                    io.cancel_scope.cancel()
+        finally:
+            self.sent.set()
+            self.metrics.connections.labels(self.core.role.value).dec()
+
+    def end_when_forwarded(self) -> None:
+        """A stopping server's last word: the outbox ends now if nothing is forwarded any
+        more, else when the last forwarder finishes."""
+        if self.pumps == 0:
+            self.outbox.end()
+
+    async def wait_sent(self) -> None:
+        """Until the outbox has ended and everything in it is sent (or the socket closed)."""
+        await self.sent.wait()
+
+    # -- receiving ----------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        core = self.core
+        try:
+            async for data in self.ws:
+                role = core.role
+                action = core.receive(data, time.monotonic())
+                self.metrics.messages_in.labels(core.message_type).inc()
+                if core.role is not role:
+                    self.metrics.connections.labels(role.value).dec()
+                    self.metrics.connections.labels(core.role.value).inc()
+                if isinstance(action, Reply):
+                    self._reply(action.error, action.about_final)
+                elif isinstance(action, Push):
+                    await self._push(action)
+                elif isinstance(action, Close):
+                    try:
+                        self.engine.begin_close(action.stream_id, core.owner)
+                    except InvalidEvent as exc:
+                        self._reply(exc.error)
+                elif isinstance(action, Watch):
+                    assert self.io is not None
+                    self.io.start_soon(self._view, action.stream_id, action.lang)
+                else:
+                    assert isinstance(action, Ignore)
+        except ConnectionClosed:
+            pass
+
+    async def _push(self, action: Push) -> None:
+        event = action.event
+        if self.writes is None:  # subscribe before the first push: nothing is missed
+            self.writes = self.engine.updates(owner=self.core.owner)
+            self._adopt(self.writes)
+            assert self.io is not None
+            self.io.start_soon(self._forward, self.writes, True)
+        try:
+            await self.engine.push(event, self.core.owner)
+        except InvalidEvent as exc:
+            self._reply(exc.error, event.is_final)
+        except EngineClosed:
+            self._reply(self.state.shutting_down(event), event.is_final)
+
+    # -- forwarding subscriptions ---------------------------------------------------------
+
+    async def _view(self, stream_id: str, lang: str | None) -> None:
+        """Follow a stream in one language for a viewer, across restarts of the stream: a
+        subtitle screen outlives the pipeline connection that feeds it."""
+        while not (self.state.stopping or self.gone):
+            sub = self.engine.updates(stream_id, lang=lang)
+            self._adopt(sub)
+            got = await self._forward(sub, False)
+            if not got and stream_id not in self.engine.streams:
+                await anyio.sleep(0.1)  # never spin on a subscription that ends at once
+
+    def _adopt(self, sub: Subscription) -> None:
+        # Counted from the moment it exists, so a shutdown never ends the outbox while a
+        # forwarder is still to start.
+        self.pumps += 1
+        self.subscriptions.add(sub)
+
+    async def _forward(self, sub: Subscription, owner: bool) -> int:
+        """Move an adopted subscription's replies into the outbox as they come; returns
+        how many. The owner's forwarder is the one place each update passes exactly
+        once, so it records the engine latency."""
+        count = 0
+        try:
+            async for update in sub:
+                count += 1
+                if isinstance(update, ErrorMessage):  # in place of a final's update
+                    if owner:
+                        self._reply(update, about_final=True)
+                    continue
+                if owner:
+                    lang = update.lang or ""
+                    self.metrics.update_latency.labels(lang).observe(update.latency_ms / 1000.0)
+                before = self.outbox.dropped_updates
+                self.outbox.put_update(update)
+                if self.outbox.dropped_updates > before:
+                    self.metrics.dropped_updates.inc()
+        finally:
+            self.subscriptions.discard(sub)
+            self.engine.unsubscribe(sub)  # a no-op unless this task was cancelled
+            if sub.dropped:
+                self.metrics.dropped_updates.inc(sub.dropped)
+            self.pumps -= 1
+            if self.state.stopping and self.pumps == 0:
+                self.outbox.end()
+        return count
+
+    # -- sending ------------------------------------------------------------------------
+
+    def _reply(self, error: ErrorMessage, about_final: bool = False) -> None:
+        self.metrics.errors.labels(error.code).inc()
+        if self.outbox.put_error(error, keep=about_final):
+            return
+        self.metrics.dropped_errors.inc()
+        if about_final and not self.outbox.ended:
+            # Finals it cannot be told about: a client that sends and never reads.
+            cid = self.core.connection_id
+            log.warning("closing connection %d: it does not read its replies", cid)
+            assert self.io is not None
+            self.io.start_soon(self.ws.close, 1008, "not reading replies")
+
+    async def _send_loop(self) -> None:
+        """The only task that awaits this connection's socket."""
+        try:
+            while (item := await self.outbox.get()) is not None:
+                await self.ws.send(_encoded(item))
+                kind = "translation_update" if isinstance(item, TranslationUpdate) else "error"
+                self.metrics.messages_out.labels(kind).inc()
+        except ConnectionClosed:
+            pass
+        finally:
+            self.sent.set()

@@ -1,0 +1,128 @@
+"""Plain HTTP on the server's port: the subtitle page and its assets, health, readiness,
+metrics, and the gate in front of a WebSocket handshake.
+
+Everything here answers from the request alone (and the server's state and metrics); it
+runs inside the `websockets` handshake hook, so a request is answered before any
+WebSocket exists and a refused handshake never reaches the connection code.
+"""
+
+from __future__ import annotations
+
+import http
+from collections.abc import Iterable
+from importlib.resources import files
+
+from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from engine.server.connection import (
+    SINGLE_HEADERS,
+    STATIC_FILES,
+    Route,
+    ServerState,
+    check_handshake,
+    duplicate_headers,
+    presented_token,
+    request_path,
+    route,
+    token_matches,
+)
+from engine.server.metrics import ServerMetrics
+
+_PAGE_HEADERS = (
+    # The page needs nothing but itself and a WebSocket back to this server.
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self'; base-uri 'none'; form-action 'none'",
+    ),
+    # The page URL may carry the token: never send it on in a Referer.
+    ("Referrer-Policy", "no-referrer"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Cache-Control", "no-cache"),
+)
+
+
+def _static(name: str) -> bytes:
+    return files("engine.server").joinpath("static", name).read_bytes()
+
+
+def _response(
+    status: int, body: bytes, content_type: str, headers: Iterable[tuple[str, str]] = ()
+) -> Response:
+    h = Headers([("Content-Type", content_type), ("Content-Length", str(len(body)))])
+    for name, value in headers:
+        h[name] = value
+    return Response(status, http.HTTPStatus(status).phrase, h, body)
+
+
+def _text(status: int, text: str, headers: Iterable[tuple[str, str]] = ()) -> Response:
+    return _response(status, text.encode("utf-8"), "text/plain; charset=utf-8", headers)
+
+
+class HttpRoutes:
+    """The `process_request` hook of the server: a `Response` for every plain HTTP
+    request and every refused handshake, None to let a WebSocket handshake go on.
+
+    `token`: the secret `/ws` and `/metrics` require (None: none); `allowed_origins`:
+    browser origins allowed to open `/ws` (None: any).
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        metrics: ServerMetrics,
+        *,
+        token: str | None,
+        allowed_origins: Iterable[str] | None,
+    ) -> None:
+        self.state = state
+        self.metrics = metrics
+        self.token = token
+        self.allowed_origins = frozenset(allowed_origins) if allowed_origins is not None else None
+        # Read once: the page and its assets are part of the package.
+        self._assets = {"/": _static("index.html")} | {
+            path: _static(path.lstrip("/")) for path in STATIC_FILES
+        }
+
+    def __call__(self, ws: ServerConnection, request: Request) -> Response | None:
+        counts = {name: len(request.headers.get_all(name)) for name in SINGLE_HEADERS}
+        refusal = duplicate_headers(counts)
+        if refusal is not None:
+            self.metrics.handshakes_refused.labels(str(refusal.status)).inc()
+            return _text(refusal.status, refusal.reason, refusal.headers)
+        kind = route(request.path)
+        if kind is Route.WEBSOCKET:
+            return self._handshake(request)
+        if kind is Route.PAGE or kind is Route.STATIC:
+            path = "/" if kind is Route.PAGE else request_path(request.path)
+            content_type = STATIC_FILES.get(path, "text/html; charset=utf-8")
+            return _response(200, self._assets[path], content_type, _PAGE_HEADERS)
+        if kind is Route.HEALTHZ:
+            return _text(200, "ok\n")
+        if kind is Route.READYZ:
+            return _text(*self.state.readyz())
+        if kind is Route.METRICS:
+            if self.token is not None and not token_matches(
+                presented_token(request.path, request.headers.get("Authorization")), self.token
+            ):
+                return _text(401, "Missing or wrong token.\n", [("WWW-Authenticate", "Bearer")])
+            body, content_type = self.metrics.render(request.headers.get("Accept"))
+            return _response(200, body, content_type)
+        return _text(404, "Not found.\n")
+
+    def _handshake(self, request: Request) -> Response | None:
+        refusal = check_handshake(
+            request.path,
+            request.headers.get("Authorization"),
+            request.headers.get("Origin"),
+            token=self.token,
+            allowed_origins=self.allowed_origins,
+        )
+        if refusal is None:
+            refusal = self.state.handshake_refusal()
+        if refusal is None:
+            return None  # websockets goes on with the handshake (426 if it is not one)
+        self.metrics.handshakes_refused.labels(str(refusal.status)).inc()
+        return _text(refusal.status, refusal.reason, refusal.headers)

@@ -1,0 +1,171 @@
+"""Subscriptions and the update bus (`engine.streaming.subscriptions`): who gets which reply,
+what a late viewer starts from, and when a subscription ends; the bus alone first, then
+through the controller on the fixture model."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.decoding.translator import Translator
+from engine.streaming import IncrementalTranslator, InProcessBus, Owner, Subscription, UpdateBus
+from engine.streaming.subscriptions import RECENT_FINALS, Reply, target_language
+from protocol import (
+    EngineClosed,
+    ErrorMessage,
+    InvalidEvent,
+    PartialTranscript,
+    TranslationUpdate,
+)
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+
+A = Owner("connection 1")
+B = Owner("connection 2")
+
+
+def update(
+    seq: int, final: bool, stream: str = "s", lang: str | None = None, segment: int | None = None
+) -> TranslationUpdate:
+    segment = seq if segment is None else segment
+    return TranslationUpdate(stream, segment, seq, "x", "", final, 0.0, 0.0, lang=lang)
+
+
+def queued(sub: Subscription) -> list[Reply]:
+    return list(sub._items)
+
+
+def test_subscription_drops_oldest_partials_but_never_finals() -> None:
+    sub = Subscription("s", max_items=3)
+
+    def update(seq: int, final: bool) -> TranslationUpdate:
+        return TranslationUpdate("s", seq, seq, "x", "", final, 0.0, 0.0)
+
+    sub.put(update(0, True))
+    for seq in range(1, 6):
+        sub.put(update(seq, False))
+    sub.put(update(6, True))
+    kept = [u.seq for u in list(sub._items)]
+    assert kept[0] == 0 and 6 in kept and len(kept) == 3
+    assert sub.dropped == 4
+
+
+def test_the_in_process_bus_is_an_update_bus() -> None:
+    assert isinstance(InProcessBus(), UpdateBus)
+
+
+def test_replies_go_to_the_owner_the_streams_viewers_and_every_stream_viewers() -> None:
+    bus = InProcessBus()
+    writer_a, writer_b = bus.subscribe(owner=A), bus.subscribe(owner=B)
+    viewer_s, viewer_t, everything = bus.subscribe("s"), bus.subscribe("t"), bus.subscribe()
+    only_de = bus.subscribe("s", lang="de")
+    zh, de = update(0, False, lang="zh"), update(1, False, lang="de", segment=0)
+    error = ErrorMessage("internal", "boom", stream_id="s", seq=2)  # every language
+    for reply in (zh, de, error):
+        bus.publish(reply, A)
+    other = update(0, True, stream="t", lang="zh")
+    bus.publish(other, B)
+    assert queued(writer_a) == [zh, de, error] and queued(writer_b) == [other]
+    assert queued(viewer_s) == [zh, de, error] and queued(viewer_t) == [other]
+    assert queued(everything) == [zh, de, error, other]
+    assert queued(only_de) == [de, error]
+
+
+def test_a_late_viewer_starts_from_the_recent_finals_and_the_current_line() -> None:
+    bus = InProcessBus()
+    finals = [update(seq, True, lang="zh") for seq in range(RECENT_FINALS + 2)]
+    for final in finals:
+        bus.publish(final, A)
+    current = update(99, False, lang="zh", segment=50)
+    bus.publish(current, A)
+    bus.publish(update(100, True, stream="t", lang="de"), None)
+    bus.publish(ErrorMessage("internal", "boom", stream_id="s", seq=101, lang="zh"), A)
+    expected = [*finals[-RECENT_FINALS:], current]  # errors are no line of text
+    assert bus.backlog("s", None) == expected
+    assert queued(bus.subscribe("s", lang="zh")) == expected
+    assert bus.backlog("s", "de") == []
+    assert [u.stream_id for u in bus.backlog(None, None)] == ["s"] * len(expected) + ["t"]
+    assert queued(bus.subscribe(owner=A)) == []  # a writer subscribes before it pushes
+    bus.publish(update(102, True, lang="zh", segment=50), A)  # the line is final now
+    assert bus.backlog("s", "zh")[-1].seq == 102
+
+
+@pytest.mark.anyio
+async def test_ending_a_stream_ends_its_viewers_and_its_backlog_only() -> None:
+    bus = InProcessBus()
+    viewer, everything, writer = bus.subscribe("s"), bus.subscribe(), bus.subscribe(owner=A)
+    bus.publish(update(0, True, lang="zh"), A)
+    bus.end_stream("s")
+    assert viewer.ended and not everything.ended and not writer.ended
+    assert [u.seq async for u in viewer] == [0]  # what was queued is still read
+    assert bus.backlog("s", None) == []  # a new life of the id starts empty
+    again = bus.subscribe("s")  # a viewer waiting for the next life
+    bus.unsubscribe(everything)
+    assert everything.ended
+    bus.end_all()
+    assert again.ended and writer.ended
+    bus.publish(update(1, True, lang="zh"), A)
+    assert queued(again) == [] and queued(writer) == [update(0, True, lang="zh")]
+
+
+def test_one_language_match_and_one_refusal_for_the_server_and_the_engine() -> None:
+    assert target_language("zh-Hans", ["zh", "de"]) == "zh"
+    assert target_language("de", ["zh", "de"]) == "de"
+    with pytest.raises(InvalidEvent) as refused:
+        target_language("fr", ["zh", "de"], "s1")
+    error = refused.value.error
+    assert (error.code, error.field, error.stream_id) == ("invalid_message", "lang", "s1")
+    assert error.message == "no translation into 'fr' here; languages: zh, de"
+
+
+# --- through the controller --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def translator() -> Translator:
+    needs_fixture()
+    return Translator.from_dir(FIXTURE_MODEL)
+
+
+class CountingBus(InProcessBus):
+    """The default bus, counting what the controller hands it."""
+
+    def __init__(self) -> None:
+        super().__init__(queue_size=16)
+        self.published: list[Reply] = []
+        self.ended: list[str] = []
+
+    def publish(self, reply: Reply, owner: Owner | None) -> None:
+        self.published.append(reply)
+        super().publish(reply, owner)
+
+    def end_stream(self, stream_id: str) -> None:
+        self.ended.append(stream_id)
+        super().end_stream(stream_id)
+
+
+@pytest.mark.anyio
+async def test_the_controller_publishes_every_reply_through_its_bus(
+    translator: Translator,
+) -> None:
+    bus = CountingBus()
+    async with IncrementalTranslator(translator, bus=bus) as nmt:
+        sub = nmt.updates("s1")
+        assert sub.max_items == 16  # made by the bus
+        await nmt.push(PartialTranscript("s1", 0, 0, "I will meet Tom at three", True))
+        await nmt.close_stream("s1")
+        replies = [reply async for reply in sub]
+    assert replies == bus.published and len(replies) == 1 and bus.ended == ["s1"]
+    final = replies[0]
+    assert isinstance(final, TranslationUpdate) and final.epoch == 1 and final.lang == "zh"
+
+
+@pytest.mark.anyio
+async def test_a_closed_engine_refuses_pushes_and_ends_new_subscriptions(
+    translator: Translator,
+) -> None:
+    async with IncrementalTranslator(translator) as nmt:
+        await nmt.push(PartialTranscript("s1", 0, 0, "I will", False))
+        await nmt.aclose()
+        with pytest.raises(EngineClosed):
+            await nmt.push(PartialTranscript("s1", 0, 1, "I will meet", False))
+        late = nmt.updates("s1")
+        assert late.ended and [reply async for reply in late] == []
