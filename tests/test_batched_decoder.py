@@ -11,26 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 
-from engine.model.batched_decoder import (
-    MASK_INPUT,
-    POSITIONS_INPUT,
-    _load,
-    check_rewrite,
-    load_batched_decoder,
-    probe_feed,
-    rewrite_decoder,
-    split_output_projection,
-)
+from engine.model.checks import causal_over_new_tokens, check_rewrite, probe_feed
 from engine.model.config import ModelConfig
+from engine.model.load import load_batched_decoder
+from engine.model.names import CAUSAL_KEY, MASK_INPUT, POSITIONS_INPUT
+from engine.model.passes.graph import load_model
+from engine.model.passes.head import split_output_projection
+from engine.model.passes.masks import rewrite_decoder
 from engine.model.passes.merged_split import split_merged
 from engine.model.passes.per_token import per_token_graph
 from engine.model.tokenizer import MarianTokenizer
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, model_copy, needs_fixture
-
-onnx = pytest.importorskip("onnx")
-ort = pytest.importorskip("onnxruntime")
 
 Array = np.ndarray[Any, Any]
 FP32_TOLERANCE = 1e-5
@@ -172,8 +167,8 @@ def test_all_ones_mask_gives_the_original_logits(kind: str, quantized: bool) -> 
 class Decoder:
     """A no-past and a with-past session, fed only the inputs each declares."""
 
-    def __init__(self, first: Path | bytes, step: Path | bytes, layers: int) -> None:
-        self.first, self.step = _session(first), _session(step)
+    def __init__(self, no_past: Path | bytes, with_past: Path | bytes, layers: int) -> None:
+        self.no_past, self.with_past = _session(no_past), _session(with_past)
         self.self_in = [
             f"past_key_values.{i}.decoder.{kv}" for i in range(layers) for kv in ("key", "value")
         ]
@@ -224,7 +219,7 @@ def decode_alone(
 ) -> Reference:
     ref = Reference(forced, [cfg.decoder_start_token_id, *forced])
     out = dec.run(
-        dec.first,
+        dec.no_past,
         {
             "encoder_attention_mask": mask,
             "input_ids": np.array([ref.tokens]),
@@ -237,7 +232,7 @@ def decode_alone(
         token = _greedy(ref.logits[-1], cfg)
         ref.tokens.append(token)
         out = dec.run(
-            dec.step,
+            dec.with_past,
             {
                 "encoder_attention_mask": mask,
                 "input_ids": np.array([[token]]),
@@ -291,7 +286,7 @@ def prefill(
         positions[r, start : start + len(tokens)] = np.arange(len(tokens))
         ends.append(start + len(tokens) - 1)
     out = dec.run(
-        dec.first,
+        dec.no_past,
         {
             "encoder_attention_mask": mask,
             "input_ids": ids,
@@ -320,7 +315,7 @@ def step(
     rows = len(tokens)
     kv_mask = np.concatenate([batch.kv_mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
     out = dec.run(
-        dec.step,
+        dec.with_past,
         {
             "encoder_attention_mask": batch.encoder_mask,
             "input_ids": np.array(tokens, dtype=np.int64)[:, None],
@@ -600,7 +595,7 @@ def test_an_unknown_graph_gives_none_and_a_reason(
 ) -> None:
     model = make()
     before = model.SerializeToString()
-    with caplog.at_level(logging.WARNING, logger="engine.model.batched_decoder"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.passes.masks"):
         assert rewrite_decoder(model, "probe.onnx") is None
     assert any(
         reason in r.getMessage() and "probe.onnx" in r.getMessage() for r in caplog.records
@@ -632,8 +627,8 @@ def test_a_model_directory_gives_a_checked_pair(
     for pair in (split, merged):
         assert pair.max_difference is not None
         assert pair.max_difference <= FP32_TOLERANCE
-        first = {i.name for i in _session(pair.first).get_inputs()}
-        step_inputs = {i.name for i in _session(pair.step).get_inputs()}
+        first = {i.name for i in _session(pair.no_past).get_inputs()}
+        step_inputs = {i.name for i in _session(pair.with_past).get_inputs()}
         assert {MASK_INPUT, POSITIONS_INPUT} <= first & step_inputs
         assert "past_key_values.0.decoder.key" in step_inputs - first
 
@@ -641,7 +636,7 @@ def test_a_model_directory_gives_a_checked_pair(
 def test_a_model_without_a_cached_decoder_gives_none(
     fixture_variants: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine.model.batched_decoder"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.load"):
         assert load_batched_decoder(fixture_variants["no_cache"]) is None
     assert "no decoder with past" in caplog.text
 
@@ -653,7 +648,7 @@ def test_unchecked_pair_checked_on_the_callers_own_sessions() -> None:
     pair = load_batched_decoder(FIXTURE_MODEL, check=False)
     assert pair is not None and pair.max_difference is None
     original = _session(FIXTURE_MODEL / "decoder_with_past_model.onnx")
-    mine = _session(pair.step)
+    mine = _session(pair.with_past)
     assert check_rewrite(original, mine, past_len=3, cur_len=1) <= FP32_TOLERANCE
 
 
@@ -668,9 +663,9 @@ def test_the_step_cut_at_its_output_projection_is_the_same_graph(quantized: bool
     pair = load_batched_decoder(FIXTURE_MODEL, quantized=quantized, check=False)
     assert pair is not None
     cfg = ModelConfig.from_dir(FIXTURE_MODEL)
-    split = split_output_projection(pair.step, cfg.vocab_size)
+    split = split_output_projection(pair.with_past, cfg.vocab_size)
     assert split is not None
-    whole, body, head = _session(pair.step), _session(split.body), _session(split.head)
+    whole, body, head = _session(pair.with_past), _session(split.body), _session(split.head)
     assert [i.name for i in head.get_inputs()] == [split.hidden]
     assert {i.name for i in body.get_inputs()} == {i.name for i in whole.get_inputs()}
     names = [o.name for o in whole.get_outputs()]
@@ -684,7 +679,7 @@ def test_the_step_cut_at_its_output_projection_is_the_same_graph(quantized: bool
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
     # Each part holds only the weights it reads (a tied embedding is read by both).
     for part in (split.body, split.head):
-        graph = _load(part).graph
+        graph = load_model(part).graph
         read = {name for node in graph.node for name in node.input}
         assert {i.name for i in graph.initializer} <= read
 
@@ -693,8 +688,8 @@ def test_a_graph_without_that_projection_is_not_cut() -> None:
     pair = load_batched_decoder(FIXTURE_MODEL, check=False)
     assert pair is not None
     cfg = ModelConfig.from_dir(FIXTURE_MODEL)
-    assert split_output_projection(pair.step, cfg.vocab_size + 1) is None  # no such matmul
-    assert split_output_projection(pair.step, cfg.vocab_size, logits="nope") is None
+    assert split_output_projection(pair.with_past, cfg.vocab_size + 1) is None  # no such matmul
+    assert split_output_projection(pair.with_past, cfg.vocab_size, logits="nope") is None
 
 
 # -- several new tokens per row after a cache (lookahead) -----------------------------------
@@ -707,22 +702,18 @@ def test_only_a_causal_step_takes_several_tokens_per_row(quantized: bool) -> Non
     traced with one token, has no mask to make it so) and, in fp32, three tokens fed after
     a cache must give the logits of one no-past call; a graph that claims it falsely is
     caught there."""
-    from engine.model.batched_decoder import CAUSAL_KEY
-    from engine.model.runtime import RuntimeOptions, _causal_over_new_tokens
-
     config = ModelConfig.from_dir(FIXTURE_MODEL)
-    options = RuntimeOptions(quantized=quantized)
     for kind, causal in (("split", True), ("older", False), ("older_flat", False)):
         _, first_new, _, step_new = _rewritten_pair(kind, quantized)
         step = _session(step_new)
         assert step.get_modelmeta().custom_metadata_map[CAUSAL_KEY] == ("1" if causal else "0")
-        assert _causal_over_new_tokens(_session(first_new), step, config, options) is causal
+        assert causal_over_new_tokens(_session(first_new), step, config, quantized) is causal
     if quantized:
         return
     _, first_new, _, step_new = _rewritten_pair("older", quantized)
-    claims = _load(step_new)
+    claims = load_model(step_new)
     for prop in claims.metadata_props:
         if prop.key == CAUSAL_KEY:
             prop.value = "1"
     lying = _session(claims.SerializeToString())
-    assert not _causal_over_new_tokens(_session(first_new), lying, config, options)
+    assert not causal_over_new_tokens(_session(first_new), lying, config, quantized)

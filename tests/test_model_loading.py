@@ -5,9 +5,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import onnx
 import pytest
 
 from engine import DecoderLayout, ModelLoadError, Translator
+from engine.model import load
 from tests.conftest import FIXTURE_MODEL, model_copy, needs_fixture
 
 
@@ -38,10 +40,10 @@ def test_quantized_files_are_chosen_by_option() -> None:
     needs_fixture()
     tr = Translator.from_dir(FIXTURE_MODEL, quantized=True)
     assert tr.model.files["encoder"].name == "encoder_model_quantized.onnx"
-    assert tr.model.files["first"].name == "decoder_model_quantized.onnx"
-    assert tr.model.files["step"].name == "decoder_with_past_model_quantized.onnx"
+    assert tr.model.files["no_past"].name == "decoder_model_quantized.onnx"
+    assert tr.model.files["with_past"].name == "decoder_with_past_model_quantized.onnx"
     merged = Translator.from_dir(FIXTURE_MODEL, quantized=True, prefer_split=False)
-    assert merged.model.files["first"].name == "decoder_model_merged_quantized.onnx"
+    assert merged.model.files["no_past"].name == "decoder_model_merged_quantized.onnx"
     assert merged.translate(["we eat noodles"])[0].text == tr.translate(["we eat noodles"])[0].text
     assert tr.translate(["we eat noodles"])[0].text
 
@@ -82,7 +84,6 @@ def test_not_a_directory(tmp_path: Path) -> None:
 
 
 def test_unknown_decoder_signature_names_missing_inputs(model_dir: Path) -> None:
-    onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
 
     # A decoder missing one layer's encoder KV inputs: close to "merged", but not it.
@@ -112,7 +113,6 @@ def test_ir10_files_load(tmp_path: Path) -> None:
     """Exports made with onnx >= 1.16 (e.g. onnx-community's opus-mt repos) are IR 10, which
     onnxruntime < 1.18 refuses (microsoft/onnxruntime#20559): the fixture re-saved as IR 10
     must load and translate exactly as the committed IR 8 files."""
-    onnx = pytest.importorskip("onnx")
     needs_fixture()
     names = ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx")
     model_dir = model_copy(tmp_path / "ir10", {})
@@ -134,7 +134,6 @@ def test_a_with_past_decoder_that_also_declares_encoder_states_gets_its_encoder_
     """Some exports' decoder_with_past declares `encoder_hidden_states` beside the encoder
     KV inputs it needs. It was fed the states instead of the KV (ORT: "Required inputs
     missing" at step 1); it must get the KV, and the states too since it declares them."""
-    onnx = pytest.importorskip("onnx")
     needs_fixture()
     names = ("encoder_model.onnx", "decoder_model.onnx")
     model_dir = model_copy(tmp_path / "states", {n: FIXTURE_MODEL / n for n in names})
@@ -157,7 +156,6 @@ def test_a_merged_only_model_is_split_at_load_and_decodes_the_same(
 ) -> None:
     """Pulled models have only the merged decoder: its two If branches run as the split
     pair (no If per step), checked against the merged graph at load."""
-    pytest.importorskip("onnx")
     needs_fixture()
     suffix = "_quantized" if quantized else ""
     names = (f"encoder_model{suffix}.onnx", f"decoder_model_merged{suffix}.onnx")
@@ -176,10 +174,7 @@ def test_a_split_that_disagrees_with_the_merged_graph_is_refused(
 ) -> None:
     """Branches that do not give the merged decoder's logits are not used: one log line,
     and the merged file runs as it is."""
-    onnx = pytest.importorskip("onnx")
     needs_fixture()
-    from engine.model import runtime
-
     step = onnx.load(str(FIXTURE_MODEL / "decoder_with_past_model.onnx"))
     for init in step.graph.initializer:
         if init.name == "final_logits_bias":
@@ -187,11 +182,37 @@ def test_a_split_that_disagrees_with_the_merged_graph_is_refused(
             bias[0, 7] += 100.0
             init.CopyFrom(onnx.numpy_helper.from_array(bias, init.name))
     wrong = ((FIXTURE_MODEL / "decoder_model.onnx").read_bytes(), step.SerializeToString())
-    monkeypatch.setattr(runtime, "split_merged", lambda path: wrong)
+    monkeypatch.setattr(load, "split_merged", lambda path: wrong)
     names = ("encoder_model.onnx", "decoder_model_merged.onnx")
     model_dir = model_copy(tmp_path / "merged", {n: FIXTURE_MODEL / n for n in names})
-    with caplog.at_level("WARNING", logger="engine.model.runtime"):
+    with caplog.at_level("WARNING", logger="engine.model.load"):
         tr = Translator.from_dir(model_dir)
     assert tr.model.layout is DecoderLayout.MERGED and not tr.model.split_at_load
     assert any("keeping the merged file" in r.getMessage() for r in caplog.records)
     assert tr.translate(["I will meet Tom at three"])[0].text
+
+
+@pytest.mark.parametrize("prefer_split", [True, False])
+def test_a_merged_decoder_is_split_once_per_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefer_split: bool
+) -> None:
+    """The split pair (split at load) and the masks rewrite (continuous batching) take the
+    same branches: the merged file is cut apart once per load, whoever needs it."""
+    needs_fixture()
+    names = ("encoder_model.onnx", "decoder_model_merged.onnx")
+    model_dir = model_copy(tmp_path / "merged", {n: FIXTURE_MODEL / n for n in names})
+    splits: list[Path] = []
+    real = load.split_merged
+
+    def counted(path: Path) -> tuple[bytes, bytes] | None:
+        splits.append(path)
+        return real(path)
+
+    monkeypatch.setattr(load, "split_merged", counted)
+    tr = Translator.from_dir(model_dir, prefer_split=prefer_split)
+    assert tr.model.batching == "continuous"
+    assert tr.model.split_at_load is prefer_split
+    assert splits == [model_dir / "decoder_model_merged.onnx"]
+    splits.clear()
+    Translator.from_dir(model_dir, prefer_split=prefer_split, batchable=False)
+    assert len(splits) == (1 if prefer_split else 0)

@@ -17,7 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engine.model.batched_decoder import probe_feed
+from engine.model.checks import probe_feed
 from engine.model.passes.per_token import (
     PER_TOKEN_KEY,
     NotPerToken,
@@ -189,7 +189,7 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
     for per_token_on in (True, False):
         tr = Translator.from_dir(FIXTURE_MODEL, quantized=True, int8_per_token=per_token_on)
         assert tr.model.masked is not None
-        assert (tr.model.masked.one is not None) == per_token_on
+        assert (tr.model.masked.one_token is not None) == per_token_on
         sources = [tr.source_ids(t) for t in texts]
         both = tr.encode(sources).hidden_states
         moved[per_token_on] = max(
@@ -200,9 +200,9 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
 
     tr = Translator.from_dir(FIXTURE_MODEL, quantized=True)
     masked = tr.model.masked
-    assert masked is not None and masked.one is not None
+    assert masked is not None and masked.one_token is not None
     runs = {"one": 0, "tokens": 0}
-    for name, graph in (("one", masked.one), ("tokens", masked.steps)):
+    for name, graph in (("one", masked.one_token), ("tokens", masked.steps)):
         original = graph.session.run
 
         def counted(*args: Any, _name: str = name, _run: Any = original) -> Any:

@@ -22,18 +22,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.model import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+from engine.model import (
+    DECODER,
+    DECODER_MERGED,
+    DECODER_WITH_PAST,
+    ENCODER,
+    OPTIONAL_TOKENIZER_FILES,
+    PROJECT_CONFIG,
+    TOKENIZER_FILES,
+    onnx_file,
+)
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-OPTIMUM_FILES = (
-    "encoder_model.onnx",
-    "decoder_model.onnx",
-    "decoder_with_past_model.onnx",
-    "decoder_model_merged.onnx",
-)
+OPTIMUM_FILES = tuple(onnx_file(s) for s in (ENCODER, DECODER, DECODER_WITH_PAST, DECODER_MERGED))
 
 EXPORT_OPSET = 17
 VERIFY_ATOL = 1e-4

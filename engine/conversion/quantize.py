@@ -1,10 +1,10 @@
 """Dynamic int8 quantization of an Optimum Marian export, done so that it actually pays off.
 
-Two traps make the obvious `quantize_dynamic(decoder_model_merged.onnx)` useless:
+Two traps make the obvious `quantize_dynamic` of the merged decoder file useless:
 
 * By default ONNX Runtime's quantizer does not descend into the merged decoder's `If`
   branches, so the merged file comes out unquantized. It does with
-  `extra_options={"EnableSubgraph": True}` (how Xenova's hub `_quantized` files were made),
+  `extra_options={"EnableSubgraph": True}` (how Xenova's hub int8 files were made),
   but we quantize the decoder and decoder-with-past apart and merge them again with
   Optimum's merger instead: the same inputs and outputs as the fp32 file, each branch
   quantized as the split files are, so split and merged int8 give the same results.
@@ -23,9 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-QUANTIZED_SUFFIX = "_quantized"
-SPLIT_MODELS = ("encoder_model", "decoder_model", "decoder_with_past_model")
-MERGED_MODEL = "decoder_model_merged"
+from engine.model import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, onnx_file
+from engine.model import QUANTIZED_SUFFIX as QUANTIZED_SUFFIX  # engine.conversion exports it
+
+SPLIT_MODELS = (ENCODER, DECODER, DECODER_WITH_PAST)
+MERGED_MODEL = DECODER_MERGED
 QUANTIZED_OPS = ("MatMulInteger", "DynamicQuantizeLinear")
 
 
@@ -179,8 +181,8 @@ def is_lm_head_quantized(model: Any) -> dict[str, bool]:
 
 
 def quantize_int8(onnx_dir: str | Path) -> None:
-    """Write `*_quantized.onnx` next to an Optimum Marian export (encoder, decoder,
-    decoder-with-past and their re-merged `decoder_model_merged_quantized.onnx`).
+    """Write the int8 files (`QUANTIZED_SUFFIX`) next to an Optimum Marian export: encoder,
+    decoder, decoder-with-past and the last two merged again.
 
     Raises if a decoder kept an fp32 lm_head (checked where it lives: the split decoders'
     graphs and both branches of the merged one) or a merged branch has no int8 MatMuls.
@@ -190,33 +192,33 @@ def quantize_int8(onnx_dir: str | Path) -> None:
     from optimum.onnx import merge_decoders
 
     directory = Path(onnx_dir)
-    missing = [n for n in SPLIT_MODELS if not (directory / f"{n}.onnx").is_file()]
+    missing = [onnx_file(n) for n in SPLIT_MODELS if not (directory / onnx_file(n)).is_file()]
     if missing:
-        raise FileNotFoundError(f"{directory} lacks {', '.join(m + '.onnx' for m in missing)}")
+        raise FileNotFoundError(f"{directory} lacks {', '.join(missing)}")
     from engine.conversion.export import known_export_noise
 
     with tempfile.TemporaryDirectory() as tmp, known_export_noise():
         for name in SPLIT_MODELS:
-            model = onnx.load(str(directory / f"{name}.onnx"))
-            if name != "encoder_model":
+            model = onnx.load(str(directory / onnx_file(name)))
+            if name != ENCODER:
                 untie_lm_head(model)
-            untied = Path(tmp, f"{name}.onnx")
+            untied = Path(tmp, onnx_file(name))
             onnx.save(model, str(untied))
             quantize_dynamic(
                 untied,
-                directory / f"{name}{QUANTIZED_SUFFIX}.onnx",
+                directory / onnx_file(name, quantized=True),
                 op_types_to_quantize=["MatMul", "Gather"],
                 weight_type=QuantType.QInt8,
                 per_channel=False,
                 extra_options={"MatMulConstBOnly": True},
             )
     for name in SPLIT_MODELS[1:]:
-        path = directory / f"{name}{QUANTIZED_SUFFIX}.onnx"
+        path = directory / onnx_file(name, quantized=True)
         check_quantized_split(onnx.load(str(path)), path.name)
-    merged_path = directory / f"{MERGED_MODEL}{QUANTIZED_SUFFIX}.onnx"
+    merged_path = directory / onnx_file(MERGED_MODEL, quantized=True)
     merge_decoders(
-        decoder=directory / f"decoder_model{QUANTIZED_SUFFIX}.onnx",
-        decoder_with_past=directory / f"decoder_with_past_model{QUANTIZED_SUFFIX}.onnx",
+        decoder=directory / onnx_file(DECODER, quantized=True),
+        decoder_with_past=directory / onnx_file(DECODER_WITH_PAST, quantized=True),
         save_path=merged_path,
         strict=False,
     )

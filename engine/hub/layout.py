@@ -16,26 +16,37 @@ out in other ways, and each must either pull or fail saying what was found:
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.hub.errors import HubError
-from engine.model import TOKENIZER_FILES
+from engine.model import (
+    DECODER,
+    DECODER_MERGED,
+    DECODER_STEMS,
+    DECODER_WITH_PAST,
+    ENCODER,
+    ONNX_FOLDER,
+    QUANTIZED_SUFFIX,
+    TOKENIZER_FILES,
+    VARIANT_SUFFIX,
+    onnx_file,
+)
 
-ENCODER_STEM = "encoder_model"
-# Decoder files by layout, in the order they are preferred when a folder has both: the
-# merged file is one download instead of two.
-DECODER_STEMS: Mapping[str, tuple[str, ...]] = {
-    "merged": ("decoder_model_merged",),
-    "split": ("decoder_model", "decoder_with_past_model"),
-}
-VARIANT_SUFFIX: Mapping[str, str] = {"fp32": "", "int8": "_quantized"}
+__all__ = [  # the first two are the model layer's (`engine.model.names`), re-exported to the hub
+    "DECODER_STEMS",
+    "VARIANT_SUFFIX",
+    "LayoutError",
+    "RepoLayout",
+    "discover",
+    "onnx_files",
+]
 
 
 def onnx_files(variant: str, decoder: str = "merged") -> tuple[str, ...]:
     """The ONNX file names one variant ('fp32', 'int8') of one decoder layout needs."""
-    suffix = VARIANT_SUFFIX[variant]
-    return tuple(f"{stem}{suffix}.onnx" for stem in (ENCODER_STEM, *DECODER_STEMS[decoder]))
+    quantized = VARIANT_SUFFIX[variant] == QUANTIZED_SUFFIX
+    return tuple(onnx_file(stem, quantized) for stem in (ENCODER, *DECODER_STEMS[decoder]))
 
 
 class LayoutError(HubError):
@@ -74,11 +85,11 @@ def discover(repo: str, paths: Iterable[str], subfolder: str | None = None) -> R
     candidates = sorted({_folder(p) for p in files if _is_encoder(p)})
     if subfolder is not None:
         wanted = subfolder.strip("/")
-        candidates = [f for f in candidates if f in (wanted, posixpath.join(wanted, "onnx"))]
+        candidates = [f for f in candidates if f in (wanted, posixpath.join(wanted, ONNX_FOLDER))]
         if not candidates:
             onnx = [p for p in files if p.endswith(".onnx")]
             raise LayoutError(
-                f"{repo} has no {ENCODER_STEM}*.onnx in {wanted}/ or {wanted}/onnx/; "
+                f"{repo} has no {ENCODER}*.onnx in {wanted}/ or {wanted}/{ONNX_FOLDER}/; "
                 f"its ONNX files: {_describe(onnx)}"
             )
     usable = [(f, _decoder_and_variants(f, present)) for f in candidates]
@@ -86,9 +97,10 @@ def discover(repo: str, paths: Iterable[str], subfolder: str | None = None) -> R
     if not usable:
         onnx = [p for p in files if p.endswith(".onnx")]
         raise LayoutError(
-            f"{repo} holds no loadable ONNX model (an {ENCODER_STEM}.onnx with "
-            "decoder_model_merged.onnx, or with decoder_model.onnx and "
-            f"decoder_with_past_model.onnx, or their _quantized versions); its ONNX files: "
+            f"{repo} holds no loadable ONNX model (an {onnx_file(ENCODER)} with "
+            f"{onnx_file(DECODER_MERGED)}, or with {onnx_file(DECODER)} and "
+            f"{onnx_file(DECODER_WITH_PAST)}, or their {QUANTIZED_SUFFIX} versions); "
+            "its ONNX files: "
             f"{_describe(onnx)}; top level: {_describe([p for p in files if '/' not in p])}"
         )
     if len(usable) > 1:
@@ -105,7 +117,7 @@ def discover(repo: str, paths: Iterable[str], subfolder: str | None = None) -> R
 
 def _is_encoder(path: str) -> bool:
     name = posixpath.basename(path)
-    return name in {f"{ENCODER_STEM}{suffix}.onnx" for suffix in VARIANT_SUFFIX.values()}
+    return name in {onnx_file(ENCODER, quantized) for quantized in (False, True)}
 
 
 def _decoder_and_variants(folder: str, present: set[str]) -> tuple[str, tuple[str, ...]] | None:

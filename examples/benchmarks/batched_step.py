@@ -1,4 +1,4 @@
-"""Cost of the batched-decoder rewrite (`engine.model.batched_decoder`) on one cached step.
+"""Cost of the batched-decoder rewrite (`engine.model.passes.masks`) on one cached step.
 
 Prints the median time of one with-past decoder step for the original graph and for its
 rewrite (the extra `decoder_attention_mask` / `decoder_position_ids` inputs) at batch 1,
@@ -28,14 +28,10 @@ import onnxruntime as ort
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from engine.model.batched_decoder import (  # noqa: E402
-    MASK_INPUT,
-    POSITIONS_INPUT,
-    load_batched_decoder,
-    probe_feed,
-)
+from engine.model.checks import probe_feed  # noqa: E402
+from engine.model.load import load_batched_decoder  # noqa: E402
+from engine.model.names import MASK_INPUT, POSITIONS_INPUT, onnx_dir  # noqa: E402
 from engine.model.passes.merged_split import split_merged  # noqa: E402
-from engine.model.runtime import onnx_dir  # noqa: E402
 
 
 def session(model: Path | bytes, threads: int) -> ort.InferenceSession:
@@ -100,7 +96,7 @@ def main() -> None:
     if rewritten is None:
         raise SystemExit("no rewrite for this model (see the log)")
     original = session(original_step(args.model, args.quantized), args.threads)
-    new = session(rewritten.step, args.threads)
+    new = session(rewritten.with_past, args.threads)
     base_feed, new_feed = feed_for(original, 1, args.past), feed_for(new, 1, args.past)
 
     # `--batch` rows whose real cache lengths spread over 1..2*past, right-padded.

@@ -4,7 +4,7 @@ At one row a step of the OPUS-MT-sized int8 decoder reads every weight once (abo
 for the six layers and 33 MB for the 512 x 65001 output projection) and does little
 arithmetic with each byte, so its speed is set by how fast the machine streams weights,
 not by its int8 kernels. This script measures the pieces on the rewritten with-past step
-(`engine.model.batched_decoder`), cut at the output projection (`split_output_projection`):
+(`engine.model.passes.masks`), cut at the output projection (`split_output_projection`):
 
 - the body alone and the head alone, each run back to back: their weights stay in the
   last-level cache if they fit;
@@ -107,12 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO_ROOT))
     import onnxruntime as ort
 
-    from engine.model.batched_decoder import (
-        load_batched_decoder,
-        probe_feed,
-        split_output_projection,
-    )
+    from engine.model.checks import probe_feed
     from engine.model.config import ModelConfig
+    from engine.model.load import load_batched_decoder
+    from engine.model.passes.head import split_output_projection
 
     onnx_dir = args.model / "onnx"
     if not onnx_dir.is_dir():
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if pair is None:
         print("the decoder could not be rewritten", file=sys.stderr)
         return 2
-    split = split_output_projection(pair.step, ModelConfig.from_dir(onnx_dir).vocab_size)
+    split = split_output_projection(pair.with_past, ModelConfig.from_dir(onnx_dir).vocab_size)
     if split is None:
         print("the step could not be cut at its output projection", file=sys.stderr)
         return 2
@@ -137,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
     counts = sorted({1, args.threads})
-    whole = {t: session(pair.step, t) for t in counts}
+    whole = {t: session(pair.with_past, t) for t in counts}
     body = {t: session(split.body, t) for t in counts}
     head = {t: session(split.head, t) for t in counts}
     feed = probe_feed(whole[1].get_inputs(), past_len=args.past, cur_len=1, source_len=args.source)

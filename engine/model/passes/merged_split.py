@@ -1,15 +1,13 @@
-"""Split Optimum's merged decoder into its two branch graphs at load, without a download.
+"""Merged split: Optimum's merged decoder cut into its two branch graphs at load.
 
-`decoder_model_merged.onnx` is one `If` on `use_cache_branch` whose branches are the
-no-past decoder (else) and the with-past decoder (then), sharing the weights as top-level
-initializers. Running it pays for the `If` on every step (5-11% per token measured here),
-and `models pull` fetches only this file. Each branch becomes a standalone model: its
-nodes, the top-level initializers and graph inputs it reads, and its outputs renamed to
-the `If`'s. The caller checks the two against the merged graph before use (`MarianOnnx`
-compares logits on a probe) and falls back to the merged file if anything differs.
-
-Needs the `onnx` package, imported only here; without it, or for a graph of another shape,
-`split_merged` returns None and the merged file is used as is.
+The merged decoder (`names.DECODER_MERGED`) is one `If` on `use_cache_branch` whose
+branches are the no-past decoder (else) and the with-past decoder (then), sharing the
+weights as top-level initializers. Running it pays for the `If` on every step, and
+`models pull` fetches only this file. Each branch becomes a standalone model: its nodes,
+the top-level initializers and graph inputs it reads, and its outputs renamed to the
+`If`'s. The loader checks the two against the merged graph before use and keeps the merged
+file if anything differs; a graph of another shape gives None and the merged file runs as
+it is.
 """
 
 from __future__ import annotations
@@ -18,17 +16,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import onnx
+from onnx import helper
+
 log = logging.getLogger(__name__)
 
 
 def split_merged(path: Path) -> tuple[bytes, bytes] | None:
     """(no-past model, with-past model) serialised, or None when it cannot be split."""
-    try:
-        import onnx
-        from onnx import helper
-    except ImportError:
-        log.debug("onnx not installed: running %s with its If", path.name)
-        return None
     model = onnx.load(str(path))
     graph = model.graph
     if len(graph.node) != 1 or graph.node[0].op_type != "If":

@@ -16,17 +16,12 @@ rewritten matmul runs without it and subtracts it after, exactly in int32:
 an int32 initializer computed here. The scale product downstream (`Mul(scale, w_scale)`,
 then `Mul(product, Cast(int32))`) already broadcasts a [..., 1] scale.
 
-What it costs and what it changes: about sixteen small ops per quantized input (37 inputs
-in an OPUS-MT step) and no fused `DynamicQuantizeMatMul` kernel, measured on a 2-core AMD
-EPYC as +0.8 ms on a 2.7 ms one-row step and ~+30% per row-token in batched steps
-(`examples/benchmarks/decode_speed.py`, "ours int8 per call" for the files' way), so
-`engine.model.runtime` runs one-row one-token steps on the files' graph (the same values); the
-values of a call with several tokens differ from the files' (each token on its own scale,
-which is closer to fp32, not farther).
-
-A quantization whose outputs feed anything but `MatMulInteger` (values and zero point) and
-`Mul` (scale) is left alone and reported: the caller then knows the graph is not per token.
-Needs the `onnx` package, imported only here, like `engine.model.batched_decoder`.
+What it changes: the values of a call with several tokens differ from the files' (each
+token on its own scale, which is closer to fp32, not farther); a call of one token gives the
+files' values, so the loader keeps the files' graph, with its fused kernels, for one-row
+one-token steps. A quantization whose outputs feed anything but `MatMulInteger` (values and
+zero point) and `Mul` (scale) is left alone and reported: the caller then knows the graph is
+not per token.
 """
 
 from __future__ import annotations
@@ -35,17 +30,16 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
 
-if TYPE_CHECKING:
-    import onnx
+from engine.model.names import PER_TOKEN_KEY
+from engine.model.passes.graph import load_model, opset
 
 log = logging.getLogger(__name__)
-
-PER_TOKEN_KEY = "nmt_incremental.int8_per_token"
-"""Metadata of a rewritten graph: "1" when every activation quantization is per token."""
 
 _PREFIX = "per_token"
 
@@ -83,20 +77,9 @@ def activation_source(producer: Mapping[str, onnx.NodeProto], values: str) -> st
 def per_token_graph(source: Path | bytes | onnx.ModelProto, name: str) -> bytes | None:
     """`source` (a file, serialised model or model, not modified) with its int8 activations
     quantized per token, serialised for `InferenceSession`; None when it has no
-    `DynamicQuantizeLinear` (fp32), when `onnx` is missing, or when `per_token` refuses
-    it (logged: the caller runs the graph as it is, batch-dependent in int8)."""
-    try:
-        import onnx
-    except ImportError:
-        log.warning("%s: onnx not installed: int8 activations stay quantized per call", name)
-        return None
-    if isinstance(source, Path):
-        model = onnx.load(str(source))
-    elif isinstance(source, bytes):
-        model = onnx.load_from_string(source)
-    else:
-        model = onnx.ModelProto()
-        model.CopyFrom(source)
+    `DynamicQuantizeLinear` (fp32) or when `per_token` refuses it (logged: the caller runs
+    the graph as it is, batch-dependent in int8)."""
+    model = load_model(source)
     try:
         done = per_token(model)
     except NotPerToken as exc:
@@ -117,10 +100,6 @@ def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
     return out
 
 
-def _opset(model: onnx.ModelProto) -> int:
-    return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
-
-
 class _Emitter:
     """The nodes and constants that replace one quantization and its matmuls, all named
     under one tag (the outputs the rest of the graph reads keep their names)."""
@@ -131,15 +110,11 @@ class _Emitter:
         self.initializers: list[onnx.TensorProto] = []
 
     def const(self, suffix: str, value: np.ndarray[Any, Any]) -> str:
-        from onnx import numpy_helper
-
         name = f"{self.tag}/{suffix}"
         self.initializers.append(numpy_helper.from_array(value, name))
         return name
 
     def op(self, kind: str, inputs: list[str], out: str, **attrs: Any) -> str:
-        from onnx import helper
-
         name = out if out in self.keep else f"{self.tag}/{out}"
         self.nodes.append(helper.make_node(kind, inputs, [name], name=f"{self.tag}/{out}", **attrs))
         return name
@@ -147,8 +122,6 @@ class _Emitter:
     def quantize(self, x: str, values: str, scale: str) -> str:
         """`DynamicQuantizeLinear`'s arithmetic over the last axis: `values` (uint8) and
         `scale` [..., 1] under their old names; returns the zero point as int32 [..., 1]."""
-        from onnx import TensorProto
-
         zero = self.const("zero", np.array(0.0, dtype=np.float32))
         levels = self.const("levels", np.array(255.0, dtype=np.float32))
         # Smallest normal float: an all-zero token gets values 0 instead of 0 / 0.
@@ -183,8 +156,6 @@ class _Emitter:
     ) -> list[onnx.NodeProto]:
         """`matmul` without the activations' zero point, then minus zero point times the
         weights' column sums, in int32 (exact), under the matmul's output name."""
-        from onnx import helper
-
         centred = weights.astype(np.int32) - (
             0 if weight_zero is None else weight_zero.astype(np.int32)
         )
@@ -205,10 +176,8 @@ def per_token(model: onnx.ModelProto) -> PerToken:
     `MatMulInteger` quantizes per token. Raises `NotPerToken` (the graph unchanged) when
     one of them feeds something else or a weight is not a constant. A graph without int8
     activations (fp32) comes back unchanged with zero counts."""
-    from onnx import numpy_helper
-
-    if _opset(model) < 13:
-        raise NotPerToken(f"opset {_opset(model)} < 13")
+    if opset(model) < 13:
+        raise NotPerToken(f"opset {opset(model)} < 13")
     graphs = _graphs(model.graph)
     weights: dict[str, onnx.TensorProto] = {}
     for graph in graphs:
@@ -255,7 +224,7 @@ def per_token(model: onnx.ModelProto) -> PerToken:
     for index, (graph, at, matmuls) in enumerate(plans):
         node = graph.node[at]
         values, scale, _ = node.output
-        emit = _Emitter(f"{_PREFIX}/{index}", {values, scale}, _opset(model) >= 18)
+        emit = _Emitter(f"{_PREFIX}/{index}", {values, scale}, opset(model) >= 18)
         point = emit.quantize(node.input[0], values, scale)
         mine = edits.setdefault(id(graph), {})
         for m, j in enumerate(matmuls):

@@ -1,0 +1,460 @@
+"""The decoder layouts: one class per shape of export, each saying what its calls are fed
+and what they return, so that no call site switches on the layout.
+
+Every layout has two calls: `prefill` (the start token and any forced prefix, no past) and
+`step` (more tokens after the cache). Only the prefill returns real cross-attention KV
+(`present.*.encoder.*`): it is kept for the whole decode and fed at every step, whose own
+encoder presents come back empty and are never asked for.
+
+- `MergedLayout`: one file, an `If` on `use_cache_branch`, decoder and encoder KV;
+- `SplitLayout`: a no-past file and a with-past file (or the merged file's branches);
+- `SelfKvOnlyLayout`: decoder KV only, cross-attention recomputed at every step;
+- `NoCacheLayout`: no cache, every step re-runs the whole target prefix;
+- `MaskedDecoder`: the masks rewrite of the first two, each row at its own length
+  (continuous batching); `MaskedLayout` runs it for rows of equal length.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+
+from engine.model.config import ModelConfig
+from engine.model.names import (
+    ENCODER_ATTENTION_MASK,
+    ENCODER_HIDDEN_STATES,
+    INPUT_IDS,
+    LOGITS,
+    MASK_INPUT,
+    POSITIONS_INPUT,
+    PRESENT,
+    USE_CACHE_BRANCH,
+    kv_names,
+)
+
+FloatArray = npt.NDArray[np.float32]
+IntArray = npt.NDArray[np.int64]
+
+
+class DecoderLayout(str, Enum):
+    """How the decoder export handles its KV cache."""
+
+    MERGED = "merged"
+    SPLIT = "split"
+    SELF_KV_ONLY = "self_kv_only"
+    NO_CACHE = "no_cache"
+
+
+@dataclass(frozen=True)
+class EncoderOutput:
+    """Encoder states for a batch of sources, plus the mask the decoder attends with."""
+
+    hidden_states: FloatArray
+    attention_mask: IntArray
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.hidden_states.shape[0])
+
+    def select(self, rows: IntArray) -> EncoderOutput:
+        return EncoderOutput(self.hidden_states[rows], self.attention_mask[rows])
+
+
+@dataclass(frozen=True)
+class DecoderCache:
+    """Everything the next decoder step needs besides the new token.
+
+    `self_kv` grows every step; `cross_kv` is the prefill's encoder KV, reused unchanged;
+    `tokens` is the whole decoder input so far (the no-cache layout re-feeds it).
+    """
+
+    self_kv: tuple[FloatArray, ...]
+    cross_kv: tuple[FloatArray, ...]
+    tokens: IntArray
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def select(self, rows: IntArray) -> DecoderCache:
+        """Rows of the cache, in the given order (beam reordering, dropping finished rows)."""
+        return DecoderCache(
+            tuple(a[rows] for a in self.self_kv),
+            tuple(a[rows] for a in self.cross_kv),
+            self.tokens[rows],
+        )
+
+
+class _KvNames:
+    """The KV input and output names of a decoder with `layers` layers."""
+
+    def __init__(self, layers: int) -> None:
+        self.self_in = kv_names(layers, "decoder")
+        self.cross_in = kv_names(layers, "encoder")
+        self.self_out = kv_names(layers, "decoder", PRESENT)
+        self.cross_out = kv_names(layers, "encoder", PRESENT)
+
+
+class LayoutDecoder:
+    """One decoder layout's calls over its sessions: `no_past` (the prefill's graph) and
+    `with_past` (the steps' graph; the same session for a merged or self-KV-only file,
+    None without a cache)."""
+
+    layout: DecoderLayout
+
+    def __init__(
+        self,
+        no_past: ort.InferenceSession,
+        with_past: ort.InferenceSession | None,
+        config: ModelConfig,
+        float_type: type[np.floating[Any]],
+        calls: Counter[str],
+    ) -> None:
+        self.no_past = no_past
+        self.with_past = with_past
+        self.config = config
+        self.float_type = float_type
+        self.calls = calls
+        self.names = _KvNames(config.decoder_layers)
+        self.step_inputs = set() if with_past is None else {i.name for i in with_past.get_inputs()}
+
+    def _run(
+        self, session: ort.InferenceSession, outputs: list[str], feed: dict[str, Any]
+    ) -> list[Any]:
+        self.calls["decoder"] += 1
+        return list(session.run(outputs, feed))
+
+    def _empty(self, batch: int) -> FloatArray:
+        heads, dim = self.config.decoder_attention_heads, self.config.head_dim
+        return np.zeros((batch, heads, 0, dim), dtype=self.float_type)
+
+    def prefill_feed(self, enc: EncoderOutput, input_ids: IntArray) -> dict[str, Any]:
+        """What the prefill (no past) is fed."""
+        return {
+            ENCODER_ATTENTION_MASK: enc.attention_mask,
+            INPUT_IDS: input_ids,
+            ENCODER_HIDDEN_STATES: enc.hidden_states,
+        }
+
+    def prefill(self, enc: EncoderOutput, input_ids: IntArray) -> tuple[FloatArray, DecoderCache]:
+        """Logits [B, T, V] and the cache: the self KV, and the encoder KV that every later
+        call is fed (only this call's `present.*.encoder.*` are real)."""
+        names = self.names
+        out = self._run(
+            self.no_past,
+            [LOGITS, *names.self_out, *names.cross_out],
+            self.prefill_feed(enc, input_ids),
+        )
+        n = len(names.self_out)
+        return out[0], DecoderCache(tuple(out[1 : 1 + n]), tuple(out[1 + n :]), input_ids)
+
+    def step_feed(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> dict[str, Any]:
+        """What a step is fed: the new token, the self KV, the prefill's encoder KV."""
+        feed: dict[str, Any] = {ENCODER_ATTENTION_MASK: enc.attention_mask, INPUT_IDS: input_ids}
+        feed.update(zip(self.names.self_in, cache.self_kv, strict=True))
+        if cache.cross_kv:  # the prefill's encoder KV, unless the layout has none
+            feed.update(zip(self.names.cross_in, cache.cross_kv, strict=True))
+        return feed
+
+    def step(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        """One token per row: last-position logits [B, V] and the cache grown by it."""
+        assert self.with_past is not None
+        tokens = np.concatenate([cache.tokens, input_ids], axis=1)
+        out = self._run(
+            self.with_past,
+            [LOGITS, *self.names.self_out],
+            self.step_feed(enc, cache, input_ids),
+        )
+        return out[0][:, -1, :], DecoderCache(tuple(out[1:]), cache.cross_kv, tokens)
+
+
+class SplitLayout(LayoutDecoder):
+    """The no-past file, then the with-past file. A with-past file that also declares
+    `encoder_hidden_states` gets them, besides the encoder KV."""
+
+    layout = DecoderLayout.SPLIT
+
+    def step_feed(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> dict[str, Any]:
+        feed = super().step_feed(enc, cache, input_ids)
+        if ENCODER_HIDDEN_STATES in self.step_inputs:
+            feed[ENCODER_HIDDEN_STATES] = enc.hidden_states
+        return feed
+
+
+class MergedLayout(LayoutDecoder):
+    """The merged file: one `If` on `use_cache_branch`; both branches declare every input,
+    so the prefill gets empty pasts and steps zero-length states."""
+
+    layout = DecoderLayout.MERGED
+
+    def prefill_feed(self, enc: EncoderOutput, input_ids: IntArray) -> dict[str, Any]:
+        feed = super().prefill_feed(enc, input_ids)
+        feed[USE_CACHE_BRANCH] = np.zeros((1,), dtype=np.bool_)
+        for name in (*self.names.self_in, *self.names.cross_in):
+            feed[name] = self._empty(input_ids.shape[0])
+        return feed
+
+    def step_feed(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> dict[str, Any]:
+        feed = super().step_feed(enc, cache, input_ids)
+        feed[USE_CACHE_BRANCH] = np.ones((1,), dtype=np.bool_)
+        # Ignored on the cached branch, but the graph still declares the input.
+        batch = input_ids.shape[0]
+        feed[ENCODER_HIDDEN_STATES] = np.zeros(
+            (batch, 0, self.config.d_model), dtype=self.float_type
+        )
+        return feed
+
+
+class SelfKvOnlyLayout(LayoutDecoder):
+    """A decoder with its own KV but no encoder KV: cross-attention is recomputed from
+    `encoder_hidden_states` at every step, so there is no encoder KV to keep."""
+
+    layout = DecoderLayout.SELF_KV_ONLY
+
+    def prefill_feed(self, enc: EncoderOutput, input_ids: IntArray) -> dict[str, Any]:
+        feed = super().prefill_feed(enc, input_ids)
+        for name in self.names.self_in:
+            feed[name] = self._empty(input_ids.shape[0])
+        return feed
+
+    def prefill(self, enc: EncoderOutput, input_ids: IntArray) -> tuple[FloatArray, DecoderCache]:
+        out = self._run(
+            self.no_past, [LOGITS, *self.names.self_out], self.prefill_feed(enc, input_ids)
+        )
+        return out[0], DecoderCache(tuple(out[1:]), (), input_ids)
+
+    def step_feed(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> dict[str, Any]:
+        feed = super().step_feed(enc, cache, input_ids)
+        feed[ENCODER_HIDDEN_STATES] = enc.hidden_states
+        return feed
+
+
+class NoCacheLayout(LayoutDecoder):
+    """No KV cache: every call re-runs the whole target prefix through the no-past graph
+    (a decoder exported without past, or `use_cache=False` on any layout, fed as its
+    native layout's prefill)."""
+
+    layout = DecoderLayout.NO_CACHE
+
+    def __init__(self, native: LayoutDecoder) -> None:
+        super().__init__(native.no_past, None, native.config, native.float_type, native.calls)
+        self.native = native
+
+    def prefill_feed(self, enc: EncoderOutput, input_ids: IntArray) -> dict[str, Any]:
+        return self.native.prefill_feed(enc, input_ids)
+
+    def prefill(self, enc: EncoderOutput, input_ids: IntArray) -> tuple[FloatArray, DecoderCache]:
+        (logits,) = self._run(self.no_past, [LOGITS], self.prefill_feed(enc, input_ids))
+        return logits, DecoderCache((), (), input_ids)
+
+    def step(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        tokens = np.concatenate([cache.tokens, input_ids], axis=1)
+        logits, _ = self.prefill(enc, tokens)
+        return logits[:, -1, :], DecoderCache((), (), tokens)
+
+
+LAYOUTS: dict[DecoderLayout, type[LayoutDecoder]] = {
+    DecoderLayout.MERGED: MergedLayout,
+    DecoderLayout.SPLIT: SplitLayout,
+    DecoderLayout.SELF_KV_ONLY: SelfKvOnlyLayout,
+    DecoderLayout.NO_CACHE: SplitLayout,  # a no-past file is fed like the split pair's first
+}
+"""The class that feeds each native layout (`NoCacheLayout` wraps one of them)."""
+
+
+# -- the batchable layout -----------------------------------------------------------------
+
+
+class CutGraph(NamedTuple):
+    """One rewritten decoder graph (no-past or with-past) as the scheduler runs it: whole
+    (`session`, `head` None), or its body (`session`) with the output projection apart
+    (`head`: the projection's session and the input it takes, `passes.head`)."""
+
+    session: ort.InferenceSession
+    head: tuple[ort.InferenceSession, str] | None
+
+
+def _project(
+    head: tuple[ort.InferenceSession, str], states: FloatArray, wanted: npt.NDArray[np.bool_]
+) -> FloatArray:
+    """Logits [B, T, V] from a cut graph's hidden `states` [B, T, d], computed only at the
+    positions `wanted` marks (zeros elsewhere): the output projection is most of a
+    position's cost, and padding, lookahead slots past a row's own and a forced prefix
+    are never read."""
+    session, hidden = head
+    some = session.run([LOGITS], {hidden: states[wanted][None]})[0][0]
+    logits = np.zeros((*wanted.shape, some.shape[-1]), dtype=some.dtype)
+    logits[wanted] = some
+    return logits
+
+
+class MaskedDecoder:
+    """The batchable decoder layout: the model's no-past and with-past decoders rewritten
+    to take `decoder_attention_mask` [B, past + cur] and `decoder_position_ids` [B, cur]
+    (`engine.model.passes.masks`), so that each row has its own length: padding slots in
+    the self-attention cache are masked out (they must hold finite values: zeros) and each
+    row's positions are its own.
+
+    `prefill` runs start token + forced prefix of new rows (right-padded) in one call and
+    returns their self and cross KV; `step` runs one token for every row of a batch, or
+    several (lookahead) where `lookahead` says the graph is causal among new tokens. A row
+    joins a batch with its self KV zero-padded to the batch's slot count, masked 0 there.
+    """
+
+    def __init__(
+        self,
+        prefills: CutGraph,
+        steps: CutGraph,
+        layers: int,
+        max_difference: float,
+        calls: Counter[str],
+        lookahead: bool = False,
+        one_token: CutGraph | None = None,
+    ) -> None:
+        # The no-past graph, and the with-past one for steps (`one_token`: see below),
+        # each whole or cut at its output projection.
+        self.prefills = prefills
+        self.steps = steps
+        # A call of one token (one row, no lookahead) where that has a faster graph of its
+        # own (int8 per token: the files' fused quantization gives the same values).
+        self.one_token = one_token
+        # Whether a step may take several tokens per row (`ContinuousBatch` lookahead).
+        self.lookahead = lookahead
+        self.max_difference = max_difference
+        self._prefill_inputs = {i.name for i in prefills.session.get_inputs()}
+        self._step_inputs = {i.name for i in steps.session.get_inputs()}
+        self._names = _KvNames(layers)
+        self.calls = calls  # the model's call counter, shared
+
+    @property
+    def head(self) -> tuple[ort.InferenceSession, str] | None:
+        """(session, input name): the step's output projection run apart."""
+        return self.steps.head
+
+    def _feed(self, declared: set[str], values: dict[str, Any]) -> dict[str, Any]:
+        return {name: value for name, value in values.items() if name in declared}
+
+    def prefill(
+        self,
+        enc: EncoderOutput,
+        input_ids: IntArray,
+        mask: IntArray,
+        needed_from: IntArray | None = None,
+    ) -> tuple[FloatArray, tuple[FloatArray, ...], tuple[FloatArray, ...]]:
+        """Logits [B, T, V] and the rows' self and cross KV, for right-padded `input_ids`
+        whose real tokens `mask` marks (1). `needed_from` [B]: each row's first position
+        whose logits the caller reads (after the forced prefix); where the projection runs
+        apart, the earlier ones and the padding are not computed (zeros).
+
+        Why: a forced prefix is often longer than the draft and the tail read after it,
+        and the vocabulary projection is most of a position's cost."""
+        batch, length = input_ids.shape
+        positions = np.tile(np.arange(length, dtype=np.int64), (batch, 1))
+        values: dict[str, Any] = {
+            ENCODER_ATTENTION_MASK: enc.attention_mask,
+            INPUT_IDS: input_ids,
+            ENCODER_HIDDEN_STATES: enc.hidden_states,
+            MASK_INPUT: mask,
+            POSITIONS_INPUT: positions,
+        }
+        self.calls["decoder"] += 1
+        feed = self._feed(self._prefill_inputs, values)
+        kv = [*self._names.self_out, *self._names.cross_out]
+        n = len(self._names.self_out)
+        session, head = self.prefills
+        if head is None:
+            out = session.run([LOGITS, *kv], feed)
+            return out[0], tuple(out[1 : 1 + n]), tuple(out[1 + n :])
+        out = session.run([head[1], *kv], feed)
+        wanted = mask.astype(bool)
+        if needed_from is not None:
+            wanted &= np.arange(length)[None, :] >= needed_from[:, None]
+        logits = _project(head, out[0], wanted)
+        return logits, tuple(out[1 : 1 + n]), tuple(out[1 + n :])
+
+    def step(
+        self,
+        enc: EncoderOutput,
+        input_ids: IntArray,
+        positions: IntArray,
+        mask: IntArray,
+        self_kv: tuple[FloatArray, ...],
+        cross_kv: tuple[FloatArray, ...],
+    ) -> tuple[FloatArray, tuple[FloatArray, ...]]:
+        """One token per row: logits [B, V] and the self KV grown by one slot. Several per
+        row (`input_ids` [B, T], T > 1: lookahead, whose padding `mask` marks 0 in its
+        last T columns): logits [B, T, V], meaningless at padding, and T more slots."""
+        values: dict[str, Any] = {
+            ENCODER_ATTENTION_MASK: enc.attention_mask,
+            INPUT_IDS: input_ids,
+            ENCODER_HIDDEN_STATES: enc.hidden_states,
+            MASK_INPUT: mask,
+            POSITIONS_INPUT: positions,
+        }
+        values.update(zip(self._names.self_in, self_kv, strict=True))
+        values.update(zip(self._names.cross_in, cross_kv, strict=True))
+        self.calls["decoder"] += 1
+        feed = self._feed(self._step_inputs, values)
+        fed = input_ids.shape[1]
+        graph = self.one_token if self.one_token is not None and input_ids.size == 1 else self.steps
+        self_out = self._names.self_out
+        if graph.head is None:
+            out = graph.session.run([LOGITS, *self_out], feed)
+            return (out[0][:, -1, :] if fed == 1 else out[0]), tuple(out[1:])
+        head, hidden = graph.head
+        out = graph.session.run([hidden, *self_out], feed)
+        if fed == 1:
+            logits = head.run([LOGITS], {hidden: out[0]})[0]
+            return logits[:, -1, :], tuple(out[1:])
+        return _project(graph.head, out[0], mask[:, -fed:].astype(bool)), tuple(out[1:])
+
+
+class MaskedLayout(LayoutDecoder):
+    """The batchable rewrite (`MaskedDecoder`) run as a plain layout, for calls whose rows
+    all have the same length (lockstep batches): an all-ones mask and consecutive
+    positions, with which it gives the original graphs' logits."""
+
+    def __init__(
+        self,
+        masked: MaskedDecoder,
+        config: ModelConfig,
+        float_type: type[np.floating[Any]],
+        calls: Counter[str],
+    ) -> None:
+        super().__init__(masked.prefills.session, masked.steps.session, config, float_type, calls)
+        self.masked = masked
+
+    def prefill(self, enc: EncoderOutput, input_ids: IntArray) -> tuple[FloatArray, DecoderCache]:
+        mask = np.ones(input_ids.shape, dtype=np.int64)
+        logits, self_kv, cross_kv = self.masked.prefill(enc, input_ids, mask)
+        return logits, DecoderCache(self_kv, cross_kv, input_ids)
+
+    def step(
+        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
+    ) -> tuple[FloatArray, DecoderCache]:
+        batch, past = input_ids.shape[0], cache.length
+        mask = np.ones((batch, past + 1), dtype=np.int64)
+        positions = np.full((batch, 1), past, dtype=np.int64)
+        logits, self_kv = self.masked.step(
+            enc, input_ids, positions, mask, cache.self_kv, cache.cross_kv
+        )
+        tokens = np.concatenate([cache.tokens, input_ids], axis=1)
+        return logits, DecoderCache(self_kv, cache.cross_kv, tokens)

@@ -1,0 +1,85 @@
+"""The names an Optimum export of Marian uses, and the ones the engine adds: the one table.
+
+File names (the hub, the converter and the loader all read them from here), input and
+output names, the inputs the masks rewrite adds, and the metadata keys the rewrites write.
+Plain strings only: importing this pulls in no onnx or onnxruntime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+# -- files --------------------------------------------------------------------------------
+
+ENCODER = "encoder_model"
+DECODER = "decoder_model"
+"""The split pair's no-past decoder."""
+DECODER_WITH_PAST = "decoder_with_past_model"
+"""The split pair's with-past decoder."""
+DECODER_MERGED = "decoder_model_merged"
+"""Both in one graph: an `If` on `use_cache_branch`."""
+QUANTIZED_SUFFIX = "_quantized"
+ONNX_FOLDER = "onnx"
+"""Hub repos keep the files in this folder; local exports at the top."""
+
+DECODER_STEMS: Mapping[str, tuple[str, ...]] = {
+    "merged": (DECODER_MERGED,),
+    "split": (DECODER, DECODER_WITH_PAST),
+}
+"""Decoder files by layout, in the order the hub prefers them (the merged file is one
+download instead of two)."""
+VARIANT_SUFFIX: Mapping[str, str] = {"fp32": "", "int8": QUANTIZED_SUFFIX}
+
+
+def onnx_file(stem: str, quantized: bool = False) -> str:
+    """`decoder_model` -> `decoder_model.onnx`, or `decoder_model_quantized.onnx`."""
+    return f"{stem}{QUANTIZED_SUFFIX if quantized else ''}.onnx"
+
+
+def onnx_dir(model_dir: Path) -> Path:
+    """Directory that holds the ONNX files: the model dir itself or its `onnx/` folder."""
+    if any(model_dir.glob(f"{ENCODER}*.onnx")):
+        return model_dir
+    if any((model_dir / ONNX_FOLDER).glob(f"{ENCODER}*.onnx")):
+        return model_dir / ONNX_FOLDER
+    return model_dir
+
+
+# -- inputs and outputs -------------------------------------------------------------------
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+"""The encoder's source mask."""
+LAST_HIDDEN_STATE = "last_hidden_state"
+ENCODER_ATTENTION_MASK = "encoder_attention_mask"
+ENCODER_HIDDEN_STATES = "encoder_hidden_states"
+USE_CACHE_BRANCH = "use_cache_branch"
+LOGITS = "logits"
+PAST = "past_key_values"
+PRESENT = "present"
+
+
+def kv_names(layers: int, side: str, prefix: str = PAST) -> list[str]:
+    """`past_key_values.{i}.{side}.{key,value}` for every layer (`side`: "decoder" for the
+    self-attention KV, "encoder" for the cross-attention KV; `prefix=PRESENT`: the outputs)."""
+    return [f"{prefix}.{i}.{side}.{kv}" for i in range(layers) for kv in ("key", "value")]
+
+
+def is_self_kv(name: str) -> bool:
+    """Whether an input is a self-attention cache (`past_key_values.*.decoder.*`)."""
+    return name.startswith(f"{PAST}.") and ".decoder." in name
+
+
+# -- what the engine adds ------------------------------------------------------------------
+
+MASK_INPUT = "decoder_attention_mask"
+"""int64 [B, past + cur]: 1 on real positions, 0 on padding slots (the masks rewrite)."""
+POSITIONS_INPUT = "decoder_position_ids"
+"""int64 [B, cur]: each row's own positions (the masks rewrite)."""
+
+CAUSAL_KEY = "nmt_incremental.causal_over_new_tokens"
+"""Metadata of a rewritten decoder: "1" when its self-attention is causal among several
+new tokens after a cache (so a step may verify lookahead tokens), "0" when not."""
+PER_TOKEN_KEY = "nmt_incremental.int8_per_token"
+"""Metadata of a rewritten graph: "1" when every activation quantization is per token."""

@@ -1,0 +1,87 @@
+"""How the model's ONNX Runtime sessions are opened: the options, the threads, and the one
+reader of `NMT_INTRA_OP_THREADS`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import onnxruntime as ort
+
+THREADS_ENV = "NMT_INTRA_OP_THREADS"
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How to open a model: which files, which cache mode, how many threads.
+
+    `prefer_split`: run the split pair rather than the merged decoder, whose `If` costs
+    time on every step: the split files when present, else the merged file's two branches
+    cut apart at load (checked against the merged graph first).
+    `batchable`: also load the decoders rewritten to take a per-row self-attention mask and
+    position ids (`engine.model.passes.masks`, checked against the originals), so that rows
+    of different decoder lengths share a call (continuous batching); without them, or when
+    the rewrite fails, rows are batched only when they start together (lockstep).
+    `intra_op_threads`: threads of every session (None: `NMT_INTRA_OP_THREADS`, else ONNX
+    Runtime's default). `head_threads`: threads of the batchable step's output projection,
+    run as a session of its own when this is more than `intra_op_threads`; the scheduler
+    sets both (`SchedulerOptions`).
+    `int8_per_token`: run int8 files with their activations quantized per token
+    (`engine.model.passes.per_token`), so that a token's values do not depend on what else
+    shares its call (batch mates, padding, a forced prefix): batching is then exact in
+    int8 too. One-token calls give the files' own values either way, so a one-row step of
+    the batchable layout runs the files' quantization (their fused kernels are faster;
+    lockstep layouts run every call per token). Off: the files as they are.
+    """
+
+    quantized: bool = False
+    use_cache: bool = True
+    prefer_split: bool = True
+    intra_op_threads: int | None = None
+    allow_spinning: bool = False
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    batchable: bool = True
+    head_threads: int | None = None
+    int8_per_token: bool = True
+
+    @property
+    def per_token(self) -> bool:
+        """Whether int8 activations are quantized per token (see `int8_per_token`)."""
+        return self.quantized and self.int8_per_token
+
+
+def threads_from_env() -> int | None:
+    """The intra-op threads `NMT_INTRA_OP_THREADS` asks for, or None when it is unset or
+    empty: what a session gets when `RuntimeOptions.intra_op_threads` is None."""
+    value = os.environ.get(THREADS_ENV)
+    return int(value) if value else None
+
+
+def session_options(options: RuntimeOptions, threads: int | None = None) -> ort.SessionOptions:
+    """ONNX Runtime options of one session: `threads` intra-op threads where given, else
+    those of `options` (or the environment's, see `threads_from_env`)."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if threads is None:
+        threads = options.intra_op_threads
+    if threads is None:
+        threads = threads_from_env()
+    if threads:
+        so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    if not options.allow_spinning:
+        # Busy-waiting worker threads only pay off on otherwise idle cores; on a shared box
+        # or with several streams decoding at once they fight for the CPU.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
+def open_session(
+    graph: str | bytes, options: RuntimeOptions, threads: int | None = None
+) -> ort.InferenceSession:
+    """A session of a file (its path as a string) or a serialised graph."""
+    return ort.InferenceSession(
+        graph, session_options(options, threads), providers=list(options.providers)
+    )
