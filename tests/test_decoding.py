@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from engine import DecodeOptions, DecoderLayout, Translator
-from engine.decoding.search import greedy_search
 
 SOURCES = [
     "I will meet Tom at three",
@@ -46,15 +45,15 @@ def record(tr: Translator) -> tuple[Recorder, list[tuple[list[str], dict[str, An
     encoder = Recorder(model.encoder)
     model.encoder = encoder
     layout = model.decoder  # the layout object holds the sessions it calls
-    first = Recorder(layout.first)
-    calls = first.calls
-    if layout.step is layout.first:
-        layout.step = first
-    elif layout.step is not None:
-        step = Recorder(layout.step)
-        step.calls = calls
-        layout.step = step
-    layout.first = first
+    no_past = Recorder(layout.no_past)
+    calls = no_past.calls
+    if layout.with_past is layout.no_past:
+        layout.with_past = no_past
+    elif layout.with_past is not None:
+        with_past = Recorder(layout.with_past)
+        with_past.calls = calls
+        layout.with_past = with_past
+    layout.no_past = no_past
     return encoder, calls
 
 
@@ -149,7 +148,7 @@ def test_forced_prefix_in_one_call_equals_step_by_step(
             prefix = list(full[:cut])
             enc = tr.encode([tr.source_ids(text)])
             _, calls = record(tr)
-            one_call = greedy_search(tr.model, enc, [prefix])[0]
+            one_call = tr.decode(enc, prefixes=[prefix])[0]
             assert calls[0][1]["input_ids"].shape[1] == cut + 1  # start token + whole prefix
             # Step by step: force the same tokens one decoder call at a time.
             enc2 = tr.encode([tr.source_ids(text)])
@@ -168,7 +167,7 @@ def test_forced_prefix_in_one_call_equals_step_by_step(
                     return out
                 return scores
 
-            stepwise = greedy_search(tr.model, enc2, [[]], hook=force)[0]
+            stepwise = tr.decode(enc2, prefixes=[[]], hook=force)[0]
             assert forced == prefix
             assert one_call.token_ids == stepwise.token_ids == full
 

@@ -119,7 +119,7 @@ def test_first_decoder_call_logits_match_pytorch(
     for case in reference["forced_logits"]:
         enc = translator.encode([case["source_ids"]])
         ids = np.array([case["decoder_input_ids"]], dtype=np.int64)
-        logits, _ = translator.model.decode_first(enc, ids)
+        logits, _ = translator.model.prefill(enc, ids)
         want = np.array(case["logits"], dtype=np.float32)
         assert float(np.max(np.abs(logits[0] - want))) < 1e-3
 

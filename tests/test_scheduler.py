@@ -1,11 +1,12 @@
 """The decode scheduler: requests from many threads share decoder steps and still get
-exactly what decoding each alone gives; stale partials leave the batch; finals go first.
+exactly what decoding each alone gives; aborted partials leave the batch; finals go first.
 
-"Alone" is `engine.decoding.search.search` on the original (not rewritten) graphs, one source at
-a time, so a test here fails if batching, padding, the rewrite or the scheduler changes
-any row's tokens or scores. int8 graphs, original and rewritten, run with activations
-quantized per token (`engine.model.passes.per_token`; `tests/test_token_quantization.py` checks
-that against the files themselves).
+"Alone" is one source at a time through a scheduler on the original (not rewritten)
+graphs, whose lockstep batch then holds that one row, so a test here fails if batching,
+padding, the rewrite or the scheduler changes any row's tokens or scores. int8 graphs,
+original and rewritten, run with activations quantized per token
+(`engine.model.passes.per_token`; `tests/test_token_quantization.py` checks that against
+the files themselves).
 """
 
 from __future__ import annotations
@@ -20,14 +21,9 @@ import numpy as np
 import pytest
 
 from engine import DecodeOptions, Translator
-from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
-from engine.decoding.search import (
-    LOOKAHEAD,
-    LOOKAHEAD_POSITIONS,
-    DecodingCancelled,
-    Hypothesis,
-    search,
-)
+from engine.decoding.batch import LOOKAHEAD, LOOKAHEAD_POSITIONS
+from engine.decoding.scheduler import DecodeScheduler, Priority, SchedulerOptions, new_request_id
+from engine.decoding.search import DecodingCancelled, Hypothesis
 from engine.model import FloatArray
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 
@@ -78,7 +74,7 @@ def reference(tr: Translator) -> Translator:
 def alone(tr: Translator, text: str, prefix: Sequence[int], options: DecodeOptions) -> Hypothesis:
     ref = reference(tr)
     enc = ref.model.encode(*_ids(ref, [text]))
-    return search(ref.model, enc, [prefix], options)[0]
+    return ref.decode(enc, options, prefixes=[prefix])[0]
 
 
 def _ids(tr: Translator, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -192,19 +188,21 @@ def test_rows_join_and_leave_a_running_batch(translator: Translator) -> None:
 
 def test_a_stale_partial_leaves_the_batch_and_others_go_on(translator: Translator) -> None:
     long_options = DecodeOptions(min_new_tokens=40, max_new_tokens=40)
-    stop = threading.Event()
+    request_id = new_request_id()
     steps: list[int] = []
 
     def hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
         steps.append(len(rows[0]))
         if len(rows[0]) == 6:
-            stop.set()  # a newer partial of its stream arrived
+            translator.abort([request_id])  # a newer partial of its stream arrived
         return scores
 
     def stale_partial() -> BaseException | None:
         enc = translator.encode([translator.source_ids(SOURCES[1])])
         try:
-            translator.decode(enc, long_options, hook=hook, should_stop=stop.is_set)
+            translator.decode(
+                enc, long_options, hook=hook, priority=Priority.PARTIAL, request_id=request_id
+            )
         except DecodingCancelled as exc:
             return exc
         return None
@@ -222,6 +220,93 @@ def test_a_stale_partial_leaves_the_batch_and_others_go_on(translator: Translato
     assert translator.scheduler.stats["rows_cancelled"] == cancelled_before + 1
     ref = alone(translator, SOURCES[4], [], long_options)
     assert hyp.token_ids == ref.token_ids and len(hyp.token_ids) == 40
+
+
+def test_an_abort_takes_the_stale_partials_row_out_of_the_batch(
+    translator: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The abort pushed in while a partial's row is in the batch (a newer partial of its
+    stream arrived) takes the row out before the next decoder call: the batch has one row
+    fewer from then on, the request gets `DecodingCancelled`, the row decoded beside it
+    goes on to its end and equals decoding it alone."""
+    scheduler = translator.scheduler
+    (lane,) = scheduler._lanes
+    options = DecodeOptions(min_new_tokens=40, max_new_tokens=40)
+    stale_id = new_request_id()
+    queued = threading.Event()
+
+    def stale_hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+        if len(rows[0]) == 6:
+            scheduler.abort([stale_id])  # on the lane's thread, between two calls
+        return scores
+
+    def other_hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+        if not rows[0]:
+            assert queued.wait(30)  # the stale partial waits: it joins next
+        return scores
+
+    calls: list[tuple[int, bool]] = []  # per decoder call: rows, the stale one among them
+    batch = lane.batch
+    execute = batch.execute
+
+    def recorded() -> None:
+        calls.append((batch.rows, any(s.hook is stale_hook for s in batch.searches)))
+        execute()
+
+    monkeypatch.setattr(batch, "execute", recorded)
+    cancelled = scheduler.stats["rows_cancelled"]
+    encs = [translator.encode([translator.source_ids(t)]) for t in SOURCES[1:3]]
+    (other,) = scheduler.submit(encs[0], options, priority=Priority.FINAL, hook=other_hook)
+    (stale,) = scheduler.submit(
+        encs[1], options, priority=Priority.PARTIAL, request_id=stale_id, hook=stale_hook
+    )
+    queued.set()
+    assert isinstance(stale.exception(30), DecodingCancelled)
+    hyp = other.result(30)
+    with_stale = [i for i, (_, stale_in) in enumerate(calls) if stale_in]
+    assert len(with_stale) == 6  # tokens 1-5 and the one observed as the abort came
+    assert with_stale == list(range(with_stale[0], with_stale[0] + 6))
+    after = with_stale[-1] + 1
+    assert calls[after][0] == calls[after - 1][0] - 1  # its row left before the next call
+    assert all(rows == 1 for rows, _ in calls[after:])
+    assert scheduler.stats["rows_cancelled"] == cancelled + 1
+    ref = alone(translator, SOURCES[1], [], options)
+    assert hyp.token_ids == ref.token_ids and len(hyp.token_ids) == 40
+
+
+def test_an_abort_drops_a_waiting_request_and_refuses_a_later_one() -> None:
+    """The abort may come before the request is admitted, or before it is even submitted
+    (the worker thread was slow): a waiting one is answered with `DecodingCancelled` at
+    once, while the lane is still busy; a submission with an aborted id fails at once."""
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
+    scheduler = tr.scheduler
+    release, holding = threading.Event(), threading.Event()
+
+    def hold(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+        holding.set()
+        assert release.wait(30)  # keeps the lane's thread until the checks are done
+        return scores
+
+    enc = tr.encode([tr.source_ids(SOURCES[0])])
+    try:
+        (blocker,) = scheduler.submit(enc, DecodeOptions(), priority=Priority.FINAL, hook=hold)
+        assert holding.wait(30)
+        waiting_id, late_id = new_request_id(), new_request_id()
+        (waiting,) = scheduler.submit(
+            enc, DecodeOptions(), priority=Priority.PARTIAL, request_id=waiting_id
+        )
+        assert scheduler._waiting
+        scheduler.abort([waiting_id, late_id])
+        assert isinstance(waiting.exception(0), DecodingCancelled)
+        assert not scheduler._waiting
+        with pytest.raises(DecodingCancelled):
+            scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL, request_id=late_id)
+        assert scheduler.stats["rows_cancelled"] == 2
+    finally:
+        release.set()
+    assert blocker.result(30).token_ids == alone(tr, SOURCES[0], [], DecodeOptions()).token_ids
+    tr.close()
 
 
 def test_finals_are_admitted_before_waiting_partials() -> None:
@@ -246,8 +331,8 @@ def test_finals_are_admitted_before_waiting_partials() -> None:
     enc = tr.encode([tr.source_ids(SOURCES[0])])
 
     def run(name: str, final: bool) -> Hypothesis:
-        stop = None if final else (lambda: False)
-        return tr.decode(enc, options, hook=tracer(name), should_stop=stop)[0]
+        priority = Priority.FINAL if final else Priority.PARTIAL
+        return tr.decode(enc, options, hook=tracer(name), priority=priority)[0]
 
     with ThreadPoolExecutor(12) as pool:
         blocker = pool.submit(run, "blocker", True)
@@ -356,7 +441,7 @@ def test_a_rewrite_that_changes_the_logits_is_refused_for_lockstep(
     import onnx
     from onnx import numpy_helper
 
-    import engine.model.batched_decoder as bd
+    import engine.model.load as bd
 
     real = bd.rewrite_decoder
 
@@ -391,7 +476,7 @@ def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
     import onnx
     from onnx import numpy_helper
 
-    import engine.model.batched_decoder as bd
+    import engine.model.load as bd
 
     real = bd.split_output_projection
 
@@ -532,7 +617,7 @@ def test_replay_with_drafts_gives_the_same_updates_in_fewer_steps(fixture: str, 
     re-aligned draft is verified ahead (lookahead). The prefix-trained fixture's updates
     mostly add tokens no earlier hypothesis had (examples/benchmarks/draft_bound.py)."""
     needs_fixture()
-    from engine.evaluation.translogs import read_log
+    from engine.logs import read_log
     from engine.replay import ReplayOptions, replay
     from engine.streaming import StreamingOptions
     from tests.conftest import FIXTURE_MODELS, ROOT
@@ -575,19 +660,20 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
     share steps with rows that take one, join at different steps, and each still gets what
     decoding it alone gives; rejected lookahead leaves holes in the cache that are
     squeezed out without changing anything."""
-    from engine.decoding.search import ContinuousBatch, make_search
+    from engine.decoding.batch import ContinuousBatch, _Slots
+    from engine.decoding.search import make_search
 
     model = translator.model
     if model.masked is None or not model.masked.lookahead:
         pytest.skip("no lookahead for this layout")
     squeezed = []
-    squeeze = ContinuousBatch._squeeze
+    squeeze = _Slots.squeeze
 
-    def counted(self: ContinuousBatch) -> None:
-        squeezed.append(self._slots.shape[1])
+    def counted(self: _Slots) -> None:
+        squeezed.append(self.real.shape[1])
         squeeze(self)
 
-    monkeypatch.setattr(ContinuousBatch, "_squeeze", counted)
+    monkeypatch.setattr(_Slots, "squeeze", counted)
     # Long rows (tokens forced past the fixture's eos), so that holes pile up.
     options = DecodeOptions(min_new_tokens=12, max_new_tokens=16)
     todo = []
@@ -601,11 +687,10 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
     joins = {0: todo[:2], 1: todo[2:3], 3: todo[3:6], 6: todo[6:]}
     step = 0
     while step in joins or step < max(joins) or len(batch):
-        if batch.has_logits:
-            batch.advance()
+        batch.update()
         members = joins.get(step, [])
-        batch.join([(s, translator.encode([translator.source_ids(t)])) for _, s, t in members])
-        batch.forward()
+        batch.schedule([(s, translator.encode([translator.source_ids(t)])) for _, s, t in members])
+        batch.execute()
         step += 1
     for ref, s, text in todo:
         got = s.result()

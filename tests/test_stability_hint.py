@@ -189,7 +189,7 @@ def test_logs_get_truthful_hints(lag: int) -> None:
     """`logs hint`: each partial's settled characters are a whole-word prefix of every later
     message of its segment (so a recogniser sending them keeps its promise), and none
     could be added (lag 0: the next word is changed by some later message)."""
-    from engine.evaluation.translogs import read_log, with_stability_hints
+    from engine.logs import read_log, with_stability_hints
     from tests.conftest import ROOT
 
     lines = read_log(ROOT / "examples" / "logs" / "fixture_en_zh_asr.jsonl")
@@ -222,7 +222,7 @@ def test_logs_get_truthful_hints(lag: int) -> None:
 def test_hinted_replay_keeps_the_streaming_guarantees(translator: Translator) -> None:
     """Replaying a hinted log: finals are still the offline translation, and fewer finals
     revise stable text than without hints."""
-    from engine.evaluation.translogs import read_log, with_stability_hints
+    from engine.logs import read_log, with_stability_hints
     from engine.replay import ReplayOptions, replay
     from tests.conftest import ROOT
 

@@ -13,8 +13,9 @@ import anyio
 import pytest
 
 from engine import DecodingCancelled, Translator
+from engine.decoding import new_request_id
 from engine.decoding.search import StepHook
-from engine.evaluation.translogs import generate_log
+from engine.logs import generate_log
 from engine.model import FloatArray
 from engine.streaming import (
     BiasedDecoding,
@@ -24,7 +25,7 @@ from engine.streaming import (
     StreamingOptions,
     StreamSession,
 )
-from engine.streaming.controller import Subscription
+from engine.streaming.subscriptions import Subscription
 from protocol import InvalidEvent, NmtIncremental, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_DIR, FIXTURE_DIRS, FIXTURE_MODEL, FIXTURE_MODELS, needs_fixture
 
@@ -168,7 +169,7 @@ def test_committed_prefix_is_forced_in_one_decoder_call(translator: Translator) 
     seen: list[int] = []
     # The prefill call: the rewritten decoder's under continuous batching, else the layout's.
     owner: Any = translator.model.masked or translator.model
-    name = "prefill" if translator.model.masked is not None else "decode_first"
+    name = "prefill"
     original = getattr(owner, name)
 
     def spy(enc: Any, ids: Any, *rest: Any) -> Any:
@@ -189,10 +190,12 @@ def test_cancelled_decode_leaves_state_untouched(translator: Translator) -> None
     seg = session.segment
     assert seg is not None
     before = (seg.source, list(seg.committed), len(seg.history))
+    request_id = new_request_id()
+    translator.abort([request_id])  # a newer event came before the decode was submitted
     with pytest.raises(DecodingCancelled):
         session.answer(
             PartialTranscript("s1", 0, 1, "I will meet Tom at three", False),
-            should_stop=lambda: True,  # a newer event is waiting: stop after the first step
+            request_id=request_id,
         )
     assert (seg.source, list(seg.committed), len(seg.history)) == before
     # The same text again is not mistaken for "unchanged": it gets translated.
@@ -345,21 +348,6 @@ def test_state_per_stream_is_bounded(
     d_model = translator.config.d_model
     assert max(sizes) <= longest * (d_model + 1) + 4 * translator.config.max_length
     assert sizes[-1] == 0
-
-
-def test_subscription_drops_oldest_partials_but_never_finals() -> None:
-    sub = Subscription("s", max_items=3)
-
-    def update(seq: int, final: bool) -> TranslationUpdate:
-        return TranslationUpdate("s", seq, seq, "x", "", final, 0.0, 0.0)
-
-    sub.put(update(0, True))
-    for seq in range(1, 6):
-        sub.put(update(seq, False))
-    sub.put(update(6, True))
-    kept = [u.seq for u in list(sub._items)]
-    assert kept[0] == 0 and 6 in kept and len(kept) == 3
-    assert sub.dropped == 4
 
 
 def test_fillers_are_not_content_and_a_normaliser_hook_plugs_in(translator: Translator) -> None:

@@ -257,7 +257,7 @@ def _verify(args: argparse.Namespace, out: TextIO) -> int:
         problems += agree < len(texts)
         outputs[variant] = [result.token_ids for result in cached]
     if not outputs:
-        print("  no ONNX variant loads (encoder_model + a decoder)", file=out)
+        print("  no ONNX variant loads (an encoder + a decoder)", file=out)
         problems += 1
     if len(outputs) == 2:
         same = sum(a == b for a, b in zip(outputs["fp32"], outputs["int8"], strict=True))

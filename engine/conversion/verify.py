@@ -145,7 +145,7 @@ def check_export(
     results = []
     for text in texts:
         ids = translator.source_ids(text)
-        onnx_logits, _ = translator.model.decode_first(translator.encode([ids]), start)
+        onnx_logits, _ = translator.model.prefill(translator.encode([ids]), start)
         source = torch.tensor([ids], dtype=torch.long)
         with torch.no_grad():
             torch_logits = model(

@@ -1,5 +1,6 @@
 """Decoding: searches as per-request state, batches, one scheduler per model, `Translator`."""
 
+from engine.decoding.scheduler import Priority, RequestId, new_request_id
 from engine.decoding.search import (
     DecodeOptions,
     DecodingCancelled,
@@ -7,4 +8,12 @@ from engine.decoding.search import (
     StepHook,
 )
 
-__all__ = ["DecodeOptions", "DecodingCancelled", "Hypothesis", "StepHook"]
+__all__ = [
+    "DecodeOptions",
+    "DecodingCancelled",
+    "Hypothesis",
+    "Priority",
+    "RequestId",
+    "StepHook",
+    "new_request_id",
+]

@@ -1,51 +1,56 @@
 """One decode scheduler per model: every encoder and decoder call of the model, batched.
 
 Callers on any thread (the streaming controller's workers, offline `translate`) hand over
-requests and block on them; the scheduler's lanes run every ONNX Runtime call of the
-model, so the cores are never oversubscribed by decodes each on its own thread pool, and
-requests share decoder steps: a single stream is memory-bound (each step reads the whole
-decoder and the output projection), so a step over 16 rows costs little more than over
-one (int8 OPUS-MT on 2 cores: 3.3 ms at 1 row, 10.7 ms at 16).
+requests and wait on them; the scheduler's lanes run every ONNX Runtime call of the model,
+so the cores are never oversubscribed by decodes each on its own thread pool, and requests
+share decoder steps: one stream's step is memory-bound (it reads the whole decoder and the
+output projection), so a step over many rows costs little more than over one.
 
 Lanes: one thread per core by default, each with its own batch and ONNX Runtime calls on
-one intra-op thread. Measured on 2 cores: a second ORT thread on the same call speeds
-these small calls up by 0-20% (a 1-row step is even slower), while two lanes run two
-calls at once, so one lane left a core idle. Waiting requests go to whichever lane has
-room first.
+one intra-op thread: a second ORT thread on these small calls gains little, while two
+lanes run two calls at once. Waiting requests go to whichever lane has room first.
 
 The loop, after Orca / vLLM's iteration-level scheduling, for an encoder-decoder:
 
 1. take what arrived: encoder jobs (run at once, in one padded call) and decode requests;
-2. drop requests whose caller no longer wants them (`should_stop`: a newer partial of the
-   stream arrived), waiting or running, at the next step: latest wins per stream;
-3. admit waiting requests into the batch, finals and offline calls before partials, up to
-   `max_rows`: with the stock decoder graphs (no per-row positions) only when the batch
-   is empty, i.e. requests that start together run together (lockstep);
-4. one decoder call for every live row, then each request's search takes its rows' logits;
-   finished requests are answered.
+2. the batch's searches take the last step's logits (`DecodeBatch.update`); finished
+   requests are answered;
+3. aborted requests' rows leave, and waiting requests join, finals and offline calls
+   before partials, up to `max_rows` (`DecodeBatch.schedule`): with the stock decoder
+   graphs only when the batch is empty (lockstep);
+4. one decoder call for every live row (`DecodeBatch.execute`).
 
-Finals are never dropped or cancelled, and are admitted first, so a flood of partials
-cannot starve them; partials are bounded by latest-wins (one per stream).
+Cancellation is pushed in: the owner of a request calls `abort(ids)` (a newer partial of
+the stream arrived: latest wins); no lane calls back into its callers. A waiting request
+is dropped at once, a running one leaves at the next step; an id aborted before its
+request arrives is remembered, so that request is refused at once. Finals are submitted
+without an id, so never aborted, and admitted first: a flood of partials cannot starve
+them, and partials are bounded by latest-wins.
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 import logging
 import os
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 
-from engine.decoding.search import (
+from engine.decoding.batch import (
     LOOKAHEAD_POSITIONS,
-    Batch,
     ContinuousBatch,
+    DecodeBatch,
+    LockstepBatch,
+)
+from engine.decoding.search import (
     DecodeOptions,
     DecodingCancelled,
     Hypothesis,
@@ -84,7 +89,7 @@ class SchedulerOptions:
     of a step big enough to share out, so a lone stream gets both cores there while the
     step's small ops stay on its lane's thread. `lookahead_positions`: extra positions a
     cached step may compute to verify re-aligned draft tokens, over all its rows (see
-    `engine.decoding.search.LOOKAHEAD_POSITIONS`; 0 turns lookahead off).
+    `engine.decoding.batch.LOOKAHEAD_POSITIONS`; 0 turns lookahead off).
     """
 
     max_rows: int = 32
@@ -116,23 +121,41 @@ class SchedulerOptions:
         return Threads(lanes, threads, self.head_threads or max(cores, threads))
 
 
-FINAL = 0
-"""Priority of a request that must not be dropped (a final, an offline call)."""
-PARTIAL = 1
-"""Priority of a request that a newer one may supersede."""
+class Priority(enum.IntEnum):
+    """Admission order: waiting finals (and offline calls) join a batch before partials."""
+
+    FINAL = 0
+    PARTIAL = 1
+
+
+RequestId: TypeAlias = Hashable
+"""Names the requests of one submission for `DecodeScheduler.abort`; unique in the
+process (`new_request_id`), as an aborted id is remembered for later submissions."""
+
+_request_ids = itertools.count(1)
+
+
+def new_request_id() -> int:
+    """An id no other caller of this process gets (`next` on a count is atomic)."""
+    return next(_request_ids)
+
+
+ABORTS_REMEMBERED = 4096
+"""Aborted ids kept, to refuse a submission that comes after its abort (the owner may
+abort an event before its worker thread submits, or between two decodes of the event):
+far more than the aborts of every stream in the time a worker takes to submit."""
 
 
 @dataclass(eq=False)
 class _Request:
     search: Search
     enc: EncoderOutput  # its one source
-    priority: int
-    should_stop: Callable[[], bool] | None
+    priority: Priority
+    request_id: RequestId | None  # None: never aborted
     future: Future[Hypothesis] = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
-
-    def stale(self) -> bool:
-        return self.should_stop is not None and self.should_stop()
+    admitted: bool = False  # taken from the waiting list by a lane (under the lock)
+    aborted: bool = False  # its row leaves the batch at the lane's next step
 
 
 @dataclass(eq=False)
@@ -149,7 +172,7 @@ class SchedulerClosed(RuntimeError):
 class _Lane:
     """One thread's batch and the requests running in it."""
 
-    def __init__(self, index: int, batch: Batch | ContinuousBatch) -> None:
+    def __init__(self, index: int, batch: DecodeBatch) -> None:
         self.index = index
         self.batch = batch
         self.running: dict[Search, _Request] = {}
@@ -160,9 +183,10 @@ class _Lane:
 class DecodeScheduler:
     """Batches every encoder and decoder call of one `MarianOnnx` on its lanes.
 
-    `encode` and `decode` block the calling thread until done; call them from worker
-    threads (the streaming controller does), never from an event loop. The lanes start
-    with the first request and stop at `close`.
+    `encode` blocks the calling thread until done, as does waiting on what `submit`
+    returns: call them from worker threads (the streaming controller does), never from an
+    event loop; `abort` never blocks for long. The lanes start with the first request and
+    stop at `close`.
     """
 
     def __init__(self, model: MarianOnnx, options: SchedulerOptions | None = None) -> None:
@@ -175,6 +199,11 @@ class DecodeScheduler:
         self._lanes = [_Lane(i, self._new_batch()) for i in range(self.lanes)]
         self._threads: list[threading.Thread] = []
         self._closed = False
+        # Under `_cond`: requests not answered yet by id, ids aborted (oldest first), and
+        # counts of what `abort` and `submit` decided on the caller's thread.
+        self._live: dict[RequestId, list[_Request]] = {}
+        self._aborted: OrderedDict[RequestId, None] = OrderedDict()
+        self._counts: Counter[str] = Counter()
 
     @property
     def batching(self) -> str:
@@ -188,7 +217,8 @@ class DecodeScheduler:
         work), draft_offered and draft_accepted (draft tokens verified in prefills),
         lookahead_offered and lookahead_accepted (re-aligned draft tokens verified in
         steps)."""
-        total: Counter[str] = Counter()
+        with self._cond:
+            total = Counter(self._counts)
         for lane in self._lanes:
             total.update(lane.stats)
         return total
@@ -201,10 +231,10 @@ class DecodeScheduler:
             total.update(lane.batch_sizes)
         return total
 
-    def _new_batch(self) -> Batch | ContinuousBatch:
+    def _new_batch(self) -> DecodeBatch:
         masked = self.model.masked
         if masked is None:
-            return Batch(self.model)
+            return LockstepBatch(self.model)
         return ContinuousBatch(self.model, masked, self.options.lookahead_positions)
 
     # -- API (any thread) ---------------------------------------------------------------
@@ -215,39 +245,63 @@ class DecodeScheduler:
         self._submit(encodes=[job])
         return job.future.result()
 
-    def decode(
+    def submit(
         self,
         enc: EncoderOutput,
-        options: DecodeOptions = DecodeOptions(),
+        options: DecodeOptions,
         *,
+        priority: Priority,
+        request_id: RequestId | None = None,
         prefixes: Sequence[Sequence[int]] | None = None,
         hook: StepHook | None = None,
-        should_stop: Callable[[], bool] | None = None,
         drafts: Sequence[Sequence[int]] | None = None,
-    ) -> list[Hypothesis]:
-        """Decode each source of `enc` (after its forced prefix) as its own request.
+    ) -> list[Future[Hypothesis]]:
+        """Queue each source of `enc` (after its forced prefix) as a request of its own;
+        each future gets its answer.
 
-        With `should_stop`, the requests are partials: dropped at the next step once it
-        returns true (raising `DecodingCancelled` here) and admitted after finals.
-        `drafts`: tokens each row is expected to continue with (greedy only), verified in
-        the prefill call when the batching is continuous; the result is the same.
+        `priority`: finals before partials at admission. `request_id`: given when the
+        requests may be aborted (`abort`); raises `DecodingCancelled` at once when it was
+        aborted already. `drafts`: tokens each row is expected to continue with (greedy
+        only), verified in the prefill call when the batching is continuous; the result
+        is the same.
         """
         prefixes = prefixes if prefixes is not None else [[] for _ in range(enc.batch_size)]
         drafts = drafts if drafts is not None else [[] for _ in range(enc.batch_size)]
         if not len(prefixes) == len(drafts) == enc.batch_size:
             raise ValueError("one prefix (and draft) per source is needed")
-        priority = FINAL if should_stop is None else PARTIAL
         requests = [
             _Request(
                 make_search(self.model.config, prefix, options, hook, draft),
                 enc.select(np.array([row], dtype=np.int64)),
-                priority,
-                should_stop,
+                Priority(priority),
+                request_id,
             )
             for row, (prefix, draft) in enumerate(zip(prefixes, drafts, strict=True))
         ]
         self._submit(requests=requests)
-        return [request.future.result() for request in requests]
+        return [request.future for request in requests]
+
+    def abort(self, ids: Iterable[RequestId]) -> None:
+        """Abort the requests submitted with these ids, and those submitted with them
+        later: a waiting one is answered with `DecodingCancelled` now, a running one
+        leaves its batch at the next step (then answered so). Ids of requests already
+        answered change nothing. Any thread; never waits for a step."""
+        dropped: list[_Request] = []
+        with self._cond:
+            for request_id in ids:
+                self._aborted[request_id] = None
+                self._aborted.move_to_end(request_id)
+                for request in self._live.pop(request_id, ()):
+                    request.aborted = True
+                    if not request.admitted:
+                        dropped.append(request)
+            while len(self._aborted) > ABORTS_REMEMBERED:
+                self._aborted.popitem(last=False)
+            if dropped:
+                self._waiting = [r for r in self._waiting if not r.aborted]
+                self._counts["rows_cancelled"] += len(dropped)
+        for request in dropped:
+            request.future.set_exception(DecodingCancelled())
 
     def close(self) -> None:
         """Answer what is queued with `SchedulerClosed` and stop the lanes."""
@@ -266,6 +320,12 @@ class DecodeScheduler:
         with self._cond:
             if self._closed:
                 raise SchedulerClosed("the decode scheduler is closed")
+            if requests and requests[0].request_id is not None:
+                request_id = requests[0].request_id
+                if request_id in self._aborted:
+                    self._counts["rows_cancelled"] += len(requests)
+                    raise DecodingCancelled
+                self._live.setdefault(request_id, []).extend(requests)
             self._waiting.extend(requests)
             self._encodes.extend(encodes)
             if not self._threads:
@@ -337,42 +397,31 @@ class DecodeScheduler:
             row += n
 
     def _iterate(self, lane: _Lane) -> None:
+        """One step of the lane's batch: update, schedule, execute (`DecodeBatch`)."""
         batch = lane.batch
-        if batch.has_logits:
-            for search in batch.advance():
-                self._finish(lane, search)
-        self._drop_stale_waiting(lane)
-        if batch.can_join:
-            chosen = self._admit(lane, self.options.max_rows - batch.rows)
-            if chosen:
-                for request in chosen:  # on an error, _fail_lane answers them
-                    lane.running[request.search] = request
-                ended = batch.join([(r.search, r.enc) for r in chosen])
-                for search in ended:
-                    self._finish(lane, search)
-                lane.stats["prefill_calls"] += 1
-                lane.stats["prefill_rows"] += len(chosen)
-        stale = [s for s in batch.searches if lane.running[s].stale()]
-        if stale:
-            batch.remove(stale)
-            for search in stale:
-                self._cancel(lane, lane.running.pop(search))
+        for search in batch.update():
+            self._finish(lane, search)
+        with self._cond:
+            leaving = [search for search, r in lane.running.items() if r.aborted]
+        joining = self._admit(lane, self.options.max_rows - batch.rows) if batch.joinable else []
+        for request in joining:  # on an error, _fail_lane answers them
+            lane.running[request.search] = request
+        ended = batch.schedule([(r.search, r.enc) for r in joining], leaving)
+        for search in leaving:
+            self._cancel(lane, lane.running.pop(search))
+        for search in ended:
+            self._finish(lane, search)
+        if joining:
+            lane.stats["prefill_calls"] += 1
+            lane.stats["prefill_rows"] += len(joining)
         rows = batch.rows
         if rows:
             lane.batch_sizes[rows] += 1
             lane.stats["decoder_steps"] += 1
-            batch.forward()
-        if isinstance(batch, ContinuousBatch):  # draft and lookahead tokens verified
+            batch.execute()
+        if batch.stats:  # draft and lookahead tokens verified
             lane.stats.update(batch.stats)
             batch.stats.clear()
-
-    def _drop_stale_waiting(self, lane: _Lane) -> None:
-        with self._cond:
-            stale = [r for r in self._waiting if r.stale()]
-            if stale:
-                self._waiting = [r for r in self._waiting if r not in stale]
-        for request in stale:
-            self._cancel(lane, request)
 
     def _admit(self, lane: _Lane, room: int) -> list[_Request]:
         """Waiting requests this lane starts now: finals and offline calls first, then by
@@ -391,6 +440,7 @@ class DecodeScheduler:
                 if rows + width > room and (chosen or room < self.options.max_rows):
                     break
                 chosen.append(request)
+                request.admitted = True
                 rows += width
             self._waiting = self._waiting[len(chosen) :]
         now = time.perf_counter()
@@ -404,6 +454,7 @@ class DecodeScheduler:
         error, never a future left waiting (the caller would hang, and a final would go
         unanswered)."""
         request = lane.running.pop(search)
+        self._forget(request)
         lane.stats["rows_ended"] += 1
         try:
             result = search.result()
@@ -417,8 +468,21 @@ class DecodeScheduler:
         request.future.set_exception(DecodingCancelled())
         lane.stats["rows_cancelled"] += 1
 
+    def _forget(self, request: _Request) -> None:
+        """Take an answered request out of `_live` (`abort` took it out already if its id
+        was aborted)."""
+        if request.request_id is None:
+            return
+        with self._cond:
+            live = self._live.get(request.request_id)
+            if live is not None and request in live:
+                live.remove(request)
+                if not live:
+                    del self._live[request.request_id]
+
     def _fail_lane(self, lane: _Lane, exc: Exception) -> None:
         for request in lane.running.values():
+            self._forget(request)
             if not request.future.done():
                 request.future.set_exception(exc)
         lane.running.clear()
@@ -429,6 +493,7 @@ class DecodeScheduler:
             waiting, self._waiting = self._waiting, []
             encodes, self._encodes = self._encodes, []
         for request in waiting:
+            self._forget(request)
             if not request.future.done():
                 request.future.set_exception(exc)
         for job in encodes:

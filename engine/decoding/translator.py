@@ -1,24 +1,32 @@
 """Offline translation: text in, text out, for one model directory.
 
 This is the engine core's public face; the streaming controller builds on the same pieces
-(`encode` runs the encoder, `decode` the search, `detokenize` turns ids into text) so that
-a final partial's translation equals `translate` exactly.
+(`encode` runs the encoder, `decode` the searches, `abort` gives up on a partial's,
+`detokenize` turns ids into text) so that a final partial's translation equals `translate`
+exactly.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
+from engine.decoding.scheduler import DecodeScheduler, Priority, RequestId, SchedulerOptions
 from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
 from engine.errors import InputTooLongError, ModelLoadError
-from engine.model import EncoderOutput, MarianOnnx, MarianTokenizer, ModelConfig, RuntimeOptions
+from engine.languages import word_joiner
+from engine.model import (
+    EncoderOutput,
+    MarianOnnx,
+    MarianTokenizer,
+    ModelConfig,
+    RuntimeOptions,
+    threads_from_env,
+)
 
 _SENTENCE_END = re.compile(r"(?<=[.!?。！？；;])\s*")
 _CLAUSE_END = re.compile(r"(?<=[,，、:：])\s*")
@@ -82,7 +90,7 @@ class Translator:
                 f"the model only {config.vocab_size}"
             )
         threads = (scheduler or SchedulerOptions()).resolved()
-        if intra_op_threads is None and not os.environ.get("NMT_INTRA_OP_THREADS"):
+        if intra_op_threads is None and threads_from_env() is None:
             # The scheduler's lanes each run one call at a time: its thread count per lane.
             intra_op_threads = threads.per_lane
         options = RuntimeOptions(
@@ -133,15 +141,30 @@ class Translator:
         *,
         prefixes: Sequence[Sequence[int]] | None = None,
         hook: StepHook | None = None,
-        should_stop: Callable[[], bool] | None = None,
         drafts: Sequence[Sequence[int]] | None = None,
+        priority: Priority = Priority.FINAL,
+        request_id: RequestId | None = None,
     ) -> list[Hypothesis]:
-        """Decode each source of `enc` through the scheduler; with `should_stop` these are
-        partials, dropped (`DecodingCancelled`) once it returns true. `drafts`: expected
-        continuations to verify in one call (see `DecodeScheduler.decode`)."""
-        return self.scheduler.decode(
-            enc, options, prefixes=prefixes, hook=hook, should_stop=should_stop, drafts=drafts
+        """Run a search for each source of `enc` through the scheduler and wait for them.
+
+        `priority`: partials wait behind finals and offline calls. `request_id`: makes
+        the searches abortable (`abort`), which raises `DecodingCancelled` here. `drafts`:
+        expected continuations to verify in one call (see `DecodeScheduler.submit`)."""
+        futures = self.scheduler.submit(
+            enc,
+            options,
+            priority=priority,
+            request_id=request_id,
+            prefixes=prefixes,
+            hook=hook,
+            drafts=drafts,
         )
+        return [future.result() for future in futures]
+
+    def abort(self, ids: Iterable[RequestId]) -> None:
+        """Give up on the searches submitted with these ids, even those not submitted
+        yet (`DecodeScheduler.abort`): a newer source made their answer useless."""
+        self.scheduler.abort(ids)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.detokenize(token_ids)
@@ -204,7 +227,7 @@ class Translator:
         if not parts:
             return TranslationResult("", (), 0.0)
         results = self.translate(parts, options)
-        joiner = "" if self.config.target_lang == "zh" else " "
+        joiner = word_joiner(self.config.target_lang)
         return TranslationResult(
             joiner.join(r.text for r in results),
             tuple(t for r in results for t in r.token_ids),

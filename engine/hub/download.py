@@ -53,7 +53,7 @@ from engine.hub.errors import (
     UnknownModelError,
 )
 from engine.hub.layout import DECODER_STEMS, VARIANT_SUFFIX, LayoutError, discover, onnx_files
-from engine.model import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+from engine.model import ONNX_FOLDER, OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 HOME_ENV = "NMT_INCREMENTAL_HOME"
@@ -135,7 +135,7 @@ def model_files(entry: CatalogEntry, variants: Iterable[str]) -> list[HubFile]:
     ]
     for variant in variants:
         files += [
-            HubFile(entry.onnx, name, f"onnx/{name}", True, model)
+            HubFile(entry.onnx, name, f"{ONNX_FOLDER}/{name}", True, model)
             for name in onnx_files(variant, entry.decoder)
         ]
     return files
@@ -727,7 +727,7 @@ def cache_status(entry: CatalogEntry, settings: HubSettings) -> CacheStatus:
     shared = sum(found[f.local].stat().st_size for f in model_files(entry, []) if f.local in found)
     variants = {}
     for variant in VARIANT_SUFFIX:
-        locals_ = [f"onnx/{name}" for name in onnx_files(variant, entry.decoder)]
+        locals_ = [f"{ONNX_FOLDER}/{name}" for name in onnx_files(variant, entry.decoder)]
         required_tok = all(name in found for name in TOKENIZER_FILES)
         if required_tok and all(name in found for name in locals_):
             variants[variant] = shared + sum(found[name].stat().st_size for name in locals_)

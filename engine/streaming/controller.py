@@ -15,6 +15,9 @@ as it is ready. So latest-wins, ownership and the count of finals owed stay one 
 per stream; a final counts as answered once every language has answered it (its update,
 or an error naming the language). The price: a stream's languages advance event by
 event together, so the slower model sets the pace of the stream's next partial.
+
+Who reads the replies is not decided here: each is published to an `UpdateBus`
+(`engine.streaming.subscriptions`), which hands it to the stream's writer and viewers.
 """
 
 from __future__ import annotations
@@ -24,26 +27,32 @@ import functools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeAlias
+from typing import Any
 
 import anyio
 import anyio.abc
 
+from engine.decoding.scheduler import Priority, RequestId, new_request_id
 from engine.decoding.search import DecodingCancelled
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.streaming.lifecycle import (
     Admission,
     Owner,
-    Phase,
     StreamLifecycle,
     StreamTable,
     Trigger,
 )
 from engine.streaming.session import StreamingOptions, StreamSession
+
+# `Reply` and `Subscription` moved to `engine.streaming.subscriptions`; importing them from
+# here keeps working for one release.
+from engine.streaming.subscriptions import InProcessBus, UpdateBus, target_language
+from engine.streaming.subscriptions import Reply as Reply
+from engine.streaming.subscriptions import Subscription as Subscription
 from protocol import (
     EngineClosed,
     ErrorCode,
@@ -59,91 +68,17 @@ log = logging.getLogger(__name__)
 # runs to the end, so a talker faster than the hardware still sees updates.
 MAX_CANCELLED_IN_A_ROW = 2
 
-# Final updates of a stream kept for viewers who join late (the page shows a few lines).
-RECENT_FINALS = 8
-
 # Default number of streams translating at once (see `IncrementalTranslator`).
 DECODE_SLOTS = 64
 
 
-Reply: TypeAlias = TranslationUpdate | ErrorMessage
-"""What a subscription yields: updates, and an `error` (code `internal`) in place of the
-final update of a final transcript whose translation failed."""
+class _Stream:
+    """The controller's working state for one stream: its queue of admitted events, one
+    session per target language and the events its task waits on. Its lifecycle (phase,
+    owner, admission record) is held in `life`, which only the stream table moves."""
 
-
-class Subscription(AsyncIterator[Reply]):
-    """A bounded queue of replies for one consumer.
-
-    When it is full, the oldest non-final update is dropped (a newer one supersedes it);
-    finals and errors (which answer finals) are never dropped, so a slow consumer cannot
-    stall translation for others and every final transcript still gets its reply.
-    """
-
-    def __init__(
-        self,
-        stream_id: str | None,
-        max_items: int,
-        owner: Owner | None = None,
-        lang: str | None = None,
-    ) -> None:
-        self.stream_id = stream_id
-        self.owner = owner
-        self.lang = lang  # None: every language
-        self.max_items = max_items
-        self.dropped = 0
-        self._items: deque[Reply] = deque()
-        self._ready = anyio.Event()
-        self._closed = False
-
-    def wants(self, reply: Reply) -> bool:
-        """Whether `reply` is for this subscription's language (an error that names no
-        language answers every language, so every subscription takes it)."""
-        return self.lang is None or reply.lang is None or reply.lang == self.lang
-
-    def put(self, update: Reply) -> None:
-        if self._closed:
-            return
-        if len(self._items) >= self.max_items:
-            for i, old in enumerate(self._items):
-                if isinstance(old, TranslationUpdate) and not old.is_final:
-                    del self._items[i]
-                    self.dropped += 1
-                    break
-        self._items.append(update)
-        self._ready.set()
-
-    def close(self) -> None:
-        self._closed = True
-        self._ready.set()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __aiter__(self) -> Subscription:
-        return self
-
-    async def __anext__(self) -> Reply:
-        while not self._items:
-            if self._closed:
-                raise StopAsyncIteration
-            self._ready = anyio.Event()
-            await self._ready.wait()
-        return self._items.popleft()
-
-
-class _Stream(StreamLifecycle):
-    """A stream's lifecycle (phase, owner, admission record) and the controller's working
-    state for it: its queue of admitted events, one session per target language and the
-    events its task waits on."""
-
-    def __init__(
-        self,
-        stream_id: str,
-        owner: Owner | None,
-        epoch: int,
-        sessions: Mapping[str, StreamSession],
-    ) -> None:
-        super().__init__(stream_id, owner, epoch)
+    def __init__(self, life: StreamLifecycle, sessions: Mapping[str, StreamSession]) -> None:
+        self.life = life
         self.sessions = dict(sessions)
         # Admitted events waiting, each with its arrival time.
         self.pending: deque[tuple[Admission[_Stream], float]] = deque()
@@ -154,11 +89,24 @@ class _Stream(StreamLifecycle):
         self.current: PartialTranscript | None = None  # the event being translated
         self.answered: set[str] = set()  # languages that answered `current` already
         self.cancelled_in_row = 0
-        self.last_update: dict[str, TranslationUpdate] = {}  # by language
-        # The last few final updates per language, replayed to a viewer who joins late.
-        self.recent_finals: dict[str, deque[TranslationUpdate]] = {
-            lang: deque(maxlen=RECENT_FINALS) for lang in sessions
-        }
+        # The id of the current partial's decodes while a newer event may abort them.
+        self.abortable: RequestId | None = None
+
+    def __repr__(self) -> str:
+        return repr(self.life)
+
+    @property
+    def stream_id(self) -> str:
+        return self.life.stream_id
+
+    @property
+    def taking_events(self) -> bool:
+        return self.life.taking_events
+
+    @property
+    def closed(self) -> bool:
+        """Released or aborted: nothing it does is published any more."""
+        return self.life.closed
 
     def drop_partials(self) -> int:
         """Latest wins: drop waiting partials (finals stay); returns how many."""
@@ -166,6 +114,19 @@ class _Stream(StreamLifecycle):
         dropped = len(self.pending) - len(kept)
         self.pending = kept
         return dropped
+
+    def supersede(self) -> None:
+        """Latest wins: once a newer event waits, the partial being translated (if it may
+        still be cancelled) is aborted in every language's scheduler; its row leaves the
+        batch at the next step, or its decode is refused if not submitted yet."""
+        if self.pending:
+            self.abort_decoding()
+
+    def abort_decoding(self) -> None:
+        """Abort the current partial's decodes, when they may be aborted."""
+        if self.abortable is not None:
+            for session in self.sessions.values():
+                session.translator.abort([self.abortable])
 
 
 class IncrementalTranslator:
@@ -187,7 +148,8 @@ class IncrementalTranslator:
     `engine.streaming.lifecycle`; this class carries out what it decides: it runs the
     translations, publishes their replies and releases a stream when it has drained.
     A server passes each connection's `Owner` to `push`, `close_stream` and `owner_left`;
-    an embedding caller passes none.
+    an embedding caller passes none. Replies go to `bus` (default: an `InProcessBus` whose
+    subscriptions hold up to `queue_size` replies each); `updates` subscribes through it.
     """
 
     def __init__(
@@ -199,6 +161,7 @@ class IncrementalTranslator:
         max_pending_finals: int = 32,
         queue_size: int = 256,
         decode_slots: int | None = None,
+        bus: UpdateBus | None = None,
     ) -> None:
         if isinstance(translator, Translator):
             translator = [translator]
@@ -217,10 +180,8 @@ class IncrementalTranslator:
         self._table: StreamTable[_Stream] = StreamTable(
             self._make_stream, max_streams=max_streams, max_pending_finals=max_pending_finals
         )
-        self._subscriptions: dict[str | None, list[Subscription]] = {}
-        self._owner_subscriptions: dict[Owner, list[Subscription]] = {}
+        self._bus = bus if bus is not None else InProcessBus(queue_size)
         self._group: anyio.abc.TaskGroup | None = None
-        self._closed = False
 
     @classmethod
     def from_dir(
@@ -247,19 +208,7 @@ class IncrementalTranslator:
         """The language a subscriber's tag names ("zh-Hans" -> "zh"; None stays None:
         every language). Raises `InvalidEvent` (`invalid_message`, field `lang`) for a
         language no model translates into."""
-        if tag is None:
-            return None
-        lang = self.targets.find(tag)
-        if lang is None:
-            raise InvalidEvent(
-                ErrorMessage(
-                    ErrorCode.INVALID_MESSAGE,
-                    f"no translation into {tag[:40]!r} here; languages: "
-                    + ", ".join(self.languages),
-                    "lang",
-                )
-            )
-        return lang
+        return None if tag is None else target_language(tag, self.languages)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -287,36 +236,31 @@ class IncrementalTranslator:
     async def aclose(self) -> None:
         """Take nothing more, finish every stream's accepted finals, end every
         subscription; idempotent."""
-        if self._closed:
+        if self._table.closed:
             return
         for stream in self._table.shutdown():
             self.stats["superseded"] += stream.drop_partials()
+            stream.supersede()
             stream.wake.set()
         for stream in list(self._table):
             await stream.done.wait()
-        self._end_subscriptions()
-
-    def _end_subscriptions(self) -> None:
-        self._closed = True
-        for subs in [*self._subscriptions.values(), *self._owner_subscriptions.values()]:
-            for sub in subs:
-                sub.close()
-        self._subscriptions.clear()
-        self._owner_subscriptions.clear()
+        self._table.finish_shutdown()
+        self._bus.end_all()
 
     def abort(self, reason: str) -> int:
         """Give up on work not done yet (a shutdown past its deadline): every accepted final
         transcript still waiting or being translated is answered with an `unavailable`
         error (a running translation's late result is then dropped, so each final still
         gets exactly one reply), and every subscription ends. Returns how many finals were
-        answered so. The engine takes nothing more afterwards; `aclose` still waits for
-        translations already running on worker threads to return."""
+        answered so. The engine takes nothing more afterwards; leaving its `async with`
+        still waits for translations already running on worker threads to return."""
         answered = 0
         for stream, owed in self._table.abort():
             events = [admission.event for admission, _ in stream.pending]
             if stream.current is not None:
                 events.insert(0, stream.current)
             stream.pending.clear()
+            stream.abort_decoding()  # its result would be dropped
             stream.wake.set()
             finals = [event for event in events if event.is_final]
             if len(finals) != owed:  # the lifecycle's count and the queue disagree: a bug
@@ -334,7 +278,7 @@ class IncrementalTranslator:
                         ErrorCode.UNAVAILABLE, reason, None, event.stream_id, event.seq, lang
                     )
                     self._deliver(error, stream)
-        self._end_subscriptions()
+        self._bus.end_all()
         self.stats["aborted_finals"] += answered
         return answered
 
@@ -346,20 +290,11 @@ class IncrementalTranslator:
         free until their accepted finals are answered)."""
         return self._table.ids
 
-    def owner_of(self, stream_id: str) -> Owner | None:
-        stream = self._table.get(stream_id)
-        return stream.owner if stream is not None else None
-
-    def phase(self, stream_id: str) -> Phase:
-        """Where a stream is in its life (`Phase.CLOSED` when the id is free)."""
-        stream = self._table.get(stream_id)
-        return stream.phase if stream is not None else Phase.CLOSED
-
     def epoch_of(self, stream_id: str) -> int | None:
         """The life (`epoch`) of the id now open, or None when the id is free: a consumer
         keeping state per stream life drops it once this no longer names that life."""
         stream = self._table.get(stream_id)
-        return stream.epoch if stream is not None else None
+        return stream.life.epoch if stream is not None else None
 
     def updates(
         self,
@@ -375,56 +310,23 @@ class IncrementalTranslator:
         language; `InvalidEvent` for one no model translates into); None: every
         language's, each update saying which (`lang`)."""
         lang = self.language(lang)
-        sub = Subscription(stream_id, self.queue_size, owner, lang)
-        if self._closed:
-            sub.close()
+        if self._table.closed:  # nothing will be published: it ends at once
+            sub = Subscription(stream_id, self.queue_size, owner, lang)
+            sub.end()
             return sub
-        if owner is not None:
-            self._owner_subscriptions.setdefault(owner, []).append(sub)
-            return sub
-        # Start from the last lines of each open stream (its recent finals, then the current
-        # segment's latest update), so a viewer joining mid-talk sees what was just said.
-        for stream in self._table:
-            if stream_id not in (None, stream.stream_id):
-                continue
-            for language in stream.sessions:
-                if lang not in (None, language):
-                    continue
-                for final in stream.recent_finals[language]:
-                    sub.put(final)
-                last = stream.last_update.get(language)
-                if last is not None and not last.is_final:
-                    sub.put(last)
-        self._subscriptions.setdefault(stream_id, []).append(sub)
-        return sub
+        # A viewer's starts from the last lines of each open stream (its recent finals,
+        # then the current segment's latest update): one joining mid-talk sees what was
+        # just said.
+        return self._bus.subscribe(stream_id, owner=owner, lang=lang)
 
     def unsubscribe(self, sub: Subscription) -> None:
-        if sub.owner is not None:
-            owned = self._owner_subscriptions.get(sub.owner, [])
-            if sub in owned:
-                owned.remove(sub)
-            if not owned:
-                self._owner_subscriptions.pop(sub.owner, None)
-        else:
-            subs = self._subscriptions.get(sub.stream_id, [])
-            if sub in subs:
-                subs.remove(sub)
-            if not subs:
-                self._subscriptions.pop(sub.stream_id, None)
-        sub.close()
-
-    def last_update(self, stream_id: str, lang: str | None = None) -> TranslationUpdate | None:
-        """The newest update of an open stream in a language (default: the default
-        language; a viewer joining late starts from it)."""
-        stream = self._table.get(stream_id)
-        if stream is None:
-            return None
-        return stream.last_update.get(self.language(lang) or self.targets.default)
+        """Stop delivering to `sub` and end it."""
+        self._bus.unsubscribe(sub)
 
     async def push(self, event: PartialTranscript, owner: Owner | None = None) -> None:
         """Queue an event and return at once; raises `InvalidEvent` for a refused one
         (the lifecycle's admission rules say which), `EngineClosed` when not running."""
-        if self._closed or self._group is None:
+        if self._table.closed or self._group is None:
             raise EngineClosed("IncrementalTranslator is not running (use `async with`)")
         if not isinstance(event, PartialTranscript):
             raise InvalidEvent(
@@ -446,6 +348,7 @@ class IncrementalTranslator:
         # Latest wins: a waiting partial is superseded by any newer event; finals stay.
         self.stats["superseded"] += stream.drop_partials()
         stream.pending.append((admission, received))
+        stream.supersede()  # and so is a partial being decoded
         if not stream.busy:
             stream.busy = True
             stream.idle = anyio.Event()
@@ -464,6 +367,7 @@ class IncrementalTranslator:
         are still translated and published, then it is released."""
         stream = self._table.close(stream_id, owner)
         self.stats["superseded"] += stream.drop_partials()
+        stream.supersede()
         stream.wake.set()
 
     async def close_stream(self, stream_id: str, owner: Owner | None = None) -> None:
@@ -480,17 +384,18 @@ class IncrementalTranslator:
         streams = self._table.owner_left(owner)
         for stream in streams:
             self.stats["superseded"] += stream.drop_partials()
+            stream.supersede()
             stream.wake.set()
         return len(streams)
 
     # -- internals ------------------------------------------------------------------
 
-    def _make_stream(self, stream_id: str, owner: Owner | None, epoch: int) -> _Stream:
+    def _make_stream(self, life: StreamLifecycle) -> _Stream:
         sessions = {
-            lang: StreamSession(stream_id, translator, self.options, lang=lang)
+            lang: StreamSession(life.stream_id, translator, self.options, lang=lang)
             for lang, translator in self.targets.items()
         }
-        return _Stream(stream_id, owner, epoch, sessions)
+        return _Stream(life, sessions)
 
     def _prepare(self, event: PartialTranscript) -> tuple[str, dict[str, list[int]]]:
         """Admission's text step: normalise once (every model shares the source
@@ -505,23 +410,17 @@ class IncrementalTranslator:
         }
 
     def _publish(self, stream: _Stream, lang: str, update: TranslationUpdate) -> None:
-        update = dataclasses.replace(update, epoch=stream.epoch)
-        stream.last_update[lang] = update
+        """Publish `lang`'s update, stamped with the stream's life (`epoch`)."""
+        update = dataclasses.replace(update, epoch=stream.life.epoch, lang=lang)
         self.stats["updates"] += 1
         if update.is_final:
             self.stats["finals"] += 1
-            stream.recent_finals[lang].append(update)
         self._deliver(update, stream)
 
     def _deliver(self, reply: Reply, stream: _Stream) -> None:
-        """To the stream's owner, its subscribers and those of every stream (each in
-        the language it asked for)."""
-        subs = list(self._owner_subscriptions.get(stream.owner, ())) if stream.owner else []
-        for key in (reply.stream_id, None):
-            subs.extend(self._subscriptions.get(key, ()))
-        for sub in subs:
-            if sub.wants(reply):
-                sub.put(reply)
+        """To the stream's owner, its viewers and those of every stream (the bus hands
+        each the languages it asked for)."""
+        self._bus.publish(reply, stream.life.owner)
 
     async def _run_stream(self, stream: _Stream) -> None:
         try:
@@ -537,18 +436,17 @@ class IncrementalTranslator:
                 admission, received = stream.pending.popleft()
                 await self._translate(stream, admission, received)
         finally:
-            if stream.finals_pending and not stream.closed:
+            if stream.life.finals_pending and not stream.closed:
                 # Only when the engine's task group is cancelled without `aclose`.
                 log.error(
                     "stream %r ends with %d finals unanswered",
                     stream.stream_id,
-                    stream.finals_pending,
+                    stream.life.finals_pending,
                 )
-                stream.fire(Trigger.ABORT)
+                stream.life.fire(Trigger.ABORT)
             self._table.release(stream)
             if self._table.get(stream.stream_id) is None:
-                for sub in self._subscriptions.pop(stream.stream_id, []):
-                    sub.close()
+                self._bus.end_stream(stream.stream_id)
             stream.done.set()
 
     async def _translate(
@@ -557,11 +455,13 @@ class IncrementalTranslator:
         """Translate one admitted event into every language at once; publish each
         language's update when it is ready; a final is answered once all have."""
         event = admission.event
+        # A partial's decodes get an id of their own, by which a newer event aborts them
+        # (`_Stream.supersede`), unless the stream's last MAX_CANCELLED_IN_A_ROW were
+        # cancelled: this one then runs to its end.
+        # A partial that runs to its end is admitted like a final, ahead of abortable ones.
         cancellable = not event.is_final and stream.cancelled_in_row < MAX_CANCELLED_IN_A_ROW
-
-        def newer_waiting() -> bool:
-            return bool(stream.pending)
-
+        request_id = new_request_id() if cancellable else None
+        priority = Priority.PARTIAL if cancellable else Priority.FINAL
         cancelled = False
 
         async def one(lang: str, session: StreamSession) -> None:
@@ -569,7 +469,8 @@ class IncrementalTranslator:
             work = functools.partial(
                 session.answer,
                 event,
-                newer_waiting if cancellable else None,
+                request_id=request_id,
+                priority=priority,
                 received=received,
                 source=admission.source,
                 source_ids=admission.source_ids.get(lang),
@@ -578,7 +479,8 @@ class IncrementalTranslator:
                 update = await anyio.to_thread.run_sync(work, limiter=self._threads)
             except DecodingCancelled:
                 cancelled = True
-                self.stats["cancelled"] += 1
+                if not stream.closed:  # else `abort` gave up on it: its result is dropped
+                    self.stats["cancelled"] += 1
                 return
             except Exception:  # a bug must not take the stream (or others) down with it
                 self.stats["errors"] += 1
@@ -614,6 +516,8 @@ class IncrementalTranslator:
 
         stream.current = event
         stream.answered = set()
+        stream.abortable = request_id
+        stream.supersede()  # a newer event may be waiting already
         try:
             async with self._limiter:
                 # Waiting for a worker can take a while when many streams are busy; a
@@ -629,8 +533,9 @@ class IncrementalTranslator:
                         languages.start_soon(one, lang, session)
         finally:
             stream.current = None
+            stream.abortable = None
         if stream.closed:  # aborted meanwhile: `abort` answered what was left
             return
         stream.cancelled_in_row = stream.cancelled_in_row + 1 if cancelled else 0
         if event.is_final:
-            stream.fire(Trigger.ANSWERED)
+            stream.life.fire(Trigger.ANSWERED)

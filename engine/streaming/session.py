@@ -6,7 +6,8 @@ source is never re-encoded, and the committed target tokens, which are forced in
 later decode of the segment so that stable text is never retracted.
 
 The async controller (`engine.streaming.controller`) decides which events reach it (latest
-wins) and runs it in a worker thread; replay and tests may call it directly.
+wins), runs it in a worker thread and aborts a partial's decodes (`Translator.abort`) when
+a newer event makes them useless; replay and tests may call it directly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from engine.decoding.scheduler import Priority, RequestId
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
 from engine.languages import drop_fillers, is_cjk
@@ -47,9 +49,9 @@ class StreamingOptions:
     `forced_length_ratio` is a benchmarking aid for random-weight models, which never emit
     eos: every decode then produces exactly ceil(ratio * source tokens) tokens.
     `source_agreement` (n): commit nothing new until the recogniser has shown n partials in
-    a row that only extend the words before them: real recognisers rewrite shown words
-    (about 40% of changes), and a translation committed from words about to change is a
-    revised final. None (the default) commits on the target side alone.
+    a row that only extend the words before them: real recognisers often rewrite shown
+    words, and a translation committed from words about to change is a revised final.
+    None (the default) commits on the target side alone.
     `settled_source` (n): without a recogniser hint (`PartialTranscript.stable_chars`),
     take as settled the words the last n partials share (local agreement on the source
     side) and commit only target tokens that this settled prefix's own translation agrees
@@ -251,8 +253,9 @@ class StreamSession:
     def answer(
         self,
         event: PartialTranscript,
-        should_stop: Callable[[], bool] | None = None,
         *,
+        request_id: RequestId | None = None,
+        priority: Priority = Priority.PARTIAL,
         received: float | None = None,
         source: str | None = None,
         source_ids: list[int] | None = None,
@@ -263,8 +266,11 @@ class StreamSession:
         admission computed them already (`lifecycle.Admission`), so that they are not
         computed twice; `source_ids` is only used together with `source`.
 
-        Raises `DecodingCancelled` (from the decoder) when `should_stop` says a newer event
-        made this one stale; the segment's state is then as before the call.
+        `request_id`: the id of a partial's decodes, given when a newer event may abort
+        them (`Translator.abort`, which may come before they are submitted); they then
+        raise `DecodingCancelled` and the segment's state is as before the call.
+        `priority`: the scheduler's admission order for a partial's decodes (a final's
+        are always `Priority.FINAL`); the controller says which.
         """
         received = time.perf_counter() if received is None else received
         seg = self._segment_for(event)
@@ -285,7 +291,7 @@ class StreamSession:
             seg.source = ""
             update = self._update(event, seg.stable_text, "", started, received, source)
         else:
-            update = self._partial(seg, source, event, should_stop, started, received)
+            update = self._partial(seg, source, event, request_id, priority, started, received)
         return update
 
     def _update(
@@ -321,7 +327,8 @@ class StreamSession:
         seg: SegmentState,
         source: str,
         event: PartialTranscript,
-        should_stop: Callable[[], bool] | None,
+        request_id: RequestId | None,
+        priority: Priority,
         started: float,
         received: float,
     ) -> TranslationUpdate:
@@ -338,8 +345,9 @@ class StreamSession:
             self.options.decode_for(len(seg.source_ids or ()), len(seg.committed), partial=True),
             prefixes=[seg.committed],
             hook=policy.hook(previous),
-            should_stop=should_stop,
             drafts=[draft],
+            priority=priority,
+            request_id=request_id,
         )[0]
         tokens = list(hyp.token_ids)
         if self.options.source_agreement is not None:
@@ -362,7 +370,7 @@ class StreamSession:
         agree = self.options.source_agreement
         if agree is not None and seg.source_settled_at < agree:
             commit = len(seg.committed)  # the source is still being rewritten: wait
-        bound = self._settled_bound(seg, event, source, tokens, should_stop)
+        bound = self._settled_bound(seg, event, source, tokens, request_id, priority)
         if bound is not None and bound < commit:  # the recogniser's hint: only so far
             commit = self.boundaries.snap(tokens, bound, len(seg.committed), False)
         seg.committed = tokens[:commit]
@@ -402,7 +410,8 @@ class StreamSession:
         event: PartialTranscript,
         source: str,
         tokens: list[int],
-        should_stop: Callable[[], bool] | None,
+        request_id: RequestId | None,
+        priority: Priority,
     ) -> int | None:
         """How many of `tokens` the settled source (`_settled`: the recogniser's hint, or
         the words recent partials share) supports, or None when there is none or the
@@ -429,8 +438,9 @@ class StreamSession:
                 self.translator.encode([ids]),
                 self.options.decode_for(len(ids), len(seg.committed), partial=True),
                 prefixes=[seg.committed],
-                should_stop=should_stop,
                 drafts=[draft if self.options.drafts else []],
+                priority=priority,
+                request_id=request_id,
             )[0]
             seg.settled = (key, list(hyp.token_ids))
         return common_prefix_length([tokens, seg.settled[1]])

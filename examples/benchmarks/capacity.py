@@ -73,8 +73,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def make_lines(n: int, sentences: int, seed: int) -> list[dict[str, Any]]:
-    from engine.evaluation.translogs import generate_log
-    from engine.replay import interleave_logs
+    from engine.logs import generate_log, interleave_logs
 
     pool = [line.strip() for line in FLORES_ZH.read_text(encoding="utf-8").splitlines()]
     rng = random.Random(seed)

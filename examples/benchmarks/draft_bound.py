@@ -11,7 +11,7 @@ prints stepwise decoder calls (one per generated token: each is fed to get the n
 - with the prefill's draft run alone: generated tokens less the draft's confirmed run
   from the start;
 - as built (prefill run, then the draft re-aligned and verified ahead in later steps,
-  `GreedySearch.lookahead`): generated tokens less every draft token confirmed, counted
+  `GreedySearch.take_lookahead`): generated tokens less every draft token confirmed, counted
   by the searches themselves;
 - at best with any re-alignment of that draft: generated tokens less their longest common
   subsequence with the draft, i.e. every token the previous hypothesis had, wherever it
@@ -58,12 +58,12 @@ def decodes(model: Path, log: Path) -> list[Decode]:
     from engine import Translator
     from engine.decoding.scheduler import SchedulerOptions
     from engine.decoding.search import GreedySearch, Hypothesis
-    from engine.evaluation.translogs import read_log
+    from engine.logs import read_log
     from engine.replay import ReplayOptions, replay
 
     seen: list[Decode] = []
     widths: dict[int, list[int]] = {}
-    result, lookahead = GreedySearch.result, GreedySearch.lookahead
+    result, lookahead = GreedySearch.result, GreedySearch.take_lookahead
 
     def recorded_lookahead(self: GreedySearch, most: int) -> list[int]:
         tokens = lookahead(self, most)
@@ -82,13 +82,13 @@ def decodes(model: Path, log: Path) -> list[Decode]:
         return hyp
 
     GreedySearch.result = recorded_result  # type: ignore[method-assign]
-    GreedySearch.lookahead = recorded_lookahead  # type: ignore[method-assign]
+    GreedySearch.take_lookahead = recorded_lookahead  # type: ignore[method-assign]
     try:
         tr = Translator.from_dir(model, scheduler=SchedulerOptions(lanes=1))
         run = replay(tr, read_log(log), ReplayOptions(progress=False))
     finally:
         GreedySearch.result = result  # type: ignore[method-assign]
-        GreedySearch.lookahead = lookahead  # type: ignore[method-assign]
+        GreedySearch.take_lookahead = lookahead  # type: ignore[method-assign]
     # The replay ends by checking each final against an offline translation: one decode
     # per final, not part of the stream, left out.
     return seen[: len(seen) - run.finals_checked]

@@ -5,7 +5,7 @@ from real behaviour: a fast replay of a fixture log (the tiny self-trained model
 for every decode of the stream (`draft_bound.decodes`: the replay's offline check of the
 finals left out), its forced prefix P, draft D, its L tokens after the prefix and, for
 each later step, how many lookahead tokens it fed besides its own (the re-aligned draft,
-`GreedySearch.lookahead`). Each record is then replayed as decoder calls
+`GreedySearch.take_lookahead`). Each record is then replayed as decoder calls
 on the OPUS-MT-sized benchmark model (int8, one row, as the scheduler runs a lone stream:
 the layers on one thread, the output projection on all cores; a median-length FLORES
 source):
