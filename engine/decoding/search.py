@@ -187,6 +187,11 @@ class Search(ABC):
             raise ValueError(
                 f"forced prefix of {len(self.prefix)} tokens exceeds the {self.limit}-token limit"
             )
+        self._begin()
+
+    @abstractmethod
+    def _begin(self) -> None:
+        """Set up the kind's own state (once, at the end of `__init__`)."""
 
     @property
     @abstractmethod
@@ -223,15 +228,7 @@ class Search(ABC):
 class GreedySearch(Search):
     """One row: the forced prefix, then the most likely token until eos or the limit."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: Sequence[int],
-        options: DecodeOptions,
-        hook: StepHook | None = None,
-        draft: Sequence[int] = (),
-    ) -> None:
-        super().__init__(config, prefix, options, hook, draft)
+    def _begin(self) -> None:
         self.tokens: list[int] = []
         self.score = 0.0
         self.finished = False
@@ -314,15 +311,8 @@ class BeamSearch(Search):
     live beam can still beat the worst of them, or at the length limit.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: Sequence[int],
-        options: DecodeOptions,
-        hook: StepHook | None = None,
-    ) -> None:
-        super().__init__(config, prefix, options, hook)
-        self.beams = options.beam_size
+    def _begin(self) -> None:
+        self.beams = self.options.beam_size
         self.seqs: list[list[int]] = [[]]
         self.beam_scores = np.zeros(1, dtype=np.float64)
         self.done: list[tuple[float, tuple[int, ...], bool]] = []

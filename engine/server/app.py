@@ -13,7 +13,6 @@ import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from types import TracebackType
 
 import anyio
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -168,12 +167,8 @@ class SubtitleServer:
         await self.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Shut down (shielded: a cancelled caller still drains); exceptions propagate."""
         with anyio.CancelScope(shield=True):
             await self.shutdown()
 

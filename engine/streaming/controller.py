@@ -29,7 +29,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -219,19 +218,15 @@ class IncrementalTranslator:
         await self._group.__aenter__()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: Any) -> None:
+        """`aclose`, then the task group's exit, which sees the exception if any."""
         try:
             await self.aclose()
         finally:
             group, self._group = self._group, None
             if group is not None:
                 group.cancel_scope.cancel()
-                await group.__aexit__(exc_type, exc, traceback)
+                await group.__aexit__(*exc_info)
 
     async def aclose(self) -> None:
         """Take nothing more, finish every stream's accepted finals, end every
