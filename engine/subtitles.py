@@ -12,11 +12,17 @@ cut into cues:
   after the segment but never past ``gap_ms`` before the next segment's first cue, and
   never longer than ``max_duration_ms``.
 
-The file formats are written by pysubs2 (a maintained subtitle library), not by hand.
+The text of each cue is converted by pysubs2 (a maintained subtitle library); the cue
+blocks around it are written here, so that a file can grow a final at a time (`render`
+numbers cues from any point: `serve --record` appends) and so that times of 100 hours or
+more keep their value: hours take as many digits as they need (WebVTT allows two or more;
+SRT readers such as the `srt` library read them), where pysubs2 would clamp every such
+time to 99:59:59.999 and make zero-length cues.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,8 +86,11 @@ class Cue:
         return "\n".join(self.lines)
 
 
+@functools.lru_cache(maxsize=1024)
 def _is_cjk_text(text: str) -> bool:
-    """Whether `text` is laid out as CJK script (kana and hangul count, not only ideographs)."""
+    """Whether `text` is laid out as CJK script (kana and hangul count, not only ideographs).
+    Cached: a final is laid out again when the next one comes (`final_cues`), and the
+    test reads every character."""
     share = cjk_share(text)
     return share is not None and share >= CJK_TEXT_SHARE
 
@@ -127,27 +136,76 @@ def layout(finals: Sequence[Final], rules: CueRules = CueRules()) -> list[Cue]:
     order = sorted((f for f in finals if f.text.strip()), key=lambda f: f.start_ms)
     cues: list[Cue] = []
     for index, final in enumerate(order):
-        max_chars, cps = rules.for_text(final.text)
-        lines = wrap(final.text, max_chars)
-        groups = [
-            tuple(lines[i : i + rules.max_lines]) for i in range(0, len(lines), rules.max_lines)
-        ]
-        sizes = [sum(len(line) for line in group) for group in groups]
-        span = max(0.0, final.end_ms - final.start_ms)
         next_start = order[index + 1].start_ms if index + 1 < len(order) else float("inf")
-        start = final.start_ms
-        for n, (group, size) in enumerate(zip(groups, sizes, strict=True)):
-            share = span * size / sum(sizes)
-            last = n == len(groups) - 1
-            # The next cue of this final starts where this one's share of the speech ends;
-            # the last may run into the silence, up to the next final.
-            limit = start + share if not last else next_start - rules.gap_ms
-            wanted = max(share, size / cps * 1000.0, rules.min_duration_ms)
-            end = min(start + min(wanted, rules.max_duration_ms), max(limit, start + share))
-            end = max(end, start + 1.0)
-            cues.append(Cue(round(start), round(end), group))
-            start = start + share
+        cues += final_cues(final, next_start, rules)
     return cues
+
+
+def final_cues(final: Final, next_start: float, rules: CueRules = CueRules()) -> list[Cue]:
+    """The cues of one (non-empty) final when the next final starts at ``next_start``
+    (``inf``: none yet). Only the last cue's end depends on ``next_start``: a file written
+    a final at a time rewrites that one cue when the next final comes."""
+    max_chars, cps = rules.for_text(final.text)
+    lines = wrap(final.text, max_chars)
+    groups = [tuple(lines[i : i + rules.max_lines]) for i in range(0, len(lines), rules.max_lines)]
+    sizes = [sum(len(line) for line in group) for group in groups]
+    span = max(0.0, final.end_ms - final.start_ms)
+    start = final.start_ms
+    cues: list[Cue] = []
+    for n, (group, size) in enumerate(zip(groups, sizes, strict=True)):
+        share = span * size / sum(sizes)
+        last = n == len(groups) - 1
+        # The next cue of this final starts where this one's share of the speech ends;
+        # the last may run into the silence, up to the next final.
+        limit = start + share if not last else next_start - rules.gap_ms
+        wanted = max(share, size / cps * 1000.0, rules.min_duration_ms)
+        end = min(start + min(wanted, rules.max_duration_ms), max(limit, start + share))
+        end = max(end, start + 1.0)
+        cues.append(Cue(round(start), round(end), group))
+        start = start + share
+    return cues
+
+
+def timestamp(ms: float, format_: str) -> str:
+    """``HH:MM:SS.mmm`` (vtt) or ``HH:MM:SS,mmm`` (srt); negative times are 0, and hours
+    take more than two digits from 100 h on instead of being clamped."""
+    total = max(0, int(ms))
+    seconds, millis = divmod(total, 1000)
+    minutes, seconds = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    sep = "," if format_ == "srt" else "."
+    return f"{hours:02d}:{minutes:02d}:{seconds:02d}{sep}{millis:03d}"
+
+
+def header(format_: str) -> str:
+    """What a file starts with before its first cue."""
+    return "WEBVTT\n\n" if _kind(format_) == "vtt" else ""
+
+
+def render(cues: Iterable[Cue], format_: str, first: int = 1) -> str:
+    """The cue blocks of ``cues``, numbered from ``first``, as pysubs2 would write them
+    (number, times, text, blank line), without the file's header."""
+    sep = _kind(format_)
+    blocks = []
+    for number, cue in enumerate(cues, first):
+        start, end = timestamp(cue.start_ms, sep), timestamp(cue.end_ms, sep)
+        blocks.append(f"{number}\n{start} --> {end}\n{_text(cue)}\n\n")
+    return "".join(blocks)
+
+
+def _kind(format_: str) -> str:
+    if format_ not in ("vtt", "srt"):
+        raise ValueError(f"subtitle format must be vtt or srt, not {format_!r}")
+    return format_
+
+
+def _text(cue: Cue) -> str:
+    """The cue's text as pysubs2 writes it in SRT and WebVTT (override tags in braces
+    dropped, line breaks kept, blank lines removed)."""
+    # One event timed 0-0, so that pysubs2's own (clamping) timestamps never matter: the
+    # text is what follows its number and timing lines.
+    block = _ssa([Cue(0, 0, cue.lines)]).to_string("srt")
+    return block.split("\n", 2)[2][: -len("\n\n")]
 
 
 def _ssa(cues: Iterable[Cue]) -> pysubs2.SSAFile:
@@ -170,6 +228,7 @@ def write(path: str | Path, cues: Iterable[Cue], format_: str | None = None) -> 
     if kind not in ("vtt", "srt"):
         raise ValueError(f"{out}: subtitle format must be vtt or srt, not {kind!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    subs = _ssa(cues)
-    subs.save(str(out), format_=kind, encoding="utf-8")
+    if kind == "vtt":  # WebVTT wants cues in order of start (finals whose speech overlaps)
+        cues = sorted(cues, key=lambda cue: cue.start_ms)
+    out.write_text(header(kind) + render(cues, kind), encoding="utf-8", newline="\n")
     return out

@@ -183,14 +183,14 @@ async def test_one_model_behaves_as_before_fan_out(targets: Targets) -> None:
 @pytest.mark.anyio
 async def test_recorder_writes_one_file_per_language(targets: Targets, tmp_path: Path) -> None:
     async with IncrementalTranslator(targets) as nmt, anyio.create_task_group() as tg:
-        tg.start_soon(record, nmt, tmp_path, "srt")
+        tg.start_soon(record, nmt, tmp_path, "srt", "RUN")
         await anyio.sleep(0.05)
         await nmt.push(PartialTranscript("talk", 0, 0, SENTENCE, True, 0.0, 1500.0))
         await nmt.close_stream("talk")
         await nmt.aclose()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["talk.1.de.srt", "talk.1.zh.srt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["talk.RUN.1.de.srt", "talk.RUN.1.zh.srt"]
     expected = targets["zh"].translate([SENTENCE])[0].text
-    assert expected in (tmp_path / "talk.1.zh.srt").read_text(encoding="utf-8")
+    assert expected in (tmp_path / "talk.RUN.1.zh.srt").read_text(encoding="utf-8")
 
 
 # --- the server --------------------------------------------------------------------------
