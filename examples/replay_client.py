@@ -208,7 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="ID",
         help="send the log's stream as ID (several streams: ID-NAME each)",
     )
-    parser.add_argument("--token", default=None, help="the server's --token")
+    parser.add_argument("--token", default=None, help="the server's --token (the writer's)")
+    parser.add_argument(
+        "--viewer-token",
+        default=None,
+        help="the server's --viewer-token, for the page URL printed (never the writer's)",
+    )
     parser.add_argument("--speed", type=float, default=1.0, help="2 = twice real time")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
     args = parser.parse_args(argv)
@@ -218,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stream_id is not None:
         lines = read_log(args.log, renamer(lines, args.stream_id))
     for stream in sorted({line.event.stream_id for line in lines}):
-        print(f"subtitle page: {page_url(args.url, stream, args.token)}", file=sys.stderr)
+        print(f"subtitle page: {page_url(args.url, stream, args.viewer_token)}", file=sys.stderr)
     result = asyncio.run(
         replay(
             args.url,

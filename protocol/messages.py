@@ -184,7 +184,10 @@ class PartialTranscript:
     they will not change (whisper_streaming's committed text, WhisperLiveKit's
     confirmed/buffer split): the number of leading characters (code points) of `text`
     that are settled. The engine then commits translation only as far as that settled
-    source supports it. Absent (None): the engine judges stability on its own.
+    source supports it. Absent (None): the engine judges stability on its own. A count
+    past the end of `text` is taken as the whole text (it is clamped, never refused): a
+    recogniser counting UTF-16 units or bytes overshoots on every emoji or non-ASCII
+    character, and an optional hint must not cost the transcript.
     """
 
     stream_id: str
@@ -212,11 +215,7 @@ class PartialTranscript:
         _set(self, "end_ms", end)
         if self.stable_chars is not None:
             stable = _check_count("stable_chars", self.stable_chars)
-            if stable > len(self.text):
-                raise InvalidMessage(
-                    "stable_chars",
-                    f"stable_chars ({stable}) exceeds the text's {len(self.text)} characters",
-                )
+            _set(self, "stable_chars", min(stable, len(self.text)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,12 +82,13 @@ async def test_page_shows_stable_and_tentative_text(translator: Translator, tmp_
     from websockets.asyncio.client import connect
 
     async with (
-        serving(translator, token="t0k") as server,
+        serving(translator, token="wr1te", viewer_token="t0k") as server,
         async_api.async_playwright() as playwright,
     ):
         browser = await launch(playwright)
         page = await browser.new_page(viewport={"width": 1280, "height": 300})
-        # The page passes the token from its own URL on to /ws (browsers cannot set headers).
+        # The page passes the viewer token from its own URL on to /ws (browsers cannot set
+        # headers); the writer's token is never in a page.
         await page.goto(f"{server.url}?stream=s1&lines=2&size=56&lang=zh-Hans&token=t0k")
         await page.wait_for_selector("body[data-state=open]")
         with anyio.fail_after(5):
@@ -98,7 +99,7 @@ async def test_page_shows_stable_and_tentative_text(translator: Translator, tmp_
 
         lines: dict[int, list[str]] = {}
         tentative_seen = False
-        headers = {"Authorization": "Bearer t0k"}
+        headers = {"Authorization": "Bearer wr1te"}
         async with connect(
             f"ws://127.0.0.1:{server.port}/ws", additional_headers=headers
         ) as writer:
@@ -222,4 +223,81 @@ async def test_page_shows_the_language_it_asks_for(relabelled_de: Path) -> None:
         assert await wait_for_lines(german, want) == want
         assert await french.evaluate(READ_LINES) == []
         assert await german.evaluate("() => document.documentElement.lang") == "de"
+        await browser.close()
+
+
+# -- issue 23, finding 10: the page stayed blank for ids the server folds or refuses ----
+# The server takes a stream id in NFC (an NFD spelling names the same stream) and refuses
+# ids over 128 characters or with control characters; the page compared ids exactly and
+# showed nothing, with no status line, for all three.
+
+
+@pytest.mark.anyio
+async def test_page_shows_the_stream_whatever_its_unicode_spelling(translator: Translator) -> None:
+    import unicodedata
+
+    from websockets.asyncio.client import connect
+
+    nfc = "café-Zürich"
+    nfd = unicodedata.normalize("NFD", nfc)
+    assert nfd != nfc
+    async with serving(translator) as server, async_api.async_playwright() as playwright:
+        browser = await launch(playwright)
+        page = await browser.new_page()
+        await page.goto(f"{server.url}?stream={nfd}")  # as a user might type or paste it
+        await page.wait_for_selector("body[data-state=open]")
+        with anyio.fail_after(5):
+            while server.role_counts()["viewer"] != 1:
+                await anyio.sleep(0.01)
+        async with connect(f"ws://127.0.0.1:{server.port}/ws") as writer:
+            await writer.send(message(0, 0, "Tom reads a book", True).replace('"s1"', f'"{nfd}"'))
+            while not (update := json.loads(await writer.recv()))["is_final"]:
+                pass
+        assert update["stream_id"] == nfc  # the server's one spelling
+        want = [[update["stable_text"], ""]]
+        assert await wait_for_lines(page, want) == want
+        await browser.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("stream", "why"),
+    [
+        ("x" * 129, "129 characters long; the limit is 128"),
+        ("a%00b", "unprintable character U+0000"),
+        ("a%E2%80%8Bb", "unprintable character U+200B"),  # a zero-width space
+    ],
+)
+async def test_page_names_a_stream_id_the_server_would_refuse(
+    translator: Translator, stream: str, why: str
+) -> None:
+    async with serving(translator) as server, async_api.async_playwright() as playwright:
+        browser = await launch(playwright)
+        page = await browser.new_page()
+        await page.goto(f"{server.url}?stream={stream}")
+        await page.wait_for_selector("body[data-state=refused]", timeout=10000)
+        assert await page.is_visible("#status")
+        note = await page.text_content("#status") or ""
+        assert "cannot show this stream" in note and why in note, note
+        await anyio.sleep(0.3)
+        assert server.role_counts()["viewer"] == 0  # it never subscribed
+        await browser.close()
+
+
+@pytest.mark.anyio
+async def test_page_shows_a_refused_subscribe_and_stops_retrying(
+    translator: Translator,
+) -> None:
+    """A subscribe the server refuses (here: anyone may write but watching needs the
+    viewer token) is said on the page, visibly, instead of a blank screen."""
+    async with (
+        serving(translator, viewer_token="v") as server,
+        async_api.async_playwright() as playwright,
+    ):
+        browser = await launch(playwright)
+        page = await browser.new_page()
+        await page.goto(f"{server.url}?stream=s1")
+        await page.wait_for_selector("body[data-state=refused]", timeout=10000)
+        assert await page.is_visible("#status")
+        assert "viewer token" in (await page.text_content("#status") or "")
         await browser.close()

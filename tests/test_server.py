@@ -24,8 +24,10 @@ from engine.server import Limits, ServerOptions, SubtitleServer
 from engine.server.connection import (
     Close,
     ConnectionCore,
+    Credentials,
     Ignore,
     Push,
+    Refusal,
     Reply,
     Role,
     Route,
@@ -33,7 +35,7 @@ from engine.server.connection import (
     ServerState,
     TokenBucket,
     Watch,
-    check_handshake,
+    authorize,
     presented_token,
     route,
 )
@@ -81,20 +83,27 @@ def test_token_from_header_or_query_compared_exactly() -> None:
     assert presented_token("/ws", "Bearer abc") == "abc"
     assert presented_token("/ws?token=x%20y", None) == "x y"
     assert presented_token("/ws?token=q", "Basic Zm9v") == "q"
-    kwargs: dict[str, Any] = {"token": "abc", "allowed_origins": None}
-    assert check_handshake("/ws", "Bearer abc", None, **kwargs) is None
-    assert check_handshake("/ws?token=abc", None, None, **kwargs) is None
+    # A viewer token too: nobody gets in without one of the two.
+    kwargs: dict[str, Any] = {
+        "credentials": Credentials(writer="abc", viewer="v"),
+        "allowed_origins": None,
+    }
+    assert not isinstance(authorize("/ws", "Bearer abc", None, **kwargs), Refusal)
+    assert not isinstance(authorize("/ws?token=abc", None, None, **kwargs), Refusal)
     for path, header in [("/ws", None), ("/ws", "Bearer abcd"), ("/ws?token=ab", None)]:
-        refusal = check_handshake(path, header, None, **kwargs)
-        assert refusal is not None and refusal.status == 401
+        refusal = authorize(path, header, None, **kwargs)
+        assert isinstance(refusal, Refusal) and refusal.status == 401
 
 
 def test_origin_allowlist_applies_to_browsers_only() -> None:
-    kwargs: dict[str, Any] = {"token": None, "allowed_origins": frozenset({"http://ok"})}
-    assert check_handshake("/ws", None, "http://ok", **kwargs) is None
-    assert check_handshake("/ws", None, None, **kwargs) is None  # a pipeline: no Origin
-    refusal = check_handshake("/ws", None, "http://evil", **kwargs)
-    assert refusal is not None and refusal.status == 403
+    kwargs: dict[str, Any] = {
+        "credentials": Credentials(),
+        "allowed_origins": frozenset({"http://ok"}),
+    }
+    assert not isinstance(authorize("/ws", None, "http://ok", **kwargs), Refusal)
+    assert not isinstance(authorize("/ws", None, None, **kwargs), Refusal)  # no Origin
+    refusal = authorize("/ws", None, "http://evil", **kwargs)
+    assert isinstance(refusal, Refusal) and refusal.status == 403
 
 
 def test_routes() -> None:
@@ -344,7 +353,8 @@ async def test_round_trip_and_viewer(translator: Translator, expected: str) -> N
 
 @pytest.mark.anyio
 async def test_token_required_by_header_or_query(translator: Translator) -> None:
-    async with serving(translator, token="s3cret") as server:
+    # With a viewer token too, nobody gets in without a token (tests/test_roles.py: roles).
+    async with serving(translator, token="s3cret", viewer_token="v1ew") as server:
         with refused_with(401):
             async with connect(ws_url(server)):
                 pass

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import anyio
 
@@ -21,19 +22,29 @@ from engine.cli.args import (
     add_policy_argument,
     load_targets,
     non_negative_float,
+    non_negative_int,
+    positive_float,
     positive_int,
 )
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.errors import EngineError
 from engine.server import Limits, ServerOptions, SubtitleServer
-from engine.server.recorder import record
+from engine.server.admission import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    ConnectionCaps,
+    descriptor_limit,
+    descriptor_reserve,
+)
+from engine.server.recorder import RecordDirectoryError, check_directory, record
 from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
 
 log = logging.getLogger("engine.server")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 TOKEN_ENV = "NMT_INCREMENTAL_TOKEN"
+VIEWER_TOKEN_ENV = "NMT_INCREMENTAL_VIEWER_TOKEN"
+METRICS_TOKEN_ENV = "NMT_INCREMENTAL_METRICS_TOKEN"
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
@@ -42,6 +53,13 @@ def _port(value: str) -> int:
     if not 0 <= number <= 65535:
         raise argparse.ArgumentTypeError("must be between 0 and 65535")
     return number
+
+
+def _stream_key(value: str) -> tuple[str, str]:
+    stream, sep, key = value.partition("=")
+    if not sep or not stream or not key:
+        raise argparse.ArgumentTypeError("must be STREAM=SECRET")
+    return stream, key
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -64,7 +82,33 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV),
-        help=f"require this secret as 'Authorization: Bearer' or ?token= (default: ${TOKEN_ENV})",
+        help="the writers' secret, sent as 'Authorization: Bearer' or ?token=: it writes, "
+        "closes and takes over any stream, and reads /metrics unless --metrics-token is "
+        f"set; never put it in a page shown to viewers (default: ${TOKEN_ENV}; none: "
+        "anyone may write)",
+    )
+    p.add_argument(
+        "--viewer-token",
+        default=os.environ.get(VIEWER_TOKEN_ENV),
+        metavar="SECRET",
+        help="the viewers' secret (the subtitle page's ?token=): it watches streams and can "
+        f"never write, close or take one over (default: ${VIEWER_TOKEN_ENV}; none: anyone "
+        "may watch)",
+    )
+    p.add_argument(
+        "--stream-key",
+        action="append",
+        type=_stream_key,
+        default=[],
+        metavar="STREAM=SECRET",
+        help="a writer key for one stream (repeatable): it writes that stream alone, and "
+        "only it or --token may write that stream",
+    )
+    p.add_argument(
+        "--metrics-token",
+        default=os.environ.get(METRICS_TOKEN_ENV),
+        metavar="SECRET",
+        help=f"the secret /metrics needs (default: ${METRICS_TOKEN_ENV}; none: --token's)",
     )
     add_policy_argument(p)
     p.add_argument(
@@ -104,11 +148,40 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="messages per second per connection, bursts of one second (0: off; default "
         "%(default)s)",
     )
+    caps = ConnectionCaps.derive()
+    limit = descriptor_limit()
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        metavar="N",
+        help="WebSocket connections held at once; more are answered 503 (default: derived "
+        f"from the descriptor limit, `ulimit -n`: {caps.max_connections} at its {limit} "
+        "here, leaving room for pending handshakes and files)",
+    )
+    p.add_argument(
+        "--max-connections-per-address",
+        type=non_negative_int,
+        metavar="N",
+        help="WebSocket connections from one client address (an IPv6 one by its /64); more "
+        "are answered 429 (0: no cap, e.g. behind a reverse proxy; default: half of "
+        "--max-connections)",
+    )
+    p.add_argument(
+        "--handshake-timeout",
+        type=positive_float,
+        metavar="SECONDS",
+        default=DEFAULT_HANDSHAKE_TIMEOUT,
+        help="seconds a new connection may take to send its HTTP request before it is "
+        "dropped (its descriptor freed); past the pending room the oldest goes first "
+        "(default %(default)s)",
+    )
     p.add_argument(
         "--record",
         metavar="DIR",
         help="write every stream's finals to subtitle files in DIR as they arrive "
-        "(STREAM.EPOCH.vtt; a crash loses at most the cue being written)",
+        "(STREAM.RUN.EPOCH.vtt, RUN the server's start time: a restart never writes over "
+        "earlier files; a crash loses at most the final being written). DIR is created if "
+        "missing and checked before serving",
     )
     p.add_argument(
         "--record-format",
@@ -127,7 +200,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         type=non_negative_float,
         metavar="SECONDS",
         default=10.0,
-        help="seconds to finish pending finals at shutdown (default %(default)s)",
+        help="seconds to finish pending finals at shutdown; the last replies and the "
+        "close handshakes get 2 s more, then the process exits (default %(default)s)",
     )
 
 
@@ -144,7 +218,53 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
             rate_limit=args.rate_limit or None,
         ),
         shutdown_timeout=args.shutdown_timeout,
+        viewer_token=args.viewer_token or None,
+        stream_keys=stream_keys(args.stream_key),
+        metrics_token=args.metrics_token or None,
+        connections=ConnectionCaps.derive(
+            max_connections=args.max_connections,
+            max_per_address=args.max_connections_per_address,
+            handshake_timeout=args.handshake_timeout,
+        ),
     )
+
+
+def stream_keys(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    """`--stream-key STREAM=SECRET` options as a mapping; a stream given twice is an error."""
+    keys: dict[str, str] = {}
+    for stream, key in pairs:
+        if stream in keys:
+            raise ValueError(f"--stream-key names stream {stream!r} twice")
+        keys[stream] = key
+    return keys
+
+
+def page_url(base: str, options: ServerOptions, query: str = "stream=demo") -> str:
+    """The subtitle page's URL as the log prints it for viewers: with the viewer token
+    when there is one, never with a writer's secret."""
+    token = f"&token={quote(options.viewer_token, safe='')}" if options.viewer_token else ""
+    return f"{base}?{query}{token}"
+
+
+def describe_roles(options: ServerOptions) -> str:
+    """Who may write, watch and read /metrics, for the startup log."""
+    writers = "anyone" if options.token is None else "--token"
+    if options.stream_keys:
+        writers += f" (and {len(options.stream_keys)} stream keys, one stream each)"
+    viewers = "anyone" if options.viewer_token is None else "--viewer-token or --token"
+    if options.metrics_token is not None:
+        metrics = "--metrics-token"
+    else:
+        metrics = "--token" if options.token is not None else "anyone"
+    return f"roles: writers {writers}; viewers {viewers}; /metrics {metrics}"
+
+
+def describe_connections(caps: ConnectionCaps) -> tuple[str, bool]:
+    """The caps on connections for the startup log, and whether they may run the process
+    out of descriptors (an explicit --max-connections past what the limit holds)."""
+    limit = descriptor_limit()
+    tight = caps.descriptors() + descriptor_reserve(limit) > limit
+    return f"connections: {caps.describe()} (descriptor limit {limit})", tight
 
 
 def setup_logging(level: str) -> None:
@@ -167,6 +287,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.record:
+        try:  # before serving: a directory that cannot be written is a bad option
+            check_directory(Path(args.record))
+        except RecordDirectoryError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if options.host not in LOOPBACK and options.token is None:
         log.warning("listening on %s without --token: anyone reaching it may use it", args.host)
     try:
@@ -205,8 +331,13 @@ async def _serve_until(
 ) -> int:
     async with SubtitleServer(None, options) as server:
         ws_url = server.url.replace("http", "ws", 1) + "ws"
-        log.info("subtitle page: %s?stream=demo (any stream id)", server.url)
+        log.info("subtitle page: %s (any stream id)", page_url(server.url, options))
         log.info("websocket: %s (writers send partial_transcript, viewers subscribe)", ws_url)
+        log.info("%s", describe_roles(options))
+        connections, tight = describe_connections(options.connections)
+        log.log(logging.WARNING if tight else logging.INFO, "%s", connections)
+        if tight:
+            log.warning("the connection caps may exceed the descriptor limit: raise `ulimit -n`")
         for spec in args.model:
             log.info("loading model %s", spec)
         targets = await _load(args, stop)
@@ -224,13 +355,15 @@ async def _serve_until(
             for translator in targets.values():
                 log.info("model: %s", describe_model(translator))
             if len(targets) > 1:
-                page = f"{server.url}?stream=demo&lang="
                 log.info(
                     "languages: %s; subtitle pages: %s",
                     ", ".join(
                         f"{lang} (default)" if lang == targets.default else lang for lang in targets
                     ),
-                    ", ".join(page + lang for lang in targets),
+                    ", ".join(
+                        page_url(server.url, options, f"stream=demo&lang={lang}")
+                        for lang in targets
+                    ),
                 )
             log.info("ready")
             await stop.wait()

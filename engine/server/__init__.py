@@ -1,6 +1,8 @@
 """Live subtitles over WebSocket: the server behind `nmt-incremental serve` and its pages.
 
-`connection` holds the per-connection rules and the server's state (sans I/O), `routes`
+`connection` holds the per-connection rules and the server's state (sans I/O),
+`admission` the caps on connections (sans I/O) and `doors` the listener that applies them
+(handshake deadline, the descriptor limit), `routes`
 the plain HTTP answers (page, assets, health, metrics, the handshake gate), `client` one
 connection's I/O (receiving, forwarding subscriptions, sending through its `outbox`),
 `shutdown` the order of a graceful stop, `app` the `SubtitleServer` that puts them

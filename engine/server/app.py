@@ -9,20 +9,24 @@ connection's I/O in `client` and the order of a shutdown in `shutdown`.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import anyio
 from websockets.asyncio.server import Server, ServerConnection, serve
 
+from engine.server.admission import ConnectionCaps, ConnectionGate
 from engine.server.client import Client
-from engine.server.connection import ConnectionCore, Limits, ServerState
+from engine.server.connection import ConnectionCore, Credentials, Limits, ServerState
+from engine.server.doors import Doors, gated
 from engine.server.metrics import ServerMetrics
 from engine.server.outbox import Outbox
 from engine.server.routes import HttpRoutes
-from engine.server.shutdown import close_listener, drain
+from engine.server.shutdown import shut_down
 from engine.streaming import IncrementalTranslator
 
 
@@ -30,11 +34,17 @@ from engine.streaming import IncrementalTranslator
 class ServerOptions:
     """How the server listens and whom it lets in.
 
+    Roles (`Credentials`): `token` is the writer's secret (writes and watches every
+    stream; without it anyone may write); `viewer_token` lets a connection watch
+    (without it anyone may); `stream_keys` maps a stream id to a key that writes that
+    stream alone; `metrics_token` guards `/metrics` (without it the writer token does).
     `allowed_origins`: browser origins allowed to open `/ws` (None: any); clients that
-    send no Origin (speech pipelines) are held to the token alone. `max_frame_bytes` is
-    the socket's hard limit (default four times the codec's `max_message_bytes`):
-    between the two a message gets a `too_large` error, above it the connection is
-    closed (1009), because the whole frame would have to be buffered.
+    send no Origin (speech pipelines) are held to the tokens alone. `connections`: the
+    caps on connections and the handshake deadline (default: derived from the
+    process's descriptor limit). `max_frame_bytes` is the socket's hard limit (default
+    four times the codec's `max_message_bytes`): between the two a message gets a
+    `too_large` error, above it the connection is closed (1009), because the whole
+    frame would have to be buffered.
     """
 
     host: str = "127.0.0.1"
@@ -45,10 +55,13 @@ class ServerOptions:
     max_frame_bytes: int | None = None
     queue_size: int = 256
     shutdown_timeout: float = 10.0
+    viewer_token: str | None = None
+    stream_keys: Mapping[str, str] = field(default_factory=dict)
+    metrics_token: str | None = None
+    connections: ConnectionCaps = field(default_factory=ConnectionCaps.derive)
 
     def __post_init__(self) -> None:
-        if self.token is not None and not self.token:
-            raise ValueError("token must not be empty")
+        self.credentials  # noqa: B018  (validates the secrets: ValueError)
         if self.max_frame_bytes is not None and self.max_frame_bytes < (
             self.limits.max_message_bytes
         ):
@@ -59,6 +72,15 @@ class ServerOptions:
     @property
     def frame_limit(self) -> int:
         return self.max_frame_bytes or 4 * self.limits.max_message_bytes
+
+    @property
+    def credentials(self) -> Credentials:
+        return Credentials(
+            writer=self.token,
+            viewer=self.viewer_token,
+            stream_keys=self.stream_keys,
+            metrics=self.metrics_token,
+        )
 
 
 class SubtitleServer:
@@ -84,11 +106,16 @@ class SubtitleServer:
         if engine is not None:
             self.state.attach(engine.languages)
         self.metrics = ServerMetrics.watching(lambda: self.engine)
+        self.gate = ConnectionGate(self.options.connections)
+        self.metrics.pending_handshakes.set_function(lambda: float(self.gate.pending))
+        self.metrics.max_connections.set(self.options.connections.max_connections)
+        self._doors = Doors(self.gate, self.metrics)
         self._routes = HttpRoutes(
             self.state,
             self.metrics,
-            token=self.options.token,
+            credentials=self.options.credentials,
             allowed_origins=self.options.allowed_origins,
+            doors=self._doors,
         )
         self._ids = itertools.count(1)
         self._clients: set[Client] = set()
@@ -108,7 +135,11 @@ class SubtitleServer:
             process_request=self._routes,
             max_size=self.options.frame_limit,
             compression=None,  # short messages: not worth per-connection zlib state
+            create_connection=gated(self._doors),
+            # The gate drops a connection at the deadline; this is the library's backstop.
+            open_timeout=self.options.connections.handshake_timeout + 1.0,
         )
+        self._doors.guard(asyncio.get_running_loop(), self._server.sockets)
 
     def attach(self, engine: IncrementalTranslator) -> None:
         """Start serving `engine` (running, i.e. inside its `async with`)."""
@@ -149,18 +180,22 @@ class SubtitleServer:
         1. Stop taking work: `/readyz` and new `/ws` handshakes answer 503, messages on
            open connections get an error (the listener stays up for health checks).
         2. Shut the engine down, so that accepted finals are translated.
-        3. Flush every connection's outbox (within `shutdown_timeout`).
+        3. Flush every connection's outbox (within `shutdown_timeout`); each answers what
+           it read meanwhile (`unavailable`), then sends its close frame (1001).
         4. Past the timeout, answer every accepted final not translated yet with an
-           `unavailable` error and give those replies `ABORT_GRACE` seconds to go out.
-        5. Close the connections with 1001 (going away) and the listener.
+           `unavailable` error; those replies and the close handshakes get
+           `ABORT_GRACE` seconds.
+        5. Close the listener; cut the connections whose client has not answered the
+           close frame by then (`CLOSE_GRACE` after it, at the latest `ABORT_GRACE`
+           past the timeout), so that the whole shutdown is bounded.
         """
         if not self.state.stop():
             await self._stopped.wait()
             return
         try:
-            await drain(self.engine, self._clients, self.options.shutdown_timeout)
+            await shut_down(self.engine, self._clients, self._server, self.options.shutdown_timeout)
         finally:
-            await close_listener(self._server, self.options.shutdown_timeout)
+            self._doors.unguard()
             self._stopped.set()
 
     async def __aenter__(self) -> SubtitleServer:
@@ -179,7 +214,13 @@ class SubtitleServer:
         if engine is None:  # refused at the handshake; only a race with attach() gets here
             await ws.close(1013, "not ready")
             return
-        core = ConnectionCore(next(self._ids), self.options.limits, self.state, time.monotonic())
+        access = self._routes.access(ws.request) if ws.request is not None else None
+        if access is None:  # refused at the handshake; only a race gets here
+            await ws.close(1008, "unauthorized")
+            return
+        core = ConnectionCore(
+            next(self._ids), self.options.limits, self.state, time.monotonic(), access
+        )
         client = Client(ws, core, Outbox(self.options.queue_size), engine, self.state, self.metrics)
         self._clients.add(client)
         self.metrics.connections_accepted.inc()

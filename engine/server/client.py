@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import anyio
@@ -61,6 +62,12 @@ class Client:
     pumps: int = 0
     gone: bool = False
     sent: anyio.Event = field(default_factory=anyio.Event)
+    # A stopping server: replies about finals read after the outbox ended, sent before
+    # the close frame; `closing` once that frame is out (nothing can be sent after it);
+    # `unanswerable` counts the finals read after it, which the client is to send again.
+    late: deque[ErrorMessage] = field(default_factory=deque)
+    closing: bool = False
+    unanswerable: int = 0
 
     async def serve(self) -> None:
         """Serve the connection until it closes."""
@@ -82,6 +89,13 @@ class Client:
         finally:
             self.sent.set()
             self.metrics.connections.labels(self.core.role.value).dec()
+            if self.unanswerable:
+                log.info(
+                    "connection %d: %d final(s) arrived after the server's close frame, "
+                    "unanswered (the client is to send them again)",
+                    self.core.connection_id,
+                    self.unanswerable,
+                )
 
     def end_when_forwarded(self) -> None:
         """A stopping server's last word: the outbox ends now if nothing is forwarded any
@@ -90,7 +104,8 @@ class Client:
             self.outbox.end()
 
     async def wait_sent(self) -> None:
-        """Until the outbox has ended and everything in it is sent (or the socket closed)."""
+        """Until the outbox has ended, everything in it is sent and the close frame is out
+        (or the socket closed)."""
         await self.sent.wait()
 
     # -- receiving ----------------------------------------------------------------------
@@ -189,6 +204,14 @@ class Client:
         self.metrics.errors.labels(error.code).inc()
         if self.outbox.put_error(error, keep=about_final):
             return
+        if about_final and self.outbox.ended:
+            # A stopping server: a final read before the close frame is still answered
+            # (`_close_going_away` sends these); one read after it cannot be.
+            if not self.closing and len(self.late) < self.outbox.max_kept_errors:
+                self.late.append(error)
+                return
+            if self.closing:
+                self.unanswerable += 1
         self.metrics.dropped_errors.inc()
         if about_final and not self.outbox.ended:
             # Finals it cannot be told about: a client that sends and never reads.
@@ -198,13 +221,54 @@ class Client:
             self.io.start_soon(self.ws.close, 1008, "not reading replies")
 
     async def _send_loop(self) -> None:
-        """The only task that awaits this connection's socket."""
+        """The only task that awaits this connection's socket. Once the outbox has ended
+        (the server is stopping), it answers what was read meanwhile and closes (1001)."""
         try:
             while (item := await self.outbox.get()) is not None:
-                await self.ws.send(_encoded(item))
-                kind = "translation_update" if isinstance(item, TranslationUpdate) else "error"
-                self.metrics.messages_out.labels(kind).inc()
+                await self._send(item)
+            await self._close_going_away()
         except ConnectionClosed:
             pass
         finally:
             self.sent.set()
+
+    async def _send(self, item: TranslationUpdate | ErrorMessage) -> None:
+        await self.ws.send(_encoded(item))
+        kind = "translation_update" if isinstance(item, TranslationUpdate) else "error"
+        self.metrics.messages_out.labels(kind).inc()
+
+    async def _close_going_away(self) -> None:
+        """Send the close frame (1001) once every message that reached the server before it
+        is answered: until two rounds of the event loop in a row read nothing new (one to
+        take what the socket holds, one for the receive loop to answer it; within
+        `LAST_WORDS_SECONDS`, so that a client sending without pause cannot hold the
+        close). The last check and the frame are one step: nothing runs in between."""
+        quiet = 0
+        give_up = anyio.current_time() + LAST_WORDS_SECONDS
+        while quiet < 2 and anyio.current_time() < give_up:
+            await anyio.sleep(0)
+            if self.late:
+                quiet = 0
+                while self.late:
+                    await self._send(self.late.popleft())
+            elif _unread(self.ws):
+                quiet = 0
+            else:
+                quiet += 1
+        self.closing = True
+        self.sent.set()
+        # websockets writes the frame before its first await, then waits for the answer.
+        await self.ws.close(1001, "server shutting down")
+
+
+LAST_WORDS_SECONDS = 1.0
+"""How long a stopping connection goes on answering what it reads before its close frame."""
+
+
+def _unread(ws: ServerConnection) -> int:
+    """Messages `websockets` has received on `ws` that its reader has not taken yet: its
+    assembler's queue (no public API says so; 0 if that ever changes)."""
+    try:
+        return len(ws.recv_messages.frames)
+    except (AttributeError, TypeError):
+        return 0

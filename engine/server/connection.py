@@ -1,5 +1,10 @@
 """The server's per-connection rules, sans I/O: authorize, parse, rate-limit, route.
 
+Who may do what is decided once, at the handshake: `Credentials` (the server's secrets)
+turn the token a client presents into its `Access` (write every stream, one stream,
+watch), and the core checks every message against it, so a viewer's credential never
+writes, closes or takes over a stream whatever it sends.
+
 Nothing here touches a socket, a clock or the engine. The I/O layer (`app.py`) feeds in
 what arrived (a handshake's path and headers, a frame, the current time) and carries out
 the `Action` it gets back. Which connection owns which stream is not decided here: each
@@ -30,6 +35,7 @@ from protocol import (
     ErrorCode,
     ErrorMessage,
     InvalidEvent,
+    InvalidMessage,
     Message,
     PartialTranscript,
     Subscribe,
@@ -120,11 +126,13 @@ def request_path(path: str) -> str:
 
 @dataclass(frozen=True)
 class Refusal:
-    """An HTTP refusal of a handshake: status, body and extra headers."""
+    """An HTTP refusal of a handshake: status, body and extra headers; `counted_as`: the
+    reason `/metrics` counts it under among refused connections (caps), if any."""
 
     status: int
     reason: str
     headers: tuple[tuple[str, str], ...] = ()
+    counted_as: str | None = None
 
 
 # Headers the server decides on: a request carrying one of them twice is ambiguous (which
@@ -160,25 +168,133 @@ def token_matches(presented: str | None, expected: str) -> bool:
     return hmac.compare_digest(given, expected.encode("utf-8"))
 
 
-def check_handshake(
+# --- roles --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Access:
+    """What one connection may do, from the credential its handshake presented.
+
+    `credential` names it (`writer`, `stream_key`, `viewer`, `none`). `write`: streams
+    without a key of their own; `write_keyed`: those with one too (the writer token);
+    `keys`: the streams whose key it presented; `keyed`: every stream that has a key.
+    The default may do everything a server without secrets allows.
+    """
+
+    credential: str = "none"
+    view: bool = True
+    write: bool = True
+    write_keyed: bool = False
+    keys: frozenset[str] = frozenset()
+    keyed: frozenset[str] = frozenset()
+
+    def may_write(self, stream_id: str) -> bool:
+        """May it push partials to, close or take over `stream_id`?"""
+        if stream_id in self.keys:
+            return True
+        if stream_id in self.keyed:
+            return self.write_keyed
+        return self.write
+
+    def may_view(self, stream_id: str) -> bool:
+        return self.view or stream_id in self.keys
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Who may write, who may watch, who may read `/metrics`: the server's secrets.
+
+    `writer` (`--token`) writes and watches every stream; without it anyone may write
+    (streams with a key excepted). `viewer` (`--viewer-token`) watches; without it anyone
+    may watch. `stream_keys` maps a stream id to a key that writes that stream alone
+    (with the writer token, nothing else does). `metrics` guards `/metrics` (without it
+    the writer token does). A viewer credential never writes, closes or takes over a
+    stream, so a subtitle page's URL can be handed to an audience.
+    """
+
+    writer: str | None = None
+    viewer: str | None = None
+    stream_keys: Mapping[str, str] = field(default_factory=dict)
+    metrics: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, secret in (("token", self.writer), ("viewer token", self.viewer)):
+            if secret is not None and not secret:
+                raise ValueError(f"the {name} must not be empty")
+        if self.metrics is not None and not self.metrics:
+            raise ValueError("the metrics token must not be empty")
+        keys: dict[str, str] = {}
+        for stream_id, key in self.stream_keys.items():
+            if not key:
+                raise ValueError(f"the key of stream {stream_id!r} must not be empty")
+            if self.writer is not None and key == self.writer:
+                raise ValueError(f"the key of stream {stream_id!r} is the writer token")
+            try:  # ids as the server compares them: valid, in NFC
+                keys[Subscribe(stream_id).stream_id] = key
+            except InvalidMessage as exc:
+                raise ValueError(f"--stream-key: {exc}") from None
+        object.__setattr__(self, "stream_keys", keys)
+        if self.viewer is not None and self.viewer in {self.writer, *keys.values()}:
+            raise ValueError("the viewer token must differ from every writer secret")
+
+    @property
+    def any(self) -> bool:
+        """Whether `/ws` knows any secret (without one, a presented token is ignored)."""
+        return self.writer is not None or self.viewer is not None or bool(self.stream_keys)
+
+    def access(self, presented: str | None) -> Access | None:
+        """What a handshake presenting `presented` may do; None: refuse it (401).
+
+        A credential adds to what anyone may do; a presented one that matches nothing is
+        refused even where anyone may watch, so that a misconfigured writer hears so at
+        once. Every secret is compared (in constant time), whichever matches.
+        """
+        keyed = frozenset(self.stream_keys)
+        anyone = Access("none", self.viewer is None, self.writer is None, keyed=keyed)
+        if presented is None or not self.any:
+            return anyone if (anyone.view or anyone.write) else None
+        writer = self.writer is not None and token_matches(presented, self.writer)
+        keys = frozenset(
+            [sid for sid, key in self.stream_keys.items() if token_matches(presented, key)]
+        )
+        viewer = self.viewer is not None and token_matches(presented, self.viewer)
+        if writer:
+            return Access("writer", True, True, write_keyed=True, keyed=keyed)
+        if keys:
+            return Access("stream_key", anyone.view, anyone.write, keys=keys, keyed=keyed)
+        if viewer:
+            return Access("viewer", True, anyone.write, keyed=keyed)
+        return None
+
+    def metrics_allowed(self, presented: str | None) -> bool:
+        """`/metrics`: its own token, else the writer's, else open (never the viewer's)."""
+        guard = self.metrics if self.metrics is not None else self.writer
+        return guard is None or token_matches(presented, guard)
+
+
+UNAUTHORIZED = Refusal(401, "Missing or wrong token.\n", (("WWW-Authenticate", "Bearer"),))
+
+
+def authorize(
     path: str,
     authorization: str | None,
     origin: str | None,
     *,
-    token: str | None,
+    credentials: Credentials,
     allowed_origins: frozenset[str] | None,
-) -> Refusal | None:
-    """Decide whether a WebSocket handshake may proceed; `None` means yes.
+) -> Refusal | Access:
+    """Decide whether a WebSocket handshake may proceed, and with what rights.
 
     Origin is checked only when an allowlist is set and a browser sent one: a speech
     pipeline sends no Origin and is held to the token instead. Authentication comes
     first, so an unauthenticated client learns nothing about the allowlist.
     """
-    if token is not None and not token_matches(presented_token(path, authorization), token):
-        return Refusal(401, "Missing or wrong token.\n", (("WWW-Authenticate", "Bearer"),))
+    access = credentials.access(presented_token(path, authorization))
+    if access is None:
+        return UNAUTHORIZED
     if allowed_origins is not None and origin is not None and origin not in allowed_origins:
         return Refusal(403, "Origin not allowed.\n")
-    return None
+    return access
 
 
 # --- rate limiting ----------------------------------------------------------------------
@@ -353,6 +469,7 @@ class ConnectionCore:
     limits: Limits
     server: ServerState
     now: float = 0.0
+    access: Access = field(default_factory=Access)
     role: Role = Role.UNDECIDED
     watched: set[tuple[str, str | None]] = field(default_factory=set)  # (stream, language)
     message_type: str = "invalid"
@@ -406,11 +523,28 @@ class ConnectionCore:
             action = self._partial(message)
             return Reply(action.error, about_final=final) if isinstance(action, Reply) else action
         if isinstance(message, CloseStream):
+            if not self.access.may_write(message.stream_id):
+                return Reply(self._unauthorized("closing", message))
             return Close(message.stream_id)
         assert isinstance(message, Subscribe)
         return self._subscribe(message)
 
+    def _unauthorized(self, what: str, message: Message) -> ErrorMessage:
+        sid = getattr(message, "stream_id", "")
+        if what == "watching":
+            needs = "the viewer token"
+        else:
+            needs = "the writer token" + (" or this stream's key" if self.access.keyed else "")
+        return _error(
+            ErrorCode.UNAUTHORIZED,
+            f"{what} stream {sid!r} needs {needs}, and this connection did not present it "
+            "(send it as 'Authorization: Bearer' or ?token= when connecting)",
+            context=message,
+        )
+
     def _partial(self, event: PartialTranscript) -> Action:
+        if not self.access.may_write(event.stream_id):
+            return Reply(self._unauthorized("writing", event))
         if self.role is Role.VIEWER:
             return Reply(
                 _error(
@@ -433,6 +567,8 @@ class ConnectionCore:
                 )
             )
         sid = message.stream_id
+        if not self.access.may_view(sid):
+            return Reply(self._unauthorized("watching", message))
         # A viewer shows one language: without `lang`, the server's default (first) one,
         # so a viewer written before fan-out never gets two languages mixed in one feed.
         languages = self.server.languages

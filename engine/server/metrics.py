@@ -16,6 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from engine.server.admission import Reason
+
 if TYPE_CHECKING:
     from engine.streaming import IncrementalTranslator
 
@@ -105,6 +107,29 @@ class ServerMetrics:
             "nmt_server_handshakes_refused",
             "WebSocket handshakes refused, by HTTP status.",
             ["status"],
+            registry=r,
+        )
+        self.connections_rejected = Counter(
+            "nmt_server_connections_rejected",
+            "Connections refused or dropped by the server's caps, by reason: "
+            "max_connections (503), per_address (429), handshake_timeout (no request "
+            "within --handshake-timeout), pending_evicted (the oldest unfinished handshake, "
+            "dropped for a newer one), pending_full (a new connection dropped: every pending "
+            "handshake is recent), fd_limit (accept() failed: no descriptor left; the "
+            "connection is answered 503 from a spare descriptor when it can be).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in Reason:  # every series from the start, at 0
+            self.connections_rejected.labels(reason.value)
+        self.pending_handshakes = Gauge(
+            "nmt_server_pending_handshakes",
+            "Connections accepted whose HTTP request has not arrived yet.",
+            registry=r,
+        )
+        self.max_connections = Gauge(
+            "nmt_server_max_connections",
+            "The cap on WebSocket connections (--max-connections).",
             registry=r,
         )
         self.open_streams = Gauge(

@@ -19,15 +19,19 @@ from websockets.http11 import Request, Response
 from engine.server.connection import (
     SINGLE_HEADERS,
     STATIC_FILES,
+    UNAUTHORIZED,
+    Access,
+    Credentials,
+    Refusal,
     Route,
     ServerState,
-    check_handshake,
+    authorize,
     duplicate_headers,
     presented_token,
     request_path,
     route,
-    token_matches,
 )
+from engine.server.doors import Doors
 from engine.server.metrics import ServerMetrics
 
 _PAGE_HEADERS = (
@@ -65,8 +69,9 @@ class HttpRoutes:
     """The `process_request` hook of the server: a `Response` for every plain HTTP
     request and every refused handshake, None to let a WebSocket handshake go on.
 
-    `token`: the secret `/ws` and `/metrics` require (None: none); `allowed_origins`:
-    browser origins allowed to open `/ws` (None: any).
+    `credentials`: who may write, watch and read `/metrics`; `allowed_origins`: browser
+    origins allowed to open `/ws` (None: any); `doors`: the caps on connections that a
+    WebSocket handshake passes last (None: none).
     """
 
     def __init__(
@@ -74,12 +79,14 @@ class HttpRoutes:
         state: ServerState,
         metrics: ServerMetrics,
         *,
-        token: str | None,
+        credentials: Credentials,
         allowed_origins: Iterable[str] | None,
+        doors: Doors | None = None,
     ) -> None:
         self.state = state
         self.metrics = metrics
-        self.token = token
+        self.credentials = credentials
+        self.doors = doors
         self.allowed_origins = frozenset(allowed_origins) if allowed_origins is not None else None
         # Read once: the page and its assets are part of the package.
         self._assets = {"/": _static("index.html")} | {
@@ -94,7 +101,7 @@ class HttpRoutes:
             return _text(refusal.status, refusal.reason, refusal.headers)
         kind = route(request.path)
         if kind is Route.WEBSOCKET:
-            return self._handshake(request)
+            return self._handshake(ws, request)
         if kind is Route.PAGE or kind is Route.STATIC:
             path = "/" if kind is Route.PAGE else request_path(request.path)
             content_type = STATIC_FILES.get(path, "text/html; charset=utf-8")
@@ -104,24 +111,29 @@ class HttpRoutes:
         if kind is Route.READYZ:
             return _text(*self.state.readyz())
         if kind is Route.METRICS:
-            if self.token is not None and not token_matches(
-                presented_token(request.path, request.headers.get("Authorization")), self.token
-            ):
-                return _text(401, "Missing or wrong token.\n", [("WWW-Authenticate", "Bearer")])
+            presented = presented_token(request.path, request.headers.get("Authorization"))
+            if not self.credentials.metrics_allowed(presented):
+                return _text(UNAUTHORIZED.status, UNAUTHORIZED.reason, UNAUTHORIZED.headers)
             body, content_type = self.metrics.render(request.headers.get("Accept"))
             return _response(200, body, content_type)
         return _text(404, "Not found.\n")
 
-    def _handshake(self, request: Request) -> Response | None:
-        refusal = check_handshake(
+    def access(self, request: Request) -> Access | None:
+        """What the connection of an accepted handshake may do (its credential's rights)."""
+        presented = presented_token(request.path, request.headers.get("Authorization"))
+        return self.credentials.access(presented)
+
+    def _handshake(self, ws: ServerConnection, request: Request) -> Response | None:
+        verdict = authorize(
             request.path,
             request.headers.get("Authorization"),
             request.headers.get("Origin"),
-            token=self.token,
+            credentials=self.credentials,
             allowed_origins=self.allowed_origins,
         )
-        if refusal is None:
-            refusal = self.state.handshake_refusal()
+        refusal = verdict if isinstance(verdict, Refusal) else self.state.handshake_refusal()
+        if refusal is None and self.doors is not None:
+            refusal = self.doors.admit(ws)  # last: only a connection that may come in counts
         if refusal is None:
             return None  # websockets goes on with the handshake (426 if it is not one)
         self.metrics.handshakes_refused.labels(str(refusal.status)).inc()

@@ -404,9 +404,13 @@ class StreamTable(Generic[S]):
 
     def owner_left(self, owner: Owner) -> list[S]:
         """The owner is gone: each of its streams starts closing (viewers still get the
-        finals it accepted). Returns those that began closing now."""
+        finals it accepted). Returns those that began closing now. A stream closed
+        already (aborted past a shutdown's deadline, its task not yet returned) has
+        nothing left to close: it is skipped, never fired at."""
         started = []
         for stream in self.owned_by(owner):
+            if stream.life.closed:
+                continue
             was_taking = stream.life.taking_events
             stream.life.fire(Trigger.OWNER_LEFT)
             if was_taking:

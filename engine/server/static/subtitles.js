@@ -11,8 +11,31 @@
   const view = document.getElementById("subtitles");
   const status = document.getElementById("status");
 
+  // Stream ids as the server takes them (protocol/messages.py, `_check_stream_id`): at most
+  // 128 code points, none of these characters (the same class as `_UNPRINTABLE`; a test
+  // checks that the two agree), compared in NFC, so that "é" typed as one code point or as
+  // "e" + combining accent names the one stream the server folds them into.
+  const MAX_STREAM_ID_CHARS = 128;
+  const UNPRINTABLE =
+    /[\u0000-\u001f\u007f-\u009f\u00a0\u00ad\u034f\u0600-\u0605\u061c\u06dd\u070f\u08e2\u115f-\u1160\u17b4-\u17b5\u180b-\u180f\u2000-\u200f\u2028-\u202f\u205f-\u206f\u3000\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff9-\ufffb]/;
+
+  function streamIdProblem(id) {
+    const chars = [...id].length;
+    if (chars > MAX_STREAM_ID_CHARS) {
+      return `stream_id is ${chars} characters long; the limit is ${MAX_STREAM_ID_CHARS}`;
+    }
+    const bad = UNPRINTABLE.exec(id);
+    if (bad) {
+      const hex = bad[0].codePointAt(0).toString(16).toUpperCase().padStart(4, "0");
+      return `stream_id contains the unprintable character U+${hex}`;
+    }
+    return null;
+  }
+
+  const rawStream = params.get("stream") || "main";
   const config = {
-    stream: params.get("stream") || "main",
+    stream: rawStream.normalize("NFC"),
+    problem: streamIdProblem(rawStream),
     lines: intParam("lines", 2, 1, 50),
     token: params.get("token"),
     lang: params.get("lang"),
@@ -58,6 +81,15 @@
   function setState(state, note) {
     body.dataset.state = state;
     status.textContent = note || "";
+  }
+
+  // The server refused what this page asks for (the stream id, the language, the token's
+  // rights): nothing will ever show, so say why on the page and stop retrying.
+  let refused = false;
+  function refuse(note) {
+    refused = true;
+    setState("refused", note);
+    if (socket) socket.close();
   }
 
   function newLine(segment) {
@@ -109,7 +141,9 @@
     setState("connecting", attempt ? "reconnecting…" : "connecting…");
     const ws = new WebSocket(socketUrl());
     socket = ws;
+    let opened = false;
     ws.addEventListener("open", () => {
+      opened = true;
       const subscribe = { type: "subscribe", stream_id: config.stream };
       if (config.lang) subscribe.lang = config.lang;
       ws.send(JSON.stringify(subscribe));
@@ -127,21 +161,33 @@
         show(message);
       } else if (message.type === "error") {
         console.warn("subtitle server:", message.code, message.message);
-        // A language the server does not translate into: say so on the page, since
-        // nothing will ever show otherwise.
-        if (message.field === "lang") status.textContent = message.message;
+        // A viewer sends nothing but its subscribe: an error refuses it (a stream id or a
+        // language the server does not take, a token that may not watch). Only a server
+        // shutting down is worth waiting for.
+        if (message.code !== "unavailable") refuse(message.message);
       }
     });
     ws.addEventListener("close", () => {
       if (socket !== ws) return;
       socket = null;
+      if (refused) return;
       // Exponential backoff with jitter: 0.5 s doubling up to 10 s.
       const delay = Math.min(10000, 500 * 2 ** attempt) * (0.5 + Math.random() / 2);
       attempt += 1;
-      setState("closed", "not connected; retrying in " + Math.ceil(delay / 1000) + " s");
+      // A refused handshake looks like any failed connection to a page (browsers hide the
+      // HTTP status), so name the likely causes when it never opened.
+      const why = opened
+        ? "not connected"
+        : "cannot connect (server down or full, or this page's token missing or wrong)";
+      setState("closed", why + "; retrying in " + Math.ceil(delay / 1000) + " s");
       window.setTimeout(connect, delay);
     });
   }
 
-  connect();
+  if (config.problem) {
+    // The server would refuse this id: never connect, say why.
+    setState("refused", "cannot show this stream: " + config.problem);
+  } else {
+    connect();
+  }
 })();
