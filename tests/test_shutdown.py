@@ -39,7 +39,7 @@ from engine.server import shutdown
 from engine.server.outbox import Outbox
 from engine.streaming.lifecycle import Owner, StreamLifecycle, StreamTable
 from engine.streaming.session import StreamSession
-from protocol import PartialTranscript
+from protocol import PartialTranscript, serialize
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 from tests.test_server import serving, translator, wait_for
 
@@ -47,16 +47,7 @@ __all__ = ["translator"]  # the module fixture, shared with test_server
 
 
 def partial(stream: str, segment: int, seq: int, text: str, final: bool = False) -> str:
-    return json.dumps(
-        {
-            "type": "partial_transcript",
-            "stream_id": stream,
-            "segment_id": segment,
-            "seq": seq,
-            "text": text,
-            "is_final": final,
-        }
-    )
+    return serialize(PartialTranscript(stream, segment, seq, text, is_final=final))
 
 
 @dataclass

@@ -37,6 +37,8 @@ from pathlib import Path
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from protocol import PartialTranscript, serialize
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_server import ROOT, free_port, http_get, metric
 
@@ -54,16 +56,7 @@ class Tally:
 
 
 def partial(stream: str, segment: int, seq: int, text: str, final: bool = False) -> str:
-    return json.dumps(
-        {
-            "type": "partial_transcript",
-            "stream_id": stream,
-            "segment_id": segment,
-            "seq": seq,
-            "text": text,
-            "is_final": final,
-        }
-    )
+    return serialize(PartialTranscript(stream, segment, seq, text, is_final=final))
 
 
 async def read_reply(ws: ClientConnection, tally: Tally, seqs: set[int]) -> None:

@@ -45,7 +45,7 @@ from load_server import ROOT, free_port, http_get
 
 from engine import subtitles
 from engine.server.recorder import Recorder
-from protocol import TranslationUpdate
+from protocol import PartialTranscript, TranslationUpdate, serialize
 
 WORDS = "Tom will play tennis with Lucy at three tomorrow".split()
 
@@ -161,18 +161,8 @@ class Run:
 
 
 def message(stream: str, segment: int, seq: int, text: str, final: bool, at: float) -> str:
-    return json.dumps(
-        {
-            "type": "partial_transcript",
-            "stream_id": stream,
-            "segment_id": segment,
-            "seq": seq,
-            "text": text,
-            "is_final": final,
-            "start_ms": at,
-            "end_ms": at + 2000.0,
-        }
-    )
+    event = PartialTranscript(stream, segment, seq, text, final, start_ms=at, end_ms=at + 2000.0)
+    return serialize(event)
 
 
 async def flood(url: str, count: int, rate: float, run: Run) -> None:

@@ -51,6 +51,8 @@ from websockets.frames import Frame, Opcode
 from websockets.http11 import Response
 from websockets.uri import parse_uri
 
+from protocol import PartialTranscript, serialize
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_server import ROOT, free_port, http_get
 
@@ -58,16 +60,7 @@ AFTER_CLOSE = re.compile(r"(\d+) final\(s\) arrived after the server's close fra
 
 
 def partial(stream: str, segment: int, seq: int, text: str, final: bool = False) -> bytes:
-    return json.dumps(
-        {
-            "type": "partial_transcript",
-            "stream_id": stream,
-            "segment_id": segment,
-            "seq": seq,
-            "text": text,
-            "is_final": final,
-        }
-    ).encode()
+    return serialize(PartialTranscript(stream, segment, seq, text, is_final=final)).encode()
 
 
 @dataclass
