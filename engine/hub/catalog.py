@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.hub.errors import CatalogError, UnknownModelError
-from engine.hub.layout import VARIANT_SUFFIX, onnx_files
+from engine.hub.layout import onnx_files
+from engine.model import VARIANT_SUFFIX
 
 CATALOG_ENV = "NMT_INCREMENTAL_CATALOG"
 _PACKAGED = Path(__file__).resolve().parent / "catalog.json"

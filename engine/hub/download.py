@@ -52,8 +52,15 @@ from engine.hub.errors import (
     RepoAccessError,
     UnknownModelError,
 )
-from engine.hub.layout import DECODER_STEMS, VARIANT_SUFFIX, LayoutError, discover, onnx_files
-from engine.model import ONNX_FOLDER, OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+from engine.hub.layout import LayoutError, discover, onnx_files
+from engine.model import (
+    DECODER_STEMS,
+    ONNX_FOLDER,
+    OPTIONAL_TOKENIZER_FILES,
+    PROJECT_CONFIG,
+    TOKENIZER_FILES,
+    VARIANT_SUFFIX,
+)
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 HOME_ENV = "NMT_INCREMENTAL_HOME"

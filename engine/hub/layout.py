@@ -33,9 +33,7 @@ from engine.model import (
     onnx_file,
 )
 
-__all__ = [  # the first two are the model layer's (`engine.model.names`), re-exported to the hub
-    "DECODER_STEMS",
-    "VARIANT_SUFFIX",
+__all__ = [
     "LayoutError",
     "RepoLayout",
     "discover",
