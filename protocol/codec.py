@@ -84,6 +84,8 @@ _KINDS: dict[str, _Kind] = {
     "message": "string",
     "field": "string",
     "lang": "string",
+    "cursor": "string",
+    "after": "string",
 }
 
 # Free text, bounded by max_text_chars (identifiers have fixed limits in messages.py).

@@ -135,6 +135,22 @@ def _check_optional_lang(value: object) -> str | None:
     return text
 
 
+_CURSOR = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+
+
+def _check_optional_cursor(field: str, value: object) -> str | None:
+    """A place in a stream's history of updates: `MS-N` (two decimal numbers), as the
+    server numbers them (a Redis Stream entry id, or a count on a server without one)."""
+    if value is None:
+        return None
+    text = _check_str(field, value)
+    if not _CURSOR.fullmatch(text):
+        raise InvalidMessage(
+            field, f"{field} must be a cursor such as '1732451234567-0', got {text[:40]!r}"
+        )
+    return text
+
+
 def _check_count(field: str, value: object) -> int:
     # bool is an int subclass; True as a sequence number is always a client bug.
     if isinstance(value, bool) or not isinstance(value, int):
@@ -234,7 +250,10 @@ class TranslationUpdate:
     cues are timed by them). `lang` is the target language of the translation: one
     source stream may be translated into several languages at once (fan-out), and the
     guarantees above hold per stream, segment and language. None only in messages from
-    engines that predate fan-out.
+    engines that predate fan-out. `cursor` is the update's place in its stream's history
+    (per language): a viewer that reconnects, to any server node, sends the last one it
+    got as `Subscribe.after` and receives exactly what it missed. None on updates that
+    were never published to viewers (an embedded engine's, before the bus numbers them).
     """
 
     stream_id: str
@@ -251,10 +270,12 @@ class TranslationUpdate:
     start_ms: float | None = None
     end_ms: float | None = None
     lang: str | None = None
+    cursor: str | None = None
 
     def __post_init__(self) -> None:
         _set(self, "stream_id", _check_stream_id(self.stream_id))
         _check_optional_lang(self.lang)
+        _check_optional_cursor("cursor", self.cursor)
         _check_count("segment_id", self.segment_id)
         _check_count("seq", self.seq)
         if self.epoch is not None:
@@ -325,14 +346,20 @@ class Subscribe:
     Without it a viewer gets the engine's first (default) language: a viewer shows one
     line per segment, and one that does not ask for a language cannot tell two apart.
     To watch several languages, subscribe once per language.
+
+    `after`: the `cursor` of the last update this viewer showed. A viewer that reconnects
+    (to any node of the service) sends it and gets every update it missed, in order, and
+    nothing twice; without it a viewer starts from the stream's last lines (its backlog).
     """
 
     stream_id: str
     lang: str | None = None
+    after: str | None = None
 
     def __post_init__(self) -> None:
         _set(self, "stream_id", _check_stream_id(self.stream_id))
         _check_optional_lang(self.lang)
+        _check_optional_cursor("after", self.after)
 
 
 @dataclass(frozen=True, slots=True)

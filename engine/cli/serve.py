@@ -38,6 +38,8 @@ from engine.server.admission import (
 )
 from engine.server.recorder import RecordDirectoryError, check_directory, record
 from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
+from engine.streaming.redis_bus import LEASE_MS, RedisBus
+from engine.streaming.subscriptions import BusUnavailable, UpdateBus
 
 log = logging.getLogger("engine.server")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -45,6 +47,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 TOKEN_ENV = "NMT_INCREMENTAL_TOKEN"
 VIEWER_TOKEN_ENV = "NMT_INCREMENTAL_VIEWER_TOKEN"
 METRICS_TOKEN_ENV = "NMT_INCREMENTAL_METRICS_TOKEN"
+BUS_ENV = "NMT_INCREMENTAL_BUS"
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
@@ -190,6 +193,23 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="subtitle format for --record (default %(default)s)",
     )
     p.add_argument(
+        "--bus",
+        default=os.environ.get(BUS_ENV) or None,
+        metavar="redis://HOST:PORT/DB",
+        help="share streams with other serve nodes through this Redis (>= 7): run several "
+        "identical nodes behind any load balancer; a writer may reconnect to any node, a "
+        "viewer watch from any node, a node may die without losing a final (needs the "
+        f"[cluster] extra; default: ${BUS_ENV}; none: this process alone)",
+    )
+    p.add_argument(
+        "--lease-ms",
+        type=positive_int,
+        default=LEASE_MS,
+        metavar="MS",
+        help="with --bus: how long a stream stays this node's without renewal; a node "
+        "that dies holds its streams this long at most (default %(default)s)",
+    )
+    p.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default="info",
@@ -329,6 +349,32 @@ async def _serve_until(
     options: ServerOptions,
     streaming: StreamingOptions,
 ) -> int:
+    bus: UpdateBus | None = None
+    if args.bus:
+        if not args.bus.startswith(("redis://", "rediss://", "unix://")):
+            print(f"error: --bus {args.bus!r}: expected redis://HOST:PORT/DB", file=sys.stderr)
+            return 2
+        bus = RedisBus(args.bus, lease_ms=args.lease_ms, queue_size=options.queue_size)
+        try:  # before listening: a node that cannot reach its bus serves nothing
+            await bus.start()
+        except BusUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        log.info("update bus: %s (node %s, lease %d ms)", args.bus, bus.node, args.lease_ms)
+    try:
+        return await _serve_with(stop, args, options, streaming, bus)
+    finally:
+        if bus is not None:
+            await bus.aclose()
+
+
+async def _serve_with(
+    stop: anyio.Event,
+    args: argparse.Namespace,
+    options: ServerOptions,
+    streaming: StreamingOptions,
+    bus: UpdateBus | None,
+) -> int:
     async with SubtitleServer(None, options) as server:
         ws_url = server.url.replace("http", "ws", 1) + "ws"
         log.info("subtitle page: %s (any stream id)", page_url(server.url, options))
@@ -344,7 +390,9 @@ async def _serve_until(
         if targets is None:
             return 0 if stop.is_set() else 2
         async with (
-            IncrementalTranslator(targets, streaming, max_streams=args.max_streams) as nmt,
+            IncrementalTranslator(
+                targets, streaming, max_streams=args.max_streams, bus=bus
+            ) as nmt,
             anyio.create_task_group() as recorders,
         ):
             if args.record:

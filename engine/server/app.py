@@ -104,7 +104,7 @@ class SubtitleServer:
         self.engine = engine
         self.state = ServerState()
         if engine is not None:
-            self.state.attach(engine.languages)
+            self._attach_state(engine)
         self.metrics = ServerMetrics.watching(lambda: self.engine)
         self.gate = ConnectionGate(self.options.connections)
         self.metrics.pending_handshakes.set_function(lambda: float(self.gate.pending))
@@ -146,6 +146,11 @@ class SubtitleServer:
         if self.engine is not None:
             raise RuntimeError("an engine is already attached")
         self.engine = engine
+        self._attach_state(engine)
+
+    def _attach_state(self, engine: IncrementalTranslator) -> None:
+        self.state.bus_ready = lambda: engine.ready
+        self.state.close_code = 1012 if engine.bus.shared else 1001
         self.state.attach(engine.languages)
 
     @property

@@ -131,7 +131,7 @@ class Client:
                         self._reply(exc.error)
                 elif isinstance(action, Watch):
                     assert self.io is not None
-                    self.io.start_soon(self._view, action.stream_id, action.lang)
+                    self.io.start_soon(self._view, action.stream_id, action.lang, action.after)
                 else:
                     assert isinstance(action, Ignore)
         except ConnectionClosed:
@@ -153,13 +153,16 @@ class Client:
 
     # -- forwarding subscriptions ---------------------------------------------------------
 
-    async def _view(self, stream_id: str, lang: str | None) -> None:
+    async def _view(self, stream_id: str, lang: str | None, after: str | None = None) -> None:
         """Follow a stream in one language for a viewer, across restarts of the stream: a
-        subtitle screen outlives the pipeline connection that feeds it."""
+        subtitle screen outlives the pipeline connection that feeds it. Each follow-up
+        subscription resumes after the last update forwarded, so a stream handed over to
+        a new writer repeats nothing and skips nothing."""
         while not (self.state.stopping or self.gone):
-            sub = self.engine.updates(stream_id, lang=lang)
+            sub = self.engine.updates(stream_id, lang=lang, after=after)
             self._adopt(sub)
             got = await self._forward(sub, False)
+            after = sub.cursor or after
             if not got and stream_id not in self.engine.streams:
                 await anyio.sleep(0.1)  # never spin on a subscription that ends at once
 
@@ -222,7 +225,8 @@ class Client:
 
     async def _send_loop(self) -> None:
         """The only task that awaits this connection's socket. Once the outbox has ended
-        (the server is stopping), it answers what was read meanwhile and closes (1001)."""
+        (the server is stopping), it answers what was read meanwhile and closes (1001;
+        1012 when other nodes serve the same streams, so the client reconnects there)."""
         try:
             while (item := await self.outbox.get()) is not None:
                 await self._send(item)
@@ -238,7 +242,7 @@ class Client:
         self.metrics.messages_out.labels(kind).inc()
 
     async def _close_going_away(self) -> None:
-        """Send the close frame (1001) once every message that reached the server before it
+        """Send the close frame (1001 or 1012) once every message that reached the server before it
         is answered: until two rounds of the event loop in a row read nothing new (one to
         take what the socket holds, one for the receive loop to answer it; within
         `LAST_WORDS_SECONDS`, so that a client sending without pause cannot hold the
@@ -258,7 +262,8 @@ class Client:
         self.closing = True
         self.sent.set()
         # websockets writes the frame before its first await, then waits for the answer.
-        await self.ws.close(1001, "server shutting down")
+        code = self.state.close_code
+        await self.ws.close(code, "server restarting" if code == 1012 else "server shutting down")
 
 
 LAST_WORDS_SECONDS = 1.0

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hmac
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeAlias
@@ -340,6 +340,13 @@ class ServerState:
 
     phase: ServerPhase = ServerPhase.LOADING
     languages: tuple[str, ...] = ()
+    # Whether the update bus publishes now (a shared one: Redis reachable); set when an
+    # engine is attached. A node cut off from it is not ready: a load balancer sends
+    # writers elsewhere.
+    bus_ready: Callable[[], bool] | None = field(default=None, repr=False)
+    # The close code a stopping server sends: 1001 (going away) alone, 1012 (service
+    # restart: reconnect, to another node) when other nodes serve the same streams.
+    close_code: int = 1001
 
     def attach(self, languages: Iterable[str]) -> None:
         """A model is loaded: ready, unless a shutdown began meanwhile."""
@@ -356,8 +363,12 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        """Model loaded and not stopping: what `/readyz` reports."""
-        return self.phase is ServerPhase.READY
+        """Model loaded, not stopping, and the bus publishing: what `/readyz` reports."""
+        return self.phase is ServerPhase.READY and self.bus_up
+
+    @property
+    def bus_up(self) -> bool:
+        return self.bus_ready is None or self.bus_ready()
 
     @property
     def stopping(self) -> bool:
@@ -368,11 +379,14 @@ class ServerState:
         if self.ready:
             return 200, "ready\n"
         why = "shutting down" if self.stopping else "model loading"
+        if self.phase is ServerPhase.READY:
+            why = "the update bus (Redis) is unreachable"
         return 503, f"not ready: {why}\n"
 
     def handshake_refusal(self) -> Refusal | None:
-        """A 503 for a WebSocket handshake while not ready, else None."""
-        if self.ready:
+        """A 503 for a WebSocket handshake while loading or stopping, else None (a node
+        cut off from its bus still lets viewers and writers in: they hear why)."""
+        if self.phase is ServerPhase.READY:
             return None
         why = "the server is shutting down" if self.stopping else "the model is loading"
         return Refusal(503, f"Not ready: {why}.\n")
@@ -418,10 +432,12 @@ class Close:
 @dataclass(frozen=True)
 class Watch:
     """Subscribe this (viewer) connection to the stream's updates in language `lang`
-    (None only while the server knows no languages: then every one)."""
+    (None only while the server knows no languages: then every one), from after the
+    cursor `after` when the viewer resumes."""
 
     stream_id: str
     lang: str | None = None
+    after: str | None = None
 
 
 @dataclass(frozen=True)
@@ -592,4 +608,4 @@ class ConnectionCore:
             )
         self.role = Role.VIEWER
         self.watched.add((sid, lang))
-        return Watch(sid, lang)
+        return Watch(sid, lang, message.after)

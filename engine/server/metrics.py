@@ -85,6 +85,54 @@ class _ModelInfo(Collector):
         yield family
 
 
+class _BusStats(Collector):
+    """The update bus's counters (a shared bus: appends, leases renewed and lost,
+    takeovers, finals refused while Redis was down, reconnects, ...), its latencies
+    (append: publish to Redis's acknowledgement; read: an entry's time in Redis until a
+    node reads it) as quantiles of recent samples, and local viewers per stream."""
+
+    def __init__(self, engine: Callable[[], IncrementalTranslator | None]) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        nmt = self._engine()
+        bus = nmt.bus if nmt is not None else None
+        events = CounterMetricFamily(
+            "nmt_bus_events",
+            "Update bus work by kind (appended, entries_read, lease_renewals, lease_losses, "
+            "takeovers, stale_refused, finals_refused, updates_dropped, resume_gaps, "
+            "redis_errors, redis_reconnects).",
+            labels=["kind"],
+        )
+        for kind, count in sorted((bus.stats if bus is not None else {}).items()):
+            events.add_metric([kind], count)
+        if nmt is not None:
+            events.add_metric(["answered_from_history"], nmt.stats["answered_from_history"])
+        yield events
+        latency = GaugeMetricFamily(
+            "nmt_bus_latency_seconds",
+            "Update bus latency over recent samples, by step (append, read) and quantile.",
+            labels=["step", "quantile"],
+        )
+        for step in ("publish", "read"):
+            samples = sorted(getattr(bus, f"{step}_seconds", ()))
+            for q in (0.5, 0.95, 0.99):
+                if samples:
+                    value = samples[min(len(samples) - 1, int(q * len(samples)))]
+                    latency.add_metric([step, str(q)], value)
+        yield latency
+        viewers = GaugeMetricFamily(
+            "nmt_bus_viewers", "Viewer subscriptions on this node, by stream.", labels=["stream"]
+        )
+        counts = getattr(bus, "viewers", None)
+        for stream, count in sorted((counts() if callable(counts) else {}).items()):
+            viewers.add_metric([stream], count)
+        yield viewers
+        up = GaugeMetricFamily("nmt_bus_ready", "1 while the update bus publishes, else 0.")
+        up.add_metric([], 1.0 if bus is None or bus.ready else 0.0)
+        yield up
+
+
 class ServerMetrics:
     """The counters, gauges and histogram that `/metrics` serves."""
 
@@ -213,7 +261,9 @@ class ServerMetrics:
                 for lang, t in targets.items()
             ]
 
-        return cls(open_streams, engine_stats, scheduler_stats, models)
+        metrics = cls(open_streams, engine_stats, scheduler_stats, models)
+        metrics.registry.register(_BusStats(engine))
+        return metrics
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, negotiated from `Accept`."""

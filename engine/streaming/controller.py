@@ -49,7 +49,7 @@ from engine.streaming.session import StreamingOptions, StreamSession
 
 # `Reply` and `Subscription` moved to `engine.streaming.subscriptions`; importing them from
 # here keeps working for one release.
-from engine.streaming.subscriptions import InProcessBus, UpdateBus, target_language
+from engine.streaming.subscriptions import Claim, InProcessBus, UpdateBus, target_language
 from engine.streaming.subscriptions import Reply as Reply
 from engine.streaming.subscriptions import Subscription as Subscription
 from protocol import (
@@ -69,6 +69,11 @@ MAX_CANCELLED_IN_A_ROW = 2
 
 # Default number of streams translating at once (see `IncrementalTranslator`).
 DECODE_SLOTS = 64
+
+HANDOVER_WAIT = 5.0
+"""Seconds a writer that reconnects waits for its stream's old life (its connection gone)
+to answer the finals it accepted, before the stream goes on as a new life; past it the
+writer is refused (`unknown_stream`: closing) and sends again."""
 
 
 class _Stream:
@@ -181,6 +186,9 @@ class IncrementalTranslator:
         )
         self._bus = bus if bus is not None else InProcessBus(queue_size)
         self._group: anyio.abc.TaskGroup | None = None
+        # One claim at a time per stream id, so two writers opening it cannot both get
+        # a life from the bus (the second one's would fence out the first one's).
+        self._claiming: dict[str, anyio.Lock] = {}
 
     @classmethod
     def from_dir(
@@ -193,6 +201,15 @@ class IncrementalTranslator:
         loaded by `Targets.load`; see `Translator.from_dir` for the keyword options)."""
         dirs = [model_dir] if isinstance(model_dir, (str, Path)) else list(model_dir)
         return cls(Targets.load(dirs, **kwargs), options)
+
+    @property
+    def ready(self) -> bool:
+        """Whether replies can be published (a shared bus: its server is reachable)."""
+        return self._bus.ready
+
+    @property
+    def bus(self) -> UpdateBus:
+        return self._bus
 
     @property
     def max_streams(self) -> int:
@@ -214,6 +231,7 @@ class IncrementalTranslator:
     async def __aenter__(self) -> IncrementalTranslator:
         if self._group is not None:
             raise RuntimeError("IncrementalTranslator is already running")
+        await self._bus.start(self.languages)
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         return self
@@ -240,6 +258,7 @@ class IncrementalTranslator:
         for stream in list(self._table):
             await stream.done.wait()
         self._table.finish_shutdown()
+        await self._bus.aclose()  # a shared bus: what is queued reaches Redis and writers
         self._bus.end_all()
 
     def abort(self, reason: str) -> int:
@@ -297,13 +316,15 @@ class IncrementalTranslator:
         *,
         owner: Owner | None = None,
         lang: str | None = None,
+        after: str | None = None,
     ) -> Subscription:
         """Subscribe now (before pushing, so nothing is missed) to one stream or all, or
         with `owner` to the replies of every stream that owner holds (a writer's updates,
         and the `error` replies that answer its finals). `lang`: only that target
         language's updates (a tag such as "zh-Hans" names the model of its base
         language; `InvalidEvent` for one no model translates into); None: every
-        language's, each update saying which (`lang`)."""
+        language's, each update saying which (`lang`). `after`: the `cursor` of the last
+        update a viewer had: it gets what came after, not the backlog."""
         lang = self.language(lang)
         if self._table.closed:  # nothing will be published: it ends at once
             sub = Subscription(stream_id, self.queue_size, owner, lang)
@@ -312,7 +333,7 @@ class IncrementalTranslator:
         # A viewer's starts from the last lines of each open stream (its recent finals,
         # then the current segment's latest update): one joining mid-talk sees what was
         # just said.
-        return self._bus.subscribe(stream_id, owner=owner, lang=lang)
+        return self._bus.subscribe(stream_id, owner=owner, lang=lang, after=after)
 
     def unsubscribe(self, sub: Subscription) -> None:
         """Stop delivering to `sub` and end it."""
@@ -331,12 +352,28 @@ class IncrementalTranslator:
                 )
             )
         received = time.perf_counter()
+        sid = event.stream_id
+        lock = self._claiming.setdefault(sid, anyio.Lock())
         try:
-            admission = self._table.admit(event, owner, self._prepare)
+            async with lock:
+                claim = await self._claim(event, owner)
+                try:
+                    admission = self._table.admit(
+                        event, owner, self._prepare, None if claim is None else claim.epoch
+                    )
+                except InvalidEvent:
+                    if claim is not None:  # it opened nothing: let the stream go
+                        self._bus.release(sid)
+                    raise
         except InvalidEvent:
             self.stats["rejected"] += 1
             raise
+        finally:
+            if not lock.statistics().tasks_waiting:
+                self._claiming.pop(sid, None)
         stream = admission.stream
+        if admission.opened and claim is not None and claim.resumed:
+            stream.life.resuming = True
         if admission.opened:
             self._group.start_soon(self._run_stream, stream)
         self.stats["events"] += 1
@@ -348,6 +385,23 @@ class IncrementalTranslator:
             stream.busy = True
             stream.idle = anyio.Event()
         stream.wake.set()
+
+    async def _claim(self, event: PartialTranscript, owner: Owner | None) -> Claim | None:
+        """The bus's new life for the stream `event` opens, or None when it opens none
+        (the stream is open here: the table accepts or refuses the event). A writer that
+        reconnects finds its stream's old life closing (its connection gone): it waits
+        for the old life's finals (within `HANDOVER_WAIT`), then goes on as a new one."""
+        stream = self._table.get(event.stream_id)
+        if stream is not None:
+            if stream.life.owner == owner or not stream.life.handed_over:
+                return None
+            with anyio.move_on_after(HANDOVER_WAIT):
+                await stream.done.wait()
+            if self._table.get(event.stream_id) is not None:
+                return None  # still closing: the table refuses the event
+        if not self._table.accepting:
+            return None  # the table refuses it (shutting down)
+        return await self._bus.claim(event.stream_id)
 
     async def wait_idle(self, stream_id: str | None = None) -> None:
         """Wait until a stream (or every stream) has nothing pending or running."""
@@ -405,7 +459,8 @@ class IncrementalTranslator:
         }
 
     def _publish(self, stream: _Stream, lang: str, update: TranslationUpdate) -> None:
-        """Publish `lang`'s update, stamped with the stream's life (`epoch`)."""
+        """Publish `lang`'s update, stamped with the stream's life (`epoch`), which a
+        shared bus checks against the stream's current one."""
         update = dataclasses.replace(update, epoch=stream.life.epoch, lang=lang)
         self.stats["updates"] += 1
         if update.is_final:
@@ -415,7 +470,7 @@ class IncrementalTranslator:
     def _deliver(self, reply: Reply, stream: _Stream) -> None:
         """To the stream's owner, its viewers and those of every stream (the bus hands
         each the languages it asked for)."""
-        self._bus.publish(reply, stream.life.owner)
+        self._bus.publish(reply, stream.life.owner, stream.life.epoch)
 
     async def _run_stream(self, stream: _Stream) -> None:
         try:
@@ -441,8 +496,38 @@ class IncrementalTranslator:
                 stream.life.fire(Trigger.ABORT)
             self._table.release(stream)
             if self._table.get(stream.stream_id) is None:
-                self._bus.end_stream(stream.stream_id)
+                self._bus.end_stream(stream.stream_id, closed=stream.life.closed_by_owner)
             stream.done.set()
+
+    async def _answer_from_history(
+        self, stream: _Stream, admission: Admission[_Stream]
+    ) -> dict[str, StreamSession]:
+        """A final sent again by a writer that lost its connection: the languages that
+        answered it before (its update is in the stream's history) answer it from there,
+        to the writer only (viewers had it); returns the sessions still to translate it.
+        The first final not answered before ends the search: the writer's resends come
+        first, in order."""
+        event = admission.event
+        try:
+            found = await self._bus.answered(
+                event.stream_id,
+                event.segment_id,
+                event.seq,
+                admission.source,
+                list(stream.sessions),
+            )
+        except InvalidEvent:  # the bus cannot say: translate it (a duplicate, not a loss)
+            found = {}
+        if stream.closed:
+            return {}
+        for lang, update in found.items():
+            stream.answered.add(lang)
+            self.stats["answered_from_history"] += 1
+            self._bus.to_owner(update, stream.life.owner)
+        left = {lang: s for lang, s in stream.sessions.items() if lang not in found}
+        if left:
+            stream.life.resuming = False
+        return left
 
     async def _translate(
         self, stream: _Stream, admission: Admission[_Stream], received: float
@@ -511,6 +596,16 @@ class IncrementalTranslator:
 
         stream.current = event
         stream.answered = set()
+        sessions = stream.sessions
+        if event.is_final and stream.life.resuming:
+            sessions = await self._answer_from_history(stream, admission)
+            if stream.closed:  # aborted meanwhile: `abort` answered it
+                stream.current = None
+                return
+            if not sessions:  # every language answered it before: nothing to translate
+                stream.current = None
+                stream.life.fire(Trigger.ANSWERED)
+                return
         stream.abortable = request_id
         stream.supersede()  # a newer event may be waiting already
         try:
@@ -524,7 +619,7 @@ class IncrementalTranslator:
                 if stream.closed:  # aborted while waiting: answered
                     return
                 async with anyio.create_task_group() as languages:
-                    for lang, session in stream.sessions.items():
+                    for lang, session in sessions.items():
                         languages.start_soon(one, lang, session)
         finally:
             stream.current = None

@@ -155,6 +155,12 @@ class StreamLifecycle:
         self.segment_id: int | None = None
         self.segment_final = False  # the current segment has had its final
         self.finals_pending = 0
+        # Why it began closing (close, owner left, shutdown), None while it takes events:
+        # a stream its writer closed ends its history; one handed over does not.
+        self.ending: Trigger | None = None
+        # Its finals may have been answered by an earlier life whose writer left (set
+        # when the bus says so; cleared at the first final not found answered).
+        self.resuming = False
 
     def __repr__(self) -> str:
         return (
@@ -171,6 +177,17 @@ class StreamLifecycle:
         """Released or aborted: nothing it does is published any more."""
         return self.phase is Phase.CLOSED
 
+    @property
+    def closed_by_owner(self) -> bool:
+        """Its writer closed it (`close_stream`), rather than leaving or a shutdown."""
+        return self.ending is Trigger.CLOSE
+
+    @property
+    def handed_over(self) -> bool:
+        """Closing because its writer left or the engine stops: the writer may go on with
+        the stream elsewhere (another connection, another server node)."""
+        return self.ending in (Trigger.OWNER_LEFT, Trigger.SHUTDOWN)
+
     def fire(self, trigger: Trigger) -> Phase:
         """Move by the table; raise `LifecycleError` for a move it does not allow."""
         target = TRANSITIONS[self.phase].get(trigger)
@@ -186,6 +203,8 @@ class StreamLifecycle:
             self.finals_pending -= 1
         elif trigger is Trigger.ABORT:
             self.finals_pending = 0
+        if target is Phase.CLOSING and self.ending is None:
+            self.ending = trigger
         self.phase = target
         return target
 
@@ -332,13 +351,19 @@ class StreamTable(Generic[S]):
         return InvalidEvent(ErrorMessage(ErrorCode.UNAVAILABLE, message, "stream_id", stream_id))
 
     def admit(
-        self, event: PartialTranscript, owner: Owner | None, prepare: Prepare
+        self,
+        event: PartialTranscript,
+        owner: Owner | None,
+        prepare: Prepare,
+        epoch: int | None = None,
     ) -> Admission[S]:
         """Take `event` for its stream (opening it if needed) or raise `InvalidEvent`.
 
         The order of the rules is the order a client fixes them in: shutdown,
         ownership, the stream's phase and order, limits, then the text (the only costly
-        check, done last and only once)."""
+        check, done last and only once). `epoch`: the life a stream opened now gets, as
+        the update bus handed it out (`UpdateBus.claim`); default: the table's own
+        count."""
 
         def refuse(code: ErrorCode, message: str, field: str | None = None) -> InvalidEvent:
             return InvalidEvent(ErrorMessage(code, message, field, event.stream_id, event.seq))
@@ -377,7 +402,8 @@ class StreamTable(Generic[S]):
             raise refuse(ErrorCode.TOO_LARGE, str(exc), "text") from None
         opened = stream is None
         if stream is None:
-            stream = self.factory(StreamLifecycle(event.stream_id, owner, next(self._epochs)))
+            life = epoch if epoch is not None else next(self._epochs)
+            stream = self.factory(StreamLifecycle(event.stream_id, owner, life))
             self._streams[event.stream_id] = stream
         stream.life.accept(event)
         return Admission(stream, event, source, ids, opened)

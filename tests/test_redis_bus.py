@@ -1,0 +1,236 @@
+"""The Redis update bus (`engine.streaming.redis_bus`) against a real `redis-server`: two
+engines in one process stand for two server nodes sharing it. Ownership and fencing,
+fan-out to viewers on another node, backlog and resume by cursor, finals resent after a
+lost connection answered from the history, and Redis dying mid-talk. The same with real
+processes, kill -9 and HAProxy is in `test_cluster.py`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
+
+import anyio
+import pytest
+
+from engine.decoding.translator import Translator
+from engine.streaming import IncrementalTranslator, Owner, Subscription
+from engine.streaming.redis_bus import RedisBus
+from engine.streaming.subscriptions import BusUnavailable, Reply
+from protocol import ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+from tests.redis_server import RedisServer, free_port, redis_server
+
+pytestmark = pytest.mark.anyio
+
+SENTENCES = ["I will meet Tom at three", "Tom reads a book", "we will see the film"]
+
+
+@pytest.fixture(scope="module")
+def translator() -> Translator:
+    needs_fixture()
+    return Translator.from_dir(FIXTURE_MODEL)
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    with redis_server() as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def node(
+    translator: Translator, redis: RedisServer, lease_ms: int = 600
+) -> AsyncIterator[IncrementalTranslator]:
+    bus = RedisBus(redis.url, lease_ms=lease_ms)
+    async with IncrementalTranslator(translator, bus=bus) as nmt:
+        yield nmt
+
+
+def talk(stream: str, sentences: list[str], seq: int = 0) -> list[PartialTranscript]:
+    events = []
+    for segment, sentence in enumerate(sentences):
+        words = sentence.split()
+        for n in range(1, len(words) + 1):
+            events.append(
+                PartialTranscript(stream, segment, seq, " ".join(words[:n]), n == len(words))
+            )
+            seq += 1
+    return events
+
+
+async def read_until(sub: Subscription, finals: int, timeout: float = 20) -> list[Reply]:
+    got: list[Reply] = []
+    with anyio.fail_after(timeout):
+        async for reply in sub:
+            got.append(reply)
+            if sum(isinstance(r, TranslationUpdate) and r.is_final for r in got) >= finals:
+                break
+    return got
+
+
+def bare(reply: Reply) -> Reply:
+    return (
+        dataclasses.replace(reply, cursor=None) if isinstance(reply, TranslationUpdate) else reply
+    )
+
+
+async def test_a_viewer_on_another_node_gets_every_update_in_order_once(
+    translator: Translator, redis: RedisServer
+) -> None:
+    writer = Owner("writer")
+    async with node(translator, redis) as a, node(translator, redis) as b:
+        viewer = b.updates("s1", lang="zh")
+        mine = a.updates(owner=writer)
+        await anyio.sleep(0.2)  # the viewer's node is reading the stream's history
+        for event in talk("s1", SENTENCES):
+            await a.push(event, writer)
+            await anyio.sleep(0.02)
+        written = await read_until(mine, len(SENTENCES))
+        seen = await read_until(viewer, len(SENTENCES))
+    assert all(isinstance(r, TranslationUpdate) for r in written)
+    # The writer hears each update once Redis has it, with its place in the history.
+    assert all(isinstance(r, TranslationUpdate) and r.cursor for r in written)
+    assert seen == written  # the same updates, same order, same cursors, none twice
+    epochs = {r.epoch for r in seen if isinstance(r, TranslationUpdate)}
+    assert len(epochs) == 1 and epochs.pop() is not None
+
+
+async def test_a_late_viewer_gets_the_backlog_and_a_returning_one_what_it_missed(
+    translator: Translator, redis: RedisServer
+) -> None:
+    writer = Owner("writer")
+    async with node(translator, redis) as a, node(translator, redis) as b:
+        mine = a.updates(owner=writer)
+        events = talk("s1", SENTENCES)
+        first_final = next(i for i, e in enumerate(events) if e.is_final)
+        for event in events[: first_final + 1]:
+            await a.push(event, writer)
+        early = await read_until(mine, 1)
+        cursor = early[-1].cursor if isinstance(early[-1], TranslationUpdate) else None
+        assert cursor is not None
+        for event in events[first_final + 1 :]:
+            await a.push(event, writer)
+        rest = await read_until(mine, len(SENTENCES) - 1)
+        # Resuming on another node after the first final: exactly what came after it.
+        resumed = await read_until(b.updates("s1", lang="zh", after=cursor), len(SENTENCES) - 1)
+        assert resumed == rest
+        # A viewer joining now: the last finals, as on one node.
+        late = b.updates("s1", lang="zh")
+        with anyio.fail_after(10):
+            while len(late) < len(SENTENCES):
+                await anyio.sleep(0.02)
+        finals = [r for r in [*early, *rest] if isinstance(r, TranslationUpdate) and r.is_final]
+        assert [bare(r) for r in late._items] == [bare(r) for r in finals]
+
+
+async def test_a_stream_moves_only_when_its_node_lets_go_and_its_old_life_is_fenced(
+    translator: Translator, redis: RedisServer
+) -> None:
+    x, y = Owner("x"), Owner("y")
+    async with node(translator, redis) as a, node(translator, redis) as b:
+        await a.push(PartialTranscript("s1", 0, 0, "I will", False), x)
+        # A live writer on another node holds it: the lease outlives the wait.
+        with pytest.raises(InvalidEvent) as refused:
+            await b.push(PartialTranscript("s1", 0, 0, "Tom reads", False), y)
+        assert refused.value.error.code == "forbidden"
+        assert "another server node" in refused.value.error.message
+        # Node a freezes (its renewals stop): once the lease runs out, b takes over.
+        bus_a = a.bus
+        assert isinstance(bus_a, RedisBus)
+        bus_a._held.clear()  # renews nothing from now on, as a paused process
+        viewer = b.updates("s1", lang="zh")
+        await b.push(PartialTranscript("s1", 0, 0, "Tom reads a book", True), y)
+        taken = await read_until(viewer, 1)
+        # a wakes up and publishes for the life it had: Redis refuses it.
+        stale = a.updates(owner=x)
+        await a.push(PartialTranscript("s1", 0, 1, "I will meet Tom at three", True), x)
+        replies = await read_until_error(stale)
+        await anyio.sleep(0.3)
+    assert bus_a.stats["stale_refused"] >= 1
+    error = replies[-1]
+    assert isinstance(error, ErrorMessage) and error.code == "unavailable" and error.seq == 1
+    assert "taken over" in error.message
+    # The viewer saw a's line (its backlog), then b's life; nothing of a's late life.
+    shown = [r for r in [*taken, *viewer._items] if isinstance(r, TranslationUpdate)]
+    assert [r.seq for r in shown] == [0, 0] and shown[-1].is_final
+    assert shown[0].epoch is not None and shown[1].epoch is not None
+    assert shown[0].epoch < shown[1].epoch
+
+
+async def read_until_error(sub: Subscription, timeout: float = 20) -> list[Reply]:
+    got: list[Reply] = []
+    with anyio.fail_after(timeout):
+        async for reply in sub:
+            got.append(reply)
+            if isinstance(reply, ErrorMessage):
+                break
+    return got
+
+
+async def test_a_resent_final_is_answered_from_the_history_not_translated_twice(
+    translator: Translator, redis: RedisServer
+) -> None:
+    x, y = Owner("x"), Owner("y")
+    final = PartialTranscript("s1", 0, 5, "I will meet Tom at three", True)
+    async with node(translator, redis) as a, node(translator, redis) as b:
+        viewer = b.updates("s1", lang="zh")
+        mine = a.updates(owner=x)
+        await a.push(final, x)
+        (answer,) = await read_until(mine, 1)
+        a.owner_left(x)  # the writer's connection drops before it read the answer
+        await a.wait_idle()
+        with anyio.fail_after(10):
+            while "s1" in a.streams:
+                await anyio.sleep(0.02)
+        again = b.updates(owner=y)
+        await b.push(final, y)  # resent, to another node
+        (resent,) = await read_until(again, 1)
+        following = PartialTranscript("s1", 1, 6, "Tom reads a book", True)
+        await b.push(following, y)
+        (next_answer,) = await read_until(again, 1)
+        seen = await read_until(viewer, 2)
+    assert b.stats["answered_from_history"] == 1
+    assert resent == answer  # the same reply, cursor included
+    assert isinstance(next_answer, TranslationUpdate) and next_answer.seq == 6
+    assert [r.seq for r in seen if isinstance(r, TranslationUpdate) and r.is_final] == [5, 6]
+
+
+async def test_a_node_that_cannot_reach_redis_says_so(translator: Translator) -> None:
+    bus = RedisBus(f"redis://127.0.0.1:{free_port()}/0")
+    with pytest.raises(BusUnavailable, match="cannot reach Redis"):
+        await bus.start()
+
+
+async def test_redis_dying_mid_talk_loses_no_accepted_final_silently(
+    translator: Translator, redis: RedisServer
+) -> None:
+    writer = Owner("writer")
+    async with node(translator, redis) as a, node(translator, redis) as b:
+        mine = a.updates(owner=writer)
+        await a.push(PartialTranscript("s1", 0, 0, "I will meet Tom at three", True), writer)
+        await read_until(mine, 1)
+        redis.kill()
+        await a.push(PartialTranscript("s1", 1, 1, "Tom reads a book", True), writer)
+        (error,) = await read_until_error(mine)
+        with anyio.fail_after(10):
+            while a.ready:
+                await anyio.sleep(0.05)
+        redis.start()
+        with anyio.fail_after(15):
+            while not (a.ready and b.ready):
+                await anyio.sleep(0.05)
+        # Back: the writer reconnects (a new life, as after any drop) and resends.
+        a.owner_left(writer)
+        with anyio.fail_after(10):
+            while "s1" in a.streams:
+                await anyio.sleep(0.02)
+        viewer = b.updates("s1", lang="zh")
+        again = a.updates(owner=Owner("writer again"))
+        await a.push(PartialTranscript("s1", 1, 1, "Tom reads a book", True), Owner("writer again"))
+        (answer,) = await read_until(again, 1)
+        (seen,) = await read_until(viewer, 1)
+    assert isinstance(error, ErrorMessage) and error.code == "unavailable" and error.seq == 1
+    assert isinstance(answer, TranslationUpdate) and answer.seq == 1 and answer.is_final
+    assert seen == answer
+    assert a.bus.stats["redis_reconnects"] >= 1
