@@ -46,6 +46,10 @@
   // Lines on screen, oldest first: {segment, final, el, stable, tentative}.
   const lines = [];
   let shownEpoch = null; // the stream life the lines belong to (`epoch` of its updates)
+  // The last update's place in the stream's history: after a reconnect (to this server or
+  // to another node of the service) the page asks for what came after it, so the lines
+  // go on with nothing missed and nothing repeated.
+  let cursor = null;
   let socket = null;
   let attempt = 0;
 
@@ -146,6 +150,7 @@
       opened = true;
       const subscribe = { type: "subscribe", stream_id: config.stream };
       if (config.lang) subscribe.lang = config.lang;
+      if (cursor) subscribe.after = cursor;
       ws.send(JSON.stringify(subscribe));
       attempt = 0;
       setState("open");
@@ -158,6 +163,7 @@
         return;
       }
       if (message.type === "translation_update" && message.stream_id === config.stream) {
+        if (message.cursor) cursor = message.cursor;
         show(message);
       } else if (message.type === "error") {
         console.warn("subtitle server:", message.code, message.message);
