@@ -9,12 +9,18 @@ come. Needs only the `protocol` package and `websockets`, like any pipeline clie
     python examples/replay_client.py LOG --url ws://host:8765/ws --token SECRET --quiet
 
 It prints the subtitle page of each stream first (open it to watch the subtitles live).
+
+`--url` may name a load balancer in front of several server nodes. When the connection is
+lost (a node dies or drains, or answers a final `unavailable`), the client reconnects to
+the same URL and resends every final not yet answered (`protocol.FinalLedger`), for up to
+`--reconnect-for` seconds; the summary says how often.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -26,9 +32,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 import protocol
-from protocol import CloseStream, ErrorMessage, PartialTranscript, TranslationUpdate
+from protocol import (
+    Backoff,
+    CloseStream,
+    ErrorCode,
+    ErrorMessage,
+    FinalLedger,
+    Outcome,
+    PartialTranscript,
+    TranslationUpdate,
+)
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(PartialTranscript)) | {"type"}
 
@@ -42,7 +58,16 @@ class LogLine:
 @dataclass
 class ReplayResult:
     """What one replay saw. Latencies are in milliseconds: `client_ms` from sending a
-    partial to receiving its update, `server_ms` the update's own `latency_ms`."""
+    partial to receiving its update (a resent final's from its first send), `server_ms`
+    the update's own `latency_ms`. `updates` holds each update once: a final's update
+    received again after a resend counts in `duplicates` only.
+
+    Reconnects (`protocol/writer.py`): `disconnects` says why each connection was lost
+    (close code and reason, a dropped connection, an `unavailable` error about a final),
+    `reconnects` how many new connections were made, `resent` how many finals were sent
+    again on them, `skipped` how many partials that fell due meanwhile were superseded
+    by a later line before they could be sent; `gave_up`: an outage outlasted
+    `reconnect_for` (the log's finals never sent then count as lost)."""
 
     sent: int = 0
     updates: list[TranslationUpdate] = field(default_factory=list)
@@ -56,11 +81,18 @@ class ReplayResult:
     # An error replied; language None: about the message itself, so for every language.
     finals_refused: set[tuple[str, int, str | None]] = field(default_factory=set)
     languages: set[str | None] = field(default_factory=set)  # seen on updates
+    disconnects: list[str] = field(default_factory=list)
+    reconnects: int = 0
+    resent: int = 0
+    duplicates: int = 0
+    skipped: int = 0
+    gave_up: bool = False
 
     @property
     def lost_finals(self) -> set[tuple[str, int, str | None]]:
         """(stream, seq, language) of finals that got no reply in a language the server
-        answers in (neither their final update nor an error)."""
+        answers in (neither their final update nor an error other than `unavailable`,
+        which only means "send it again elsewhere")."""
         languages = self.languages or {None}
         return {
             (stream, seq, lang)
@@ -100,60 +132,281 @@ async def replay(
     token: str | None = None,
     on_message: Callable[[TranslationUpdate | ErrorMessage], None] | None = None,
     final_timeout: float = 30.0,
+    reconnect_for: float = 30.0,
+    backoff: Backoff | None = None,
+    on_event: Callable[[str], None] | None = None,
 ) -> ReplayResult:
-    """Send `lines` on their schedule over one connection, then close their streams and
-    wait (up to `final_timeout` s) until every final has its final update."""
-    result = ReplayResult()
-    sent_at: dict[tuple[str, int], float] = {}
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    async with connect(url, additional_headers=headers, max_size=2**22) as ws:
-        receiver = asyncio.create_task(_receive(ws, result, sent_at, on_message))
-        start = time.perf_counter()
-        origin = lines[0].emit_ms if lines else 0.0
-        for line in lines:
-            delay = start + (line.emit_ms - origin) / 1000.0 / speed - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            event = line.event
-            sent_at[(event.stream_id, event.seq)] = time.perf_counter()
+    """Send `lines` on their schedule, then close their streams and wait (up to
+    `final_timeout` s) until every final has its final update.
+
+    The connection may be lost: a node behind the balancer dies or drains (close frame
+    1012, or 1001 from a single server), or cannot publish a final (`unavailable`). The
+    replay then follows the writer's rule (`protocol/writer.py`): it reconnects to `url`
+    (backing off from 0.1 s to 2 s, giving up after `reconnect_for` s), resends every
+    final not yet answered, in order, with its ids, then goes on with the log. Partials
+    that fell due while it was away are skipped when a later line of their stream is due
+    too (a live recogniser's newer partial supersedes them); finals never are. `on_event`
+    hears a line about each disconnect and reconnect."""
+    run = _Replay(
+        url,
+        lines,
+        speed=speed,
+        token=token,
+        on_message=on_message,
+        on_event=on_event or (lambda _: None),
+        final_timeout=final_timeout,
+        backoff=backoff or Backoff(total=reconnect_for),
+    )
+    return await run.run()
+
+
+class _GaveUp(Exception):
+    """An outage outlasted the backoff's total; `__cause__` is the last failure."""
+
+
+# A handshake answered with one of these is a mistake (bad token, wrong path), not an
+# outage: retrying cannot help. (408 and 429 pass: a balancer's "try again later".)
+_FATAL_STATUS = frozenset(range(400, 500)) - {408, 429}
+
+
+class _Replay:
+    """One replay's state across its connections."""
+
+    def __init__(
+        self,
+        url: str,
+        lines: Sequence[LogLine],
+        *,
+        speed: float,
+        token: str | None,
+        on_message: Callable[[TranslationUpdate | ErrorMessage], None] | None,
+        on_event: Callable[[str], None],
+        final_timeout: float,
+        backoff: Backoff,
+    ) -> None:
+        self.url = url
+        self.lines = lines
+        self.speed = speed
+        self.headers = {"Authorization": f"Bearer {token}"} if token else None
+        self.on_message = on_message
+        self.on_event = on_event
+        self.final_timeout = final_timeout
+        self.backoff = backoff
+        self.result = ReplayResult()
+        self.ledger = FinalLedger()
+        self.sent_at: dict[tuple[str, int], float] = {}
+        self.next_line = 0  # the first line of the log not sent (nor skipped) yet
+        self.closes_sent = False
+        self.start = 0.0
+        self.origin = lines[0].emit_ms if lines else 0.0
+        self.resumed_at = 0.0  # when the last reconnect succeeded (lines due before: late)
+        self.healthy = False  # the connection delivered an update: the outage is over
+        self.deadline: float | None = None  # end of the wait for the last finals
+        # The next line of the same stream, to tell a late partial that is superseded.
+        self.next_of: list[int | None] = [None] * len(lines)
+        last: dict[str, int] = {}
+        for i in reversed(range(len(lines))):
+            sid = lines[i].event.stream_id
+            self.next_of[i] = last.get(sid)
+            last[sid] = i
+
+    def due(self, index: int) -> float:
+        return self.start + (self.lines[index].emit_ms - self.origin) / 1000.0 / self.speed
+
+    async def run(self) -> ReplayResult:
+        self.start = time.perf_counter()
+        outage_start: float | None = None  # None: connecting for the first time
+        attempt = 0
+        first = True
+        while True:
+            try:
+                ws, attempt = await self._connect(outage_start, attempt, first)
+            except _GaveUp as exc:
+                if first and exc.__cause__ is not None:
+                    raise exc.__cause__ from None  # never connected: the error itself
+                self.result.gave_up = True
+                self.on_event(f"gave up reconnecting after {self.backoff.total:g} s")
+                self._unsent_finals_are_lost()
+                break
+            if not first:
+                self.result.reconnects += 1
+                self.resumed_at = time.perf_counter()
+            first = False
+            self.healthy = self.ledger.pending == 0
+            async with ws:
+                reason = await self._session(ws)
+            if reason is None:
+                break
+            self.result.disconnects.append(reason)
+            self.on_event(f"reconnecting ({reason})")
+            if self.healthy or outage_start is None:
+                outage_start, attempt = time.perf_counter(), 0
+            else:
+                attempt += 1  # the last connection never worked: the same outage goes on
+        self.result.resent = self.ledger.resent
+        self.result.duplicates = self.ledger.duplicates
+        return self.result
+
+    async def _connect(
+        self, outage_start: float | None, attempt: int, first: bool
+    ) -> tuple[ClientConnection, int]:
+        """A new connection, retried with backoff while the failure looks passing;
+        returns it with the outage's try count."""
+        began = time.perf_counter() if outage_start is None else outage_start
+        while True:
+            if not first:
+                if self.backoff.gives_up(time.perf_counter() - began, attempt):
+                    raise _GaveUp
+                await asyncio.sleep(self.backoff.jittered(attempt))
+            first = False
+            try:
+                ws = await connect(
+                    self.url,
+                    additional_headers=self.headers,
+                    max_size=2**22,
+                    # A node gone without closing is noticed in seconds, not a minute.
+                    ping_interval=5.0,
+                    ping_timeout=5.0,
+                    close_timeout=2.0,
+                )
+                return ws, attempt
+            except InvalidStatus as exc:
+                if exc.response.status_code in _FATAL_STATUS:
+                    raise
+                failure: Exception = exc
+            except (OSError, asyncio.TimeoutError, InvalidHandshake) as exc:  # refused, DNS...
+                failure = exc
+            attempt += 1
+            if self.backoff.gives_up(time.perf_counter() - began, attempt):
+                raise _GaveUp from failure
+
+    async def _session(self, ws: ClientConnection) -> str | None:
+        """Resend what is owed, go on with the log, wait for the last finals. Returns why
+        the connection was lost, or None when the replay is over."""
+        receiver = asyncio.create_task(self._receive(ws))
+        try:
+            return await self._write(ws, receiver)
+        except ConnectionClosed as exc:
+            return _why(exc)
+        finally:
+            receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await receiver
+
+    async def _write(self, ws: ClientConnection, receiver: asyncio.Task[str]) -> str | None:
+        # Streams opened on this connection: those of an earlier one were closed by the
+        # server when it ended (their writer left), so only these are closed here.
+        opened: set[str] = set()
+        resent = self.ledger.owed()
+        for event in resent:
             await ws.send(protocol.serialize(event))
-            result.sent += 1
+            self.ledger.sent(event)
+            opened.add(event.stream_id)
+        if resent:
+            self.on_event(f"resent {len(resent)} unanswered final(s)")
+        if self.closes_sent:  # the resends opened their streams again: close them again
+            for stream_id in sorted(opened):
+                await ws.send(protocol.serialize(CloseStream(stream_id)))
+        while self.next_line < len(self.lines):
+            i = self.next_line
+            delay = self.due(i) - time.perf_counter()
+            if delay > 0:
+                await asyncio.wait({receiver}, timeout=delay)
+            if receiver.done():
+                return receiver.result()
+            self.next_line += 1
+            if self._superseded(i):
+                self.result.skipped += 1
+                continue
+            event = self.lines[i].event
+            self.sent_at.setdefault((event.stream_id, event.seq), time.perf_counter())
             if event.is_final:
-                result.finals_expected.add((event.stream_id, event.seq))
-        for stream_id in sorted({line.event.stream_id for line in lines}):
-            await ws.send(protocol.serialize(CloseStream(stream_id)))
-        deadline = time.perf_counter() + final_timeout
-        while result.lost_finals and time.perf_counter() < deadline and not receiver.done():
-            await asyncio.sleep(0.02)
-        receiver.cancel()
-    return result
-
-
-async def _receive(
-    ws: ClientConnection,
-    result: ReplayResult,
-    sent_at: dict[tuple[str, int], float],
-    on_message: Callable[[TranslationUpdate | ErrorMessage], None] | None,
-) -> None:
-    async for data in ws:
+                self.result.finals_expected.add((event.stream_id, event.seq))
+            self.ledger.hold(event)  # kept before the send, which may fail
+            self.result.sent += 1
+            await ws.send(protocol.serialize(event))
+            self.ledger.sent(event)
+            opened.add(event.stream_id)
+        if not self.closes_sent:
+            for stream_id in sorted(opened):
+                await ws.send(protocol.serialize(CloseStream(stream_id)))
+            self.closes_sent = True
         now = time.perf_counter()
-        message = protocol.parse(data, max_bytes=2**22, accept=protocol.FROM_ENGINE_TYPES)
-        if isinstance(message, TranslationUpdate):
-            result.updates.append(message)
-            sent = sent_at.get((message.stream_id, message.seq))
-            if sent is not None:
-                result.client_ms.append((now - sent) * 1000.0)
-            result.server_ms.append(message.latency_ms)
-            result.languages.add(message.lang)
-            if message.is_final:
-                result.finals_received.add((message.stream_id, message.seq, message.lang))
-        elif isinstance(message, ErrorMessage):
-            result.errors.append(message)
-            key = (message.stream_id or "", message.seq if message.seq is not None else -1)
-            if key in result.finals_expected:
-                result.finals_refused.add((*key, message.lang))
-        if on_message is not None and isinstance(message, TranslationUpdate | ErrorMessage):
-            on_message(message)
+        if self.deadline is None or resent:
+            self.deadline = max(self.deadline or 0.0, now + self.final_timeout)
+        while self.ledger.pending or self.result.lost_finals:
+            if receiver.done():
+                return receiver.result()
+            if time.perf_counter() >= self.deadline:
+                break
+            await asyncio.wait({receiver}, timeout=0.02)
+        return None
+
+    def _superseded(self, i: int) -> bool:
+        """A partial that fell due while the replay was disconnected, and whose stream's
+        next line is due already: a live writer would never have sent it."""
+        nxt = self.next_of[i]
+        return (
+            not self.lines[i].event.is_final
+            and self.due(i) < self.resumed_at
+            and nxt is not None
+            and self.due(nxt) <= time.perf_counter()
+        )
+
+    def _unsent_finals_are_lost(self) -> None:
+        """Giving up: the log's finals never sent got no reply either."""
+        for line in self.lines[self.next_line :]:
+            if line.event.is_final:
+                self.result.finals_expected.add((line.event.stream_id, line.event.seq))
+
+    async def _receive(self, ws: ClientConnection) -> str:
+        """Read replies until the connection ends; returns why it ended (or the
+        `unavailable` error that means this node cannot deliver an owed final)."""
+        result = self.result
+        try:
+            async for data in ws:
+                now = time.perf_counter()
+                message = protocol.parse(data, max_bytes=2**22, accept=protocol.FROM_ENGINE_TYPES)
+                if not isinstance(message, TranslationUpdate | ErrorMessage):
+                    continue
+                got = self.ledger.received(message)
+                if got.outcome is Outcome.DUPLICATE:
+                    continue  # seen already: counted by the ledger, shown once
+                if isinstance(message, TranslationUpdate):
+                    self.healthy = True
+                    result.updates.append(message)
+                    sent = self.sent_at.get((message.stream_id, message.seq))
+                    if sent is not None:
+                        result.client_ms.append((now - sent) * 1000.0)
+                    result.server_ms.append(message.latency_ms)
+                    result.languages.add(message.lang)
+                    if message.is_final:
+                        result.finals_received.add((message.stream_id, message.seq, message.lang))
+                else:
+                    result.errors.append(message)
+                    key = (message.stream_id or "", message.seq if message.seq is not None else -1)
+                    if key in result.finals_expected and message.code != ErrorCode.UNAVAILABLE:
+                        result.finals_refused.add((*key, message.lang))
+                if self.on_message is not None:
+                    self.on_message(message)
+                if got.outcome is Outcome.MUST_RECONNECT and isinstance(message, ErrorMessage):
+                    return f"unavailable: {message.message}"
+        except ConnectionClosed as exc:
+            return _why(exc)
+        return _why_closed(ws)
+
+
+def _why(exc: ConnectionClosed) -> str:
+    if exc.rcvd is not None:
+        return f"close {exc.rcvd.code} {exc.rcvd.reason}".rstrip()
+    return "connection dropped"
+
+
+def _why_closed(ws: ClientConnection) -> str:
+    code = ws.close_code
+    if code is None or code == 1006:
+        return "connection dropped"
+    return f"close {code} {ws.close_reason or ''}".rstrip()
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -194,13 +447,33 @@ def renamer(lines: Sequence[LogLine], stream_id: str | None) -> Callable[[str], 
     return lambda name: f"{stream_id}-{name}"
 
 
+def summary(result: ReplayResult) -> str:
+    """The line printed at the end of a replay."""
+    why = f" ({'; '.join(result.disconnects)})" if result.disconnects else ""
+    gave_up = ", then gave up" if result.gave_up else ""
+    return (
+        f"sent {result.sent} partials, got {len(result.updates)} updates, "
+        f"{len(result.errors)} errors; latency p50 {percentile(result.client_ms, 50):.0f} ms, "
+        f"p95 {percentile(result.client_ms, 95):.0f} ms (client-measured); "
+        f"finals {len(result.finals_received)}/"
+        f"{len(result.finals_expected) * max(len(result.languages), 1)} translated "
+        f"({len(result.languages) or 1} language(s)), "
+        f"{len(result.finals_refused)} refused with an error, {len(result.lost_finals)} "
+        f"without a reply; {len(result.disconnects)} connection(s) lost{why}, "
+        f"{result.reconnects} reconnect(s){gave_up}, {result.resent} final(s) resent, "
+        f"{result.duplicates} duplicate update(s) dropped, {result.skipped} late partial(s) "
+        "skipped"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log", help="transcript log (JSON Lines with emit_ms)")
     parser.add_argument(
         "--url",
         default="ws://127.0.0.1:8765/ws",
-        help="the server's WebSocket URL (default %(default)s)",
+        help="the server's WebSocket URL, or a load balancer's in front of several nodes: "
+        "a lost connection is made again to this URL (default %(default)s)",
     )
     parser.add_argument(
         "--stream-id",
@@ -216,34 +489,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--speed", type=float, default=1.0, help="2 = twice real time")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    parser.add_argument(
+        "--reconnect-for",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="when the connection is lost, keep trying to reconnect (and resend the finals "
+        "not yet answered) for this long before giving up (default %(default)g; 0: never)",
+    )
     args = parser.parse_args(argv)
     if args.speed <= 0:
         parser.error("--speed must be positive")
+    if args.reconnect_for < 0:
+        parser.error("--reconnect-for must not be negative")
     lines = read_log(args.log)
     if args.stream_id is not None:
         lines = read_log(args.log, renamer(lines, args.stream_id))
     for stream in sorted({line.event.stream_id for line in lines}):
         print(f"subtitle page: {page_url(args.url, stream, args.viewer_token)}", file=sys.stderr)
-    result = asyncio.run(
-        replay(
-            args.url,
-            lines,
-            speed=args.speed,
-            token=args.token,
-            on_message=None if args.quiet else _print_message,
+    notices = None if args.quiet else (lambda line: print(line, file=sys.stderr))
+    try:
+        result = asyncio.run(
+            replay(
+                args.url,
+                lines,
+                speed=args.speed,
+                token=args.token,
+                on_message=None if args.quiet else _print_message,
+                reconnect_for=args.reconnect_for,
+                on_event=notices,
+            )
         )
-    )
-    print(
-        f"sent {result.sent} partials, got {len(result.updates)} updates, "
-        f"{len(result.errors)} errors; latency p50 {percentile(result.client_ms, 50):.0f} ms, "
-        f"p95 {percentile(result.client_ms, 95):.0f} ms (client-measured); "
-        f"finals {len(result.finals_received)}/"
-        f"{len(result.finals_expected) * max(len(result.languages), 1)} translated "
-        f"({len(result.languages) or 1} language(s)), "
-        f"{len(result.finals_refused)} refused with an error, {len(result.lost_finals)} "
-        "without a reply",
-        file=sys.stderr,
-    )
+    except (OSError, InvalidHandshake) as exc:
+        print(f"cannot connect to {args.url}: {exc}", file=sys.stderr)
+        return 2
+    print(summary(result), file=sys.stderr)
     return 0 if not result.lost_finals else 1
 
 

@@ -31,6 +31,7 @@ from protocol.messages import (
     Subscribe,
     TranslationUpdate,
 )
+from protocol.writer import Backoff, FinalLedger, Outcome, Received
 
 __all__ = [
     "ERROR_CODES",
@@ -43,15 +44,19 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "MESSAGE_TYPES",
     "TO_ENGINE_TYPES",
+    "Backoff",
     "CloseStream",
     "EngineClosed",
     "ErrorCode",
     "ErrorMessage",
+    "FinalLedger",
     "InvalidEvent",
     "InvalidMessage",
     "Message",
     "NmtIncremental",
+    "Outcome",
     "PartialTranscript",
+    "Received",
     "Subscribe",
     "TranslationUpdate",
     "load_schema",

@@ -1,9 +1,21 @@
-"""examples/replay_client.py's helpers: the page URL it prints and `--stream-id`."""
+"""examples/replay_client.py: the page URL it prints, `--stream-id`, what counts as a lost
+final, and reconnecting (resending unanswered finals) against tiny fake servers."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+import pytest
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.http11 import Request, Response
+
+import protocol
+from protocol import Backoff, ErrorCode, ErrorMessage, PartialTranscript, TranslationUpdate
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -44,3 +56,158 @@ def test_a_final_is_lost_in_each_language_that_did_not_answer_it() -> None:
     assert result.lost_finals == {("s", 7, "de")}
     result.finals_refused.add(("s", 7, "de"))  # the German model failed on it
     assert result.lost_finals == set()
+
+
+# --- reconnecting (issue 24): against a tiny fake server ---------------------------------
+
+
+def _line(ms: float, seq: int, text: str, final: bool, segment: int = 0) -> Any:
+    from replay_client import LogLine
+
+    return LogLine(ms, PartialTranscript("s", segment, seq, text, final))
+
+
+def _answer(event: PartialTranscript) -> str:
+    return protocol.serialize(
+        TranslationUpdate(
+            event.stream_id,
+            event.segment_id,
+            event.seq,
+            event.text if event.is_final else "",
+            "" if event.is_final else event.text,
+            event.is_final,
+            1.0,
+            1.0,
+        )
+    )
+
+
+@contextlib.asynccontextmanager
+async def _fake(
+    first_final: Callable[[ServerConnection, PartialTranscript], Awaitable[None]],
+    *,
+    twice: bool = False,
+    down_for: float = 0.0,
+) -> AsyncIterator[tuple[str, list[list[PartialTranscript]]]]:
+    """A server whose first connection meets its first final with `first_final` and says
+    nothing more; later connections answer every event (`twice`: each final twice).
+    `down_for`: after the first connection ends, handshakes get 503 for that long."""
+    received: list[list[PartialTranscript]] = []
+    first_ended: list[float] = []
+
+    def gate(connection: ServerConnection, request: Request) -> Response | None:
+        if first_ended and time.monotonic() < first_ended[0] + down_for:
+            return connection.respond(503, "restarting\n")
+        return None
+
+    async def handler(ws: ServerConnection) -> None:
+        n = len(received)
+        received.append([])
+        try:
+            async for data in ws:
+                event = protocol.parse(data)
+                if not isinstance(event, PartialTranscript):
+                    continue
+                received[n].append(event)
+                if n == 0 and event.is_final:
+                    await first_final(ws, event)
+                    return
+                for _ in range(2 if twice and event.is_final else 1):
+                    await ws.send(_answer(event))
+        finally:
+            if n == 0:
+                first_ended.append(time.monotonic())
+
+    async with serve(handler, "127.0.0.1", 0, process_request=gate) as server:
+        port = server.sockets[0].getsockname()[1]
+        yield f"ws://127.0.0.1:{port}/ws", received
+
+
+async def _restart(ws: ServerConnection, event: PartialTranscript) -> None:
+    await ws.close(1012, "service restart")
+
+
+async def _unavailable(ws: ServerConnection, event: PartialTranscript) -> None:
+    error = ErrorMessage(ErrorCode.UNAVAILABLE, "no store", None, event.stream_id, event.seq)
+    await ws.send(protocol.serialize(error))
+
+
+QUICK = Backoff(first=0.02, most=0.1, total=5.0)
+
+
+@pytest.mark.anyio
+async def test_replay_resends_a_final_closed_on_and_goes_on_with_the_log() -> None:
+    from replay_client import replay, summary
+
+    lines = [
+        _line(0, 0, "I", False),
+        _line(10, 1, "I will", True),
+        _line(300, 2, "Tom", False, 1),
+        _line(310, 3, "Tom reads", True, 1),
+    ]
+    events: list[str] = []
+    async with _fake(_restart) as (url, received):
+        result = await replay(url, lines, backoff=QUICK, on_event=events.append)
+    assert result.lost_finals == set() and result.finals_refused == set()
+    assert [(u.seq, u.is_final) for u in result.updates if u.is_final] == [(1, True), (3, True)]
+    # The final went again first on the new connection, with its ids and text.
+    assert received[1][0] == lines[1].event
+    assert result.disconnects == ["close 1012 service restart"] and not result.gave_up
+    assert (result.reconnects, result.resent, result.duplicates) == (1, 1, 0)
+    assert result.sent + result.skipped == 4  # the partial is skipped if the reconnect is slow
+    assert events[0] == "reconnecting (close 1012 service restart)"
+    assert "1 reconnect(s), 1 final(s) resent, 0 duplicate update(s)" in summary(result)
+
+
+@pytest.mark.anyio
+async def test_replay_an_unavailable_final_is_resent_not_refused_and_duplicates_drop() -> None:
+    from replay_client import replay
+
+    lines = [_line(0, 0, "I", False), _line(10, 1, "I will", True)]
+    async with _fake(_unavailable, twice=True) as (url, _):
+        result = await replay(url, lines, backoff=QUICK)
+    assert result.lost_finals == set() and result.finals_refused == set()
+    assert [e.code for e in result.errors] == ["unavailable"]
+    assert [u.seq for u in result.updates if u.is_final] == [1]  # shown once
+    assert result.duplicates == 1 and result.disconnects == ["unavailable: no store"]
+
+
+@pytest.mark.anyio
+async def test_replay_skips_partials_that_fell_due_while_away_but_never_a_final() -> None:
+    from replay_client import replay
+
+    lines = [
+        _line(0, 0, "I will", True),
+        *[_line(50 * i, i, "Tom " * i, False, 1) for i in range(1, 5)],
+        _line(900, 5, "Tom reads", True, 1),
+    ]
+    async with _fake(_restart, down_for=0.4) as (url, received):
+        result = await replay(url, lines, backoff=QUICK)
+    assert result.lost_finals == set()
+    assert result.skipped >= 3 and result.sent == len(lines) - result.skipped
+    again = received[-1]
+    assert again[0] == lines[0].event and again[-1] == lines[-1].event
+    assert len([e for e in again if not e.is_final]) <= 1  # at most the latest partial
+
+
+@pytest.mark.anyio
+async def test_replay_gives_up_after_reconnect_for_and_counts_what_was_lost() -> None:
+    from replay_client import replay, summary
+
+    lines = [_line(0, 0, "I will", True), _line(400, 1, "Tom", True, 1)]
+    async with _fake(_restart, down_for=60.0) as (url, _):
+        result = await replay(url, lines, backoff=Backoff(0.02, 0.05, 0.2))
+    assert result.gave_up and result.reconnects == 0
+    assert result.lost_finals == {("s", 0, None), ("s", 1, None)}  # sent, and never sent
+    assert "then gave up" in summary(result)
+
+
+@pytest.mark.anyio
+async def test_replay_nothing_listening_raises_the_connection_error() -> None:
+    from replay_client import replay
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(OSError):
+        await replay(f"ws://127.0.0.1:{port}/ws", [], backoff=Backoff(0.01, 0.02, 0.1))

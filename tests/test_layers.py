@@ -29,6 +29,7 @@ LAYER_OF: dict[str, str] = {
     "engine.server": "io",
     "engine.cli": "io",
     "engine.replay": "io",
+    "engine.remote": "io",
     "engine.subtitles": "io",
     "engine": "facade",  # engine/__init__.py: the public names, re-exported
 }

@@ -686,7 +686,7 @@ class RedisBus:
                     return
                 sub.put(entry.reply, entry.cursor, lang)
         else:
-            if after is not None:
+            if after is not None and backlog:  # a cursor this history cannot place
                 self._stats["resume_gaps"] += 1
             for update in sorted(backlog, key=by_cursor):
                 sub.put(update)

@@ -1,0 +1,534 @@
+"""`RemoteTranslator`: the `NmtIncremental` API over a server's WebSocket.
+
+For a speech pipeline that embeds a remote engine (`nmt-incremental serve`, one node or
+several behind a load balancer) with the same code it would use for an in-process
+`IncrementalTranslator`::
+
+    async with RemoteTranslator("ws://host:8765/ws", token=SECRET) as nmt:
+        await nmt.push(PartialTranscript("mic-1", 0, 0, "hello", is_final=False))
+        async for reply in nmt.updates("mic-1"):
+            ...
+
+It is one writer connection (it never subscribes as a viewer) and it follows the writer's
+rule of `protocol/writer.py`: each final is kept in a `FinalLedger` until answered; when the
+connection drops, closes (1012 from a draining node, 1001 from a single server) or a final
+is answered `unavailable`, it reconnects to the same URL with backoff and resends every
+final still owed, in order, with its ids, before anything new. A node that lost its
+connection to the shared store, or that stops, is left behind without the pipeline noticing:
+the answer to each final arrives exactly once (duplicates after a resend race are dropped).
+
+An I/O adapter like `engine/server`, but it only needs `protocol`, `anyio` and `websockets`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import anyio
+from anyio.abc import TaskGroup
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+import protocol
+from protocol import (
+    Backoff,
+    CloseStream,
+    EngineClosed,
+    ErrorCode,
+    ErrorMessage,
+    FinalLedger,
+    InvalidEvent,
+    InvalidMessage,
+    Outcome,
+    PartialTranscript,
+    TranslationUpdate,
+)
+
+Reply = TranslationUpdate | ErrorMessage
+
+RECENT_FINALS = 8
+"""Final updates per stream and language a new subscription starts with (as the engine's
+own backlog), before the current segment's latest update."""
+
+PING_INTERVAL = 5.0
+"""Seconds between pings, and how long a pong may take: a node that vanished without
+closing (its host gone, a partition) is noticed within about twice this, not the minute
+of a default keepalive, and its owed finals go elsewhere."""
+
+_FATAL_STATUS = frozenset(range(400, 500)) - {408, 429}
+"""Handshake answers that are mistakes (bad token, wrong path), not outages: retrying
+cannot help. 408 and 429 are a balancer's "try again later"."""
+
+
+@dataclass
+class RemoteStats:
+    """What the connection went through: `disconnects` says why each connection was lost,
+    `reconnects` counts new connections made, `resent` finals sent again on them,
+    `duplicates` answers received twice and dropped, `dropped_partials` partials pushed
+    while no connection was ready (a newer one supersedes them; finals are kept)."""
+
+    disconnects: list[str] = field(default_factory=list)
+    reconnects: int = 0
+    resent: int = 0
+    duplicates: int = 0
+    dropped_partials: int = 0
+
+
+class _GaveUp(Exception):
+    """An outage outlasted the backoff's total; `__cause__` is the last failure."""
+
+
+class RemoteSubscription(AsyncIterator[Reply]):
+    """A bounded queue of replies for one consumer of `RemoteTranslator.updates`.
+
+    Full, it drops its oldest non-final update (a newer one supersedes it); finals and
+    errors (which answer finals) are never dropped. Ends when its stream is closed (all
+    its finals answered) or the translator closes; `aclose()` ends it early."""
+
+    def __init__(self, owner: RemoteTranslator, stream_id: str | None, max_items: int) -> None:
+        self.stream_id = stream_id  # None: every stream
+        self.max_items = max_items
+        self.dropped = 0
+        self._owner = owner
+        self._items: deque[Reply] = deque()
+        self._ready = anyio.Event()
+        self._ended = False
+
+    def put(self, reply: Reply) -> None:
+        if self._ended:
+            return
+        if len(self._items) >= self.max_items:
+            for i, old in enumerate(self._items):
+                if isinstance(old, TranslationUpdate) and not old.is_final:
+                    del self._items[i]
+                    self.dropped += 1
+                    break
+        self._items.append(reply)
+        self._ready.set()
+
+    def end(self) -> None:
+        self._ended = True
+        self._ready.set()
+
+    def __aiter__(self) -> RemoteSubscription:
+        return self
+
+    async def __anext__(self) -> Reply:
+        while not self._items:
+            if self._ended:
+                raise StopAsyncIteration
+            self._ready = anyio.Event()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    async def aclose(self) -> None:
+        """Stop receiving; what is queued is dropped."""
+        self._owner._unsubscribe(self)
+        self._items.clear()
+        self.end()
+
+
+class RemoteTranslator:
+    """`NmtIncremental` over the WebSocket of `nmt-incremental serve` (see the module).
+
+    Replies are asynchronous over a socket, so `push` cannot raise `InvalidEvent` for
+    what the server refuses (`out_of_order`, `too_large`, `limit_exceeded`, ...): those
+    refusals arrive as `ErrorMessage` items in `updates()`, naming the stream and seq, as
+    they answer finals for a server's writer. `push` raises `InvalidEvent` only for what
+    is no event at all, and `EngineClosed` when the translator is not running (not
+    started, closed, or given up after an outage).
+
+    `unavailable` errors are not delivered: they mean "this node cannot do it", and the
+    translator answers them by moving to another node. Should an outage outlast
+    `reconnect_for` seconds (or `backoff.total`), the translator stops: each final still
+    owed is answered with an `unavailable` error (per language still missing), every
+    subscription ends, and `push` raises `EngineClosed`; `aclose()` does the same for the
+    finals not answered within `drain_timeout`. So every final gets exactly one reply.
+
+    `token`: the server's writer token (sent as a bearer header). `queue_size`: each
+    subscription's bound. `max_size`: the largest message accepted from the server.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        reconnect_for: float = 30.0,
+        backoff: Backoff | None = None,
+        drain_timeout: float = 30.0,
+        queue_size: int = 256,
+        max_size: int = 2**22,
+        open_timeout: float = 10.0,
+    ) -> None:
+        if queue_size < 1:
+            raise ValueError("queue_size must be >= 1")
+        self.url = url
+        self.backoff = backoff or Backoff(total=reconnect_for)
+        self.drain_timeout = drain_timeout
+        self.queue_size = queue_size
+        self.max_size = max_size
+        self.open_timeout = open_timeout
+        self._headers = {"Authorization": f"Bearer {token}"} if token else None
+        self.ledger = FinalLedger()
+        self._stats = RemoteStats()
+        self._ws: ClientConnection | None = None  # the connection in use
+        self._ready = False  # `_ws` took every owed final: new events may follow
+        self._send_lock = anyio.Lock()  # one writer of frames: resends before new events
+        self._group: TaskGroup | None = None
+        self._running = False
+        self._stopped = False  # takes nothing more (closed, or given up)
+        self._closed = False  # `aclose` ran
+        self._healthy = False  # this connection delivered an update: an outage is over
+        self._open: set[str] = set()  # streams pushed to, not closed
+        # Streams open on the current connection: those of an earlier one were closed by
+        # the server when it ended (their writer left), so a close is sent only for these.
+        self._here: set[str] = set()
+        self._closing: set[str] = set()  # closed, some final still owed
+        self._subs: list[RemoteSubscription] = []
+        # (stream, language) -> recent updates, for a new subscription's first lines.
+        self._recent: dict[str, dict[str | None, deque[TranslationUpdate]]] = {}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> RemoteTranslator:
+        """Connect (retrying like a reconnect; the last failure is raised if it gives up)
+        and start reading replies."""
+        if self._running or self._stopped or self._closed:
+            raise RuntimeError("a RemoteTranslator starts once")
+        try:
+            ws, _ = await self._connect(time.monotonic(), 0, first=True)
+        except _GaveUp as exc:
+            raise (exc.__cause__ or ConnectionError("could not connect")) from None
+        self._ws, self._ready, self._running = ws, True, True
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        self._group.start_soon(self._run, ws)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """`aclose()`; exceptions are never suppressed."""
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every stream, wait (up to `drain_timeout`) for the finals still owed,
+        then close the connection; what is still owed is answered `unavailable`.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._running:
+            self._running = False
+            for stream_id in sorted(self._open):
+                await self._close(stream_id)
+            with anyio.move_on_after(self.drain_timeout):
+                while self.ledger.pending and not self._stopped:
+                    await anyio.sleep(0.02)
+        self._stop("the translator was closed before this final was answered")
+        group, self._group = self._group, None
+        if group is not None:
+            group.cancel_scope.cancel()
+            await group.__aexit__(None, None, None)
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            with anyio.CancelScope(shield=True):
+                await ws.close()
+
+    @property
+    def stats(self) -> RemoteStats:
+        """Disconnects, reconnects, resends and duplicates so far."""
+        self._stats.resent = self.ledger.resent
+        self._stats.duplicates = self.ledger.duplicates
+        return self._stats
+
+    @property
+    def streams(self) -> list[str]:
+        """Streams pushed to and not yet closed, and closing ones still owed a final."""
+        return sorted(self._open | self._closing)
+
+    # -- API ----------------------------------------------------------------------------
+
+    async def push(self, event: PartialTranscript) -> None:
+        """Send an event and return; its replies come through `updates()`.
+
+        A final is kept until answered (and resent after a reconnect); a partial pushed
+        while the connection is being made again is dropped (the next one supersedes
+        it). Raises `EngineClosed` when not running."""
+        if not self._running:
+            raise EngineClosed("RemoteTranslator is not running (use `async with`)")
+        if not isinstance(event, PartialTranscript):
+            raise InvalidEvent(
+                ErrorMessage(
+                    ErrorCode.INVALID_MESSAGE,
+                    f"expected a PartialTranscript, got {type(event).__name__}",
+                )
+            )
+        if event.stream_id not in self._closing:
+            self._open.add(event.stream_id)
+        async with self._send_lock:
+            ws = self._ws
+            if not self._ready or ws is None:
+                if event.is_final:
+                    self.ledger.hold(event)  # goes out with the resends
+                else:
+                    self._stats.dropped_partials += 1
+                return
+            self.ledger.hold(event)  # kept first: the send may fail
+            try:
+                await ws.send(protocol.serialize(event))
+            except ConnectionClosed:
+                if not event.is_final:
+                    self._stats.dropped_partials += 1
+                return  # a final stays owed: the reconnect resends it
+            self.ledger.sent(event)
+            self._here.add(event.stream_id)
+
+    def updates(self, stream_id: str | None = None) -> RemoteSubscription:
+        """Subscribe now to the replies of one of this writer's streams, or of all of them
+        (None): updates, duplicates dropped, and the errors that refuse its events. It
+        starts with each stream's last few final updates and its current segment's latest
+        update, then yields what arrives; it ends when its stream is closed (its finals
+        answered) or the translator closes."""
+        if stream_id is not None:
+            stream_id = _stream_id(stream_id)
+        sub = RemoteSubscription(self, stream_id, self.queue_size)
+        if self._stopped:
+            sub.end()
+            return sub
+        for update in self._backlog(stream_id):
+            sub.put(update)
+        self._subs.append(sub)
+        return sub
+
+    async def close_stream(self, stream_id: str) -> None:
+        """End a stream: the server answers its finals still owed, then frees it; its
+        subscriptions end once they are answered. Raises `InvalidEvent`
+        (`unknown_stream`) for a stream this translator has not open, `EngineClosed` when
+        not running."""
+        if not self._running:
+            raise EngineClosed("RemoteTranslator is not running (use `async with`)")
+        stream_id = _stream_id(stream_id)
+        if stream_id not in self._open:
+            raise InvalidEvent(
+                ErrorMessage(
+                    ErrorCode.UNKNOWN_STREAM,
+                    f"no open stream {stream_id!r}",
+                    "stream_id",
+                    stream_id,
+                )
+            )
+        await self._close(stream_id)
+
+    async def _close(self, stream_id: str) -> None:
+        self._open.discard(stream_id)
+        self._closing.add(stream_id)
+        async with self._send_lock:
+            ws = self._ws
+            if self._ready and ws is not None and stream_id in self._here:
+                # Lost with the connection, the close is moot: the server closes the
+                # streams of a writer that left, and a resend is followed by a new close.
+                self._here.discard(stream_id)
+                with contextlib.suppress(ConnectionClosed):
+                    await ws.send(protocol.serialize(CloseStream(stream_id)))
+        self._settle(stream_id)
+
+    # -- the connection -----------------------------------------------------------------
+
+    async def _connect(
+        self, began: float, attempt: int, *, first: bool = False
+    ) -> tuple[ClientConnection, int]:
+        """A new connection, retried with backoff while the failure looks passing;
+        returns it with the outage's try count."""
+        while True:
+            if not first:
+                if self.backoff.gives_up(time.monotonic() - began, attempt):
+                    raise _GaveUp
+                await anyio.sleep(self.backoff.jittered(attempt))
+            first = False
+            try:
+                ws = await connect(
+                    self.url,
+                    additional_headers=self._headers,
+                    max_size=self.max_size,
+                    open_timeout=self.open_timeout,
+                    ping_interval=PING_INTERVAL,
+                    ping_timeout=PING_INTERVAL,
+                    close_timeout=2.0,
+                )
+                return ws, attempt
+            except InvalidStatus as exc:
+                if exc.response.status_code in _FATAL_STATUS:
+                    raise
+                failure: Exception = exc
+            except (OSError, asyncio.TimeoutError, InvalidHandshake) as exc:  # refused, DNS...
+                failure = exc
+            attempt += 1
+            if self.backoff.gives_up(time.monotonic() - began, attempt):
+                raise _GaveUp from failure
+
+    async def _run(self, ws: ClientConnection) -> None:
+        """Read replies; when the connection is lost, make a new one and resend."""
+        outage: float | None = None
+        attempt = 0
+        resend = False
+        while True:
+            self._healthy = self.ledger.pending == 0
+            reason = await self._serve(ws, resend)
+            self._ready = False
+            self._ws = None
+            await ws.close()
+            self._stats.disconnects.append(reason)
+            if self._healthy or outage is None:
+                outage, attempt = time.monotonic(), 0
+            else:
+                attempt += 1  # that connection never worked: the same outage goes on
+            try:
+                ws, attempt = await self._connect(outage, attempt)
+            except _GaveUp:
+                self._stop(f"the server could not be reached again ({reason})")
+                return
+            except InvalidStatus as exc:
+                self._stop(f"the server refused to reconnect ({exc})")
+                return
+            self._ws = ws  # not ready for new events until the resends are out
+            self._stats.reconnects += 1
+            resend = True
+
+    async def _serve(self, ws: ClientConnection, resend: bool) -> str:
+        """Resend what is owed (on a new connection), then deliver replies until the
+        connection is lost; returns why."""
+        if resend:
+            async with self._send_lock:
+                owed = self.ledger.owed()
+                self._here = set()
+                try:
+                    for event in owed:
+                        await ws.send(protocol.serialize(event))
+                        self.ledger.sent(event)
+                        self._here.add(event.stream_id)
+                    # The resends open their streams again here; closed ones close again.
+                    for stream_id in sorted(self._here & self._closing):
+                        self._here.discard(stream_id)
+                        await ws.send(protocol.serialize(CloseStream(stream_id)))
+                except ConnectionClosed as exc:
+                    return _why(exc)
+                self._ready = True
+        try:
+            async for data in ws:
+                message = protocol.parse(
+                    data, max_bytes=self.max_size, accept=protocol.FROM_ENGINE_TYPES
+                )
+                if not isinstance(message, TranslationUpdate | ErrorMessage):
+                    continue
+                got = self.ledger.received(message)
+                if got.outcome is Outcome.MUST_RECONNECT:
+                    return f"unavailable: {_text(message)}"
+                if isinstance(message, TranslationUpdate):
+                    self._healthy = True
+                if got.outcome is Outcome.DUPLICATE or (
+                    isinstance(message, ErrorMessage) and message.code == ErrorCode.UNAVAILABLE
+                ):
+                    continue
+                self._deliver(message)
+        except ConnectionClosed as exc:
+            return _why(exc)
+        code = ws.close_code
+        if code is None or code == 1006:
+            return "connection dropped"
+        return f"close {code} {ws.close_reason or ''}".rstrip()
+
+    # -- delivery -----------------------------------------------------------------------
+
+    def _deliver(self, reply: Reply) -> None:
+        stream_id = reply.stream_id
+        if isinstance(reply, TranslationUpdate) and reply.stream_id in self.streams:
+            recent = self._recent.setdefault(reply.stream_id, {})
+            recent.setdefault(reply.lang, deque(maxlen=4 * RECENT_FINALS)).append(reply)
+        for sub in list(self._subs):
+            if sub.stream_id is None or sub.stream_id == stream_id:
+                sub.put(reply)
+        if stream_id is not None:
+            self._settle(stream_id)
+
+    def _settle(self, stream_id: str) -> None:
+        """A closing stream whose finals are all answered is over: its subscriptions end
+        and its id is free."""
+        if stream_id not in self._closing or self.ledger.owed(stream_id):
+            return
+        self._closing.discard(stream_id)
+        if stream_id in self._open:  # pushed to again after the close: a new stream
+            return
+        self._recent.pop(stream_id, None)
+        for sub in [s for s in self._subs if s.stream_id == stream_id]:
+            self._subs.remove(sub)
+            sub.end()
+
+    def _backlog(self, stream_id: str | None) -> list[TranslationUpdate]:
+        """Recent finals, then the current segment's latest update, per stream and
+        language (like the engine's backlog for a late subscriber)."""
+        lines: list[TranslationUpdate] = []
+        for sid, by_lang in self._recent.items():
+            if stream_id is not None and sid != stream_id:
+                continue
+            for updates in by_lang.values():
+                finals = [u for u in updates if u.is_final][-RECENT_FINALS:]
+                last = updates[-1] if updates else None
+                lines += finals
+                if last is not None and not last.is_final:
+                    lines.append(last)
+        return lines
+
+    def _unsubscribe(self, sub: RemoteSubscription) -> None:
+        with contextlib.suppress(ValueError):
+            self._subs.remove(sub)
+
+    def _stop(self, reason: str) -> None:
+        """Take nothing more: answer each final still owed `unavailable` (in each
+        language it is missing), end every subscription."""
+        if self._stopped:
+            return
+        self._running = False
+        self._stopped = True
+        self._ready = False
+        for event in self.ledger.owed():
+            for lang in sorted(self.ledger.missing(event), key=lambda x: x or ""):
+                error = ErrorMessage(
+                    ErrorCode.UNAVAILABLE, reason, None, event.stream_id, event.seq, lang
+                )
+                for sub in self._subs:
+                    if sub.stream_id in (None, event.stream_id):
+                        sub.put(error)
+        for sub in self._subs:
+            sub.end()
+        self._subs.clear()
+
+
+def _stream_id(stream_id: str) -> str:
+    """The id as messages hold it (NFC), or `InvalidEvent` for one no message may hold."""
+    try:
+        return CloseStream(stream_id).stream_id
+    except InvalidMessage as exc:
+        raise InvalidEvent(
+            ErrorMessage(ErrorCode.INVALID_MESSAGE, exc.message, exc.field)
+        ) from None
+
+
+def _text(message: Reply) -> str:
+    return message.message if isinstance(message, ErrorMessage) else "no message"
+
+
+def _why(exc: ConnectionClosed) -> str:
+    if exc.rcvd is not None:
+        return f"close {exc.rcvd.code} {exc.rcvd.reason}".rstrip()
+    return "connection dropped"
