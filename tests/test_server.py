@@ -149,7 +149,7 @@ def test_server_state_decides_every_loading_and_stopping_refusal() -> None:
     assert state.stop()
     state.attach(["zh"])  # a model loaded after the stop makes nothing ready
     assert state.stopping and not state.ready
-    assert state.readyz() == (503, "not ready: shutting down\n")
+    assert state.readyz() == (404, "not ready: draining (shutting down)\n")
     refusal = state.handshake_refusal()
     assert refusal is not None and refusal.status == 503
     assert refusal.reason == "Not ready: the server is shutting down.\n"

@@ -375,10 +375,16 @@ class ServerState:
         return self.phase is ServerPhase.STOPPING
 
     def readyz(self) -> tuple[int, str]:
-        """`/readyz`'s status and body."""
+        """`/readyz`'s status and body: 200 ready; 503 loading or cut off from the bus;
+        404 draining."""
         if self.ready:
             return 200, "ready\n"
-        why = "shutting down" if self.stopping else "model loading"
+        if self.stopping:
+            # 404, not 503: "draining", which a load balancer can tell from "failed"
+            # (HAProxy's `http-check disable-on-404` then sends nothing new but keeps the
+            # node's connections until it closes them itself, each after its owed finals).
+            return 404, "not ready: draining (shutting down)\n"
+        why = "model loading"
         if self.phase is ServerPhase.READY:
             why = "the update bus (Redis) is unreachable"
         return 503, f"not ready: {why}\n"
