@@ -31,7 +31,12 @@ WITHOUT_SPACES: frozenset[str] = frozenset({"zh"})
 with nothing, and metrics count their text in characters rather than words."""
 
 Lang = Literal["en", "zh"]
-"""The languages metrics count units for: words (English) or characters (Chinese)."""
+"""The units metrics count, named by their model language: words (as English) or
+characters (as Chinese)."""
+
+COUNTED_IN_WORDS: frozenset[str] = frozenset({"en", "de", "fr", "es", "it", "pt", "nl"})
+"""Languages (short codes) whose text metrics count in words, as English (`"en"` units):
+the project's fixtures' (en, de) and the common OPUS-MT targets written with spaces."""
 
 UNIT_LANGS: tuple[Lang, ...] = ("en", "zh")
 
@@ -96,16 +101,22 @@ def word_joiner(lang: str | None) -> str:
 
 
 def normalize_lang(lang: str) -> Lang:
-    """Map a language code (``en``, ``eng_Latn``, ``zh-CN``, ``cmn_Hans``...) to ``en``/``zh``.
+    """Map a language code (``en``, ``eng_Latn``, ``de``, ``zh-CN``, ``cmn_Hans``...) to
+    the units its text is counted in: ``en`` (words: `COUNTED_IN_WORDS`) or ``zh``
+    (characters: `WITHOUT_SPACES`).
 
     Raises ValueError for anything else so that a typo does not silently change the units.
     """
     base = base_lang(lang)
-    if base == "en":
-        return "en"
-    if base == "zh":
+    if base in WITHOUT_SPACES:
         return "zh"
-    raise ValueError(f"unsupported language {lang!r}: expected one of en/eng or zh/zho/cmn")
+    if base in COUNTED_IN_WORDS:
+        return "en"
+    words = "/".join(sorted(COUNTED_IN_WORDS))
+    raise ValueError(
+        f"unsupported language {lang!r}: expected one counted in words ({words}) or "
+        "in characters (zh/zho/cmn)"
+    )
 
 
 def in_ranges(ch: str, ranges: tuple[tuple[int, int], ...]) -> bool:
