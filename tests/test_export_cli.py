@@ -139,7 +139,7 @@ def test_missing_export_extra_is_explained(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setattr(export_verify, "missing_export_modules", lambda: ["torch", "optimum"])
     status, _, err = run_cli("models", "export", str(tmp_path), str(tmp_path / "out"))
     assert status == 2
-    assert "needs the `export` extra" in err and "pip install 'nmt-incremental[export]'" in err
+    assert "needs the `export` extra" in err and "pip install -e '.[export]'" in err
     assert "torch, optimum" in err
 
 

@@ -18,6 +18,16 @@ from engine.conversion.verify import ExportCheck, ExportError, check_export, sam
 from engine.errors import EngineError
 from engine.model import ModelConfig
 
+EXPORT_INSTALL = "pip install -e '.[export]'"
+"""How to get the `export` extra: the package is installed from its checkout (it is not
+published on PyPI, so `pip install 'nmt-incremental[export]'` finds nothing)."""
+EXPORT_EXTRA_HINT = (
+    "`models export` needs the `export` extra (torch, transformers, optimum-onnx, onnx), "
+    "missing here: {missing}; install it from the project's checkout with: "
+    f"{EXPORT_INSTALL} (on CPU-only machines install torch first, alone, from the CPU "
+    "wheel index)"
+)
+
 
 def run_export(args: argparse.Namespace, out: TextIO) -> int:
     """`models export CHECKPOINT_DIR OUT_DIR [--quantize]`: export, quantize, check."""
@@ -27,7 +37,7 @@ def run_export(args: argparse.Namespace, out: TextIO) -> int:
 
     missing = verify.missing_export_modules()
     if missing:
-        raise ExportError(verify.EXPORT_EXTRA_HELP.format(missing=", ".join(missing)))
+        raise ExportError(EXPORT_EXTRA_HINT.format(missing=", ".join(missing)))
     from engine.conversion import export_marian, quantize_int8
 
     checkpoint: Path = args.checkpoint

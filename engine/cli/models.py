@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from engine.cli.export import run_export
+from engine.cli.export import EXPORT_INSTALL, run_export
 from engine.conversion.verify import sample_texts
 from engine.decoding.translator import Translator
 from engine.errors import EngineError
@@ -56,7 +56,10 @@ def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "interrupted download resumes when run again.",
     )
     pull_cmd.add_argument(
-        "model", metavar="PAIR_OR_REPO", help="e.g. en-zh, zh-en, or a repo id (owner/name)"
+        "model",
+        metavar="NAME_OR_REPO",
+        help="a catalog name (en-zh, zh-en, en-de, de-en: see `models list`) or a hub repo id "
+        "(owner/name)",
     )
     pull_cmd.add_argument(
         "--quantized", action="store_true", help="get the int8 ONNX files instead of fp32"
@@ -101,7 +104,12 @@ def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "checksums of files linked from the hub cache, the ONNX signatures (by loading it) "
         "and a test translation of each ONNX variant present.",
     )
-    verify.add_argument("model", metavar="DIR", help="model directory or cached catalog name")
+    verify.add_argument(
+        "model",
+        metavar="DIR_OR_NAME",
+        help="a model directory, or a catalog name (en-zh) or repo id (owner/name) already "
+        "pulled: verify downloads nothing",
+    )
     verify.add_argument("--text", default=None, help="sentence to translate (default: a sample)")
 
     export = commands.add_parser(
@@ -109,8 +117,8 @@ def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="export a MarianMT checkpoint to ONNX and check it (needs the export extra)",
         description="Export a PyTorch MarianMT checkpoint to an Optimum-layout ONNX model "
         "directory, optionally quantize it to int8, copy the tokenizer files, and compare "
-        "ONNX greedy output and first-step logits with PyTorch. Needs the `export` extra: "
-        "pip install 'nmt-incremental[export]'.",
+        "ONNX greedy output and first-step logits with PyTorch. Needs the `export` extra, "
+        f"from the project's checkout: {EXPORT_INSTALL}.",
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", type=Path)
     export.add_argument("out", metavar="OUT_DIR", type=Path)

@@ -24,7 +24,7 @@ from engine.model import TOKENIZER_FILES, ModelConfig
 EXPORT_MODULES = ("torch", "transformers", "optimum.exporters.onnx", "onnx")
 EXPORT_EXTRA_HELP = (
     "`models export` needs the `export` extra (torch, transformers, optimum-onnx, onnx), "
-    "missing here: {missing}; install it with: pip install 'nmt-incremental[export]' "
+    "missing here: {missing}; install it with: pip install -e '.[export]' "
     "(on CPU-only machines install torch first from the CPU wheel index)"
 )
 CHECKPOINT_WEIGHTS = ("model.safetensors", "pytorch_model.bin")

@@ -1,15 +1,23 @@
-"""A replay as one self-contained HTML page: numbers, latency over time, per-segment timelines.
+"""A replay as one self-contained HTML page: a summary, the numbers, latency over time,
+and every segment's timeline on demand.
 
-Meant to be opened in a browser and looked at, so it needs nothing else: no script, no
-external style or font, charts drawn as inline SVG. What it shows:
+Meant to be opened in a browser and read by someone who has not read the metrics papers,
+so it needs nothing else (no script, no external style or font, charts drawn as inline
+SVG) and says what each number means where it shows it (`EXPLAIN`). What it shows, the
+short part first:
 
-- the settings and the streaming report's table (the same numbers as ``replay``'s stderr);
+- the settings, without the ones that do not apply (no "None");
+- a summary: the few figures that say how early, how steady and how right the subtitles
+  were, each with its one-line meaning;
+- the streaming report's table (the same numbers as ``replay``'s stderr), explained;
 - arrival -> update latency of every update against the log's clock, with p50 and p95;
-- per segment, a timeline of units against time from the segment's audio start: source
-  units heard (as each answered partial arrived), target units displayed and target units
-  stable, as step lines; where the displayed line drops, the viewer saw text retracted
-  (that is the erasure); a marker where the final came. Below it, every update's text with
-  its stable part and tentative tail.
+- one line per segment, named by what was said and its translation, with what went wrong
+  (text taken back, a final that broke a promise) as badges; opened (a ``<details>``), a
+  timeline of units against time from the segment's audio start: source units heard,
+  target units displayed and target units stable, as step lines (where the displayed line
+  drops the viewer saw text retracted: that is the erasure; a marker where the final came),
+  and every update's text with its stable part and tentative tail. Closed, 40 segments take
+  a screen, not 12,000 pixels.
 """
 
 from __future__ import annotations
@@ -19,11 +27,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.evaluation.metrics import SegmentTrace, StreamingReport, percentile
+from engine.evaluation.metrics import SegmentMetrics, SegmentTrace, StreamingReport, percentile
 from engine.evaluation.units import split_units
 
 WIDTH, HEIGHT, PAD = 860, 220, 40
 SEGMENT_HEIGHT = 150
+SPEECH_ENDS_WIDTH = 70  # px the "speech ends" label takes at font-size 11
 COLORS = {"source": "#8a8a8a", "shown": "#e0a030", "stable": "#2060c0", "latency": "#2060c0"}
 
 _STYLE = """
@@ -39,7 +48,84 @@ table.updates { border-collapse: collapse; font-size: 13px; }
 .updates td { padding: 1px 10px 1px 0; vertical-align: top; }
 .stable { color: #2060c0; } .tentative { color: #999; font-style: italic; }
 .muted { color: #777; }
+.numbers td { white-space: nowrap; }
+.numbers td.why { color: #666; font-size: 12.5px; text-align: left; padding-left: 8px;
+                  white-space: normal; }
+.settings span { margin-right: 14px; white-space: nowrap; }
+.cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr));
+         gap: 10px; }
+.card { border: 1px solid #ddd; border-radius: 6px; padding: 8px 10px; }
+.card b { font-size: 20px; display: block; font-variant-numeric: tabular-nums; }
+.card small { color: #666; display: block; }
+details.segment { border-top: 1px solid #e4e4e4; padding: 3px 0; margin: 0; }
+details.segment > summary { cursor: pointer; }
+details.segment[open] { padding-bottom: 12px; }
+.said { color: #333; } .translation { color: #2060c0; }
+.badge { font-size: 12px; border-radius: 8px; padding: 0 6px; margin-left: 6px;
+         background: #eee; color: #555; white-space: nowrap; }
+.badge.bad { background: #fbe3e3; color: #a02020; }
 """
+
+# One line per number of `StreamingReport.rows()`, shown beside it: what a person needs to
+# read the table without the papers. Units are words (English, German) or characters
+# (Chinese). tests/test_report_html.py fails on a row without one.
+EXPLAIN: dict[str, str] = {
+    "segments": "transcript segments in the log (one final each)",
+    "updates": "translation updates sent to viewers",
+    "source units": "units of the final source texts",
+    "target units": "units of the final translations",
+    "AL (displayed, units)": "Average Lagging: how many source units each displayed unit "
+    "came behind an ideal simultaneous interpreter (lower: earlier)",
+    "LAAL (displayed, units)": "Length-Adaptive AL: AL that does not reward a translation "
+    "longer than the reference; the usual headline latency",
+    "DAL (displayed, units)": "Differentiable AL: AL over every unit, each at least a "
+    "unit's share after the one before",
+    "AL (stable, units)": "AL of the stable text: when each unit was promised, never to change",
+    "LAAL (stable, units)": "LAAL of the stable text",
+    "DAL (stable, units)": "DAL of the stable text",
+    "LAAL compute-aware (displayed, ms)": "LAAL in ms from the segment's audio start: waiting "
+    "for speech, the recogniser and the engine together, what a viewer waits",
+    "LAAL compute-aware (stable, ms)": "the same for the stable text",
+    "YAAL (displayed / stable, units)": "Yet Another AL: LAAL of the units shown before the "
+    "speech ended",
+    "YAAL compute-aware (displayed, ms)": "YAAL in ms from the segment's audio start",
+    "LongYAAL compute-aware (displayed / stable, ms)": "YAAL for long-form speech: a "
+    "segment's output counts until the whole recording ends",
+    "erased units": "units a viewer saw and then saw taken back",
+    "normalized erasure": "erased units per unit of final translation (0: nothing shown was "
+    "ever taken back)",
+    "segments with stable text before final": "segments that committed text before their final",
+    "finals revising stable text": "finals that did not extend the stable text shown before "
+    "(a promise broken)",
+    "stable retractions before final": "times the stable text itself changed before the final",
+    "update latency p50 (ms)": "median time from a partial's emit to its update, on the "
+    "log's clock (waiting behind earlier partials included)",
+    "update latency p95 (ms)": "95th percentile of the same",
+    "update latency max (ms)": "the slowest update",
+    "compute (ms)": "encoder and decoder time spent, all updates together",
+    "audio (ms)": "speech the segments cover",
+    "real-time factor": "compute time per unit of audio time: below 1 keeps up with live speech",
+    "BLEU": "corpus BLEU of the finals against the references, 0-100 (needs --references)",
+    "chrF": "corpus chrF of the finals against the references, 0-100 (needs --references)",
+}
+SUMMARY: dict[str, str] = {
+    "LAAL (stable, units)": "how far behind the speaker the committed subtitles were, in "
+    "source units (words, or characters for Chinese)",
+    "LAAL compute-aware (stable, ms)": "the same in ms from the start of speech: the "
+    "recogniser, the engine and the waiting for words together",
+    "normalized erasure": "text taken back from the viewer per unit of final translation "
+    "(0: nothing shown was ever retracted)",
+    "finals revising stable text": "segments whose final broke a promise: it did not "
+    "extend the text already shown as stable",
+    "update latency p95 (ms)": "95 in 100 updates came within this time of their partial",
+    "BLEU": "how close the finals are to the references (0-100)",
+}
+"""The figures the summary shows first (how late, how steady, how fast, how right), each
+with a line that stands alone (the table's lines lean on the rows above them)."""
+UNDEFINED = "-"  # what `StreamingReport.rows()` writes for a number that is not defined
+# Settings whose absence (None) still means something; other None settings are left out.
+SETTING_DEFAULTS = {"max_new_tokens": "the model's length limit"}
+SETTING_NAMES = {"beam_size": "beam", "max_new_tokens": "max new tokens"}
 
 
 def _esc(text: object) -> str:
@@ -134,10 +220,17 @@ def segment_timeline(trace: SegmentTrace, source_lang: str | None, target_lang: 
 
     end_x = _scale(trace.audio_end_ms - start, 0, x_max, PAD, WIDTH - 10)
     final_x = _scale(times[-1], 0, x_max, PAD, WIDTH - 10)
+    # The label goes left of the line when right of it would run out of the chart (speech
+    # often ends just before the final, at the right edge).
+    label = (
+        f'x="{end_x + 3:.1f}"'
+        if end_x + 3 + SPEECH_ENDS_WIDTH <= WIDTH - 10
+        else f'x="{end_x - 3:.1f}" text-anchor="end"'
+    )
     marks = (
         f'<line x1="{end_x:.1f}" y1="10" x2="{end_x:.1f}" y2="{bottom}" stroke="#bbb" '
         'stroke-dasharray="3 3"/>'
-        f'<text x="{end_x + 3:.1f}" y="20" font-size="11" fill="#888">speech ends</text>'
+        f'<text class="speech-ends" {label} y="20" font-size="11" fill="#888">speech ends</text>'
         f'<circle cx="{final_x:.1f}" cy="{_scale(shown[-1], 0, y_max, bottom, 10):.1f}" r="4" '
         f'fill="{COLORS["stable"]}"/>'
     )
@@ -162,6 +255,94 @@ def _updates_table(trace: SegmentTrace) -> str:
     return f"<table class='updates'>{''.join(rows)}</table>"
 
 
+def _settings(settings: Mapping[str, Any]) -> str:
+    """The settings line: None ("does not apply": speed in fast mode) left out, or said
+    in words where it means a default."""
+    shown = []
+    for key, value in settings.items():
+        if value is None:
+            if key not in SETTING_DEFAULTS:
+                continue
+            value = SETTING_DEFAULTS[key]
+        name = SETTING_NAMES.get(key, key.replace("_", " "))
+        shown.append(f"<span>{_esc(name)}: <b>{_esc(value)}</b></span>")
+    return f"<p class='settings muted'>{' '.join(shown)}</p>"
+
+
+def _value(value: str) -> str:
+    return "n/a" if value == UNDEFINED else value
+
+
+def _summary(report: StreamingReport) -> str:
+    """The headline figures as cards, each with what it means."""
+    values = dict(report.rows())
+    out_of = {
+        "finals revising stable text": report.segments,
+        "segments with stable text before final": report.segments,
+    }
+    cards = []
+    for name, meaning in SUMMARY.items():
+        value = values.get(name, UNDEFINED)
+        if value == UNDEFINED:  # BLEU without references: nothing to say first
+            continue
+        total = f" of {out_of[name]}" if name in out_of else ""
+        cards.append(
+            f"<div class='card'><small>{_esc(name)}</small><b>{_esc(value)}{total}</b>"
+            f"<small>{_esc(meaning)}</small></div>"
+        )
+    return f"<div class='cards'>{''.join(cards)}</div>"
+
+
+def _numbers(report: StreamingReport) -> str:
+    rows = "".join(
+        f"<tr><td>{_esc(name)}</td><td>{_esc(_value(value))}</td>"
+        f"<td class='why'>{_esc(EXPLAIN.get(name, ''))}</td></tr>"
+        for name, value in report.rows()
+    )
+    return f"<table class='numbers'>{rows}</table>"
+
+
+def _segment_name(trace: SegmentTrace, several_streams: bool) -> str:
+    """A segment named by what was said and what it became, not by its number."""
+    last = trace.updates[-1] if trace.updates else None
+    said = last.source_text if last is not None else ""
+    text = last.text if last is not None else ""
+    stream = f"<span class='muted'>{_esc(trace.stream_id)}</span> " if several_streams else ""
+    return (
+        f"{stream}<span class='said'>{_esc(said) or '(nothing heard)'}</span> → "
+        f"<span class='translation'>{_esc(text) or '(nothing)'}</span>"
+    )
+
+
+def _segment(trace: SegmentTrace, seg: SegmentMetrics | None, several_streams: bool) -> str:
+    """One segment: a line naming it with badges for what went wrong; opened, its numbers,
+    timeline and updates."""
+    badges = [f"<span class='badge'>{len(trace.updates)} updates</span>"]
+    erasure = "n/a"
+    if seg is not None:
+        if seg.erased_units:
+            badges.append(f"<span class='badge bad'>{seg.erased_units} units taken back</span>")
+        if seg.revised_final:
+            badges.append("<span class='badge bad'>final revised the stable text</span>")
+        if not seg.early_stable:
+            badges.append("<span class='badge'>nothing stable before the final</span>")
+        if seg.normalized_erasure is not None:
+            erasure = f"{seg.normalized_erasure:.3f}"
+    lagging = ""
+    if seg is not None and seg.laal_ms_stable is not None:
+        lagging = f"; stable text lagged {seg.laal_ms_stable:.0f} ms (LAAL compute-aware)"
+    erased = 0 if seg is None else seg.erased_units
+    return (
+        f"<details class='segment'><summary>{_segment_name(trace, several_streams)}"
+        f"{''.join(badges)}</summary>"
+        f"<p class='muted'>{_esc(trace.stream_id)}, segment {trace.segment_id}: "
+        f"{len(trace.updates)} updates; erased units {erased} (normalized erasure {erasure})"
+        f"{lagging}</p>"
+        f"{segment_timeline(trace, trace.source_lang, trace.target_lang)}"
+        f"{_updates_table(trace)}</details>"
+    )
+
+
 def render(
     report: StreamingReport,
     traces: Sequence[SegmentTrace],
@@ -172,10 +353,6 @@ def render(
     max_segments: int = 100,
 ) -> str:
     """The whole page. ``updates``: (emit ms, arrival -> update latency ms) per update."""
-    numbers = "".join(
-        f"<tr><td>{_esc(name)}</td><td>{_esc(value)}</td></tr>" for name, value in report.rows()
-    )
-    setting_text = ", ".join(f"{k} {v}" for k, v in settings.items())
     legend = "".join(
         f'<span><i class="swatch" style="background:{COLORS[key]}"></i>{label}</span>'
         for key, label in (
@@ -184,38 +361,32 @@ def render(
             ("stable", "target units stable"),
         )
     )
-    segments = []
-    for trace in traces[:max_segments]:
-        seg = next(
-            (
-                s
-                for s in report.per_segment
-                if (s.stream_id, s.segment_id) == (trace.stream_id, trace.segment_id)
-            ),
-            None,
-        )
-        erasure = (
-            "-"
-            if seg is None or seg.normalized_erasure is None
-            else (f"{seg.normalized_erasure:.3f}")
-        )
-        erased = 0 if seg is None else seg.erased_units
-        segments.append(
-            f'<div class="segment"><h3>{_esc(trace.stream_id)} / segment '
-            f"{trace.segment_id}</h3><p class='muted'>{len(trace.updates)} updates; "
-            f"erased units {erased} (normalized erasure {erasure})</p>"
-            f"{segment_timeline(trace, trace.source_lang, trace.target_lang)}"
-            f"<details><summary>updates</summary>{_updates_table(trace)}</details></div>"
-        )
+    by_key = {(s.stream_id, s.segment_id): s for s in report.per_segment}
+    several = len({trace.stream_id for trace in traces}) > 1
+    segments = [
+        _segment(trace, by_key.get((trace.stream_id, trace.segment_id)), several)
+        for trace in traces[:max_segments]
+    ]
     more = len(traces) - max_segments
     tail = f"<p class='muted'>{more} more segments not shown</p>" if more > 0 else ""
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>{_esc(title)}</title><style>{_STYLE}</style></head><body>"
-        f"<h1>{_esc(title)}</h1><p class='muted'>{_esc(setting_text)}</p>"
-        f"<h2>Numbers</h2><table class='numbers'>{numbers}</table>"
-        f"<h2>Update latency over time</h2>{latency_chart(updates)}"
-        f"<h2>Segments</h2><p class='legend'>{legend}</p>{''.join(segments)}{tail}"
+        f"<h1>{_esc(title)}</h1>{_settings(settings)}"
+        f"<h2>Summary</h2>{_summary(report)}"
+        f"<h2>Numbers</h2><p class='muted'>Units are words (characters for Chinese); "
+        "latencies in units count source units read, in ms time on the log's clock. "
+        "Lagging figures are means over segments.</p>"
+        f"{_numbers(report)}"
+        f"<h2>Update latency over time</h2><p class='muted'>Each dot is one update: when its "
+        "partial was emitted (log time) and how long the engine took from the partial's "
+        "arrival to the update; dashed lines: median and 95th percentile.</p>"
+        f"{latency_chart(updates)}"
+        f"<h2>Segments</h2><p class='muted'>What was said and its final translation; open "
+        "one for its timeline from its audio start (a drop of the displayed line is text a "
+        "viewer saw taken back; the dot is the final) and every update it got, stable part "
+        "and <span class='tentative'>tentative tail</span>.</p>"
+        f"<p class='legend'>{legend}</p>{''.join(segments)}{tail}"
         "</body></html>"
     )
 

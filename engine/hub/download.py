@@ -110,7 +110,17 @@ class HubSettings:
         )
 
     def offline_help(self, name: str = "NAME") -> str:
-        return OFFLINE_HELP.format(cache=self.hub_cache, name=name)
+        """How to get `name` (what `models pull` takes) here without the hub. A repo the
+        catalog does not know needs its model directory copied as well: only that records
+        the layout its file listing gave, and listing needs the hub."""
+        if "/" not in name:
+            return OFFLINE_HELP.format(cache=self.hub_cache, name=name)
+        both = OFFLINE_HELP.replace(
+            "Hugging Face cache ({cache}) to the same place here",
+            "Hugging Face cache ({cache}) and the model directory it prints (under "
+            f"{self.models_root}) to the same places here",
+        )
+        return both.format(cache=self.hub_cache, name=name)
 
 
 @dataclass(frozen=True)
@@ -121,7 +131,7 @@ class HubFile:
     filename: str
     local: str
     required: bool = True
-    model: str = "NAME"  # the catalog name, for messages
+    model: str = "NAME"  # what `models pull` takes to get it (`pull_argument`), for messages
 
     @property
     def path(self) -> str:
@@ -135,7 +145,7 @@ class HubFile:
 
 def model_files(entry: CatalogEntry, variants: Iterable[str]) -> list[HubFile]:
     """The hub files of the given variants ('fp32', 'int8'), tokenizer files included."""
-    model = entry.name
+    model = pull_argument(entry)
     files = [HubFile(entry.tokenizer, name, name, True, model) for name in TOKENIZER_FILES]
     files += [
         HubFile(entry.tokenizer, name, name, False, model) for name in OPTIONAL_TOKENIZER_FILES
@@ -541,14 +551,14 @@ def pull(
         raise HubError(
             f"{entry.name} ({variant_name(quantized)}) is not in the cache "
             f"({settings.hub_cache}); missing: {', '.join(required)}; "
-            f"run `nmt-incremental models pull {entry.name}"
+            f"run `nmt-incremental models pull {pull_argument(entry)}"
             + (" --quantized`" if quantized else "`")
         )
     if required and settings.offline:
         raise OfflineError(
             f"{entry.name} is not fully cached and HF_HUB_OFFLINE=1 forbids downloads; "
             f"missing: {', '.join(required)}; unset HF_HUB_OFFLINE to download, or "
-            + settings.offline_help(entry.name)
+            + settings.offline_help(pull_argument(entry))
         )
     if missing and download and not settings.offline:
         _fetch(missing, settings, result, log)
@@ -570,7 +580,7 @@ def _fetch(missing: list[HubFile], settings: HubSettings, result: PullResult, lo
     """HEAD every required file first (missing files and disk space fail fast), then
     download. Optional files go straight to the download, which records in the cache
     that they do not exist, so that later pulls need not ask again."""
-    _check_reachable(settings, result.name)
+    _check_reachable(settings, missing[0].model if missing else result.name)
     remote = {file: _metadata(file, settings) for file in missing if file.required}
     todo = {f: m for f, m in remote.items() if _from_cache(f, settings, m.commit) is None}
     needed = sum(m.size for m in todo.values())
@@ -611,6 +621,23 @@ def repo_model_name(repo: str, subfolder: str | None = None) -> str:
     return "--".join(part.replace("/", "--") for part in parts)
 
 
+def _repo_pull_argument(repo: str, subfolder: str | None = None) -> str:
+    sub = subfolder.strip("/") if subfolder else ""
+    return f"{repo} --subfolder {sub}" if sub else repo
+
+
+def pull_argument(entry: CatalogEntry) -> str:
+    """What `models pull` takes to get `entry`, for the commands hints print: its catalog
+    name, or for a repo pulled by id the repo id (and `--subfolder`), since the name of
+    its model directory (`owner--name`) is not something `models pull` accepts."""
+    base = repo_model_name(entry.onnx.repo)
+    if entry.name == base:
+        return entry.onnx.repo
+    if entry.name.startswith(f"{base}--"):
+        return _repo_pull_argument(entry.onnx.repo, entry.name[len(base) + 2 :].replace("--", "/"))
+    return entry.name
+
+
 def _list_repo(repo: str, revision: str, settings: HubSettings) -> list[str]:
     """Paths of every file of a repo at a revision (one API call per page)."""
     from huggingface_hub import HfApi
@@ -644,9 +671,9 @@ def repo_entry(
     if settings.offline:
         raise OfflineError(
             f"{repo} is not in the catalog and HF_HUB_OFFLINE=1 forbids listing its files; "
-            + settings.offline_help(name)
+            + settings.offline_help(_repo_pull_argument(repo, subfolder))
         )
-    _check_reachable(settings, name)
+    _check_reachable(settings, _repo_pull_argument(repo, subfolder))
     layout = discover(repo, _list_repo(repo, revision, settings), subfolder)
     variant = variant_name(quantized)
     if variant not in layout.variants:

@@ -30,10 +30,17 @@ class UnknownModelError(HubError, LookupError):
     """A model name or repo id that is neither a directory nor in the catalog."""
 
     def __init__(self, spec: str, known: Sequence[str]) -> None:
+        # a repo id the catalog does not know is found without a request once pulled
+        pull_first = (
+            f"; a hub repo is found once pulled: `nmt-incremental models pull {spec}`"
+            if "/" in spec.strip("/")
+            else ""
+        )
         super().__init__(
             f"unknown model {spec!r}: not a model directory and not in the catalog; "
             f"known models: {', '.join(known) or '(none)'} "
-            "(a catalog name such as en-zh, one of its repo ids, or a model directory)"
+            f"(a catalog name such as en-zh, one of its repo ids, or a model directory)"
+            + pull_first
         )
         self.spec = spec
         self.known = tuple(known)

@@ -103,9 +103,11 @@ def discover(repo: str, paths: Iterable[str], subfolder: str | None = None) -> R
         )
     if len(usable) > 1:
         folders = [f"{f}/" if f else "(top level)" for f, _ in usable]
+        # the example names a folder: no --subfolder value selects the top level alone
+        example = next(f for f, _ in usable if f)
         raise LayoutError(
             f"{repo} holds {len(usable)} models, in {', '.join(folders)}: choose one with "
-            f"--subfolder, e.g. `models pull {repo} --subfolder {usable[0][0] or '.'}`"
+            f"--subfolder, e.g. `nmt-incremental models pull {repo} --subfolder {example}`"
         )
     folder, found = usable[0]
     assert found is not None
