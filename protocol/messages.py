@@ -350,6 +350,7 @@ class Subscribe:
     `after`: the `cursor` of the last update this viewer showed. A viewer that reconnects
     (to any node of the service) sends it and gets every update it missed, in order, and
     nothing twice; without it a viewer starts from the stream's last lines (its backlog).
+    `0-0` asks for all the server keeps of the stream (a few hundred updates: a transcript).
     """
 
     stream_id: str

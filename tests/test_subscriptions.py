@@ -179,3 +179,20 @@ async def test_a_closed_engine_refuses_pushes_and_ends_new_subscriptions(
             await nmt.push(PartialTranscript("s1", 0, 1, "I will meet", False))
         late = nmt.updates("s1")
         assert late.ended and [reply async for reply in late] == []
+
+
+def test_a_viewer_resumes_after_its_cursor_or_from_the_start() -> None:
+    bus = InProcessBus()
+    writer = bus.subscribe(owner=A)
+    for seq in range(5):
+        bus.publish(update(seq, seq % 2 == 1, lang="zh", segment=seq // 2), A)
+    cursors = [u.cursor for u in writer._items if isinstance(u, TranslationUpdate)]
+    assert all(cursors) and len(set(cursors)) == 5
+    after_two = bus.subscribe("s", lang="zh", after=cursors[1])
+    assert [u.seq for u in queued(after_two)] == [2, 3, 4]
+    everything = bus.subscribe("s", lang="zh", after="0-0")
+    assert [u.seq for u in queued(everything)] == [0, 1, 2, 3, 4]
+    unknown = bus.subscribe("s", lang="zh", after="1-0")  # older than the history: backlog
+    assert [u.seq for u in queued(unknown)] == [1, 3, 4]
+    bus.publish(update(5, True, lang="zh", segment=2), A)
+    assert [u.seq for u in queued(after_two)] == [2, 3, 4, 5]  # live, nothing twice

@@ -359,9 +359,12 @@ def find_final(
 
 
 def resume_from(entries: Sequence[Entry], after: str) -> list[Entry] | None:
-    """The entries after cursor `after`; None when the history cannot say (the cursor
-    is older than what is kept, or newer than anything here: from another history)."""
+    """The entries after cursor `after` (`0-0`: all that is kept); None when the history
+    cannot say (the cursor is older than what is kept, or newer than anything here: from
+    another history)."""
     at = position(after)
+    if at == (0, 0):  # "from the start": everything kept (a transcript view)
+        return list(entries)
     if not entries or at > entries[-1].at:
         return None
     if at < entries[0].at:
