@@ -31,6 +31,9 @@ FIXTURE_OFFLINE_MODEL = FIXTURE_OFFLINE_DIR / "model"
 FIXTURE_OFFLINE_CHECKPOINT = Path(
     os.environ.get("NMT_FIXTURE_OFFLINE_CHECKPOINT", FIXTURE_OFFLINE_DIR / "checkpoint")
 )
+# The third, English -> German from the same grammar (`--target de`): a second language
+# that translates for real, for fan-out.
+FIXTURE_DE_MODEL = ROOT / "models" / "fixture_de" / "model"
 FIXTURE_DIRS = {"prefix": FIXTURE_DIR, "offline": FIXTURE_OFFLINE_DIR}
 FIXTURE_MODELS = {"prefix": FIXTURE_MODEL, "offline": FIXTURE_OFFLINE_MODEL}
 FIXTURE_CHECKPOINTS = {"prefix": FIXTURE_CHECKPOINT, "offline": FIXTURE_OFFLINE_CHECKPOINT}
@@ -106,6 +109,14 @@ def relabelled_de(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fixture relabelled as an English -> German model (see `relabel`)."""
     needs_fixture()
     return relabel(tmp_path_factory.mktemp("fanout") / "en-de", target_lang="de")
+
+
+@pytest.fixture(scope="session")
+def german() -> Path:
+    """The committed English -> German fixture (`models/fixture_de`)."""
+    if not (FIXTURE_DE_MODEL / "encoder_model.onnx").is_file():
+        pytest.skip("German fixture model not built (models/fixture/build.py --target de)")
+    return FIXTURE_DE_MODEL
 
 
 @pytest.fixture

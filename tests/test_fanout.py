@@ -1,9 +1,9 @@
 """Fan-out: one source stream translated into several target languages at once.
 
-The second language is the fixture relabelled as English -> German (`conftest.relabel`:
-the same weights, only `target_lang` differs), so these tests check routing and the
-per-language guarantees, not translation quality: each language's final must equal its
-own model's offline translation, and each viewer must get only its language.
+The second language is the committed English -> German fixture (`models/fixture_de`,
+trained by the same pipeline on the same English grammar), so each language translates for
+real: each language's final must equal its own model's offline translation, and each
+viewer must get only its language.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from tests.test_streaming import check_segments, events_of
 
 
 @pytest.fixture(scope="module")
-def targets(relabelled_de: Path) -> Targets:
-    """English -> zh (the fixture) and -> de (relabelled), zh first: the default."""
-    return Targets.load([FIXTURE_MODEL, relabelled_de])
+def targets(german: Path) -> Targets:
+    """English -> zh (the fixture) and -> de (the German fixture), zh first: the default."""
+    return Targets.load([FIXTURE_MODEL, german])
 
 
 @pytest.fixture(scope="module")
@@ -289,12 +289,12 @@ def test_serve_refuses_to_start_when_a_model_fails_to_load(
     assert "both translate into 'zh'" in capsys.readouterr().err
 
 
-def test_serve_with_two_models_says_each_model_and_language(relabelled_de: Path) -> None:
-    models = ["--model", str(FIXTURE_MODEL), "--model", str(relabelled_de)]
+def test_serve_with_two_models_says_each_model_and_language(german: Path) -> None:
+    models = ["--model", str(FIXTURE_MODEL), "--model", str(german)]
     with serving(models, ready_within=90) as served:
         text = served.text
         assert re.search(r"model: .*fixture/model \(en->zh, ", text), text
-        assert re.search(r"model: .*en-de \(en->de, ", text), text
+        assert re.search(r"model: .*fixture_de/model \(en->de, ", text), text
         page = re.search(r"languages: zh \(default\), de; subtitle pages: (http://\S+)", text)
         assert page, text
         assert page.group(1).endswith("?stream=demo&lang=zh,")
