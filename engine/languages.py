@@ -143,6 +143,27 @@ def cjk_share(text: str, *, ideographs: bool = False) -> float | None:
     return sum(1 for ch in chars if test(ch)) / len(chars)
 
 
+OTHER_SCRIPT_SHARE = 0.5
+"""A text is "mostly in another script" than its model's source language when at least
+this share of its non-space characters is of the other kind (ideographs for a language
+written with spaces, anything else for Chinese)."""
+
+
+def in_other_script(text: str, source_lang: str | None) -> bool:
+    """Whether `text` is mostly in another script than `source_lang` is written in:
+    Chinese sent to an English model, or English to a Chinese one. Such input is
+    translated into nonsense without a word from the model, so the engine says so once
+    (the log, replay's report). False when the language is unknown or the text empty."""
+    if not source_lang:
+        return False
+    share = cjk_share(text, ideographs=True)
+    if share is None:
+        return False
+    if written_without_spaces(source_lang):
+        return share < 1 - OTHER_SCRIPT_SHARE
+    return share >= OTHER_SCRIPT_SHARE
+
+
 def guess_lang(text: str, *, threshold: float = CJK_TEXT_SHARE) -> Lang:
     """``zh`` when at least ``threshold`` of the non-space characters are CJK ideographs,
     else ``en``: for a log or caller that does not say which language a text is in."""

@@ -43,6 +43,7 @@ from engine.evaluation.metrics import (
     simulated_done_times,
 )
 from engine.evaluation.revisions import SourceRevisions, source_revisions
+from engine.languages import in_other_script
 from engine.logs import (
     PathLike,
     SegmentKey,
@@ -175,6 +176,8 @@ class ReplayResult:
     emit_span_ms: float
     settings: Mapping[str, Any]
     source: SourceRevisions | None = None  # how the log's partials changed (the input side)
+    # Streams whose finals are mostly in another script than the model's source language.
+    other_script: tuple[str, ...] = ()
     traces: tuple[SegmentTrace, ...] = field(default=(), repr=False)  # what the report used
     references: tuple[str, ...] | None = field(default=None, repr=False)
 
@@ -217,6 +220,7 @@ class ReplayResult:
             "wall_rtf": self.wall_rtf,
             "refused": [asdict(r) for r in self.refused],
             "source": None if self.source is None else asdict(self.source),
+            "other_script": list(self.other_script),
             "report": self.report.to_dict(per_segment=True),
         }
 
@@ -266,6 +270,12 @@ class ReplayResult:
         lines += [f"{name:<{width}}  {value}" for name, value in rows]
         if self.source is not None:
             lines.append(f"{'source (the log)':<{width}}  {self.source.format()}")
+        for stream in self.other_script:
+            lang = self.settings.get("source_lang") or "?"
+            lines.append(
+                f"notice: stream {stream}: its finals are mostly in another script than the "
+                f"model's source language ({lang}): is it the right model?"
+            )
         for r in self.refused[:10]:
             lines.append(f"refused event {r.event} ({r.stream_id} seq {r.seq}): {r.message}")
         if len(self.refused) > 10:
@@ -280,6 +290,18 @@ class ReplayResult:
 
 # ---------------------------------------------------------------------------------------
 # Pure helpers
+
+
+def _other_script(lines: Sequence[Mapping[str, Any]], source_lang: str | None) -> tuple[str, ...]:
+    """The streams of a log whose finals, together, are mostly in another script than
+    `source_lang` (`engine.languages.in_other_script`)."""
+    finals: dict[str, list[str]] = {}
+    for line in lines:
+        if line.get("is_final"):
+            finals.setdefault(str(line.get("stream_id")), []).append(str(line.get("text", "")))
+    return tuple(
+        stream for stream, texts in finals.items() if in_other_script(" ".join(texts), source_lang)
+    )
 
 
 def _show_progress(option: bool | None, total: int) -> bool:
@@ -299,6 +321,7 @@ def _settings(options: ReplayOptions, translator: Translator) -> dict[str, Any]:
         "min_new_tokens": decode.min_new_tokens,
         "length_penalty": decode.length_penalty,
         "history": options.streaming.history,
+        "source_lang": translator.config.source_lang,
     }
 
 
@@ -549,6 +572,7 @@ async def replay_async(
         emit_span_ms=max(emits) - min(emits) if emits else 0.0,
         settings=_settings(options, translator),
         source=source_revisions(lines, translator.config.source_lang) if lines else None,
+        other_script=_other_script(lines, translator.config.source_lang),
         traces=tuple(traces),
         references=None if references is None else tuple(references),
     )

@@ -73,3 +73,15 @@ def test_one_table_says_which_languages_are_written_without_spaces(
     assert display_text("ab", "cd", "en") == "abcd"
     assert prediction("ab cd") == "abcd"
     assert languages.drop_fillers("um hello", "en") == "um hello"  # by character now
+
+
+def test_text_in_another_script_than_the_source_language_is_told_apart() -> None:
+    from engine.languages import in_other_script
+
+    assert in_other_script("我们三点钟见汤姆", "en")
+    assert in_other_script("我们三点钟见 Tom", "en")  # mostly ideographs
+    assert not in_other_script("I will meet 汤姆 at three", "en")
+    assert in_other_script("I will meet Tom at three", "zh")
+    assert not in_other_script("我们三点钟见 Tom", "zh")
+    assert not in_other_script("Ich werde Tom treffen", "de")
+    assert not in_other_script("", "en") and not in_other_script("我们", None)

@@ -273,3 +273,33 @@ def test_realtime_delivers_every_final(
         assert t.done_ms >= t.emit_ms
     c = result.counts
     assert c["updates"] + c["unchanged"] + c["cancelled"] + c["superseded"] == c["accepted"]
+
+
+def test_replay_says_when_a_stream_is_in_another_script_than_the_model_reads(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Chinese into the English -> Chinese fixture: translated into nonsense, but the
+    report says why, once per stream, and the engine's log does too."""
+    from engine.decoding.translator import Translator
+    from engine.replay import replay
+    from tests.conftest import FIXTURE_MODEL, needs_fixture
+
+    needs_fixture()
+    translator = Translator.from_dir(FIXTURE_MODEL)
+    lines = [
+        {"stream_id": "zh", "segment_id": 0, "seq": 0, "text": "我们三点", "is_final": False,
+         "emit_ms": 0},
+        {"stream_id": "zh", "segment_id": 0, "seq": 1, "text": "我们三点钟见汤姆", "is_final": True,
+         "emit_ms": 300},
+        {"stream_id": "en", "segment_id": 0, "seq": 0, "text": "Tom reads a book",
+         "is_final": True, "emit_ms": 0},
+    ]  # fmt: skip
+    lines += [{**lines[1], "segment_id": 1, "seq": 2, "emit_ms": 600}]  # a second final
+    with caplog.at_level("WARNING", logger="engine.streaming.controller"):
+        result = replay(translator, lines)
+    warned = [r for r in caplog.records if "another script" in r.getMessage()]
+    assert len(warned) == 1 and "'zh'" in warned[0].getMessage()  # once per stream
+    assert result.other_script == ("zh",)
+    table = result.format_table()
+    assert "notice: stream zh: its finals are mostly in another script" in table
+    assert "stream en:" not in table

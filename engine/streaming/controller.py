@@ -38,6 +38,7 @@ from engine.decoding.scheduler import Priority, RequestId, new_request_id
 from engine.decoding.search import DecodingCancelled
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
+from engine.languages import in_other_script
 from engine.streaming.lifecycle import (
     Admission,
     Owner,
@@ -95,6 +96,7 @@ class _Stream:
         self.cancelled_in_row = 0
         # The id of the current partial's decodes while a newer event may abort them.
         self.abortable: RequestId | None = None
+        self.warned_script = False  # said once that its text is in another script
 
     def __repr__(self) -> str:
         return repr(self.life)
@@ -374,6 +376,8 @@ class IncrementalTranslator:
         stream = admission.stream
         if admission.opened and claim is not None and claim.resumed:
             stream.life.resuming = True
+        if event.is_final and not stream.warned_script:
+            self._check_script(stream, admission.source)
         if admission.opened:
             self._group.start_soon(self._run_stream, stream)
         self.stats["events"] += 1
@@ -385,6 +389,22 @@ class IncrementalTranslator:
             stream.busy = True
             stream.idle = anyio.Event()
         stream.wake.set()
+
+    def _check_script(self, stream: _Stream, source: str) -> None:
+        """One warning per stream whose final is mostly in another script than the models'
+        source language (e.g. Chinese into an English -> Chinese model): the models
+        translate it into nonsense without a word, so the log says it once."""
+        lang = self.targets.source_lang
+        if in_other_script(source, lang):
+            stream.warned_script = True
+            self.stats["wrong_script_streams"] += 1
+            log.warning(
+                "stream %r: its text is mostly in another script than the model's source "
+                "language (%s), e.g. %r: is it the right model?",
+                stream.stream_id,
+                lang,
+                source[:60],
+            )
 
     async def _claim(self, event: PartialTranscript, owner: Owner | None) -> Claim | None:
         """The bus's new life for the stream `event` opens, or None when it opens none
