@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import anyio
 import pytest
 
 from engine.decoding.translator import Translator
@@ -196,3 +197,38 @@ def test_a_viewer_resumes_after_its_cursor_or_from_the_start() -> None:
     assert [u.seq for u in queued(unknown)] == [1, 3, 4]
     bus.publish(update(5, True, lang="zh", segment=2), A)
     assert [u.seq for u in queued(after_two)] == [2, 3, 4, 5]  # live, nothing twice
+
+
+@pytest.mark.anyio
+async def test_resent_finals_answered_before_are_answered_from_the_history_in_any_order(
+    translator: Translator,
+) -> None:
+    """A writer that lost its connection resends every final it has no reply for: some the
+    old life answered (their replies were lost with the connection), some it never did
+    (they failed). Each is answered once: the first kind from the history, the second
+    translated, whatever their order."""
+    x, y = Owner("x"), Owner("y")
+    async with IncrementalTranslator(translator) as nmt:
+        viewer = nmt.updates("s1")
+        await nmt.push(PartialTranscript("s1", 1, 2, "Tom reads a book", True), x)
+        await nmt.wait_idle("s1")
+        nmt.owner_left(x)  # seq 1 never reached it; seq 2's reply is lost with x
+        with anyio.fail_after(10):
+            while "s1" in nmt.streams:
+                await anyio.sleep(0.01)
+        # The old life's viewers end with it; the server's follow on after their cursor.
+        following = nmt.updates("s1", after=viewer.cursor)
+        mine = nmt.updates(owner=y)
+        await nmt.push(PartialTranscript("s1", 0, 1, "I will meet Tom at three", True), y)
+        await nmt.push(PartialTranscript("s1", 1, 2, "Tom reads a book", True), y)
+        await nmt.wait_idle("s1")
+        await nmt.close_stream("s1", y)
+        answers = [bare(r) for r in mine._items]
+        seen = [r async for r in viewer] + [r async for r in following]
+    assert nmt.stats["answered_from_history"] == 1
+    assert [(r.seq, r.is_final) for r in answers if isinstance(r, TranslationUpdate)] == [
+        (1, True),
+        (2, True),
+    ]
+    finals = [r.seq for r in seen if isinstance(r, TranslationUpdate) and r.is_final]
+    assert finals == [2, 1]  # the viewer saw seq 2 when it was first answered, once

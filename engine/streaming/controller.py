@@ -374,8 +374,8 @@ class IncrementalTranslator:
             if not lock.statistics().tasks_waiting:
                 self._claiming.pop(sid, None)
         stream = admission.stream
-        if admission.opened and claim is not None and claim.resumed:
-            stream.life.resuming = True
+        if admission.opened and claim is not None:
+            stream.life.answered_through = claim.answered_through
         if event.is_final and not stream.warned_script:
             self._check_script(stream, admission.source)
         if admission.opened:
@@ -525,8 +525,7 @@ class IncrementalTranslator:
         """A final sent again by a writer that lost its connection: the languages that
         answered it before (its update is in the stream's history) answer it from there,
         to the writer only (viewers had it); returns the sessions still to translate it.
-        The first final not answered before ends the search: the writer's resends come
-        first, in order."""
+        Only finals at or below the seq the earlier life answered up to are looked up."""
         event = admission.event
         try:
             found = await self._bus.answered(
@@ -544,10 +543,7 @@ class IncrementalTranslator:
             stream.answered.add(lang)
             self.stats["answered_from_history"] += 1
             self._bus.to_owner(update, stream.life.owner)
-        left = {lang: s for lang, s in stream.sessions.items() if lang not in found}
-        if left:
-            stream.life.resuming = False
-        return left
+        return {lang: s for lang, s in stream.sessions.items() if lang not in found}
 
     async def _translate(
         self, stream: _Stream, admission: Admission[_Stream], received: float
@@ -617,7 +613,8 @@ class IncrementalTranslator:
         stream.current = event
         stream.answered = set()
         sessions = stream.sessions
-        if event.is_final and stream.life.resuming:
+        through = stream.life.answered_through
+        if event.is_final and through is not None and event.seq <= through:
             sessions = await self._answer_from_history(stream, admission)
             if stream.closed:  # aborted meanwhile: `abort` answered it
                 stream.current = None

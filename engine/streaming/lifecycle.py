@@ -158,9 +158,9 @@ class StreamLifecycle:
         # Why it began closing (close, owner left, shutdown), None while it takes events:
         # a stream its writer closed ends its history; one handed over does not.
         self.ending: Trigger | None = None
-        # Its finals may have been answered by an earlier life whose writer left (set
-        # when the bus says so; cleared at the first final not found answered).
-        self.resuming = False
+        # The highest seq an earlier life (whose writer left) answered, when the bus says
+        # so: a final resent at or below it may be answered already.
+        self.answered_through: int | None = None
 
     def __repr__(self) -> str:
         return (

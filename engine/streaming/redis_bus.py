@@ -51,6 +51,7 @@ from engine.streaming.subscriptions import (
     Entry,
     Reply,
     Subscription,
+    answered_through,
     backlog_lines,
     by_cursor,
     current_life,
@@ -340,7 +341,7 @@ class RedisBus:
                     keys=[self._lease_key(stream_id), self._epoch_key(stream_id)],
                     args=[self.node, self.lease_ms, int(time.time() * 1000)],
                 )
-                resumed = bool(granted) and await self._resumed(stream_id)
+                through = await self._answered_through(stream_id) if granted else None
             except _redis_errors() as exc:
                 self._failed("claiming a stream", exc)
                 raise self._unavailable(
@@ -351,9 +352,9 @@ class RedisBus:
                 epoch = int(value)
                 self._held[stream_id] = epoch
                 self._lost.discard(stream_id)
-                if waited or resumed:
+                if waited or through is not None:
                     self._stats["takeovers"] += 1
-                return Claim(epoch, bool(resumed))
+                return Claim(epoch, through)
             # Another node's writer holds it: wait for its lease, which a dead node
             # stops renewing; a live one keeps it and the writer here is refused.
             pause = max(int(value), 10) / 1000 + 0.01
@@ -369,15 +370,19 @@ class RedisBus:
             waited = True
             await anyio.sleep(pause)
 
-    async def _resumed(self, stream_id: str) -> bool:
-        """Whether a history of the stream goes on without a close mark at its end."""
+    async def _answered_through(self, stream_id: str) -> int | None:
+        """The highest seq the stream's current life (its histories since the last close
+        mark) has a reply for; None when that life is over (closed) or empty."""
+        highest: int | None = None
         for lang in self.languages:
-            last = await self._redis.xrevrange(
-                self._history_key(stream_id, lang), "+", "-", count=1
+            raw = await self._redis.xrevrange(
+                self._history_key(stream_id, lang), "+", "-", count=16
             )
-            if last and last[0][1].get("k") == _KIND_REPLY:
-                return True
-        return False
+            entries = [_entry(entry_id, fields) for entry_id, fields in reversed(raw)]
+            seq = answered_through(entries)
+            if seq is not None and (highest is None or seq > highest):
+                highest = seq
+        return highest
 
     def release(self, stream_id: str) -> None:
         if stream_id in self._held and self._group is not None:

@@ -118,7 +118,9 @@ class Subscription(AsyncIterator[Reply]):
             return
         if cursor is None and isinstance(reply, TranslationUpdate):
             cursor = reply.cursor
-        if cursor is not None:
+        # A writer's subscription is fed once per reply, in the order replies are made
+        # (a resent final answered from the history comes late, with its old cursor).
+        if cursor is not None and self.owner is None:
             key = lane if lane is not None else reply.lang
             at = position(cursor)
             last = self.positions.get(key)
@@ -184,12 +186,28 @@ class Subscription(AsyncIterator[Reply]):
 
 @dataclass(frozen=True)
 class Claim:
-    """A stream life handed out by the bus (`UpdateBus.claim`): its `epoch`, and whether
-    it goes on from a life whose writer left without closing it (`resumed`), whose
-    history may hold the replies of finals the writer is about to send again."""
+    """A stream life handed out by the bus (`UpdateBus.claim`): its `epoch`, and, when it
+    goes on from a life whose writer left without closing it, the highest `seq` that life
+    published a reply for (`answered_through`): a final the writer sends again at or below
+    it may have been answered already, and is looked up in the history; one above it
+    cannot have been."""
 
     epoch: int
-    resumed: bool = False
+    answered_through: int | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.answered_through is not None
+
+
+def answered_through(entries: Sequence[Entry]) -> int | None:
+    """The highest seq with a reply in the current life of a history (None: none)."""
+    seqs = [
+        entry.reply.seq
+        for entry in current_life(entries)
+        if entry.reply is not None and entry.reply.seq is not None
+    ]
+    return max(seqs) if seqs else None
 
 
 @runtime_checkable
@@ -422,9 +440,11 @@ class InProcessBus:
 
     async def claim(self, stream_id: str) -> Claim:
         self._epochs += 1
-        resumed = stream_id in self._handed_over
-        self._handed_over.pop(stream_id, None)
-        return Claim(self._epochs, resumed)
+        through = None
+        if self._handed_over.pop(stream_id, "absent") is None:  # it was handed over
+            seqs = [answered_through(list(e)) for e in self._history.get(stream_id, {}).values()]
+            through = max((s for s in seqs if s is not None), default=None)
+        return Claim(self._epochs, through)
 
     async def answered(
         self, stream_id: str, segment_id: int, seq: int, source: str, languages: Sequence[str]
