@@ -737,3 +737,26 @@ def test_the_prefill_projects_only_the_positions_a_search_reads(translator: Tran
     np.testing.assert_allclose(part[0, 3:], whole[0, 3:], atol=1e-5, rtol=0)
     for a, b in zip(self_kv, part_kv, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_timeline_records_every_lane_turn_when_asked() -> None:
+    """`DecodeScheduler.timeline`: each lane turn with its parts and rows (off by default)."""
+    from engine.decoding.timeline import Timeline, format_summary, summary
+
+    needs_fixture()
+    translator = Translator.from_dir(FIXTURE_MODEL)
+    try:
+        scheduler = translator.scheduler
+        assert scheduler.timeline is None
+        scheduler.timeline = Timeline()
+        translator.translate(["I will meet Tom at three", "Tom reads a book"])
+        steps = scheduler.timeline.steps()
+        assert steps and all(s.lane in range(scheduler.lanes) for s in steps)
+        assert sum(s.encode_rows for s in steps) == 2  # one encoder call for both
+        assert sum(s.joined for s in steps) == 2 and max(s.rows for s in steps) >= 1
+        assert all(s.execute >= 0 and s.update >= 0 and s.waited >= 0 for s in steps)
+        result = summary(steps)
+        assert result["steps"] == len(steps) and result["rows_p50"] >= 1
+        assert "rows per decoder call" in format_summary(result)
+    finally:
+        translator.close()

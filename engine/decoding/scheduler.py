@@ -58,6 +58,7 @@ from engine.decoding.search import (
     StepHook,
     make_search,
 )
+from engine.decoding.timeline import Step, Timeline
 from engine.model import EncoderOutput, IntArray, MarianOnnx
 
 log = logging.getLogger(__name__)
@@ -189,9 +190,16 @@ class DecodeScheduler:
     stop at `close`.
     """
 
-    def __init__(self, model: MarianOnnx, options: SchedulerOptions | None = None) -> None:
+    def __init__(
+        self,
+        model: MarianOnnx,
+        options: SchedulerOptions | None = None,
+        timeline: Timeline | None = None,
+    ) -> None:
         self.model = model
         self.options = options or SchedulerOptions()
+        # Set to record every lane turn (`engine.decoding.timeline`); None: nothing kept.
+        self.timeline = timeline
         self.lanes, self.threads_per_lane, _ = self.options.resolved()
         self._cond = threading.Condition()
         self._waiting: list[_Request] = []
@@ -346,7 +354,8 @@ class DecodeScheduler:
                 idle = time.perf_counter()
                 while not (self._waiting or self._encodes or lane.batch) and not self._closed:
                     self._cond.wait()
-                lane.stats["idle_ms"] += int((time.perf_counter() - idle) * 1000)
+                began = time.perf_counter()
+                lane.stats["idle_ms"] += int((began - idle) * 1000)
                 if self._closed:
                     self._fail_lane(lane, SchedulerClosed("the decode scheduler is closed"))
                     self._fail_waiting(SchedulerClosed("the decode scheduler is closed"))
@@ -354,10 +363,24 @@ class DecodeScheduler:
                 encodes, self._encodes = self._encodes, []
             try:
                 self._run_encodes(lane, encodes)
-                self._iterate(lane)
+                encoded = time.perf_counter()
+                turn = self._iterate(lane)
             except Exception as exc:  # a failing call must not kill the lane
                 log.exception("decoder step failed; its requests get the error")
                 self._fail_lane(lane, exc)
+                continue
+            if self.timeline is not None:
+                self.timeline.add(
+                    Step(
+                        lane.index,
+                        began,
+                        began - idle,
+                        encoded - began,
+                        sum(int(job.input_ids.shape[0]) for job in encodes),
+                        *turn,
+                        len(self._waiting),
+                    )
+                )
 
     def _run_encodes(self, lane: _Lane, jobs: list[_EncodeJob]) -> None:
         """Every encoder job that arrived, in one call over their rows padded to the
@@ -396,11 +419,15 @@ class DecodeScheduler:
             )
             row += n
 
-    def _iterate(self, lane: _Lane) -> None:
-        """One step of the lane's batch: update, schedule, execute (`DecodeBatch`)."""
+    def _iterate(self, lane: _Lane) -> tuple[float, float, float, int, int, int]:
+        """One step of the lane's batch: update, schedule, execute (`DecodeBatch`).
+        Returns the seconds each took, the rows of the decoder call and the rows that
+        joined and left (for the timeline)."""
         batch = lane.batch
+        t0 = time.perf_counter()
         for search in batch.update():
             self._finish(lane, search)
+        t1 = time.perf_counter()
         with self._cond:
             leaving = [search for search, r in lane.running.items() if r.aborted]
         joining = self._admit(lane, self.options.max_rows - batch.rows) if batch.joinable else []
@@ -415,13 +442,16 @@ class DecodeScheduler:
             lane.stats["prefill_calls"] += 1
             lane.stats["prefill_rows"] += len(joining)
         rows = batch.rows
+        t2 = time.perf_counter()
         if rows:
             lane.batch_sizes[rows] += 1
             lane.stats["decoder_steps"] += 1
             batch.execute()
+        t3 = time.perf_counter()
         if batch.stats:  # draft and lookahead tokens verified
             lane.stats.update(batch.stats)
             batch.stats.clear()
+        return t1 - t0, t2 - t1, t3 - t2, rows, len(joining), len(leaving)
 
     def _admit(self, lane: _Lane, room: int) -> list[_Request]:
         """Waiting requests this lane starts now: finals and offline calls first, then by

@@ -106,6 +106,11 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
         realtime=True,
         progress=False,
     )
+    timeline = None
+    if args.timeline is not None and scheduler is not None:
+        from engine.decoding.timeline import Timeline
+
+        timeline = scheduler.timeline = Timeline()
     rss0 = rss_mib()
     peak = PeakRss()
     cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -122,6 +127,16 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
         sizes = [float(k) for k, v in delta.items() for _ in range(v)]
     finals = sum(1 for line in lines if line["is_final"])
     final_updates = sum(1 for t in result.updates if t.update.is_final)
+    if timeline is not None:
+        from engine.decoding.timeline import format_summary, summary
+
+        scheduler.timeline = None
+        steps = timeline.steps()
+        print(format_summary(summary(steps)), flush=True)
+        path = Path(f"{args.timeline}.{n}.jsonl")
+        with path.open("w") as f:
+            for step in steps:
+                f.write(json.dumps(step.to_dict()) + "\n")
     return {
         "streams": n,
         "partials": partials,
@@ -182,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--timeline",
+        metavar="PREFIX",
+        help="record every scheduler lane turn (engine/decoding/timeline.py): print a "
+        "summary per N and write PREFIX.N.jsonl",
+    )
     args = parser.parse_args(argv)
     if not FLORES_ZH.is_file():
         print(f"needs {FLORES_ZH}", file=sys.stderr)
