@@ -477,9 +477,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--stream-id",
-        default=None,
+        default="demo",
         metavar="ID",
-        help="send the log's stream as ID (several streams: ID-NAME each)",
+        help="send the log's stream as ID (several streams: ID-NAME each); default "
+        "%(default)s, the stream the server's banner and the subtitle page show without "
+        "?stream=; an empty ID (--stream-id=) keeps the log's own ids",
     )
     parser.add_argument("--token", default=None, help="the server's --token (the writer's)")
     parser.add_argument(
@@ -503,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.reconnect_for < 0:
         parser.error("--reconnect-for must not be negative")
     lines = read_log(args.log)
-    if args.stream_id is not None:
+    if args.stream_id:
         lines = read_log(args.log, renamer(lines, args.stream_id))
     for stream in sorted({line.event.stream_id for line in lines}):
         print(f"subtitle page: {page_url(args.url, stream, args.viewer_token)}", file=sys.stderr)

@@ -128,14 +128,15 @@ async def test_page_shows_stable_and_tentative_text(translator: Translator, tmp_
                     assert await wait_for_lines(page, expected) == expected
                     tentative_seen |= any(tail for _, tail in expected)
 
-        # The last line's tail is dimmer and in italics, the stable part is not.
+        # The last line's tail is dimmer and lighter than the stable part, and never in
+        # italics: browsers fake them for Chinese by slanting the glyphs (issue 27).
         styles = await page.evaluate(
             """() => ['.stable', '.tentative'].map(sel => {
                 const s = getComputedStyle(document.querySelector('.line:last-child ' + sel));
-                return [s.fontStyle, s.opacity];
+                return [s.fontStyle, s.opacity, s.fontWeight];
             })"""
         )
-        assert styles == [["normal", "1"], ["italic", "0.65"]]
+        assert styles == [["normal", "1", "600"], ["normal", "0.6", "400"]]
         shot = tmp_path / "subtitles.png"
         await page.screenshot(path=str(shot))
         shutil.copy(shot, SCREENSHOT_COPY)
@@ -144,7 +145,7 @@ async def test_page_shows_stable_and_tentative_text(translator: Translator, tmp_
             lines[0][1] == ""
             and lines[0][0] == translator.translate([SEGMENTS[0][-1]], STREAMING.decode)[0].text
         )
-        assert tentative_seen, "no update had a tentative tail: nothing italic was checked"
+        assert tentative_seen, "no update had a tentative tail: its style was not checked"
         await browser.close()
 
 
@@ -278,7 +279,7 @@ async def test_page_names_a_stream_id_the_server_would_refuse(
         await page.wait_for_selector("body[data-state=refused]", timeout=10000)
         assert await page.is_visible("#status")
         note = await page.text_content("#status") or ""
-        assert "cannot show this stream" in note and why in note, note
+        assert "cannot show this stream" in note.lower() and why in note, note
         await anyio.sleep(0.3)
         assert server.role_counts()["viewer"] == 0  # it never subscribed
         await browser.close()

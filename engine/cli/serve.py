@@ -259,11 +259,19 @@ def stream_keys(pairs: list[tuple[str, str]]) -> dict[str, str]:
     return keys
 
 
-def page_url(base: str, options: ServerOptions, query: str = "stream=demo") -> str:
-    """The subtitle page's URL as the log prints it for viewers: with the viewer token
-    when there is one, never with a writer's secret."""
+DEFAULT_STREAM = "demo"
+"""The stream id the banner's URLs show: the subtitle page's own default (`subtitles.js`)
+and `examples/replay_client.py`'s, so that following any of them shows the same stream."""
+
+
+def page_url(
+    base: str, options: ServerOptions, query: str = f"stream={DEFAULT_STREAM}", page: str = ""
+) -> str:
+    """A viewer page's URL as the log prints it (`page`: "" the subtitle page,
+    "transcript" the transcript): with the viewer token when there is one, never with a
+    writer's secret."""
     token = f"&token={quote(options.viewer_token, safe='')}" if options.viewer_token else ""
-    return f"{base}?{query}{token}"
+    return f"{base}{page}?{query}{token}"
 
 
 def describe_roles(options: ServerOptions) -> str:
@@ -378,6 +386,10 @@ async def _serve_with(
     async with SubtitleServer(None, options) as server:
         ws_url = server.url.replace("http", "ws", 1) + "ws"
         log.info("subtitle page: %s (any stream id)", page_url(server.url, options))
+        log.info(
+            "transcript: %s (its finals, following live; VTT/SRT downloads)",
+            page_url(server.url, options, page="transcript"),
+        )
         log.info("websocket: %s (writers send partial_transcript, viewers subscribe)", ws_url)
         log.info("%s", describe_roles(options))
         connections, tight = describe_connections(options.connections)
@@ -409,7 +421,7 @@ async def _serve_with(
                         f"{lang} (default)" if lang == targets.default else lang for lang in targets
                     ),
                     ", ".join(
-                        page_url(server.url, options, f"stream=demo&lang={lang}")
+                        page_url(server.url, options, f"stream={DEFAULT_STREAM}&lang={lang}")
                         for lang in targets
                     ),
                 )

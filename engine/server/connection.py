@@ -88,6 +88,7 @@ class Route(Enum):
 
     WEBSOCKET = "ws"
     PAGE = "page"
+    TRANSCRIPT = "transcript"
     STATIC = "static"
     HEALTHZ = "healthz"
     READYZ = "readyz"
@@ -99,16 +100,25 @@ _ROUTES = {
     WS_PATH: Route.WEBSOCKET,
     "/": Route.PAGE,
     "/index.html": Route.PAGE,
+    "/transcript": Route.TRANSCRIPT,
     "/healthz": Route.HEALTHZ,
     "/readyz": Route.READYZ,
     "/metrics": Route.METRICS,
 }
 
+PAGES: dict[Route, str] = {
+    Route.PAGE: "index.html",
+    Route.TRANSCRIPT: "transcript.html",
+}
+"""The HTML file in `static/` of each page route (served as text/html)."""
+
 STATIC_FILES: dict[str, str] = {
     "/subtitles.css": "text/css; charset=utf-8",
     "/subtitles.js": "text/javascript; charset=utf-8",
+    "/transcript.css": "text/css; charset=utf-8",
+    "/transcript.js": "text/javascript; charset=utf-8",
 }
-"""Assets the page loads, by path, with their content type (the page itself is `/`)."""
+"""Assets the pages load, by path, with their content type (the pages are `PAGES`)."""
 
 
 def route(path: str) -> Route:

@@ -1,5 +1,5 @@
-"""Plain HTTP on the server's port: the subtitle page and its assets, health, readiness,
-metrics, and the gate in front of a WebSocket handshake.
+"""Plain HTTP on the server's port: the subtitle and transcript pages and their assets,
+health, readiness, metrics, and the gate in front of a WebSocket handshake.
 
 Everything here answers from the request alone (and the server's state and metrics); it
 runs inside the `websockets` handshake hook, so a request is answered before any
@@ -17,6 +17,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from engine.server.connection import (
+    PAGES,
     SINGLE_HEADERS,
     STATIC_FILES,
     UNAUTHORIZED,
@@ -88,10 +89,9 @@ class HttpRoutes:
         self.credentials = credentials
         self.doors = doors
         self.allowed_origins = frozenset(allowed_origins) if allowed_origins is not None else None
-        # Read once: the page and its assets are part of the package.
-        self._assets = {"/": _static("index.html")} | {
-            path: _static(path.lstrip("/")) for path in STATIC_FILES
-        }
+        # Read once: the pages and their assets are part of the package.
+        self._pages = {kind: _static(name) for kind, name in PAGES.items()}
+        self._assets = {path: _static(path.lstrip("/")) for path in STATIC_FILES}
 
     def __call__(self, ws: ServerConnection, request: Request) -> Response | None:
         counts = {name: len(request.headers.get_all(name)) for name in SINGLE_HEADERS}
@@ -102,10 +102,12 @@ class HttpRoutes:
         kind = route(request.path)
         if kind is Route.WEBSOCKET:
             return self._handshake(ws, request)
-        if kind is Route.PAGE or kind is Route.STATIC:
-            path = "/" if kind is Route.PAGE else request_path(request.path)
-            content_type = STATIC_FILES.get(path, "text/html; charset=utf-8")
-            return _response(200, self._assets[path], content_type, _PAGE_HEADERS)
+        if kind in self._pages:
+            page = self._pages[kind]
+            return _response(200, page, "text/html; charset=utf-8", _PAGE_HEADERS)
+        if kind is Route.STATIC:
+            path = request_path(request.path)
+            return _response(200, self._assets[path], STATIC_FILES[path], _PAGE_HEADERS)
         if kind is Route.HEALTHZ:
             return _text(200, "ok\n")
         if kind is Route.READYZ:
