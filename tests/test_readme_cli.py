@@ -1,5 +1,6 @@
-"""The README and the command line agree: every option of every command is documented,
-and every option the README shows exists (so neither can drift from the other)."""
+"""The documentation and the command line agree: every option of every command is in the
+CLI reference (docs/cli.md), and every option the README or docs/ show exists (so neither
+can drift from the other)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import re
 from engine.cli.main import build_parser
 from tests.conftest import ROOT
 
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+CLI_REFERENCE = ROOT / "docs" / "cli.md"
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def commands(parser: argparse.ArgumentParser, path: str = "") -> dict[str, set[str]]:
@@ -29,18 +31,42 @@ def commands(parser: argparse.ArgumentParser, path: str = "") -> dict[str, set[s
     return out
 
 
-def test_every_option_is_in_the_readme() -> None:
-    documented = set(re.findall(r"(--[a-z][a-z0-9-]*)", README))
+def sections(text: str) -> dict[str, str]:
+    """The text of each `## name` section of a Markdown page."""
+    parts = re.split(r"^## +(.+)$", text, flags=re.MULTILINE)
+    return {name.strip(): body for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def test_every_option_is_in_the_cli_reference() -> None:
+    reference = CLI_REFERENCE.read_text(encoding="utf-8")
+    documented = set(re.findall(r"(--[a-z][a-z0-9-]*)", reference))
     missing = {name: sorted(flags - documented) for name, flags in commands(build_parser()).items()}
     assert not {name: flags for name, flags in missing.items() if flags}
 
 
-def test_every_option_the_readme_shows_exists() -> None:
+def test_every_subcommand_has_its_section() -> None:
+    """Each top-level command has a `## name` section whose text names every option that
+    command has (not merely somewhere on the page)."""
+    reference = sections(CLI_REFERENCE.read_text(encoding="utf-8"))
+    shared = reference["Options every model command shares"]
+    for name, flags in commands(build_parser()).items():
+        top = name.split()[0]
+        assert top in reference, f"docs/cli.md has no '## {top}' section"
+        text = reference[top] + (shared if top in ("translate", "replay", "serve") else "")
+        missing = sorted(
+            flag for flag in flags if flag not in set(re.findall(r"--[a-z0-9-]+", text))
+        )
+        assert not missing, f"docs/cli.md, section {top}: {name} {missing}"
+
+
+def test_every_option_the_docs_show_exists() -> None:
     known = set().union(*commands(build_parser()).values(), {"--help"})
-    # Options of other programs the README shows (Optimum, SimulEval, OmniSTEval, pip).
+    # Options of other programs the docs show (Optimum, SimulEval, OmniSTEval, the example
+    # client).
     others = {
-        "--task", "--model", "--output", "--score-only", "--eval-latency-unit",
-        "--sacrebleu-tokenizer", "--no-use-ref-len", "--hypothesis_file", "--char_level",
+        "--task", "--output", "--score-only", "--eval-latency-unit", "--sacrebleu-tokenizer",
+        "--no-use-ref-len", "--hypothesis_file", "--char_level", "--url",
     }  # fmt: skip
-    shown = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", README))
-    assert not sorted(shown - known - others)
+    for path in DOCUMENTS:
+        shown = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", path.read_text(encoding="utf-8")))
+        assert not sorted(shown - known - others), path.relative_to(ROOT)

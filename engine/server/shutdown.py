@@ -6,7 +6,7 @@ final still owed is answered `unavailable` before the sockets close, so every fi
 client sent gets exactly one reply. Each connection then sends its own close frame (1001)
 once every message it read has been answered (`Client._close_going_away`): a final that
 reaches the server before its close frame is answered, one that crosses it is the
-client's to send again after reconnecting (the README says so).
+client's to send again after reconnecting (docs/protocol.md says so).
 
 The whole of it is bounded: `timeout` for the engine, then `ABORT_GRACE` for the last
 replies and the close handshakes; a connection that has not finished its close handshake

@@ -157,7 +157,7 @@ class FirstWord:
     then "... on sunday" -> 海伦星期天想学音乐) any agreement past the subject is overturned
     by words still to come, however many hypotheses agreed. Committed text is also forced
     on every later decode, so a wrong commit spoils the tentative text as well. Measured
-    on the offline-trained fixture and recogniser-style logs (README, policy table): far
+    on the offline-trained fixture and recogniser-style logs (docs/streaming.md, policy table): far
     fewer revised finals than LocalAgreement-2 at the same stable LAAL, since LA-2's stable
     text is late wherever the final revises it.
     """

@@ -12,7 +12,7 @@ the signal. Each try ends as one of:
 - closed before sending: the writer had the close frame before its final was due;
 - lost: sent, no reply, then the close frame. The server logs each final it read after
   its close frame (it crossed the close on the wire: the client's to send again after
-  reconnecting, as the README says); a lost final it did not log broke the contract.
+  reconnecting, as docs/protocol.md says); a lost final it did not log broke the contract.
 
 With `--blind` the writer sends its final even when the close frame came first, as the
 issue's raw-socket attack did (those count as closed before sending, and the server's log
