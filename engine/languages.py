@@ -144,23 +144,41 @@ def cjk_share(text: str, *, ideographs: bool = False) -> float | None:
 
 
 OTHER_SCRIPT_SHARE = 0.5
-"""A text is "mostly in another script" than its model's source language when at least
-this share of its non-space characters is of the other kind (ideographs for a language
-written with spaces, anything else for Chinese)."""
+"""A text in a language written with spaces is "mostly in another script" when at least this
+share of its letters are ideographs (Chinese sent to an English model)."""
+
+IDEOGRAPH_SHARE_MIN = 0.1
+"""Chinese text is "in another script" only below this share of ideographs among its letters:
+Chinese quotes Latin names, units and product names freely ("802.11n 标准在 2.4Ghz 和 5.0Ghz
+频率上都可运行" is Chinese), so only text with next to no ideographs is flagged."""
+
+
+def ideograph_share(text: str) -> float | None:
+    """The share of ideographs among the letters of `text` (digits, punctuation and spaces
+    left out); None for a text without letters."""
+    ideographs = letters = 0
+    for ch in text:
+        if is_ideograph(ch):
+            ideographs += 1
+            letters += 1
+        elif ch.isalpha():
+            letters += 1
+    return ideographs / letters if letters else None
 
 
 def in_other_script(text: str, source_lang: str | None) -> bool:
     """Whether `text` is mostly in another script than `source_lang` is written in:
     Chinese sent to an English model, or English to a Chinese one. Such input is
     translated into nonsense without a word from the model, so the engine says so once
-    (the log, replay's report). False when the language is unknown or the text empty."""
+    (the log, replay's report). False when the language is unknown or the text has no
+    letters."""
     if not source_lang:
         return False
-    share = cjk_share(text, ideographs=True)
+    share = ideograph_share(text)
     if share is None:
         return False
     if written_without_spaces(source_lang):
-        return share < 1 - OTHER_SCRIPT_SHARE
+        return share < IDEOGRAPH_SHARE_MIN
     return share >= OTHER_SCRIPT_SHARE
 
 

@@ -84,4 +84,7 @@ def test_text_in_another_script_than_the_source_language_is_told_apart() -> None
     assert in_other_script("I will meet Tom at three", "zh")
     assert not in_other_script("我们三点钟见 Tom", "zh")
     assert not in_other_script("Ich werde Tom treffen", "de")
+    # Chinese quotes Latin and numbers freely: still Chinese.
+    assert not in_other_script("802.11n 标准在 2.4Ghz 和 5.0Ghz 频率上都可运行。", "zh")
+    assert not in_other_script("Tom 和 Jack 去 IKEA", "zh")
     assert not in_other_script("", "en") and not in_other_script("我们", None)
