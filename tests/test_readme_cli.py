@@ -52,7 +52,9 @@ def test_every_subcommand_has_its_section() -> None:
     for name, flags in commands(build_parser()).items():
         top = name.split()[0]
         assert top in reference, f"docs/cli.md has no '## {top}' section"
-        text = reference[top] + (shared if top in ("translate", "replay", "serve") else "")
+        text = reference[top] + (
+            shared if top in ("translate", "replay", "serve", "listen") else ""
+        )
         missing = sorted(
             flag for flag in flags if flag not in set(re.findall(r"--[a-z0-9-]+", text))
         )

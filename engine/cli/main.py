@@ -11,6 +11,8 @@ import traceback
 from collections.abc import Sequence
 from types import TracebackType
 
+from engine.cli.bridge import add_bridge_parser, run_bridge
+from engine.cli.listen import add_listen_parser, run_listen
 from engine.cli.logs import add_logs_parser, run_logs
 from engine.cli.models import add_models_parser, run_models
 from engine.cli.replay import add_replay_parser, run_replay
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_logs_parser(commands)
     add_serve_parser(commands)
     add_models_parser(commands)
+    add_listen_parser(commands)
+    add_bridge_parser(commands)
     return parser
 
 
@@ -73,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "models":
             return run_models(args)
+        if args.command == "bridge":
+            return run_bridge(args)
+        if args.command == "listen":
+            return run_listen(args, sys.stdin.buffer, sys.stdout, sys.stderr)
     except (EngineError, TranscriptLogError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

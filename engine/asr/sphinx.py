@@ -1,0 +1,215 @@
+"""pocketsphinx 5 as a sans-I/O `Recognizer`: utterances ended by its voice activity
+endpointer, partial hypotheses while it decodes, a final at the end of each utterance.
+
+pocketsphinx has no type stubs: the library is held as `Any` in this module only, and
+every value that leaves it is converted to a plain typed one here.
+
+How an utterance goes: `Endpointer` (WebRTC-style voice activity over 30 ms frames, with
+a decision window of `silence_s`) returns speech frames, the first ones with the audio
+just before speech began; the first starts an utterance (`Decoder.start_utt`), each is
+decoded (`process_raw`), every `partial_every_ms` of speech the decoder's best hypothesis
+so far (`hyp()`) becomes a partial, and when the endpointer has heard enough silence the
+utterance ends (`end_utt`) and its hypothesis is the final. pocketsphinx gives no
+stability hint (a partial's words may all change), so `stable_chars` stays None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.asr.errors import RecognizerUnavailable, import_extra
+from engine.streaming.recognizer import SpeechHypothesis
+
+SAMPLE_RATE = 16_000  # the rate of pocketsphinx's en-US acoustic model
+
+
+def pocketsphinx() -> Any:
+    """The pocketsphinx module (`RecognizerUnavailable` with the install hint if absent)."""
+    return import_extra("pocketsphinx", package="'pocketsphinx>=5'")
+
+
+@dataclass(frozen=True)
+class SphinxOptions:
+    """What pocketsphinx recognizes and how utterances are cut.
+
+    `language_model` (ARPA, optionally gzipped, or pocketsphinx's binary `.lm.bin`) or
+    `grammar` (a JSGF file; `grammar_rule` its top rule, default its first public one)
+    says what may be said; with neither, the package's general en-US model. A closed
+    domain recognizes far better with its own model (`engine.asr.build_domain_model`).
+    `dictionary`: pronunciations (default the package's CMUdict); `acoustic_model`: a
+    model directory (default the package's en-US one).
+    `silence_s`: the endpointer's window; an utterance ends once `vad_ratio` of that long
+    is not speech (and starts once that share of it is), so it is both how long a pause
+    must be to cut a sentence and the least delay of every final after speech ends.
+    `vad_mode`: 0 (loose) to 3 (strict) about what counts as speech.
+    `partial_every_ms`: how much speech between partial hypotheses (each is a decode for
+    the translator, and a back-trace for the decoder).
+    `config`: other pocketsphinx options, by their names (e.g. {"beam": 1e-60}).
+    """
+
+    language_model: Path | None = None
+    grammar: Path | None = None
+    grammar_rule: str | None = None
+    dictionary: Path | None = None
+    acoustic_model: Path | None = None
+    silence_s: float = 0.3
+    vad_ratio: float = 0.9
+    vad_mode: int = 0
+    partial_every_ms: float = 100.0
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.language_model is not None and self.grammar is not None:
+            raise ValueError("give a language model or a grammar, not both")
+        if self.grammar_rule is not None and self.grammar is None:
+            raise ValueError("grammar_rule needs a grammar")
+        if not (math.isfinite(self.silence_s) and 0.06 <= self.silence_s <= 10.0):
+            raise ValueError(f"silence_s must be between 0.06 and 10 seconds, not {self.silence_s}")
+        if not 0.0 < self.vad_ratio < 1.0:
+            raise ValueError(f"vad_ratio must be between 0 and 1, not {self.vad_ratio}")
+        if self.vad_mode not in (0, 1, 2, 3):
+            raise ValueError(f"vad_mode must be 0, 1, 2 or 3, not {self.vad_mode}")
+        if not (math.isfinite(self.partial_every_ms) and self.partial_every_ms > 0):
+            raise ValueError("partial_every_ms must be a positive number")
+
+    def decoder_config(self) -> dict[str, Any]:
+        """The keyword arguments of `pocketsphinx.Decoder` these options make."""
+        out: dict[str, Any] = {"samprate": SAMPLE_RATE, "loglevel": "FATAL"}
+        for key, path in (
+            ("hmm", self.acoustic_model),
+            ("dict", self.dictionary),
+            ("lm", self.language_model),
+            ("jsgf", self.grammar),
+        ):
+            if path is not None:
+                if not Path(path).exists():
+                    raise RecognizerUnavailable(f"{path}: no such file or directory")
+                out[key] = str(path)
+        if self.grammar is not None:
+            out["lm"] = None  # the grammar replaces the default language model
+            if self.grammar_rule is not None:
+                out["toprule"] = self.grammar_rule
+        out.update(self.config)
+        return out
+
+
+class SphinxRecognizer:
+    """pocketsphinx behind the `Recognizer` protocol (16 kHz 16-bit mono PCM).
+
+    Loading the general en-US model takes a few tenths of a second, a domain model far
+    less; make one recognizer per stream (they share nothing and are not thread-safe).
+    """
+
+    sample_rate: int = SAMPLE_RATE
+
+    def __init__(self, options: SphinxOptions | None = None) -> None:
+        self.options = options or SphinxOptions()
+        ps = pocketsphinx()
+        try:
+            self._decoder: Any = ps.Decoder(**self.options.decoder_config())
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise RecognizerUnavailable(
+                f"pocketsphinx could not load its model ({exc}): check the language "
+                "model, grammar, dictionary and acoustic model files"
+            ) from exc
+        try:
+            self._endpointer: Any = ps.Endpointer(
+                window=self.options.silence_s,
+                ratio=self.options.vad_ratio,
+                vad_mode=self.options.vad_mode,
+                sample_rate=SAMPLE_RATE,
+            )
+        except ValueError as exc:
+            raise ValueError(f"pocketsphinx's endpointer refused its options: {exc}") from exc
+        self._frame_bytes = int(self._endpointer.frame_bytes)
+        self._pending = bytearray()
+        self._in_utterance = False
+        self._utterance_start_ms = 0.0
+        self._utterance_samples = 0  # speech given to the decoder in this utterance
+        self._partial_at = 0  # `_utterance_samples` at the last partial
+        self._samples = 0  # audio accepted, all of it
+
+    @property
+    def heard_ms(self) -> float:
+        return self._samples * 1000.0 / SAMPLE_RATE
+
+    def accept(self, pcm: bytes) -> list[SpeechHypothesis]:
+        """Recognize the next audio (any length, whole samples); the hypotheses made."""
+        self._samples += len(pcm) // 2
+        self._pending += pcm
+        out: list[SpeechHypothesis] = []
+        size = self._frame_bytes
+        frames = len(self._pending) // size
+        try:
+            for i in range(frames):
+                out += self._frame(bytes(self._pending[i * size : (i + 1) * size]))
+        except Exception:
+            self._recover()
+            raise
+        finally:
+            del self._pending[: frames * size]
+        return out
+
+    def flush(self) -> list[SpeechHypothesis]:
+        """End of audio: the utterance in progress ends (what is left shorter than a frame
+        goes to the endpointer's end of stream)."""
+        rest, self._pending = bytes(self._pending), bytearray()
+        if not self._in_utterance:
+            return []
+        try:
+            speech = self._endpointer.end_stream(rest)
+            if speech is not None:
+                self._decode(bytes(speech))
+            return [self._end(self.heard_ms)]
+        except Exception:
+            self._recover()
+            raise
+
+    def _frame(self, frame: bytes) -> list[SpeechHypothesis]:
+        speech = self._endpointer.process(frame)
+        if speech is None:
+            return []
+        if not self._in_utterance:
+            self._decoder.start_utt()
+            self._in_utterance = True
+            self._utterance_start_ms = float(self._endpointer.speech_start) * 1000.0
+            self._utterance_samples = self._partial_at = 0
+        self._decode(bytes(speech))
+        if not self._endpointer.in_speech:
+            return [self._end(float(self._endpointer.speech_end) * 1000.0)]
+        every = self.options.partial_every_ms * SAMPLE_RATE / 1000.0
+        if self._utterance_samples - self._partial_at < every:
+            return []
+        self._partial_at = self._utterance_samples
+        return [SpeechHypothesis(self._hypothesis(), False, self._utterance_start_ms, self._end_ms)]
+
+    @property
+    def _end_ms(self) -> float:
+        return self._utterance_start_ms + self._utterance_samples * 1000.0 / SAMPLE_RATE
+
+    def _decode(self, speech: bytes) -> None:
+        self._decoder.process_raw(speech, False, False)
+        self._utterance_samples += len(speech) // 2
+
+    def _end(self, end_ms: float) -> SpeechHypothesis:
+        self._decoder.end_utt()
+        self._in_utterance = False
+        end = max(self._utterance_start_ms, end_ms)
+        return SpeechHypothesis(self._hypothesis(), True, self._utterance_start_ms, end)
+
+    def _hypothesis(self) -> str:
+        hyp = self._decoder.hyp()
+        return "" if hyp is None else str(hyp.hypstr)
+
+    def _recover(self) -> None:
+        """After an error: leave the utterance, so that the next audio starts afresh."""
+        if self._in_utterance:
+            self._in_utterance = False
+            # A decoder past helping says so at the next start_utt.
+            with contextlib.suppress(Exception):
+                self._decoder.end_utt()

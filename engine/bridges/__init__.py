@@ -1,0 +1,42 @@
+"""Bridges: writer clients that connect a speech recogniser's server to
+`nmt-incremental serve`, so that users of WhisperLive, whisper_streaming / SimulStreaming,
+Vosk server or a cloud recogniser need no adapter of their own
+(`nmt-incremental bridge KIND URL --stream-id ID`).
+
+Each kind has one sans-I/O mapper (`whisperlive.py`, `whisper_streaming.py`, `vosk.py`,
+`cloud.py`): feed it the recogniser's messages, get `PartialTranscript` events. The rules
+every writer must keep (seq and segment ids that grow, one final per segment, times on one
+clock, an interrupted segment closed honestly) are `events.EventWriter`'s, shared by all.
+`runner.Bridge` is the I/O: the recogniser's connection (or a relayed one), the audio
+(`audio.py`), reconnects, and `engine.remote.RemoteTranslator` towards our server.
+"""
+
+from engine.bridges.cloud import CloudMapper, Dialect
+from engine.bridges.errors import BridgeError
+from engine.bridges.events import EventWriter, Interrupted
+from engine.bridges.kinds import Kind, Mapper, MapperOptions, make_mapper
+from engine.bridges.runner import DEFAULT_TO, Bridge, BridgeOptions, BridgeResult
+from engine.bridges.vosk import VoskMapper
+from engine.bridges.whisper_streaming import LineSplitter, Segmentation, WhisperStreamingMapper
+from engine.bridges.whisperlive import WhisperLiveMapper
+
+__all__ = [
+    "DEFAULT_TO",
+    "Bridge",
+    "BridgeError",
+    "BridgeOptions",
+    "BridgeResult",
+    "CloudMapper",
+    "Dialect",
+    "EventWriter",
+    "Interrupted",
+    "Kind",
+    "LineSplitter",
+    "Mapper",
+    "MapperOptions",
+    "Segmentation",
+    "VoskMapper",
+    "WhisperLiveMapper",
+    "WhisperStreamingMapper",
+    "make_mapper",
+]

@@ -1,0 +1,659 @@
+"""`Bridge`: the I/O around a mapper. One connection to the recogniser, one to
+`nmt-incremental serve` (through `RemoteTranslator`), and the events in between.
+
+Our side: `RemoteTranslator` is the writer. It keeps each final until the server has
+answered it and resends the unanswered ones after a reconnect (`protocol/writer.py`), so a
+final the bridge pushed is answered once, by a translation or an error, or, if our server
+stays away longer than `reconnect_for`, by an `unavailable` error: never silently lost.
+
+The recogniser's side, in one of two modes:
+
+- connect (`url` and `audio`; or `url` alone for `cloud`): the bridge is the recogniser's
+  client. It streams the audio (WhisperLive, Vosk, whisper_streaming want it from their
+  client) or, for `cloud`, reads a forwarder's WebSocket. When the connection is lost
+  before the input is over, the recogniser's session is gone with its segmentation: the
+  mapper closes the interrupted segment (`Interrupted`), and the bridge reconnects with
+  `Backoff` (bounded: it gives up after `reconnect_for` seconds, and says so), then goes on
+  with the audio where it was, on the same stream, with the next segment id.
+- listen (`listen`): the user's own client (a microphone app, WhisperLive's or Vosk's
+  client, `arecord | nc`) connects to the bridge instead of the recogniser, and the bridge
+  relays its session both ways, unchanged, while mapping what the recogniser answers. None
+  of these servers lets a second client listen to another's session (WhisperLive and Vosk
+  make one recogniser per connection, whisper_streaming serves one client at a time), so
+  relaying is the only way to watch a session the bridge does not feed. For `cloud`, the
+  forwarder connects to the bridge and sends its JSON lines. One session at a time: the
+  stream has one writer; a second client is refused (WebSocket close 1013, or the TCP
+  connection closed) until the first leaves. Each new session is a new recogniser session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import SocketAttribute, SocketStream
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+from engine.bridges import vosk, whisperlive
+from engine.bridges.audio import AudioSource
+from engine.bridges.cloud import Dialect
+from engine.bridges.errors import BridgeError
+from engine.bridges.events import Interrupted
+from engine.bridges.kinds import Kind, Mapper, MapperOptions, make_mapper
+from engine.bridges.whisper_streaming import LineSplitter, Segmentation
+from engine.remote import RemoteTranslator
+from protocol import (
+    Backoff,
+    EngineClosed,
+    ErrorMessage,
+    PartialTranscript,
+    TranslationUpdate,
+)
+
+if sys.version_info < (3, 11):  # pragma: no cover (anyio brings the backport there)
+    from exceptiongroup import BaseExceptionGroup
+
+logger = logging.getLogger(__name__)
+
+Reply = TranslationUpdate | ErrorMessage
+
+DEFAULT_TO = "ws://127.0.0.1:8765/ws"
+WHISPER_STREAMING_CHUNK = 1600  # samples: 0.1 s, what arecord's pipe brings about
+_READ_BYTES = 65536
+_MAX_MESSAGE = 2**24  # recogniser messages: WhisperLive repeats its last n segments
+
+
+@dataclass(frozen=True)
+class BridgeOptions:
+    """One bridge: what it connects, and how it maps (see `nmt-incremental bridge -h`).
+
+    `url`: the recogniser's server (`ws://` for WhisperLive, Vosk and a cloud forwarder;
+    `host:port` or `tcp://host:port` for whisper_streaming); with `listen`, where the
+    relayed sessions go (None for a `cloud` forwarder, which connects to the bridge).
+    `end_wait`: after the audio, how long the recogniser may go quiet before the bridge
+    ends the session (WhisperLive's own client waits for its answers the same way), and how
+    long it waits for the server to close then. `idle`: whisper_streaming only, see
+    `WhisperStreamingMapper.idle`."""
+
+    kind: Kind
+    url: str | None
+    stream_id: str
+    to: str = DEFAULT_TO
+    token: str | None = None
+    lang: str | None = None
+    audio: str | None = None
+    listen: tuple[str, int] | None = None
+    speed: float = 1.0
+    dialect: Dialect = Dialect.GOOGLE
+    interrupted: Interrupted = Interrupted.FINAL
+    model: str = "small"
+    segmentation: Segmentation = field(default_factory=Segmentation)
+    min_stability: float = 0.9
+    idle: float = 2.0
+    end_wait: float = 10.0
+    ready_timeout: float = 120.0
+    reconnect_for: float = 30.0
+    backoff: Backoff | None = None
+    drain_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.listen is None and self.url is None:
+            raise BridgeError("give the recogniser's URL, or --listen")
+        if self.kind.wants_audio and self.listen is None and self.audio is None:
+            raise BridgeError(
+                f"{self.kind} transcribes audio from its client: give --audio FILE.wav (or "
+                "- for raw PCM on stdin), or --listen HOST:PORT to relay your own client"
+            )
+        if self.kind.wants_audio and self.listen is not None and self.url is None:
+            raise BridgeError(f"--listen relays sessions to the {self.kind} server: give its URL")
+        if self.audio is not None and self.listen is not None:
+            raise BridgeError("--audio and --listen exclude each other")
+        if self.kind is Kind.CLOUD and self.audio is not None:
+            raise BridgeError("cloud takes results from a forwarder, not audio")
+
+    @property
+    def recogniser_backoff(self) -> Backoff:
+        return self.backoff or Backoff(total=self.reconnect_for)
+
+    def mapper_options(self) -> MapperOptions:
+        return MapperOptions(
+            lang=self.lang,
+            interrupted=self.interrupted,
+            dialect=self.dialect,
+            min_stability=self.min_stability,
+            segmentation=self.segmentation,
+        )
+
+
+@dataclass
+class BridgeResult:
+    """What one bridge run did: the `events` it pushed, the `replies` it got (updates
+    and errors), the recogniser `sessions` it had, and why each ended (`disconnects`: in
+    connect mode the sessions lost before the input was over, in listen mode every relayed
+    session); `unanswered`: finals our server had not answered when the bridge stopped
+    (answered `unavailable` by `RemoteTranslator` then); `gave_up`: why it stopped before
+    its input ended."""
+
+    events: list[PartialTranscript] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
+    sessions: int = 0
+    disconnects: list[str] = field(default_factory=list)
+    unanswered: list[PartialTranscript] = field(default_factory=list)
+    gave_up: str | None = None
+
+    @property
+    def finals(self) -> list[PartialTranscript]:
+        return [event for event in self.events if event.is_final]
+
+    @property
+    def translated(self) -> list[TranslationUpdate]:
+        """The final updates received (one per final and language)."""
+        return [r for r in self.replies if isinstance(r, TranslationUpdate) and r.is_final]
+
+    @property
+    def refused(self) -> list[ErrorMessage]:
+        """Errors that answered a final of this bridge."""
+        seqs = {event.seq for event in self.finals}
+        return [r for r in self.replies if isinstance(r, ErrorMessage) and r.seq in seqs]
+
+
+class _OurServerGone(Exception):
+    """`RemoteTranslator` gave up on our server: nothing more can be pushed."""
+
+
+def _tcp_address(url: str) -> tuple[str, int]:
+    """`host:port` or `tcp://host:port`."""
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"tcp://{url}")
+    if parsed.hostname is None or parsed.port is None:
+        raise BridgeError(f"{url!r}: give the whisper_streaming server as HOST:PORT")
+    return parsed.hostname, parsed.port
+
+
+def _close_reason(ws: ClientConnection | ServerConnection) -> str:
+    code = ws.close_code
+    if code is None or code == 1006:
+        return "connection dropped"
+    return f"close {code} {ws.close_reason or ''}".rstrip()
+
+
+class Bridge:
+    """Runs one bridge (`run`). `on_reply` hears each update or error for the stream;
+    `on_notice` a line about each recogniser connection event; `on_listening` the port a
+    `listen` bridge took (useful with port 0)."""
+
+    def __init__(
+        self,
+        options: BridgeOptions,
+        *,
+        on_reply: Callable[[Reply], None] | None = None,
+        on_notice: Callable[[str], None] | None = None,
+        on_listening: Callable[[int], None] | None = None,
+    ) -> None:
+        self.options = options
+        self.mapper: Mapper = make_mapper(options.kind, options.stream_id, options.mapper_options())
+        self.result = BridgeResult()
+        self._on_reply = on_reply or (lambda _: None)
+        self._notice = on_notice or (lambda line: logger.info("%s", line))
+        self._on_listening = on_listening or (lambda _: None)
+        self._nmt: RemoteTranslator | None = None
+        self._busy = False  # a relayed session is on (listen mode: one at a time)
+        self._gone = anyio.Event()  # our server was given up: nothing can be pushed
+        self._replies_ended = anyio.Event()  # the stream's subscription is over
+        if options.kind is Kind.WHISPER_STREAMING and options.url is not None:
+            _tcp_address(options.url)  # a bad address fails before anything connects
+
+    @property
+    def relaying(self) -> bool:
+        """A relayed (listen mode) session is on: another client would be refused."""
+        return self._busy
+
+    # -- the run ------------------------------------------------------------------------
+
+    async def run(self, stop: anyio.Event | None = None) -> BridgeResult:
+        """Bridge until the input ends (connect mode: the audio is over and the recogniser
+        closed; a cloud forwarder closed with 1000) or `stop` is set, then close the
+        stream and wait (up to `drain_timeout`) for its finals to be answered. Raises
+        `BridgeError` when the recogniser cannot be reached at all, and our server's
+        connection error when it cannot."""
+        options = self.options
+        stop = stop or anyio.Event()
+        audio = (
+            AudioSource(
+                options.audio,
+                rate=None if options.kind is Kind.VOSK else 16000,
+                speed=options.speed,
+            )
+            if options.audio is not None
+            else None
+        )
+        try:
+            with _unwrapped():
+                await self._run(audio, stop)
+        finally:
+            self._nmt = None
+            if audio is not None:
+                audio.close()
+        return self.result
+
+    async def _run(self, audio: AudioSource | None, stop: anyio.Event) -> None:
+        options = self.options
+        async with RemoteTranslator(
+            options.to, options.token, reconnect_for=options.reconnect_for
+        ) as nmt:
+            self._nmt = nmt
+            sub = nmt.updates(options.stream_id)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._collect, sub)
+                try:
+                    with _unwrapped():
+                        await self._bridge(audio, stop)
+                    await self._push(self.mapper.end_session())
+                except _OurServerGone:
+                    pass
+                if self._gone.is_set():
+                    self.result.gave_up = "our server could not be reached again"
+                await self._drain(nmt)
+                tg.cancel_scope.cancel()
+
+    async def _bridge(self, audio: AudioSource | None, stop: anyio.Event) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch(event: anyio.Event) -> None:
+                await event.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch, stop)
+            tg.start_soon(watch, self._gone)  # relayed sessions run in the servers' tasks
+            if self.options.listen is not None:
+                await self._listen(*self.options.listen)
+            else:
+                await self._connect_loop(audio)
+            tg.cancel_scope.cancel()
+
+    async def _drain(self, nmt: RemoteTranslator) -> None:
+        stream_id = self.options.stream_id
+        if not self.result.events or stream_id not in nmt.streams:
+            return
+        with contextlib.suppress(EngineClosed):
+            await nmt.close_stream(stream_id)
+        with anyio.move_on_after(self.options.drain_timeout):
+            while stream_id in nmt.streams and not self._replies_ended.is_set():
+                await anyio.sleep(0.02)
+        self.result.unanswered = nmt.ledger.owed(stream_id)
+
+    async def _collect(self, sub: AsyncIterator[Reply]) -> None:
+        """Every reply about the stream, until its subscription ends: its finals are all
+        answered after the close, or `RemoteTranslator` gave up (and answered each final
+        still owed with an `unavailable` error)."""
+        async for reply in sub:
+            self.result.replies.append(reply)
+            self._on_reply(reply)
+        self._replies_ended.set()
+
+    async def _push(self, events: list[PartialTranscript]) -> None:
+        nmt = self._nmt
+        if nmt is None:
+            return
+        for event in events:
+            try:
+                await nmt.push(event)
+            except EngineClosed:
+                self._gone.set()
+                raise _OurServerGone from None
+            self.result.events.append(event)
+
+    async def _feed(self, message: str | bytes) -> bool:
+        """Map and push one message; whether it meant something (an event, or WhisperLive
+        getting ready): a session that only ever said "wait" does not end an outage."""
+        events = self.mapper.feed(message)
+        await self._push(events)
+        return bool(events) or getattr(self.mapper, "ready", False) is True
+
+    async def _session_ended(self, why: str, next_offset_ms: float | None) -> None:
+        """A recogniser session ended before the input did: close what it left open."""
+        self.result.disconnects.append(why)
+        self._notice(f"recogniser session ended: {why}")
+        await self._push(self.mapper.end_session(next_offset_ms))
+
+    # -- connect mode -------------------------------------------------------------------
+
+    async def _connect_loop(self, audio: AudioSource | None) -> None:
+        options = self.options
+        backoff = options.recogniser_backoff
+        outage = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                over, why, worked = await self._one_session(audio)
+            except (OSError, InvalidHandshake, TimeoutError) as exc:
+                if self.result.sessions == 0:
+                    raise BridgeError(
+                        f"cannot reach the {options.kind} server at {options.url}: {exc}"
+                    ) from None
+                attempt += 1
+                if backoff.gives_up(time.monotonic() - outage, attempt):
+                    self.result.gave_up = (
+                        f"the {options.kind} server could not be reached again for "
+                        f"{backoff.total:g} s ({exc})"
+                    )
+                    self._notice(self.result.gave_up)
+                    return
+                await anyio.sleep(backoff.jittered(attempt))
+                continue
+            if over:
+                return
+            await self._session_ended(why, audio.position_ms if audio is not None else None)
+            if worked:
+                outage, attempt = time.monotonic(), 0
+            else:
+                attempt += 1  # that session never got going: the same outage goes on
+            if backoff.gives_up(time.monotonic() - outage, attempt):
+                self.result.gave_up = f"the {options.kind} server kept failing ({why})"
+                self._notice(self.result.gave_up)
+                return
+            await anyio.sleep(backoff.jittered(attempt))
+            self._notice(f"reconnecting to {options.url}")
+
+    async def _one_session(self, audio: AudioSource | None) -> tuple[bool, str, bool]:
+        """One recogniser connection: (the input is over, why it ended, it worked: the
+        recogniser answered something)."""
+        kind = self.options.kind
+        if kind is Kind.WHISPER_STREAMING:
+            return await self._tcp_session(audio)
+        url = str(self.options.url)
+        ws = await connect(url, max_size=_MAX_MESSAGE, open_timeout=10.0, close_timeout=2.0)
+        self.result.sessions += 1
+        heard = [False]
+        async with ws:
+            if kind is Kind.WHISPERLIVE:
+                over = await self._whisperlive(ws, audio, heard)
+            elif kind is Kind.VOSK:
+                over = await self._vosk(ws, audio, heard)
+            else:
+                over = await self._forwarder(ws, heard)
+        return over, _close_reason(ws), heard[0]
+
+    async def _receive(self, ws: ClientConnection, heard: list[bool], last: list[float]) -> None:
+        """Map text messages until the connection ends."""
+        with contextlib.suppress(ConnectionClosed):
+            async for message in ws:
+                last[0] = time.monotonic()
+                if isinstance(message, str) and await self._feed(message):
+                    heard[0] = True
+
+    async def _duplex(
+        self,
+        ws: ClientConnection,
+        heard: list[bool],
+        send: Callable[[list[float], anyio.Event], Awaitable[bool]],
+    ) -> bool:
+        """`send` beside the receiving, until the connection ends; returns whether `send`
+        got to the end of the input first."""
+        over = False
+        closed = anyio.Event()
+        last = [time.monotonic()]
+        async with anyio.create_task_group() as tg:
+
+            async def sending() -> None:
+                nonlocal over
+                with contextlib.suppress(ConnectionClosed):
+                    over = await send(last, closed)
+                    with anyio.move_on_after(self.options.end_wait):
+                        await closed.wait()  # the server closes once it has answered
+                    await ws.close()
+
+            tg.start_soon(sending)
+            await self._receive(ws, heard, last)
+            closed.set()
+            if not over:
+                tg.cancel_scope.cancel()
+        return over
+
+    async def _quiet(self, last: list[float]) -> None:
+        """Wait until the recogniser has said nothing for `end_wait` seconds."""
+        while (left := last[0] + self.options.end_wait - time.monotonic()) > 0:
+            await anyio.sleep(min(left, 0.1))
+
+    async def _whisperlive(
+        self, ws: ClientConnection, audio: AudioSource | None, heard: list[bool]
+    ) -> bool:
+        mapper = self.mapper
+        assert isinstance(mapper, whisperlive.WhisperLiveMapper) and audio is not None
+        uid = whisperlive.new_uid()
+        mapper.uid = uid
+        await ws.send(
+            whisperlive.config_message(uid, lang=self.options.lang, model=self.options.model)
+        )
+
+        async def send(last: list[float], closed: anyio.Event) -> bool:
+            with anyio.move_on_after(self.options.ready_timeout):
+                while not mapper.ready and not closed.is_set():
+                    await anyio.sleep(0.02)
+            if not mapper.ready:
+                status = f": {mapper.status[0]} {mapper.status[1]}" if mapper.status else ""
+                self._notice(f"WhisperLive did not get ready{status}")
+                await ws.close()
+                return False
+            async for chunk in audio.chunks(whisperlive.CHUNK_SAMPLES):
+                await ws.send(whisperlive.float32_audio(chunk))
+            await self._quiet(last)
+            await ws.send(whisperlive.END_OF_AUDIO)
+            return True
+
+        return await self._duplex(ws, heard, send)
+
+    async def _vosk(
+        self, ws: ClientConnection, audio: AudioSource | None, heard: list[bool]
+    ) -> bool:
+        assert audio is not None
+        await ws.send(vosk.config_message(audio.sample_rate))
+
+        async def send(last: list[float], closed: anyio.Event) -> bool:
+            samples = round(audio.sample_rate * vosk.CHUNK_SECONDS)
+            async for chunk in audio.chunks(samples):
+                await ws.send(chunk)
+            await ws.send(vosk.EOF_MESSAGE)  # answered by the final result, then closed
+            return True
+
+        return await self._duplex(ws, heard, send)
+
+    async def _forwarder(self, ws: ClientConnection, heard: list[bool]) -> bool:
+        """A cloud forwarder's results, until it closes: 1000 means its input is over."""
+        await self._receive(ws, heard, [0.0])
+        return ws.close_code == 1000
+
+    async def _tcp_session(self, audio: AudioSource | None) -> tuple[bool, str, bool]:
+        assert audio is not None
+        host, port = _tcp_address(str(self.options.url))
+        with anyio.fail_after(10.0):
+            stream = await anyio.connect_tcp(host, port)
+        self.result.sessions += 1
+        heard = [False]
+        over = False
+        async with stream, anyio.create_task_group() as tg:
+
+            async def sending() -> None:
+                nonlocal over
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    async for chunk in audio.chunks(WHISPER_STREAMING_CHUNK):
+                        await stream.send(chunk)
+                    await stream.send_eof()  # the server finishes and closes
+                    over = True
+
+            tg.start_soon(sending)
+            why = await self._tcp_lines(stream, heard)
+            if not over:
+                tg.cancel_scope.cancel()
+        return over, why, heard[0]
+
+    async def _tcp_lines(
+        self,
+        stream: SocketStream,
+        heard: list[bool],
+        relay: SocketStream | None = None,
+    ) -> str:
+        """Map the server's lines until it closes (and copy its bytes to `relay`);
+        returns why it ended. A pause of `idle` seconds is told to the mapper."""
+        splitter = LineSplitter()
+        why = "connection closed by the server"
+        while True:
+            with anyio.move_on_after(self.options.idle) as waited:
+                try:
+                    data = await stream.receive(_READ_BYTES)
+                except anyio.EndOfStream:
+                    break
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    why = "connection dropped"
+                    break
+            if waited.cancelled_caught:
+                await self._push(self.mapper.idle())
+                continue
+            if relay is not None:
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await relay.send(data)
+            for line in splitter.feed(data):
+                heard[0] = await self._feed(line) or heard[0]
+        for line in splitter.close():
+            await self._feed(line)
+        return why
+
+    # -- listen mode --------------------------------------------------------------------
+
+    async def _listen(self, host: str, port: int) -> None:
+        if self.options.kind is Kind.WHISPER_STREAMING:
+            listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+            async with listener:
+                self._listening(host, listener.extra(SocketAttribute.local_port), "tcp")
+                await listener.serve(self._relay_tcp)
+            return
+        handler = self._relay_ws if self.options.kind.wants_audio else self._forwarded
+        async with serve(handler, host, port, max_size=_MAX_MESSAGE) as server:
+            self._listening(host, server.sockets[0].getsockname()[1], "ws")
+            await anyio.sleep_forever()
+
+    def _listening(self, host: str, port: int, scheme: str) -> None:
+        self._on_listening(port)
+        what = "the forwarder" if self.options.kind is Kind.CLOUD else "your recogniser client"
+        self._notice(f"listening on {scheme}://{host}:{port}: point {what} here")
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self) -> AsyncIterator[bool]:
+        """Yields False when a session is on already (the caller refuses this one)."""
+        if self._busy:
+            yield False
+            return
+        self._busy = True
+        self.result.sessions += 1
+        try:
+            yield True
+        finally:
+            self._busy = False
+
+    async def _forwarded(self, client: ServerConnection) -> None:
+        async with self._one_at_a_time() as mine, _ended_by_our_server():
+            if not mine:
+                await client.close(1013, "the bridge takes one forwarder at a time")
+                return
+            with contextlib.suppress(ConnectionClosed):
+                async for message in client:
+                    await self._feed(message)
+            await self._session_ended(_close_reason(client), None)
+
+    async def _relay_ws(self, client: ServerConnection) -> None:
+        async with self._one_at_a_time() as mine, _ended_by_our_server():
+            if not mine:
+                await client.close(1013, "the bridge relays one session at a time")
+                return
+            try:
+                upstream = await connect(
+                    str(self.options.url), max_size=_MAX_MESSAGE, open_timeout=10.0
+                )
+            except (OSError, InvalidHandshake, TimeoutError) as exc:
+                self._notice(f"cannot reach the {self.options.kind} server: {exc}")
+                await client.close(1011, "the recogniser cannot be reached")
+                return
+            if isinstance(self.mapper, whisperlive.WhisperLiveMapper):
+                self.mapper.uid = None  # the client chose it
+            async with upstream, anyio.create_task_group() as tg:
+
+                async def up() -> None:
+                    with contextlib.suppress(ConnectionClosed):
+                        async for message in client:
+                            await upstream.send(message)
+                    await upstream.close()
+
+                tg.start_soon(up)
+                with contextlib.suppress(ConnectionClosed):
+                    async for message in upstream:
+                        await client.send(message)
+                        if isinstance(message, str):
+                            await self._feed(message)
+                tg.cancel_scope.cancel()
+            await client.close()
+            await self._session_ended(_close_reason(upstream), None)
+
+    async def _relay_tcp(self, client: SocketStream) -> None:
+        async with self._one_at_a_time() as mine, _ended_by_our_server():
+            if not mine:
+                await client.aclose()
+                return
+            host, port = _tcp_address(str(self.options.url))
+            try:
+                with anyio.fail_after(10.0):
+                    upstream = await anyio.connect_tcp(host, port)
+            except (OSError, TimeoutError) as exc:
+                self._notice(f"cannot reach the whisper_streaming server: {exc}")
+                await client.aclose()
+                return
+            async with client, upstream, anyio.create_task_group() as tg:
+
+                async def up() -> None:
+                    with contextlib.suppress(
+                        anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError
+                    ):
+                        while True:
+                            await upstream.send(await client.receive(_READ_BYTES))
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        await upstream.send_eof()
+
+                tg.start_soon(up)
+                why = await self._tcp_lines(upstream, [False], relay=client)
+                tg.cancel_scope.cancel()
+            await self._session_ended(why, None)
+
+
+@contextlib.asynccontextmanager
+async def _ended_by_our_server() -> AsyncIterator[None]:
+    """A relayed session's handler runs in its server's task, not the bridge's: when our
+    server is given up it just ends (`Bridge._gone` stops the bridge)."""
+    with contextlib.suppress(_OurServerGone), _unwrapped():
+        yield
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return found
+
+
+@contextlib.contextmanager
+def _unwrapped() -> Iterator[None]:
+    """Task groups wrap what their body raises in an exception group; a bridge fails for
+    one reason at a time, which is raised as itself (`BridgeError` is printed, not a
+    group's traceback)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
