@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from protocol.messages import (
     MAX_FIELD_NAME_CHARS,
     CloseStream,
+    EndAudio,
     ErrorCode,
     ErrorMessage,
     InvalidMessage,
     Message,
     PartialTranscript,
+    StartAudio,
     Subscribe,
     TranslationUpdate,
     _check_count,
@@ -46,16 +48,23 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = MappingProxyType(
         "error": ErrorMessage,
         "subscribe": Subscribe,
         "close_stream": CloseStream,
+        "start_audio": StartAudio,
+        "end_audio": EndAudio,
     }
 )
 """Wire `type` tag -> message class."""
 
-TO_ENGINE_TYPES: frozenset[str] = frozenset({"partial_transcript", "subscribe", "close_stream"})
+TO_ENGINE_TYPES: frozenset[str] = frozenset(
+    {"partial_transcript", "subscribe", "close_stream", "start_audio", "end_audio"}
+)
 """What a client may send; pass as `parse(..., accept=...)` on the engine side so that any
-`ErrorMessage` returned is a decoding failure, not an echoed "error" message."""
+`ErrorMessage` returned is a decoding failure, not an echoed "error" message. (After
+`start_audio`, a writer also sends binary frames of PCM, which are not messages.)"""
 
 FROM_ENGINE_TYPES: frozenset[str] = frozenset({"translation_update", "error"})
-"""What the engine sends."""
+"""What the engine sends. A writer streaming audio (`start_audio`) also gets what the
+server heard, as `partial_transcript` messages: it parses with
+`accept=FROM_ENGINE_TYPES | {"partial_transcript"}`."""
 
 SCHEMA_RESOURCE = "wire.schema.json"
 
@@ -86,6 +95,7 @@ _KINDS: dict[str, _Kind] = {
     "lang": "string",
     "cursor": "string",
     "after": "string",
+    "sample_rate": "integer",
 }
 
 # Free text, bounded by max_text_chars (identifiers have fixed limits in messages.py).

@@ -22,6 +22,14 @@ MAX_STREAM_ID_CHARS = 128
 MAX_FIELD_NAME_CHARS = 128
 MAX_LANG_CHARS = 35
 
+MIN_SAMPLE_RATE = 8000
+"""Lowest audio rate `StartAudio` takes: telephone audio; below it speech loses the band a
+recognizer needs, so a lower rate is a mistake rather than audio."""
+MAX_SAMPLE_RATE = 192_000
+"""Highest audio rate `StartAudio` takes (studio audio); past it a rate is a mistake (bytes
+per second, or a stereo rate counted twice). The engine's recognizer seam
+(`engine.streaming.recognizer`) takes the same range; a test checks the two agree."""
+
 _LANG = re.compile(r"[A-Za-z]{2,8}(?:[_-][A-Za-z0-9]{1,8})*")
 """A language tag as models and browsers write them ("zh", "de", "zh-Hans", "cmn_Hans"):
 letters, then subtags joined by "-" or "_". Deliberately not full BCP 47: the engine keys
@@ -158,6 +166,17 @@ def _check_count(field: str, value: object) -> int:
     if not 0 <= value <= MAX_ID:
         raise InvalidMessage(field, f"{field} must be between 0 and {MAX_ID}, got {value}")
     return value
+
+
+def _check_rate(field: str, value: object) -> int:
+    rate = _check_count(field, value)
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise InvalidMessage(
+            field,
+            f"{field} must be between {MIN_SAMPLE_RATE} and {MAX_SAMPLE_RATE} Hz, got {rate}: "
+            "the rate of 16-bit mono PCM (not bytes per second, not a stereo rate)",
+        )
+    return rate
 
 
 def _check_bool(field: str, value: object) -> bool:
@@ -373,5 +392,50 @@ class CloseStream:
         _set(self, "stream_id", _check_stream_id(self.stream_id))
 
 
-Message: TypeAlias = PartialTranscript | TranslationUpdate | ErrorMessage | Subscribe | CloseStream
+@dataclass(frozen=True, slots=True)
+class StartAudio:
+    """A writer starts an audio stream: the binary frames it sends next, until `EndAudio`
+    (or `CloseStream`), are 16-bit little-endian mono PCM at `sample_rate` Hz, spoken into
+    stream `stream_id`.
+
+    A server started with a recognizer hears the audio and takes what it hears as this
+    connection's `PartialTranscript`s (numbered on from anything it sent the stream
+    before), so translation, replies and viewers are those of a writer sending text; it
+    also echoes each of them to the writer as a `partial_transcript` message (what was
+    heard). Binary frames carry no stream id, so a connection has one audio stream at a
+    time. A frame may end inside a sample: the dangling byte waits for the next frame.
+    `lang`: the language spoken, when the writer knows it; a server whose recognizer
+    hears another language refuses the stream rather than transcribe nonsense.
+    """
+
+    stream_id: str
+    sample_rate: int
+    lang: str | None = None
+
+    def __post_init__(self) -> None:
+        _set(self, "stream_id", _check_stream_id(self.stream_id))
+        _check_rate("sample_rate", self.sample_rate)
+        _check_optional_lang(self.lang)
+
+
+@dataclass(frozen=True, slots=True)
+class EndAudio:
+    """The writer's audio stream ends: the utterance in progress gets its final, the stream
+    itself stays open (text, or a new `StartAudio`, may follow; `CloseStream` ends both)."""
+
+    stream_id: str
+
+    def __post_init__(self) -> None:
+        _set(self, "stream_id", _check_stream_id(self.stream_id))
+
+
+Message: TypeAlias = (
+    PartialTranscript
+    | TranslationUpdate
+    | ErrorMessage
+    | Subscribe
+    | CloseStream
+    | StartAudio
+    | EndAudio
+)
 """Any message of the protocol."""

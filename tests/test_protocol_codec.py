@@ -12,14 +12,18 @@ from protocol import (
     FROM_ENGINE_TYPES,
     MAX_ID,
     MAX_MESSAGE_BYTES,
+    MAX_SAMPLE_RATE,
     MAX_TEXT_CHARS,
     MESSAGE_TYPES,
+    MIN_SAMPLE_RATE,
     TO_ENGINE_TYPES,
     CloseStream,
+    EndAudio,
     ErrorCode,
     ErrorMessage,
     Message,
     PartialTranscript,
+    StartAudio,
     Subscribe,
     TranslationUpdate,
     parse,
@@ -41,6 +45,10 @@ MESSAGES: list[Message] = [
     Subscribe("room-7"),
     Subscribe("room-7", lang="zh-Hans"),
     CloseStream("mic-1"),
+    StartAudio("mic-1", 16000),
+    StartAudio("会议 🎤", MIN_SAMPLE_RATE, lang="en-US"),
+    StartAudio("s", MAX_SAMPLE_RATE),
+    EndAudio("mic-1"),
 ]
 
 
@@ -242,7 +250,37 @@ BAD: list[tuple[str | bytes, str, str | None, str | None, int | None]] = [
     ('{"type":"subscribe","stream_id":"a","seq":1}', "invalid_message", "seq", "a", 1),
     ('{"type":"close_stream","stream_id":""}', "invalid_message", "stream_id", None, None),
     ('{"type":"close_stream","stream_id":"a","text":"x"}', "invalid_message", "text", "a", None),
-]
+    ('{"type":"start_audio","stream_id":"a"}', "invalid_message", "sample_rate", "a", None),
+    *[
+        (
+            f'{{"type":"start_audio","stream_id":"a","sample_rate":{rate}}}',
+            "invalid_message",
+            "sample_rate",
+            "a",
+            None,
+        )
+        for rate in ["16000.0", "7999", "192001", "0", "-16000", '"16000"', "true", "null"]
+    ],
+    (
+        '{"type":"start_audio","stream_id":"a","sample_rate":16000,"lang":"english!"}',
+        "invalid_message",
+        "lang",
+        "a",
+        None,
+    ),
+    (
+        '{"type":"start_audio","stream_id":"a","sample_rate":16000,"channels":2}',
+        "invalid_message",
+        "channels",
+        "a",
+        None,
+    ),
+    ('{"type":"start_audio","stream_id":"","sample_rate":16000}', "invalid_message", "stream_id",
+     None, None),
+    ('{"type":"end_audio"}', "invalid_message", "stream_id", None, None),
+    ('{"type":"end_audio","stream_id":"a","sample_rate":16000}', "invalid_message",
+     "sample_rate", "a", None),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("wire", "code", "field", "stream_id", "seq"), BAD)
@@ -312,6 +350,21 @@ def test_text_limit_is_configurable() -> None:
     assert isinstance(result, ErrorMessage)
     assert (result.code, result.field) == ("too_large", "text")
     assert isinstance(parse(with_(PT, text="x" * MAX_TEXT_CHARS)), PartialTranscript)
+
+
+def test_audio_messages_are_written_as_documented() -> None:
+    assert serialize(StartAudio("mic", 48000)) == (
+        '{"type":"start_audio","stream_id":"mic","sample_rate":48000}'
+    )
+    assert serialize(StartAudio("mic", 16000, "en")) == (
+        '{"type":"start_audio","stream_id":"mic","sample_rate":16000,"lang":"en"}'
+    )
+    assert serialize(EndAudio("mic")) == '{"type":"end_audio","stream_id":"mic"}'
+    # A client sends them; the engine never does (it echoes partial_transcript instead).
+    assert {"start_audio", "end_audio"} <= TO_ENGINE_TYPES
+    assert not {"start_audio", "end_audio"} & FROM_ENGINE_TYPES
+    refused = parse('{"type":"start_audio","stream_id":"a","sample_rate":4000}')
+    assert isinstance(refused, ErrorMessage) and "8000 and 192000 Hz" in refused.message
 
 
 def test_accept_restricts_types_so_errors_are_unambiguous() -> None:

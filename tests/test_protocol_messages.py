@@ -16,13 +16,17 @@ import pytest
 from protocol import (
     ERROR_CODES,
     MAX_ID,
+    MAX_SAMPLE_RATE,
+    MIN_SAMPLE_RATE,
     CloseStream,
+    EndAudio,
     ErrorCode,
     ErrorMessage,
     InvalidEvent,
     InvalidMessage,
     NmtIncremental,
     PartialTranscript,
+    StartAudio,
     Subscribe,
     TranslationUpdate,
 )
@@ -53,6 +57,8 @@ BASES: dict[type, dict[str, Any]] = {
     ErrorMessage: ERROR,
     Subscribe: STREAM,
     CloseStream: STREAM,
+    StartAudio: {**STREAM, "sample_rate": 16000},
+    EndAudio: STREAM,
 }
 
 
@@ -85,6 +91,10 @@ VALID: list[tuple[type, dict[str, Any]]] = [
     (ErrorMessage, {"field": "seq", "stream_id": "mic-1", "seq": 7}),
     (Subscribe, {}),
     (CloseStream, {}),
+    (StartAudio, {}),
+    (StartAudio, {"sample_rate": MIN_SAMPLE_RATE, "lang": "en-US"}),
+    (StartAudio, {"sample_rate": MAX_SAMPLE_RATE}),
+    (EndAudio, {}),
 ]
 
 
@@ -222,6 +232,12 @@ INVALID: list[tuple[type, dict[str, Any], str]] = [
     (ErrorMessage, {"field": 3}, "field"),
     (ErrorMessage, {"seq": -1}, "seq"),
     (ErrorMessage, {"seq": True}, "seq"),
+    (StartAudio, {"sample_rate": MIN_SAMPLE_RATE - 1}, "sample_rate"),
+    (StartAudio, {"sample_rate": MAX_SAMPLE_RATE + 1}, "sample_rate"),
+    (StartAudio, {"sample_rate": 16000.0}, "sample_rate"),
+    (StartAudio, {"sample_rate": True}, "sample_rate"),
+    (StartAudio, {"sample_rate": None}, "sample_rate"),
+    (StartAudio, {"lang": "e"}, "lang"),
 ]
 
 

@@ -16,14 +16,18 @@ from protocol import (
     ERROR_CODES,
     MAX_ID,
     MAX_LANG_CHARS,
+    MAX_SAMPLE_RATE,
     MAX_STREAM_ID_CHARS,
     MAX_TEXT_CHARS,
     MESSAGE_TYPES,
+    MIN_SAMPLE_RATE,
     CloseStream,
+    EndAudio,
     ErrorCode,
     ErrorMessage,
     Message,
     PartialTranscript,
+    StartAudio,
     Subscribe,
     TranslationUpdate,
     load_schema,
@@ -35,7 +39,7 @@ from tests.test_protocol_codec import ER, PT, TU, with_, without
 
 SCHEMA = load_schema()
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
-INT_FIELDS = {"segment_id", "seq"}
+INT_FIELDS = {"segment_id", "seq", "sample_rate"}
 
 
 def strict_json(wire: str) -> Any:
@@ -100,6 +104,8 @@ def test_schema_describes_exactly_the_codecs_messages() -> None:
     assert defs["name"]["maxLength"] == MAX_STREAM_ID_CHARS
     assert defs["count"]["maximum"] == defs["ms"]["maximum"] == MAX_ID
     assert defs["lang"]["maxLength"] == MAX_LANG_CHARS
+    rate = defs["start_audio"]["properties"]["sample_rate"]
+    assert (rate["minimum"], rate["maximum"]) == (MIN_SAMPLE_RATE, MAX_SAMPLE_RATE)
 
 
 def test_schema_and_code_take_the_same_language_tags() -> None:
@@ -149,6 +155,10 @@ VALID: list[str] = [
     with_(ER, lang="de", seq=3),
     '{"type":"close_stream","stream_id":"room"}',
     ' {\n "stream_id" : "room", "type":"close_stream" } ',
+    '{"type":"start_audio","stream_id":"mic","sample_rate":16000}',
+    '{"type":"start_audio","stream_id":"mic","sample_rate":8000,"lang":"en-US"}',
+    '{"type":"start_audio","stream_id":"mic","sample_rate":192000,"lang":null}',
+    '{"type":"end_audio","stream_id":"mic"}',
 ]
 
 INVALID: list[str] = [
@@ -213,6 +223,16 @@ INVALID: list[str] = [
     with_(ER, lang="zh_"),
     '{"type":"close_stream","stream_id":"a","lang":"de"}',
     '{"type":"close_stream","stream_id":""}',
+    '{"type":"start_audio","stream_id":"mic"}',
+    '{"type":"start_audio","sample_rate":16000}',
+    '{"type":"start_audio","stream_id":"mic","sample_rate":7999}',
+    '{"type":"start_audio","stream_id":"mic","sample_rate":192001}',
+    '{"type":"start_audio","stream_id":"mic","sample_rate":16000.5}',
+    '{"type":"start_audio","stream_id":"mic","sample_rate":"16000"}',
+    '{"type":"start_audio","stream_id":"mic","sample_rate":16000,"lang":"x"}',
+    '{"type":"start_audio","stream_id":"mic","sample_rate":16000,"seq":1}',
+    '{"type":"end_audio","stream_id":""}',
+    '{"type":"end_audio","stream_id":"mic","lang":"en"}',
 ]
 
 # What the codec refuses but JSON Schema cannot express (listed in the schema's description).
@@ -224,6 +244,7 @@ CODEC_ONLY: list[str] = [
     with_(PT, text="\ud800"),  # lone surrogate, escaped
     with_(PT, stream_id="a\udfffb"),
     '{"type":"subscribe","stream_id":"a","stream_id":"b"}',  # duplicate key
+    '{"type":"start_audio","stream_id":"a","sample_rate":16000.0}',
     json.dumps(PT)[:-1] + " " * (64 * 1024) + "}",  # over the size limit, padded with spaces
 ]
 
@@ -307,6 +328,11 @@ def random_message(rng: random.Random) -> Message:
         )
     if kind is Subscribe:
         return Subscribe(stream_id, rng.choice([None, "zh", "pt-BR"]))
+    if kind is StartAudio:
+        rate = rng.choice([MIN_SAMPLE_RATE, 16000, 44100, 48000, MAX_SAMPLE_RATE])
+        return StartAudio(stream_id, rate, rng.choice([None, "en", "en-US"]))
+    if kind is EndAudio:
+        return EndAudio(stream_id)
     return CloseStream(stream_id)
 
 
@@ -355,6 +381,9 @@ def _beyond_schema(doc: dict[str, Any]) -> bool:
         value = doc.get(key)
         if isinstance(value, float) and value.is_integer() and 0 <= value <= MAX_ID:
             return True
+    rate = doc.get("sample_rate")
+    if isinstance(rate, float) and rate.is_integer() and MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        return True
     start, end = doc.get("start_ms"), doc.get("end_ms")
     numbers = (int, float)
     return (

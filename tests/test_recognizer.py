@@ -491,3 +491,23 @@ def test_pocketsphinx_takes_a_grammar_instead_of_a_language_model(tmp_path: Path
     stream = RecognizerStream(SphinxRecognizer(options), "s")
     events = stream.accept(spoken("Frank can clean the room", "en-us+klatt2")) + stream.flush()
     assert [e.text for e in events if e.is_final] == ["frank can clean the room"]
+
+
+def test_stopping_mid_sentence_on_a_frame_boundary_still_ends_the_utterance() -> None:
+    """Stop pressed mid-sentence with no partial frame pending: pocketsphinx's
+    `Endpointer.end_stream` refuses empty input, so the recognizer must not hand it any;
+    the utterance ends with a final all the same."""
+    needs_speech()
+    from engine.asr import SphinxOptions, SphinxRecognizer
+
+    audio = spoken("Lucy wants to meet Jack on the train", "en-gb-x-rp+klatt2")
+    recognizer = SphinxRecognizer(
+        SphinxOptions(language_model=SPEECH / "fixture.lm.gz", dictionary=SPEECH / "fixture.dict")
+    )
+    frame = recognizer._frame_bytes
+    cut = (len(audio) * 2 // 3) // frame * frame  # mid-sentence, a whole number of frames
+    stream = RecognizerStream(recognizer, "s")
+    events = stream.accept(audio[:cut])
+    assert events and not events[-1].is_final  # speaking when stopped
+    events += stream.flush()
+    assert events[-1].is_final and events[-1].text

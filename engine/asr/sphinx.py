@@ -162,7 +162,9 @@ class SphinxRecognizer:
         if not self._in_utterance:
             return []
         try:
-            speech = self._endpointer.end_stream(rest)
+            # `end_stream` refuses empty input (pocketsphinx 5.1.1: "Out of bounds on buffer
+            # access") when the audio so far was a whole number of frames.
+            speech = self._endpointer.end_stream(rest) if rest else None
             if speech is not None:
                 self._decode(bytes(speech))
             return [self._end(self.heard_ms)]

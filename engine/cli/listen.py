@@ -24,7 +24,6 @@ import os
 import secrets
 import signal
 import sys
-import tempfile
 import time
 import wave
 from collections.abc import Callable, Mapping
@@ -38,15 +37,15 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 import protocol
 from engine import subtitles
-from engine.asr import DomainModel, SphinxOptions, SphinxRecognizer, build_domain_model
+from engine.asr import SphinxRecognizer
 from engine.cli.args import (
     add_decode_arguments,
     add_model_arguments,
     add_policy_argument,
     decode_options,
     load_translator,
-    positive_float,
 )
+from engine.cli.recognizer import add_recognizer_arguments, sphinx_options
 from engine.cli.replay import LiveView, _columns
 from engine.cli.serve import DEFAULT_STREAM, page_url
 from engine.decoding.translator import Translator
@@ -331,34 +330,7 @@ def add_listen_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help=f"a progress line on stderr (default: for files over {PROGRESS_MIN_S:g} s "
         "when stderr is a terminal and stdout is not)",
     )
-    asr = p.add_argument_group("recognizer (pocketsphinx)")
-    asr.add_argument(
-        "--lm", metavar="FILE", help="language model (ARPA, .lm.gz or .lm.bin; default en-US)"
-    )
-    asr.add_argument("--dict", metavar="FILE", help="pronunciation dictionary (default CMUdict)")
-    asr.add_argument("--jsgf", metavar="FILE", help="a JSGF grammar instead of a language model")
-    asr.add_argument(
-        "--domain-text",
-        metavar="FILE",
-        help="sentences of the domain, one per line: a language model and dictionary are "
-        "made from them at start (recognizes a closed domain far better)",
-    )
-    asr.add_argument("--acoustic-model", metavar="DIR", help="acoustic model (default en-US)")
-    asr.add_argument(
-        "--silence",
-        type=positive_float,
-        default=SphinxOptions().silence_s,
-        metavar="SECONDS",
-        help="the pause that ends an utterance (and the least delay of every final; "
-        "default %(default)s)",
-    )
-    asr.add_argument(
-        "--partial-every",
-        type=positive_float,
-        default=SphinxOptions().partial_every_ms,
-        metavar="MS",
-        help="speech between partial hypotheses (default %(default)s)",
-    )
+    add_recognizer_arguments(p.add_argument_group("recognizer (pocketsphinx)"))
 
 
 def audio_rate(value: str) -> int:
@@ -382,26 +354,6 @@ def parse_serve(value: str) -> tuple[str, int]:
     if not 0 <= number <= 65535:
         raise ValueError(f"--serve {value!r}: the port must be between 0 and 65535")
     return host, number
-
-
-def sphinx_options(args: argparse.Namespace, domain: DomainModel | None) -> SphinxOptions:
-    """The recognizer options `listen`'s arguments ask for."""
-    if domain is not None and (args.lm or args.jsgf):
-        raise ValueError("--domain-text makes the language model: give it without --lm/--jsgf")
-    if args.lm and args.jsgf:
-        raise ValueError("give --lm or --jsgf, not both")
-
-    def path(value: str | None) -> Path | None:
-        return Path(value) if value else None
-
-    return SphinxOptions(
-        language_model=domain.language_model if domain else path(args.lm),
-        grammar=path(args.jsgf),
-        dictionary=domain.dictionary if domain and not args.dict else path(args.dict),
-        acoustic_model=path(args.acoustic_model),
-        silence_s=args.silence,
-        partial_every_ms=args.partial_every,
-    )
 
 
 def open_source(args: argparse.Namespace, stdin: IO[bytes]) -> AudioSource:
@@ -453,20 +405,7 @@ def _run_listen(
         drafts=args.drafts,
     )
     with contextlib.ExitStack() as stack:
-        domain = None
-        if args.domain_text:
-            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="nmt-listen-"))
-            with open(args.domain_text, encoding="utf-8") as f:
-                domain = build_domain_model(f, folder, pronunciations=args.dict)
-            if domain.unknown:
-                shown = ", ".join(domain.unknown[:10])
-                more = f" and {len(domain.unknown) - 10} more" if len(domain.unknown) > 10 else ""
-                print(
-                    f"warning: --domain-text: no pronunciation for {shown}{more}; "
-                    "their sentences were left out",
-                    file=stderr,
-                )
-        options = sphinx_options(args, domain)
+        options = sphinx_options(args, stack, lambda line: print(f"warning: {line}", file=stderr))
         recognizer = SphinxRecognizer(options)  # before the model: a missing extra fails fast
         source = open_source(args, stdin)
         stack.callback(source.close)

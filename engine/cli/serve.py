@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -26,6 +28,7 @@ from engine.cli.args import (
     positive_float,
     positive_int,
 )
+from engine.cli.recognizer import RECOGNIZER_OPTIONS, add_recognizer_arguments, sphinx_options
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.errors import EngineError
@@ -36,6 +39,7 @@ from engine.server.admission import (
     descriptor_limit,
     descriptor_reserve,
 )
+from engine.server.audio import ASR_KINDS, AudioInput, pocketsphinx_input
 from engine.server.recorder import RecordDirectoryError, check_directory, record
 from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
 from engine.streaming.redis_bus import LEASE_MS, RedisBus
@@ -209,6 +213,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="with --bus: how long a stream stays this node's without renewal; a node "
         "that dies holds its streams this long at most (default %(default)s)",
     )
+    add_audio_arguments(p)
     p.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
@@ -223,6 +228,45 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="seconds to finish pending finals at shutdown; the last replies and the "
         "close handshakes get 2 s more, then the process exits (default %(default)s)",
     )
+
+
+
+
+def add_audio_arguments(p: argparse.ArgumentParser) -> None:
+    """Audio input: `--asr` and the recognizer's options (the same as `listen`'s)."""
+    audio = p.add_argument_group("audio input (speech over /ws, and the speaker page /speak)")
+    audio.add_argument(
+        "--asr",
+        choices=ASR_KINDS,
+        default=None,
+        help="take audio over the WebSocket (start_audio, then binary frames of 16-bit mono "
+        "PCM) and recognize it with this recognizer (pip install -e '.[asr]'); the speaker "
+        "page /speak?stream=ID sends a browser's microphone (default: no audio; writers "
+        "send partial_transcript)",
+    )
+    add_recognizer_arguments(audio)
+    audio.add_argument(
+        "--max-audio-streams",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="audio streams recognized at once, on all connections (each holds a recognizer "
+        "and a worker thread; default %(default)s)",
+    )
+
+
+def audio_input(args: argparse.Namespace, stack: contextlib.ExitStack) -> AudioInput | None:
+    """The audio input `--asr` asks for (None: none), its recognizer made once to check it
+    (`RecognizerUnavailable`: a missing extra or an unreadable model file); a
+    `--domain-text` model is built into a directory that `stack` removes."""
+    given = [name for name in RECOGNIZER_OPTIONS if getattr(args, name, None)]
+    if args.asr is None:
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ValueError(f"{flag} is a recognizer option: it needs --asr pocketsphinx")
+        return None
+    options = sphinx_options(args, stack, log.warning)
+    return pocketsphinx_input(options, max_streams=args.max_audio_streams)
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
@@ -323,17 +367,25 @@ def run_serve(args: argparse.Namespace) -> int:
             return 2
     if options.host not in LOOPBACK and options.token is None:
         log.warning("listening on %s without --token: anyone reaching it may use it", args.host)
-    try:
-        streaming = StreamingOptions(
-            policy=policy,
-            source_agreement=args.source_agreement,
-            settled_source=args.settled_source,
-            drafts=args.drafts,
-            forced_length_ratio=args.forced_length_ratio,
-        )
-        return anyio.run(_serve, args, options, streaming)
-    except KeyboardInterrupt:
-        return 130
+    with contextlib.ExitStack() as stack:
+        try:  # before the model: a missing extra or a bad recognizer file fails fast
+            audio = audio_input(args, stack)
+        except (ValueError, OSError, EngineError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        options = dataclasses.replace(options, audio=audio)
+        try:
+            streaming = StreamingOptions(
+                policy=policy,
+                source_agreement=args.source_agreement,
+                settled_source=args.settled_source,
+                drafts=args.drafts,
+                forced_length_ratio=args.forced_length_ratio,
+            )
+            return anyio.run(_serve, args, options, streaming)
+        except KeyboardInterrupt:
+            return 130
+    return 2  # unreachable: the `with` returns (mypy cannot tell)
 
 
 async def _serve(
@@ -391,6 +443,14 @@ async def _serve_with(
             page_url(server.url, options, page="transcript"),
         )
         log.info("websocket: %s (writers send partial_transcript, viewers subscribe)", ws_url)
+        if options.audio is not None:
+            log.info(
+                "audio input: %s, at most %d streams at once; speaker page: %s%s",
+                options.audio.description,
+                options.audio.limits.max_streams,
+                f"{server.url}speak?stream={DEFAULT_STREAM}",
+                " (add &token= with the writer token)" if options.token is not None else "",
+            )
         log.info("%s", describe_roles(options))
         connections, tight = describe_connections(options.connections)
         log.log(logging.WARNING if tight else logging.INFO, "%s", connections)
@@ -402,9 +462,7 @@ async def _serve_with(
         if targets is None:
             return 0 if stop.is_set() else 2
         async with (
-            IncrementalTranslator(
-                targets, streaming, max_streams=args.max_streams, bus=bus
-            ) as nmt,
+            IncrementalTranslator(targets, streaming, max_streams=args.max_streams, bus=bus) as nmt,
             anyio.create_task_group() as recorders,
         ):
             if args.record:

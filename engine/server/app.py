@@ -1,7 +1,8 @@
 """The live-subtitle server: a thin asyncio layer over `IncrementalTranslator`.
 
-One port serves the WebSocket endpoint `/ws` (partials in, translation updates out), the
-subtitle page `/` and `/healthz`, `/readyz`, `/metrics` (plain HTTP through the
+One port serves the WebSocket endpoint `/ws` (partials in, translation updates out; with
+audio input, speech in too), the subtitle page `/`, the transcript `/transcript`, the
+speaker page `/speak` and `/healthz`, `/readyz`, `/metrics` (plain HTTP through the
 `websockets` handshake hook). `SubtitleServer` only puts the pieces together: the rules
 are in `connection` (sans I/O, with the server's state), plain HTTP in `routes`, each
 connection's I/O in `client` and the order of a shutdown in `shutdown`.
@@ -20,6 +21,7 @@ import anyio
 from websockets.asyncio.server import Server, ServerConnection, serve
 
 from engine.server.admission import ConnectionCaps, ConnectionGate
+from engine.server.audio import AudioInput, AudioService
 from engine.server.client import Client
 from engine.server.connection import ConnectionCore, Credentials, Limits, ServerState
 from engine.server.doors import Doors, gated
@@ -28,6 +30,9 @@ from engine.server.outbox import Outbox
 from engine.server.routes import HttpRoutes
 from engine.server.shutdown import shut_down
 from engine.streaming import IncrementalTranslator
+
+AUDIO_STOP_GRACE = 2.0
+"""Seconds a stopping server gives its audio streams to flush their last utterances."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,9 @@ class ServerOptions:
     process's descriptor limit). `max_frame_bytes` is the socket's hard limit (default
     four times the codec's `max_message_bytes`): between the two a message gets a
     `too_large` error, above it the connection is closed (1009), because the whole
-    frame would have to be buffered.
+    frame would have to be buffered. `audio`: take audio over the WebSocket (a writer's
+    `start_audio` and binary PCM frames) and recognize it with this input's recognizer;
+    None: `start_audio` is refused with a note on how to enable it.
     """
 
     host: str = "127.0.0.1"
@@ -59,6 +66,7 @@ class ServerOptions:
     stream_keys: Mapping[str, str] = field(default_factory=dict)
     metrics_token: str | None = None
     connections: ConnectionCaps = field(default_factory=ConnectionCaps.derive)
+    audio: AudioInput | None = None
 
     def __post_init__(self) -> None:
         self.credentials  # noqa: B018  (validates the secrets: ValueError)
@@ -109,6 +117,9 @@ class SubtitleServer:
         self.gate = ConnectionGate(self.options.connections)
         self.metrics.pending_handshakes.set_function(lambda: float(self.gate.pending))
         self.metrics.max_connections.set(self.options.connections.max_connections)
+        self.audio = AudioService(self.options.audio) if self.options.audio is not None else None
+        if self.audio is not None:
+            self.metrics.registry.register(self.audio.collector)
         self._doors = Doors(self.gate, self.metrics)
         self._routes = HttpRoutes(
             self.state,
@@ -183,7 +194,8 @@ class SubtitleServer:
         """Stop gracefully; idempotent.
 
         1. Stop taking work: `/readyz` and new `/ws` handshakes answer 503, messages on
-           open connections get an error (the listener stays up for health checks).
+           open connections get an error (the listener stays up for health checks);
+           audio streams end, their last utterances pushed as finals.
         2. Shut the engine down, so that accepted finals are translated.
         3. Flush every connection's outbox (within `shutdown_timeout`); each answers what
            it read meanwhile (`unavailable`), then sends its close frame (1001).
@@ -198,10 +210,23 @@ class SubtitleServer:
             await self._stopped.wait()
             return
         try:
+            await self._finish_audio()
             await shut_down(self.engine, self._clients, self._server, self.options.shutdown_timeout)
         finally:
             self._doors.unguard()
             self._stopped.set()
+
+    async def _finish_audio(self) -> None:
+        """Audio streams end first (their recognizers flushed, the last finals pushed), so
+        that what was heard before the stop is translated like any accepted final; within
+        `AUDIO_STOP_GRACE` (and the shutdown timeout)."""
+        clients = [client for client in self._clients if client.feed is not None]
+        if not clients:
+            return
+        with anyio.move_on_after(min(AUDIO_STOP_GRACE, self.options.shutdown_timeout)):
+            async with anyio.create_task_group() as group:
+                for client in clients:
+                    group.start_soon(client.finish_audio)
 
     async def __aenter__(self) -> SubtitleServer:
         await self.start()
@@ -224,9 +249,22 @@ class SubtitleServer:
             await ws.close(1008, "unauthorized")
             return
         core = ConnectionCore(
-            next(self._ids), self.options.limits, self.state, time.monotonic(), access
+            next(self._ids),
+            self.options.limits,
+            self.state,
+            time.monotonic(),
+            access,
+            audio=self.audio.limits if self.audio is not None else None,
         )
-        client = Client(ws, core, Outbox(self.options.queue_size), engine, self.state, self.metrics)
+        client = Client(
+            ws,
+            core,
+            Outbox(self.options.queue_size),
+            engine,
+            self.state,
+            self.metrics,
+            audio=self.audio,
+        )
         self._clients.add(client)
         self.metrics.connections_accepted.inc()
         try:

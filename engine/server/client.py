@@ -3,7 +3,10 @@ subscriptions into the outbox, send.
 
 The rules are the sans-I/O `ConnectionCore`'s; this module only awaits. Per connection,
 one task receives and one task sends, and one forwarder per subscription moves the
-engine's replies into a bounded `Outbox`, so the engine never waits on a socket.
+engine's replies into a bounded `Outbox`, so the engine never waits on a socket. A writer
+streaming audio has one more task, its `AudioFeed` (recognition in a worker thread), whose
+events are pushed as the connection's own and echoed back to it as `partial_transcript`
+messages (kept apart from the outbox, in `echoes`, and sent first).
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 import protocol
+from engine.server.audio import AudioFeed, AudioService, Clock
 from engine.server.connection import (
     Close,
     ConnectionCore,
+    FeedAudio,
+    FinishAudio,
     Ignore,
+    OpenAudio,
     Push,
     Reply,
     ServerState,
@@ -32,7 +39,13 @@ from engine.server.connection import (
 from engine.server.metrics import ServerMetrics
 from engine.server.outbox import Outbox
 from engine.streaming import IncrementalTranslator, Subscription
-from protocol import EngineClosed, ErrorMessage, InvalidEvent, TranslationUpdate
+from protocol import (
+    EngineClosed,
+    ErrorMessage,
+    InvalidEvent,
+    PartialTranscript,
+    TranslationUpdate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +54,22 @@ log = logging.getLogger(__name__)
 # in flight at once.
 _encoded = functools.lru_cache(maxsize=4096)(protocol.serialize)
 
+MAX_ECHOES = 64
+"""Echoes of heard partials waiting to be sent; past it the oldest non-final one goes (a
+newer partial of its segment says more)."""
+
+AUDIO_LEAVE_GRACE = 5.0
+"""Seconds a writer that left mid-audio gets for its last utterance to be recognized and
+pushed (so viewers get its final) before its streams close."""
+
 
 @dataclass(eq=False)
 class Client:
     """One connection: its rules (`core`), its outbox and the tasks that serve it.
 
     `pumps` counts its subscriptions being forwarded: a stopping server ends the outbox
-    only once the last one has delivered its final replies.
+    only once the last one has delivered its final replies. `audio`: the server's audio
+    input (None: it takes none); `feed`: this connection's audio stream, if any.
     """
 
     ws: ServerConnection
@@ -68,6 +90,14 @@ class Client:
     late: deque[ErrorMessage] = field(default_factory=deque)
     closing: bool = False
     unanswerable: int = 0
+    audio: AudioService | None = None
+    feed: AudioFeed | None = None
+    echoes: deque[PartialTranscript] = field(default_factory=deque)
+    # Where the numbering of each stream this connection wrote goes on (a second audio
+    # stream into it, or audio after text).
+    clocks: dict[str, Clock] = field(default_factory=dict)
+    _waiting: anyio.CancelScope | None = None  # the sender, waiting on the outbox
+    _dropped_audio_ms: float = 0.0
 
     async def serve(self) -> None:
         """Serve the connection until it closes."""
@@ -82,10 +112,13 @@ class Client:
                     # Gone mid-stream: its streams close (viewers still get the finals
                     # it sent) and free their slots; stop sending to it.
                     self.gone = True
-                    self.engine.owner_left(self.core.owner)
-                    for sub in list(self.subscriptions):
-                        self.engine.unsubscribe(sub)
-                    io.cancel_scope.cancel()
+                    try:
+                        await self._leave_audio()
+                    finally:
+                        self.engine.owner_left(self.core.owner)
+                        for sub in list(self.subscriptions):
+                            self.engine.unsubscribe(sub)
+                        io.cancel_scope.cancel()
         finally:
             self.sent.set()
             self.metrics.connections.labels(self.core.role.value).dec()
@@ -120,10 +153,21 @@ class Client:
                 if core.role is not role:
                     self.metrics.connections.labels(role.value).dec()
                     self.metrics.connections.labels(core.role.value).inc()
-                if isinstance(action, Reply):
+                if core.dropped_audio_ms != self._dropped_audio_ms and self.audio is not None:
+                    self.audio.stats.dropped_fast_s += (
+                        core.dropped_audio_ms - self._dropped_audio_ms
+                    ) / 1000
+                    self._dropped_audio_ms = core.dropped_audio_ms
+                if isinstance(action, FeedAudio):  # the most frequent, first
+                    self._feed_audio(action)
+                elif isinstance(action, Reply):
                     self._reply(action.error, action.about_final)
                 elif isinstance(action, Push):
                     await self._push(action)
+                elif isinstance(action, OpenAudio):
+                    self._open_audio(action)
+                elif isinstance(action, FinishAudio):
+                    self._finish_audio(action)
                 elif isinstance(action, Close):
                     try:
                         self.engine.begin_close(action.stream_id, core.owner)
@@ -139,17 +183,113 @@ class Client:
 
     async def _push(self, action: Push) -> None:
         event = action.event
+        await self._push_event(event)
+        # Audio into this stream later goes on after it, in a new segment.
+        before = self.clocks.get(event.stream_id, Clock())
+        self.clocks[event.stream_id] = Clock(event.segment_id + 1, event.seq + 1, before.offset_ms)
+
+    def _subscribe_writes(self) -> None:
         if self.writes is None:  # subscribe before the first push: nothing is missed
             self.writes = self.engine.updates(owner=self.core.owner)
             self._adopt(self.writes)
             assert self.io is not None
             self.io.start_soon(self._forward, self.writes, True)
+
+    async def _push_event(self, event: PartialTranscript) -> None:
+        self._subscribe_writes()
         try:
             await self.engine.push(event, self.core.owner)
         except InvalidEvent as exc:
             self._reply(exc.error, event.is_final)
         except EngineClosed:
             self._reply(self.state.shutting_down(event), event.is_final)
+
+    # -- audio ----------------------------------------------------------------------------
+
+    def _open_audio(self, action: OpenAudio) -> None:
+        assert self.audio is not None and self.io is not None  # the core takes no audio else
+        feed = self.audio.feed(action.stream_id, action.sample_rate, self._heard)
+        previous, self.feed = self.feed, feed
+        self._subscribe_writes()
+        self.io.start_soon(self._run_feed, feed, previous)
+
+    async def _run_feed(self, feed: AudioFeed, previous: AudioFeed | None) -> None:
+        """One audio stream's task: after the connection's previous audio stream has
+        pushed its last final (the numbering goes on from it), recognize until finished
+        or failed; then close the stream if asked to."""
+        sid = feed.stream_id
+        try:
+            if previous is not None:
+                await previous.done.wait()
+            await feed.run(self.clocks.get(sid, Clock()))
+        finally:
+            if not feed.finishing:  # it ended on its own: binary frames are stray now
+                self.core.audio_ended(sid)
+            if feed.stream is not None:
+                self.clocks[sid] = feed.clock
+            if self.feed is feed:
+                self.feed = None
+            feed.done.set()
+        if feed.error is not None:
+            self._reply(feed.error)
+        if feed.close_after:
+            self.clocks.pop(sid, None)  # a new life of the stream starts afresh
+            try:
+                self.engine.begin_close(sid, self.core.owner)
+            except InvalidEvent as exc:
+                self._reply(exc.error)
+
+    def _feed_audio(self, action: FeedAudio) -> None:
+        feed = self.feed
+        if feed is None or feed.stream_id != action.stream_id:
+            return  # the core only feeds the stream it opened
+        error = feed.put(action.pcm)
+        if error is not None:
+            self._reply(error)
+
+    def _finish_audio(self, action: FinishAudio) -> None:
+        feed = self.feed
+        if feed is not None and feed.stream_id == action.stream_id and not feed.finishing:
+            feed.finish(close=action.close)
+            return
+        if action.close:  # its feed has ended already (it failed): close as usual
+            try:
+                self.engine.begin_close(action.stream_id, self.core.owner)
+            except InvalidEvent as exc:
+                self._reply(exc.error)
+
+    async def _heard(self, events: list[PartialTranscript]) -> None:
+        """A feed's events: echoed to this writer (what was heard), pushed as its own."""
+        for event in events:
+            self._echo(event)
+            await self._push_event(event)
+
+    def _echo(self, event: PartialTranscript) -> None:
+        if self.gone or self.outbox.ended:
+            return
+        if len(self.echoes) >= MAX_ECHOES:
+            stale = next((e for e in self.echoes if not e.is_final), self.echoes[0])
+            self.echoes.remove(stale)
+        self.echoes.append(event)
+        if self._waiting is not None:  # the sender waits on the outbox: send this first
+            self._waiting.cancel()
+
+    async def _leave_audio(self) -> None:
+        """The connection is gone: its audio stream's last utterance still gets its
+        final (within `AUDIO_LEAVE_GRACE`), then the server's audio slot is free."""
+        with anyio.move_on_after(AUDIO_LEAVE_GRACE):
+            await self.finish_audio()
+
+    async def finish_audio(self) -> None:
+        """End this connection's audio stream, if any, as `end_audio` would, and return once
+        its last final is pushed (a stopping server calls it before closing the engine, so
+        that what was heard is still translated)."""
+        feed = self.feed
+        if feed is None:
+            return
+        self.core.audio_ended(feed.stream_id)
+        feed.finish()
+        await feed.done.wait()
 
     # -- forwarding subscriptions ---------------------------------------------------------
 
@@ -228,15 +368,34 @@ class Client:
         (the server is stopping), it answers what was read meanwhile and closes (1001;
         1012 when other nodes serve the same streams, so the client reconnects there)."""
         try:
-            while (item := await self.outbox.get()) is not None:
+            while (item := await self._next()) is not None:
                 await self._send(item)
+            while self.echoes:
+                await self._send(self.echoes.popleft())
             await self._close_going_away()
         except ConnectionClosed:
             pass
         finally:
             self.sent.set()
 
-    async def _send(self, item: TranslationUpdate | ErrorMessage) -> None:
+    async def _next(self) -> TranslationUpdate | ErrorMessage | PartialTranscript | None:
+        """The next message to send: an echo if one waits, else the outbox's next (None:
+        the outbox has ended). An echo arriving meanwhile interrupts the wait (the
+        outbox's `get` is cancelled before it takes anything)."""
+        while not self.echoes:
+            with anyio.CancelScope() as waiting:
+                self._waiting = waiting
+                try:
+                    return await self.outbox.get()
+                finally:
+                    self._waiting = None
+        return self.echoes.popleft()
+
+    async def _send(self, item: TranslationUpdate | ErrorMessage | PartialTranscript) -> None:
+        if isinstance(item, PartialTranscript):  # an echo: sent once, not worth caching
+            await self.ws.send(protocol.serialize(item))
+            self.metrics.messages_out.labels("partial_transcript").inc()
+            return
         await self.ws.send(_encoded(item))
         kind = "translation_update" if isinstance(item, TranslationUpdate) else "error"
         self.metrics.messages_out.labels(kind).inc()

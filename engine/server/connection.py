@@ -28,16 +28,19 @@ from typing import TypeAlias
 from urllib.parse import parse_qs, urlsplit
 
 import protocol
+from engine.languages import base_lang
 from engine.streaming.lifecycle import Owner
 from engine.streaming.subscriptions import target_language
 from protocol import (
     CloseStream,
+    EndAudio,
     ErrorCode,
     ErrorMessage,
     InvalidEvent,
     InvalidMessage,
     Message,
     PartialTranscript,
+    StartAudio,
     Subscribe,
 )
 
@@ -80,6 +83,44 @@ class Limits:
             raise ValueError("rate_burst must be >= 1")
 
 
+@dataclass(frozen=True)
+class AudioLimits:
+    """Audio over the WebSocket as a connection's rules see it (`ConnectionCore.audio`;
+    None: the server takes no audio).
+
+    `max_speed`: audio may arrive at most this many times faster than real time,
+    sustained; beyond that `burst_s` seconds of it may come at once (a browser that
+    buffered through a network stall, a client starting with what it recorded so far).
+    Past that the excess is dropped, with one `rate_limited` error per burst: a client
+    pushing a file as fast as it can would queue minutes of recognition and make every
+    stream's translations late. `max_streams`: audio streams at once on the whole server
+    (each holds a recognizer and a worker thread). `language`: the base code of the
+    language its recognizer hears, which a `start_audio`'s `lang` must name (None: any).
+    """
+
+    max_speed: float = 2.0
+    burst_s: float = 6.0
+    max_streams: int = 32
+    language: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.max_speed) and self.max_speed >= 1.0):
+            raise ValueError("max_speed must be at least 1 (real time)")
+        if not (math.isfinite(self.burst_s) and self.burst_s > 0):
+            raise ValueError("burst_s must be a positive number of seconds")
+        if self.max_streams < 1:
+            raise ValueError("max_streams must be >= 1")
+
+
+AUDIO_OFF = (
+    "this server takes no audio: start it with `nmt-incremental serve --asr pocketsphinx` "
+    "(needs pip install -e '.[asr]'), or run a recognizer of your own and send what it "
+    "hears as partial_transcript messages"
+)
+"""The reply to `start_audio` (and to binary frames) on a server started without a
+recognizer: what to do instead."""
+
+
 # --- handshake --------------------------------------------------------------------------
 
 
@@ -89,6 +130,7 @@ class Route(Enum):
     WEBSOCKET = "ws"
     PAGE = "page"
     TRANSCRIPT = "transcript"
+    SPEAK = "speak"
     STATIC = "static"
     HEALTHZ = "healthz"
     READYZ = "readyz"
@@ -101,6 +143,7 @@ _ROUTES = {
     "/": Route.PAGE,
     "/index.html": Route.PAGE,
     "/transcript": Route.TRANSCRIPT,
+    "/speak": Route.SPEAK,
     "/healthz": Route.HEALTHZ,
     "/readyz": Route.READYZ,
     "/metrics": Route.METRICS,
@@ -109,6 +152,7 @@ _ROUTES = {
 PAGES: dict[Route, str] = {
     Route.PAGE: "index.html",
     Route.TRANSCRIPT: "transcript.html",
+    Route.SPEAK: "speak.html",
 }
 """The HTML file in `static/` of each page route (served as text/html)."""
 
@@ -117,6 +161,9 @@ STATIC_FILES: dict[str, str] = {
     "/subtitles.js": "text/javascript; charset=utf-8",
     "/transcript.css": "text/css; charset=utf-8",
     "/transcript.js": "text/javascript; charset=utf-8",
+    "/speak.css": "text/css; charset=utf-8",
+    "/speak.js": "text/javascript; charset=utf-8",
+    "/pcm-worklet.js": "text/javascript; charset=utf-8",
 }
 """Assets the pages load, by path, with their content type (the pages are `PAGES`)."""
 
@@ -319,13 +366,13 @@ class TokenBucket:
         self.tokens = burst
         self.updated = now
 
-    def take(self, now: float) -> bool:
-        """Spend one token if there is one; the time may only move forward."""
+    def take(self, now: float, amount: float = 1.0) -> bool:
+        """Spend `amount` tokens if there are that many; the time may only move forward."""
         if now > self.updated:
             self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
             self.updated = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        if self.tokens >= amount:
+            self.tokens -= amount
             return True
         return False
 
@@ -357,6 +404,8 @@ class ServerState:
     # The close code a stopping server sends: 1001 (going away) alone, 1012 (service
     # restart: reconnect, to another node) when other nodes serve the same streams.
     close_code: int = 1001
+    # Audio streams open on all connections (`AudioLimits.max_streams` caps them).
+    audio_streams: int = 0
 
     def attach(self, languages: Iterable[str]) -> None:
         """A model is loaded: ready, unless a shutdown began meanwhile."""
@@ -458,16 +507,45 @@ class Watch:
 
 @dataclass(frozen=True)
 class Ignore:
-    """Nothing to do (e.g. a repeated subscribe)."""
+    """Nothing to do (e.g. a repeated subscribe, or audio dropped after its error)."""
 
 
-Action: TypeAlias = Reply | Push | Close | Watch | Ignore
+@dataclass(frozen=True)
+class OpenAudio:
+    """Start recognizing an audio stream into `stream_id`: the binary frames that follow
+    are its PCM at `sample_rate` Hz (`FeedAudio`)."""
+
+    stream_id: str
+    sample_rate: int
+
+
+@dataclass(frozen=True)
+class FeedAudio:
+    """The next chunk of the connection's audio stream (any byte count: a frame that ends
+    inside a sample leaves its byte to the next)."""
+
+    stream_id: str
+    pcm: bytes
+
+
+@dataclass(frozen=True)
+class FinishAudio:
+    """End the audio stream: the utterance in progress gets its final; then, with `close`,
+    close the stream as `Close` does (close_stream arrived while its audio ran)."""
+
+    stream_id: str
+    close: bool = False
+
+
+Action: TypeAlias = Reply | Push | Close | Watch | Ignore | OpenAudio | FeedAudio | FinishAudio
 
 
 _MESSAGE_TYPES: dict[type, str] = {
     PartialTranscript: "partial_transcript",
     CloseStream: "close_stream",
     Subscribe: "subscribe",
+    StartAudio: "start_audio",
+    EndAudio: "end_audio",
 }
 """The metrics' name of each message type a client may send."""
 
@@ -490,11 +568,25 @@ def _error(
 
 
 @dataclass
+class Listening:
+    """The audio stream a connection is sending: its stream, rate and speed limit."""
+
+    stream_id: str
+    sample_rate: int
+    bucket: TokenBucket  # in milliseconds of audio
+    limited: bool = False  # dropping audio now (its error was sent)
+
+
+@dataclass
 class ConnectionCore:
     """One WebSocket connection's state and rules.
 
     `receive` turns each incoming frame into one `Action`. `message_type` after a call
-    names what the frame was (`partial_transcript`, ..., or `invalid`), for metrics.
+    names what the frame was (`partial_transcript`, ..., `audio` for a binary frame of
+    an audio stream, or `invalid`), for metrics. `audio`: the rules of audio input (None:
+    the server takes none); `listening`: the audio stream this connection sends, if any.
+    A binary frame is the audio stream's next chunk and is held to its speed limit
+    instead of `Limits.rate_limit` (a client may send 10 ms frames).
     """
 
     connection_id: int
@@ -506,6 +598,10 @@ class ConnectionCore:
     watched: set[tuple[str, str | None]] = field(default_factory=set)  # (stream, language)
     message_type: str = "invalid"
     _bucket: TokenBucket | None = field(default=None, repr=False)
+    audio: AudioLimits | None = None
+    listening: Listening | None = None
+    dropped_audio_ms: float = 0.0  # audio dropped for arriving too fast, in all
+    _stray_reported: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.owner = Owner(
@@ -521,19 +617,16 @@ class ConnectionCore:
     def receive(self, data: str | bytes, now: float) -> Action:
         """Decide what to do with one frame received at `now` (seconds, monotonic)."""
         self.message_type = "invalid"
+        if not isinstance(data, str):
+            return self._binary(data, now)
+        self._stray_reported = False
         allowed = self._bucket is None or self._bucket.take(now)
-        if isinstance(data, str):
-            message = protocol.parse(
-                data,
-                max_bytes=self.limits.max_message_bytes,
-                max_text_chars=self.limits.max_text_chars,
-                accept=protocol.TO_ENGINE_TYPES,
-            )
-        else:
-            message = _error(
-                ErrorCode.INVALID_MESSAGE,
-                "binary frames are not accepted: send each message as a JSON text frame",
-            )
+        message = protocol.parse(
+            data,
+            max_bytes=self.limits.max_message_bytes,
+            max_text_chars=self.limits.max_text_chars,
+            accept=protocol.TO_ENGINE_TYPES,
+        )
         final = isinstance(message, PartialTranscript) and message.is_final
         if not allowed:
             return Reply(
@@ -557,9 +650,158 @@ class ConnectionCore:
         if isinstance(message, CloseStream):
             if not self.access.may_write(message.stream_id):
                 return Reply(self._unauthorized("closing", message))
+            if self.listening is not None and self.listening.stream_id == message.stream_id:
+                self._stop_listening()
+                return FinishAudio(message.stream_id, close=True)
             return Close(message.stream_id)
+        if isinstance(message, StartAudio):
+            return self._start_audio(message, now)
+        if isinstance(message, EndAudio):
+            return self._end_audio(message)
         assert isinstance(message, Subscribe)
         return self._subscribe(message)
+
+    # -- audio ----------------------------------------------------------------------------
+
+    def audio_ended(self, stream_id: str) -> None:
+        """The I/O layer ended the audio stream on its own (its recognizer failed or could
+        not start, or the connection is gone): binary frames are stray from now on, and
+        the server's audio slot is free."""
+        if self.listening is not None and self.listening.stream_id == stream_id:
+            self._stop_listening()
+
+    def _stop_listening(self) -> None:
+        self.listening = None
+        self.server.audio_streams = max(0, self.server.audio_streams - 1)
+
+    def _start_audio(self, message: StartAudio, now: float) -> Action:
+        sid = message.stream_id
+        audio = self.audio
+        if audio is None:
+            off = _error(ErrorCode.INVALID_MESSAGE, AUDIO_OFF, field="type", context=message)
+            return Reply(off)
+        if not self.access.may_write(sid):
+            return Reply(self._unauthorized("streaming audio to", message))
+        if self.role is Role.VIEWER:
+            return Reply(
+                _error(
+                    ErrorCode.FORBIDDEN,
+                    "this connection is a viewer (it subscribed); stream audio from another "
+                    "connection",
+                    context=message,
+                )
+            )
+        if self.listening is not None:
+            return Reply(
+                _error(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"this connection streams audio to {self.listening.stream_id!r} already; "
+                    "binary frames carry no stream id, so a connection has one audio stream "
+                    "at a time: send end_audio first, or open another connection",
+                    field="stream_id",
+                    context=message,
+                )
+            )
+        if (
+            message.lang is not None
+            and audio.language is not None
+            and base_lang(message.lang) != audio.language
+        ):
+            return Reply(
+                _error(
+                    ErrorCode.INVALID_MESSAGE,
+                    f"this server's recognizer hears {audio.language!r} speech, not "
+                    f"{message.lang!r}",
+                    field="lang",
+                    context=message,
+                )
+            )
+        if self.server.audio_streams >= audio.max_streams:
+            return Reply(
+                _error(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"the server is recognizing {self.server.audio_streams} audio streams, "
+                    "its limit; try again later",
+                    context=message,
+                )
+            )
+        self.role = Role.WRITER
+        self.server.audio_streams += 1
+        bucket = TokenBucket(audio.max_speed * 1000.0, audio.burst_s * 1000.0, now)
+        self.listening = Listening(sid, message.sample_rate, bucket)
+        return OpenAudio(sid, message.sample_rate)
+
+    def _end_audio(self, message: EndAudio) -> Action:
+        listening = self.listening
+        if listening is None or listening.stream_id != message.stream_id:
+            now = (
+                "none is running"
+                if listening is None
+                else f"its audio goes to {listening.stream_id!r}"
+            )
+            return Reply(
+                _error(
+                    ErrorCode.UNKNOWN_STREAM,
+                    f"end_audio: this connection streams no audio to {message.stream_id!r} "
+                    f"({now})",
+                    field="stream_id",
+                    context=message,
+                )
+            )
+        self._stop_listening()
+        return FinishAudio(message.stream_id)
+
+    def _binary(self, data: bytes, now: float) -> Action:
+        """A binary frame: the next chunk of the audio stream, or a stray one (reported
+        once per run of stray frames: a client streaming into nothing learns it from the
+        first, and the rest would only bury its other replies)."""
+        listening = self.listening
+        if listening is None or self.server.stopping:
+            if self._stray_reported:
+                return Ignore()
+            self._stray_reported = True
+            if self.server.stopping:
+                return Reply(self.server.shutting_down())
+            if self.audio is None:
+                why = "binary frames are not accepted: send each message as a JSON text frame"
+                return Reply(_error(ErrorCode.INVALID_MESSAGE, f"{why} ({AUDIO_OFF})"))
+            return Reply(
+                _error(
+                    ErrorCode.INVALID_MESSAGE,
+                    "a binary frame is audio, and this connection has no audio stream (none "
+                    "started, or it ended): send start_audio first; further stray frames are "
+                    "dropped without a word",
+                )
+            )
+        self.message_type = "audio"
+        sid = listening.stream_id
+        ms = len(data) / 2 * 1000.0 / listening.sample_rate
+        if len(data) > self.limits.max_message_bytes or ms > listening.bucket.burst:
+            return Reply(
+                ErrorMessage(
+                    ErrorCode.TOO_LARGE,
+                    f"an audio frame of {len(data)} bytes ({ms / 1000:.1f} s) exceeds the "
+                    f"limit of {self.limits.max_message_bytes} bytes or "
+                    f"{listening.bucket.burst / 1000:g} s; send about 100 ms per frame",
+                    stream_id=sid,
+                )
+            )
+        if not listening.bucket.take(now, ms):
+            self.dropped_audio_ms += ms
+            if listening.limited:
+                return Ignore()
+            listening.limited = True
+            speed = listening.bucket.rate / 1000.0
+            return Reply(
+                ErrorMessage(
+                    ErrorCode.RATE_LIMITED,
+                    f"audio for stream {sid!r} arrives faster than {speed:g}x real time: "
+                    "what comes faster is dropped; send audio as it is captured",
+                    stream_id=sid,
+                )
+            )
+        listening.limited = False
+        return FeedAudio(sid, bytes(data))
 
     def _unauthorized(self, what: str, message: Message) -> ErrorMessage:
         sid = getattr(message, "stream_id", "")
@@ -577,6 +819,15 @@ class ConnectionCore:
     def _partial(self, event: PartialTranscript) -> Action:
         if not self.access.may_write(event.stream_id):
             return Reply(self._unauthorized("writing", event))
+        if self.listening is not None and self.listening.stream_id == event.stream_id:
+            return Reply(
+                _error(
+                    ErrorCode.FORBIDDEN,
+                    f"stream {event.stream_id!r} is fed by this connection's audio: its "
+                    "transcripts come from the recognizer (send end_audio first)",
+                    context=event,
+                )
+            )
         if self.role is Role.VIEWER:
             return Reply(
                 _error(

@@ -1,5 +1,5 @@
-"""Plain HTTP on the server's port: the subtitle and transcript pages and their assets,
-health, readiness, metrics, and the gate in front of a WebSocket handshake.
+"""Plain HTTP on the server's port: the subtitle, transcript and speaker pages and their
+assets, health, readiness, metrics, and the gate in front of a WebSocket handshake.
 
 Everything here answers from the request alone (and the server's state and metrics); it
 runs inside the `websockets` handshake hook, so a request is answered before any
@@ -47,6 +47,11 @@ _PAGE_HEADERS = (
     ("X-Content-Type-Options", "nosniff"),
     ("Cache-Control", "no-cache"),
 )
+
+_PAGE_EXTRA: dict[Route, tuple[tuple[str, str], ...]] = {
+    # The speaker page asks for the microphone: this origin may, no frame of another may.
+    Route.SPEAK: (("Permissions-Policy", "microphone=(self)"),),
+}
 
 
 def _static(name: str) -> bytes:
@@ -104,7 +109,8 @@ class HttpRoutes:
             return self._handshake(ws, request)
         if kind in self._pages:
             page = self._pages[kind]
-            return _response(200, page, "text/html; charset=utf-8", _PAGE_HEADERS)
+            headers = _PAGE_HEADERS + _PAGE_EXTRA.get(kind, ())
+            return _response(200, page, "text/html; charset=utf-8", headers)
         if kind is Route.STATIC:
             path = request_path(request.path)
             return _response(200, self._assets[path], STATIC_FILES[path], _PAGE_HEADERS)

@@ -1,0 +1,88 @@
+"""The recognizer's options, shared by `listen` and `serve --asr`: one definition of the
+arguments, one way to turn them into `SphinxOptions` (a `--domain-text` model built into a
+directory the caller's stack removes), so the two commands cannot drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.asr import SphinxOptions, build_domain_model
+from engine.cli.args import positive_float
+
+RECOGNIZER_OPTIONS = ("lm", "dict", "jsgf", "domain_text", "acoustic_model")
+"""The recognizer options that have no default (given: the user asked for a recognizer)."""
+
+
+def add_recognizer_arguments(group: argparse._ArgumentGroup) -> None:
+    """pocketsphinx's model, grammar, dictionary and timing options."""
+    group.add_argument(
+        "--lm", metavar="FILE", help="language model (ARPA, .lm.gz or .lm.bin; default en-US)"
+    )
+    group.add_argument("--dict", metavar="FILE", help="pronunciation dictionary (default CMUdict)")
+    group.add_argument("--jsgf", metavar="FILE", help="a JSGF grammar instead of a language model")
+    group.add_argument(
+        "--domain-text",
+        metavar="FILE",
+        help="sentences of the domain, one per line: a language model and dictionary are "
+        "made from them at start (recognizes a closed domain far better)",
+    )
+    group.add_argument("--acoustic-model", metavar="DIR", help="acoustic model (default en-US)")
+    group.add_argument(
+        "--silence",
+        type=positive_float,
+        default=SphinxOptions().silence_s,
+        metavar="SECONDS",
+        help="the pause that ends an utterance (and the least delay of every final; "
+        "default %(default)s)",
+    )
+    group.add_argument(
+        "--partial-every",
+        type=positive_float,
+        default=SphinxOptions().partial_every_ms,
+        metavar="MS",
+        help="speech between partial hypotheses (default %(default)s)",
+    )
+
+
+def sphinx_options(
+    args: argparse.Namespace,
+    stack: contextlib.ExitStack,
+    warn: Callable[[str], None],
+) -> SphinxOptions:
+    """The recognizer options the arguments ask for; raises `ValueError` for a
+    contradiction. A `--domain-text` language model and dictionary are built into a
+    temporary directory that `stack` removes; words without a pronunciation are reported
+    through `warn`."""
+    if args.domain_text and (args.lm or args.jsgf):
+        raise ValueError("--domain-text makes the language model: give it without --lm/--jsgf")
+    if args.lm and args.jsgf:
+        raise ValueError("give --lm or --jsgf, not both")
+
+    def path(value: str | None) -> Path | None:
+        return Path(value) if value else None
+
+    language_model, dictionary = path(args.lm), path(args.dict)
+    if args.domain_text:
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="nmt-domain-"))
+        with open(args.domain_text, encoding="utf-8") as f:
+            domain = build_domain_model(f, folder, pronunciations=args.dict)
+        if domain.unknown:
+            shown = ", ".join(domain.unknown[:10])
+            more = f" and {len(domain.unknown) - 10} more" if len(domain.unknown) > 10 else ""
+            warn(
+                f"--domain-text: no pronunciation for {shown}{more}; their sentences were left out"
+            )
+        language_model = domain.language_model
+        dictionary = dictionary if args.dict else domain.dictionary
+    return SphinxOptions(
+        language_model=language_model,
+        grammar=path(args.jsgf),
+        dictionary=dictionary,
+        acoustic_model=path(args.acoustic_model),
+        silence_s=args.silence,
+        partial_every_ms=args.partial_every,
+    )

@@ -1,0 +1,383 @@
+"""Audio over the WebSocket: a writer's `start_audio` and binary PCM frames, recognized off
+the event loop and pushed into the engine as that connection's transcripts.
+
+The connection's rules (who may stream audio, how fast, one stream at a time) are the
+sans-I/O `ConnectionCore`'s; the recognizer seam (`engine.streaming.recognizer`) checks,
+resamples and numbers the audio. What is here is the I/O between them:
+
+- `AudioInput`: what a server needs to take audio (a recognizer factory and the limits),
+  `pocketsphinx_input` makes one for `serve --asr pocketsphinx`;
+- `AudioFeed`: one audio stream. Its chunks wait in a queue bounded in seconds of audio
+  (`AudioInput.max_backlog_s`): the receive loop never waits for recognition, and a
+  recognizer that falls behind by more than that drops audio with a `rate_limited` error
+  (once per run of drops) instead of piling up delay. One task per stream takes all that
+  is queued at once and recognizes it in a worker thread of its own (a `CapacityLimiter`
+  of one per stream, so audio never takes the threads the engine's decoding uses), then
+  hands the events over in order;
+- `AudioService`: the server's feeds and their counters (`/metrics`: `nmt_audio_*`).
+
+pocketsphinx holds the GIL while it decodes: the recognition threads of one server share
+one core with its event loop (about 4% of it per live stream; see
+`examples/benchmarks/audio_streams.py`). More streams than that core carries need
+recognition in other processes, or more server processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import anyio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.asr import SphinxOptions, SphinxRecognizer
+from engine.server.connection import AudioLimits
+from engine.streaming.recognizer import Recognizer, RecognizerFailed, RecognizerStream
+from protocol import ErrorCode, ErrorMessage, PartialTranscript
+
+log = logging.getLogger(__name__)
+
+RecognizerFactory = Callable[[], Recognizer]
+"""Makes one recognizer per audio stream (recognizers are not thread-safe and keep the
+state of their utterance)."""
+
+Deliver = Callable[[list[PartialTranscript]], Awaitable[None]]
+"""Takes a batch of a feed's events, in order (the connection pushes and echoes them)."""
+
+ASR_KINDS = ("pocketsphinx",)
+"""The recognizers `serve --asr` knows."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AudioInput:
+    """Audio input of a server: `recognizer` makes one recognizer per audio stream;
+    `limits` are the connection's rules (speed, streams at once, language heard);
+    `max_backlog_s`: audio waiting for recognition past which new audio is dropped (the
+    server is overloaded); `description` names the recognizer in logs."""
+
+    recognizer: RecognizerFactory
+    limits: AudioLimits = field(default_factory=AudioLimits)
+    max_backlog_s: float = 10.0
+    description: str = "a recognizer"
+
+    def __post_init__(self) -> None:
+        if not self.max_backlog_s > 0:
+            raise ValueError("max_backlog_s must be positive")
+
+
+def pocketsphinx_input(options: SphinxOptions, *, max_streams: int = 32) -> AudioInput:
+    """Audio input recognized by pocketsphinx with `options`. One recognizer is made here,
+    so that a missing extra or a bad model file stops the server at start
+    (`RecognizerUnavailable`), not at its first speaker. The package's acoustic model
+    hears English; with another one the spoken language is not checked."""
+    SphinxRecognizer(options)
+    language = "en" if options.acoustic_model is None else None
+    model = options.language_model or options.grammar
+    what = f"pocketsphinx ({model.name if model is not None else 'general en-US model'})"
+    return AudioInput(
+        lambda: SphinxRecognizer(options),
+        AudioLimits(max_streams=max_streams, language=language),
+        description=what,
+    )
+
+
+# -- counters ------------------------------------------------------------------------------
+
+
+@dataclass
+class AudioStats:
+    """What the server's audio streams did, summed (for `/metrics` and benchmarks)."""
+
+    active: int = 0
+    streams: int = 0
+    heard_s: float = 0.0
+    recognizing_s: float = 0.0  # wall time in the recognizer's calls (and resampling)
+    recognizing_cpu_s: float = 0.0  # CPU time of those calls, in their worker threads
+    partials: int = 0
+    finals: int = 0
+    failures: int = 0
+    dropped_fast_s: float = 0.0  # audio faster than the speed limit
+    dropped_backlog_s: float = 0.0  # audio past the backlog (recognition behind)
+
+    def seconds(self) -> dict[str, float]:
+        return {
+            "heard": self.heard_s,
+            "recognizing": self.recognizing_s,
+            "recognizing_cpu": self.recognizing_cpu_s,
+            "dropped_too_fast": self.dropped_fast_s,
+            "dropped_backlog": self.dropped_backlog_s,
+        }
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "streams": self.streams,
+            "partials": self.partials,
+            "finals": self.finals,
+            "recognizer_failures": self.failures,
+        }
+
+
+class AudioCollector(Collector):
+    """`nmt_audio_streams` (open now), `nmt_audio_seconds_total{kind}` (heard,
+    recognizing, dropped_too_fast, dropped_backlog) and `nmt_audio_events_total{kind}`
+    (streams, partials, finals, recognizer_failures), read at scrape time."""
+
+    def __init__(self, stats: AudioStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        active = GaugeMetricFamily("nmt_audio_streams", "Audio streams being recognized now.")
+        active.add_metric([], float(self.stats.active))
+        yield active
+        seconds = CounterMetricFamily(
+            "nmt_audio_seconds",
+            "Audio over the WebSocket, in seconds: heard, time spent recognizing it "
+            "(recognizer and resampling calls: wall time, and CPU time of their threads), "
+            "dropped for arriving too fast, dropped because recognition was too far behind.",
+            labels=["kind"],
+        )
+        for kind, value in self.stats.seconds().items():
+            seconds.add_metric([kind], value)
+        yield seconds
+        events = CounterMetricFamily(
+            "nmt_audio_events",
+            "Audio streams started, and the partials, finals and recognizer failures of "
+            "their recognition.",
+            labels=["kind"],
+        )
+        for kind, count in self.stats.counts().items():
+            events.add_metric([kind], count)
+        yield events
+
+
+# -- one audio stream ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Where a stream's next recognized event starts: its segment id, `seq` and the audio
+    time (ms), so that a second audio stream into the same stream goes on numbering."""
+
+    segment_id: int = 0
+    seq: int = 0
+    offset_ms: float = 0.0
+
+
+class AudioFeed:
+    """One audio stream, from `start_audio` to its last final (see the module docstring).
+
+    `put` queues a chunk (never waits); `finish` says no more audio comes (the last
+    utterance is then flushed). `run` is the stream's task: it makes the recognizer,
+    recognizes what is queued and hands events to `deliver` in order, and returns after the
+    flush, or after a failure (`error`: the reply naming the stream; what the stream had
+    heard was made final and delivered first). `clock` afterwards says where a next
+    audio stream into the same stream goes on. `done` is set when `run` has returned.
+    """
+
+    def __init__(
+        self,
+        audio: AudioInput,
+        stats: AudioStats,
+        stream_id: str,
+        sample_rate: int,
+        deliver: Deliver,
+    ) -> None:
+        self.audio = audio
+        self.stats = stats
+        self.stream_id = stream_id
+        self.sample_rate = sample_rate
+        self.deliver = deliver
+        self.max_backlog_bytes = int(audio.max_backlog_s * sample_rate) * 2
+        self.error: ErrorMessage | None = None
+        self.finishing = False
+        self.close_after = False  # close the stream once the last final is pushed
+        self.clock = Clock()
+        self.done = anyio.Event()
+        self.stream: RecognizerStream | None = None
+        self._queue: deque[bytes] = deque()
+        self._queued = 0  # bytes
+        self._behind = False  # dropping for the backlog (its error was sent)
+        self._wake = anyio.Event()
+        self._limiter = anyio.CapacityLimiter(1)  # this stream's worker thread
+        self._stopped = False
+        self._cpu_s = 0.0  # CPU time of the worker's calls, not yet counted
+
+    # -- from the receive loop ----------------------------------------------------------
+
+    def put(self, pcm: bytes) -> ErrorMessage | None:
+        """Queue a chunk; the error to send when the backlog is full (the first chunk
+        dropped of a run: the rest of the run is dropped without a word)."""
+        if self.finishing or self._stopped:
+            return None
+        if self._queued + len(pcm) > self.max_backlog_bytes:
+            self.stats.dropped_backlog_s += len(pcm) / 2 / self.sample_rate
+            if self._behind:
+                return None
+            self._behind = True
+            return ErrorMessage(
+                ErrorCode.RATE_LIMITED,
+                f"stream {self.stream_id!r}: recognition is more than "
+                f"{self.audio.max_backlog_s:g} s of audio behind (the server is overloaded): "
+                "audio dropped until it catches up",
+                stream_id=self.stream_id,
+            )
+        self._behind = False
+        self._queue.append(pcm)
+        self._queued += len(pcm)
+        self._wake.set()
+        return None
+
+    def finish(self, *, close: bool = False) -> None:
+        """No more audio: recognize what is queued, then flush the last utterance; with
+        `close`, the stream is to be closed after that."""
+        self.finishing = True
+        self.close_after = self.close_after or close
+        self._wake.set()
+
+    # -- the stream's task --------------------------------------------------------------
+
+    async def run(self, clock: Clock) -> None:
+        """Recognize the stream from `clock` (where the stream's numbering goes on) until
+        it is finished or fails."""
+        self.clock = clock
+        self.stats.active += 1
+        self.stats.streams += 1
+        started = time.perf_counter()
+        try:
+            await self._run(clock)
+        finally:
+            self.stats.active -= 1
+            self._stopped = True
+            self._queue.clear()
+            self._queued = 0
+            stream = self.stream
+            if stream is not None:
+                self.clock = Clock(stream.segment_id, stream.seq, stream.heard_ms)
+                heard = stream.heard_ms - clock.offset_ms
+                log.debug(
+                    "audio stream %r: %.1f s heard, %.2f s recognizing, %.1f s wall%s",
+                    self.stream_id,
+                    heard / 1000,
+                    stream.busy_s,
+                    time.perf_counter() - started,
+                    " (failed)" if self.error is not None else "",
+                )
+
+    async def _run(self, clock: Clock) -> None:
+        try:
+            self.stream = await self._in_thread(lambda: self._make(clock))
+        except Exception as exc:
+            log.exception("stream %r: the recognizer could not start", self.stream_id)
+            self.error = ErrorMessage(
+                ErrorCode.INTERNAL,
+                f"stream {self.stream_id!r}: the recognizer could not start ({exc}); "
+                "this audio stream ended",
+                stream_id=self.stream_id,
+            )
+            self.stats.failures += 1
+            return
+        stream = self.stream
+        while True:
+            while not self._queue and not self.finishing:
+                self._wake = anyio.Event()
+                await self._wake.wait()
+            if self._queue:
+                chunk = b"".join(self._queue)
+                self._queue.clear()
+                self._queued = 0
+                last = False
+                work: Callable[[], list[PartialTranscript]] = functools.partial(
+                    stream.accept, chunk
+                )
+            else:
+                last = True
+                work = stream.flush
+            busy = stream.busy_s
+            heard = stream.heard_ms
+            try:
+                events = await self._in_thread(work)
+            except RecognizerFailed as exc:
+                self._count(stream, busy, heard, exc.events)
+                await self.deliver(exc.events)
+                self._failed(exc.at_ms, exc.__cause__ or exc)
+                return
+            except Exception as exc:  # a bug in the seam itself: the same for the client
+                log.exception("stream %r: recognition failed", self.stream_id)
+                self._failed(stream.heard_ms, exc)
+                return
+            self._count(stream, busy, heard, events)
+            await self.deliver(events)
+            if last:
+                return
+
+    def _make(self, clock: Clock) -> RecognizerStream:
+        return RecognizerStream(
+            self.audio.recognizer(),
+            self.stream_id,
+            sample_rate=self.sample_rate,
+            first_segment=clock.segment_id,
+            first_seq=clock.seq,
+            offset_ms=clock.offset_ms,
+        )
+
+    async def _in_thread(self, work: Callable[[], T]) -> T:
+        def timed() -> T:
+            started = time.thread_time()
+            try:
+                return work()
+            finally:
+                self._cpu_s += time.thread_time() - started
+
+        try:
+            return await anyio.to_thread.run_sync(timed, limiter=self._limiter)
+        finally:
+            self.stats.recognizing_cpu_s += self._cpu_s
+            self._cpu_s = 0.0
+
+    def _count(
+        self,
+        stream: RecognizerStream,
+        busy_before: float,
+        heard_before: float,
+        events: list[PartialTranscript],
+    ) -> None:
+        self.stats.recognizing_s += stream.busy_s - busy_before
+        self.stats.heard_s += (stream.heard_ms - heard_before) / 1000
+        finals = sum(1 for event in events if event.is_final)
+        self.stats.finals += finals
+        self.stats.partials += len(events) - finals
+
+    def _failed(self, at_ms: float, cause: BaseException) -> None:
+        self.stats.failures += 1
+        log.error("stream %r: the recognizer failed: %r", self.stream_id, cause)
+        self.error = ErrorMessage(
+            ErrorCode.INTERNAL,
+            f"stream {self.stream_id!r}: the recognizer failed at {at_ms / 1000:.2f} s of "
+            f"audio ({type(cause).__name__}: {str(cause)[:200]}); this audio stream ended "
+            "and what it had heard was finished: send start_audio to go on",
+            stream_id=self.stream_id,
+        )
+
+
+class AudioService:
+    """A server's audio input: makes the feeds, keeps their counters."""
+
+    def __init__(self, audio: AudioInput) -> None:
+        self.input = audio
+        self.stats = AudioStats()
+        self.collector = AudioCollector(self.stats)
+
+    @property
+    def limits(self) -> AudioLimits:
+        return self.input.limits
+
+    def feed(self, stream_id: str, sample_rate: int, deliver: Deliver) -> AudioFeed:
+        return AudioFeed(self.input, self.stats, stream_id, sample_rate, deliver)

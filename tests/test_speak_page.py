@@ -1,0 +1,238 @@
+"""The speaker page (/speak) in headless Chromium with a fake microphone: Chromium plays a
+WAV of espeak-ng speech (looped) as the microphone, the page's AudioWorklet downsamples it
+to 16 kHz PCM, the server recognizes it with pocketsphinx and translates it, and a viewer
+page in another tab shows the Chinese subtitles.
+
+Uses Debian's /usr/bin/chromium through Playwright (`.ci/install-browser`); skipped without
+it, pocketsphinx, espeak-ng or the fixture model. Screenshots go to /tmp/speak/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import wave
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from engine.decoding.translator import Translator
+from engine.server import SubtitleServer
+from engine.server.audio import AudioInput
+from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
+from tests.test_audio_ws import RATE, SENTENCE, needs_speech, silence, spoken
+from tests.test_server import STREAMING, serving, wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOTS = Path("/tmp/speak")
+SPEECH = ROOT / "examples" / "speech"
+HAN = re.compile(r"[\u4e00-\u9fff]")
+
+# The page's lines and the viewer's, as [translation, source] / [stable + tentative].
+READ_SPEAK_LINES = """() => [...document.querySelectorAll('#lines .line')].map(line => [
+    line.querySelector('.translation').textContent,
+    line.querySelector('.source').textContent,
+    line.classList.contains('final'),
+])"""
+READ_VIEWER_LINES = """() => [...document.querySelectorAll('#subtitles .line')].map(line => [
+    line.querySelector('.text').textContent, line.classList.contains('final'),
+])"""
+
+
+def needs_browser() -> Any:
+    if not CHROMIUM.is_file():
+        pytest.skip(f"{CHROMIUM} missing (run .ci/install-browser)")
+    return pytest.importorskip("playwright.async_api")
+
+
+@pytest.fixture(scope="module")
+def translator() -> Translator:
+    needs_fixture()
+    return Translator.from_dir(FIXTURE_MODEL)
+
+
+@pytest.fixture(scope="module")
+def microphone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the fake microphone says, again and again: the sentence, then a second of
+    silence (the recognizer's end of utterance), at 48 kHz like a real device."""
+    needs_speech()
+    from engine.streaming.recognizer import resample
+
+    pcm = resample(spoken(SENTENCE) + silence(1.0), RATE, 48000)
+    path = tmp_path_factory.mktemp("mic") / "speech.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(48000)
+        w.writeframes(pcm)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sphinx() -> AudioInput:
+    needs_speech()
+    from engine.asr import SphinxOptions
+    from engine.server.audio import pocketsphinx_input
+
+    return pocketsphinx_input(
+        SphinxOptions(language_model=SPEECH / "fixture.lm.gz", dictionary=SPEECH / "fixture.dict")
+    )
+
+
+@contextlib.asynccontextmanager
+async def chromium(microphone: Path) -> AsyncIterator[Any]:
+    """A browser whose microphone plays `microphone` (and asks nobody's permission)."""
+    async_api = needs_browser()
+    args = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--use-fake-ui-for-media-stream",  # grant the microphone without a prompt
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={microphone}",
+        "--autoplay-policy=no-user-gesture-required",
+    ]
+    async with async_api.async_playwright() as playwright:
+        browser = await playwright.chromium.launch(
+            executable_path=str(CHROMIUM), args=args, headless=True
+        )
+        try:
+            yield browser
+        finally:
+            await browser.close()
+
+
+async def wait_until(page: Any, script: str, arg: Any = None, timeout: float = 30.0) -> None:
+    await page.wait_for_function(script, arg=arg, timeout=timeout * 1000)
+
+
+async def screenshot(page: Any, name: str, tmp_path: Path) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    await page.screenshot(path=str(tmp_path / name))
+    (SCREENSHOTS / name).write_bytes((tmp_path / name).read_bytes())
+
+
+def writers(server: SubtitleServer) -> list[Any]:
+    """The server's connections streaming audio (to drop one, as a network would)."""
+    return [client for client in server._clients if client.feed is not None]
+
+
+@pytest.mark.anyio
+async def test_the_speaker_page_speaks_into_a_stream_that_viewers_see_translated(
+    translator: Translator, microphone: Path, sphinx: AudioInput, tmp_path: Path
+) -> None:
+    expected = translator.translate([SENTENCE], STREAMING.decode)[0].text
+    assert HAN.search(expected)
+    async with (
+        serving(translator, audio=sphinx, token="wr1te", viewer_token="v1ew") as server,
+        chromium(microphone) as browser,
+    ):
+        context = await browser.new_context(viewport={"width": 1100, "height": 620})
+        viewer = await context.new_page()
+        await viewer.goto(f"{server.url}?stream=demo&token=v1ew&lines=2")
+        await viewer.wait_for_selector("body[data-state=open]")
+        speaker = await context.new_page()
+        errors: list[str] = []
+        speaker.on("pageerror", lambda error: errors.append(str(error)))
+        await speaker.goto(f"{server.url}speak?stream=demo&token=wr1te")
+        assert "Press Start and speak" in (await speaker.text_content("#status") or "")
+        assert await speaker.is_disabled("#stop")
+        await speaker.click("#start")
+        await speaker.wait_for_selector("body[data-state=listening]")
+        assert await speaker.is_disabled("#start") and not await speaker.is_disabled("#stop")
+        # The level meter moves with the speech.
+        level = "() => parseFloat(document.getElementById('level').style.width) > 20"
+        await wait_until(speaker, level)
+        # What was heard, under its translation; the viewer shows the same translation.
+        await wait_until(
+            speaker,
+            f"(want) => ({READ_SPEAK_LINES})()"
+            ".some(l => l[0] === want[0] && l[1] === want[1] && l[2])",
+            [expected, SENTENCE.lower()],
+        )
+        await wait_until(
+            viewer,
+            f"(want) => ({READ_VIEWER_LINES})().some(l => l[0] === want && l[1])",
+            expected,
+        )
+        await screenshot(speaker, "speak.png", tmp_path)
+        await screenshot(viewer, "viewer.png", tmp_path)
+        shown = await viewer.evaluate(READ_VIEWER_LINES)
+        assert all(HAN.search(text) for text, _ in shown), shown  # Chinese subtitles only
+
+        # A dropped connection: the page reconnects and starts its audio stream again.
+        (client,) = writers(server)
+        client.ws.transport.abort()
+        await speaker.wait_for_selector("body[data-state=closed]", timeout=10_000)
+        assert "reconnecting" in (await speaker.text_content("#status") or "")
+        await speaker.wait_for_selector("body[data-state=listening]", timeout=15_000)
+        await wait_for(lambda: len(writers(server)) == 1 and writers(server)[0] is not client)
+        lines_before = len(await speaker.evaluate(READ_SPEAK_LINES))
+        await wait_until(
+            speaker,
+            f"(n) => ({READ_SPEAK_LINES})().filter(l => l[2]).length > 0 && "
+            f"({READ_SPEAK_LINES})().length > n",
+            lines_before,
+        )
+
+        # Stop: the audio stream ends (the server's slot is free), the microphone closes.
+        await speaker.click("#stop")
+        assert await speaker.get_attribute("body", "data-state") == "stopped"
+        assert "press Start to speak again" in (await speaker.text_content("#status") or "")
+        await wait_for(lambda: server.state.audio_streams == 0)
+        with anyio.fail_after(5):
+            while writers(server):
+                await anyio.sleep(0.05)
+        assert errors == []
+
+
+@pytest.mark.anyio
+async def test_the_speaker_page_says_when_a_server_takes_no_audio(
+    translator: Translator, microphone: Path, tmp_path: Path
+) -> None:
+    async with serving(translator) as server, chromium(microphone) as browser:
+        page = await browser.new_page(viewport={"width": 1100, "height": 300})
+        await page.goto(f"{server.url}speak?stream=demo")
+        await page.click("#start")
+        await page.wait_for_selector("body[data-state=refused]", timeout=15_000)
+        status = await page.text_content("#status") or ""
+        assert "this server takes no audio" in status and "--asr pocketsphinx" in status
+        assert not await page.is_disabled("#start") and await page.is_disabled("#stop")
+        await screenshot(page, "speak-refused.png", tmp_path)
+        # A stream id the server would refuse is named before anything is sent.
+        await page.goto(f"{server.url}speak?stream=" + "x" * 129)
+        status = await page.text_content("#status") or ""
+        assert "stream_id is 129 characters long" in status
+        assert await page.is_disabled("#start")
+
+
+@pytest.mark.anyio
+async def test_the_speaker_page_starts_again_after_the_recognizer_fails(
+    translator: Translator, microphone: Path
+) -> None:
+    """A recognizer that raises ends the audio stream with an `internal` error: the page
+    says so and starts a new one (a recognizer failing again at once is given up on)."""
+    from tests.test_audio_ws import Scripted, said, scripted_input
+
+    expected = translator.translate([SENTENCE], STREAMING.decode)[0].text
+    failing = Scripted([], fail_after=1)
+    fresh = Scripted([(8000, said(SENTENCE.lower(), True))])
+    async with (
+        serving(translator, audio=scripted_input(failing, fresh)) as server,
+        chromium(microphone) as browser,
+    ):
+        page = await browser.new_page(viewport={"width": 1100, "height": 400})
+        await page.goto(f"{server.url}speak?stream=demo")
+        await page.click("#start")
+        await page.wait_for_function(
+            "() => document.getElementById('status').textContent.includes('recognizer failed')",
+            timeout=15_000,
+        )
+        await wait_until(
+            page, f"(want) => ({READ_SPEAK_LINES})().some(l => l[0] === want && l[2])", expected
+        )
+        assert await page.get_attribute("body", "data-state") == "listening"
+        assert server.state.audio_streams == 1
