@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -36,6 +35,10 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 import protocol
+
+# A new subscription starts, like the engine's own backlog, with RECENT_FINALS final updates
+# per stream and language, then the current segment's latest update.
+from engine.streaming.subscriptions import RECENT_FINALS, Reply, ReplyQueue
 from protocol import (
     Backoff,
     CloseStream,
@@ -49,12 +52,6 @@ from protocol import (
     PartialTranscript,
     TranslationUpdate,
 )
-
-Reply = TranslationUpdate | ErrorMessage
-
-RECENT_FINALS = 8
-"""Final updates per stream and language a new subscription starts with (as the engine's
-own backlog), before the current segment's latest update."""
 
 PING_INTERVAL = 5.0
 """Seconds between pings, and how long a pong may take: a node that vanished without
@@ -84,48 +81,16 @@ class _GaveUp(Exception):
     """An outage outlasted the backoff's total; `__cause__` is the last failure."""
 
 
-class RemoteSubscription(AsyncIterator[Reply]):
-    """A bounded queue of replies for one consumer of `RemoteTranslator.updates`.
-
-    Full, it drops its oldest non-final update (a newer one supersedes it); finals and
-    errors (which answer finals) are never dropped. Ends when its stream is closed (all
-    its finals answered) or the translator closes; `aclose()` ends it early."""
+class RemoteSubscription(ReplyQueue):
+    """A bounded queue of replies for one consumer of `RemoteTranslator.updates` (the
+    engine's `ReplyQueue`: full, it drops its oldest non-final update; finals and errors,
+    which answer finals, are never dropped). Ends when its stream is closed (all its
+    finals answered) or the translator closes; `aclose()` ends it early."""
 
     def __init__(self, owner: RemoteTranslator, stream_id: str | None, max_items: int) -> None:
+        super().__init__(max_items)
         self.stream_id = stream_id  # None: every stream
-        self.max_items = max_items
-        self.dropped = 0
         self._owner = owner
-        self._items: deque[Reply] = deque()
-        self._ready = anyio.Event()
-        self._ended = False
-
-    def put(self, reply: Reply) -> None:
-        if self._ended:
-            return
-        if len(self._items) >= self.max_items:
-            for i, old in enumerate(self._items):
-                if isinstance(old, TranslationUpdate) and not old.is_final:
-                    del self._items[i]
-                    self.dropped += 1
-                    break
-        self._items.append(reply)
-        self._ready.set()
-
-    def end(self) -> None:
-        self._ended = True
-        self._ready.set()
-
-    def __aiter__(self) -> RemoteSubscription:
-        return self
-
-    async def __anext__(self) -> Reply:
-        while not self._items:
-            if self._ended:
-                raise StopAsyncIteration
-            self._ready = anyio.Event()
-            await self._ready.wait()
-        return self._items.popleft()
 
     async def aclose(self) -> None:
         """Stop receiving; what is queued is dropped."""

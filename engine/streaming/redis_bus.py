@@ -54,8 +54,8 @@ from engine.streaming.subscriptions import (
     answered_through,
     backlog_lines,
     by_cursor,
-    current_life,
     find_final,
+    remove_subscription,
     resume_from,
 )
 from protocol import ErrorCode, ErrorMessage, InvalidEvent, TranslationUpdate
@@ -440,7 +440,7 @@ class RedisBus:
         try:
             for lang in languages:
                 entries = await self._entries(stream_id, lang)
-                update = find_final(reversed(current_life(entries)), segment_id, seq, source)
+                update = find_final(entries, segment_id, seq, source)
                 if update is not None:
                     found[lang] = update
         except _redis_errors() as exc:
@@ -609,11 +609,7 @@ class RedisBus:
 
     def unsubscribe(self, sub: Subscription) -> None:
         if sub.owner is not None:
-            subs = self._writers.get(sub.owner, [])
-            if sub in subs:
-                subs.remove(sub)
-            if not subs:
-                self._writers.pop(sub.owner, None)
+            remove_subscription(self._writers, sub.owner, sub)
         elif sub in self._everything:
             self._everything.remove(sub)
         else:

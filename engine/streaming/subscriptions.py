@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, TypeAlias, TypeVar, runtime_checkable
 
@@ -78,13 +78,62 @@ def target_language(tag: str, languages: Sequence[str], stream_id: str | None = 
     return lang
 
 
-class Subscription(AsyncIterator[Reply]):
+class ReplyQueue(AsyncIterator[Reply]):
     """A bounded queue of replies for one consumer, iterated with `async for`.
 
     When it is full, the oldest non-final update is dropped (a newer one supersedes it);
     finals and errors (which answer finals) are never dropped, so a slow consumer cannot
-    stall translation for others and every final transcript still gets its reply.
+    stall translation for others and every final transcript still gets its reply. The
+    engine's subscriptions and a remote client's (`engine.remote`) are both one.
     """
+
+    def __init__(self, max_items: int) -> None:
+        self.max_items = max_items
+        self.dropped = 0
+        self._items: deque[Reply] = deque()
+        self._ready = anyio.Event()
+        self._ended = False
+
+    def put(self, reply: Reply) -> None:
+        """Queue `reply` (nothing once ended)."""
+        if self._ended:
+            return
+        if len(self._items) >= self.max_items:
+            for i, old in enumerate(self._items):
+                if isinstance(old, TranslationUpdate) and not old.is_final:
+                    del self._items[i]
+                    self.dropped += 1
+                    break
+        self._items.append(reply)
+        self._ready.set()
+
+    def end(self) -> None:
+        """Take nothing more: iteration yields what is queued, then stops."""
+        self._ended = True
+        self._ready.set()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __aiter__(self) -> ReplyQueue:
+        return self
+
+    async def __anext__(self) -> Reply:
+        while not self._items:
+            if self._ended:
+                raise StopAsyncIteration
+            self._ready = anyio.Event()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+class Subscription(ReplyQueue):
+    """A `ReplyQueue` of one stream's replies (or every stream's, or one writer's), in one
+    language or all, that skips a reply it had already by its cursor."""
 
     def __init__(
         self,
@@ -93,17 +142,13 @@ class Subscription(AsyncIterator[Reply]):
         owner: Owner | None = None,
         lang: str | None = None,
     ) -> None:
+        super().__init__(max_items)
         self.stream_id = stream_id  # None: every stream
         self.owner = owner  # set: the replies of every stream this owner writes
         self.lang = lang  # None: every language
-        self.max_items = max_items
-        self.dropped = 0
         # The cursor of the last reply taken, per language: a reply at or before it is
         # one this subscription has had already (a history read and a live read overlap).
         self.positions: dict[str | None, Position] = {}
-        self._items: deque[Reply] = deque()
-        self._ready = anyio.Event()
-        self._ended = False
 
     def wants(self, reply: Reply) -> bool:
         """Whether `reply` is for this subscription's language (an error that names no
@@ -127,25 +172,13 @@ class Subscription(AsyncIterator[Reply]):
             if last is not None and at <= last:
                 return
             self.positions[key] = at
-        if len(self._items) >= self.max_items:
-            for i, old in enumerate(self._items):
-                if isinstance(old, TranslationUpdate) and not old.is_final:
-                    del self._items[i]
-                    self.dropped += 1
-                    break
-        self._items.append(reply)
-        self._ready.set()
+        super().put(reply)
 
     def end_at(self, cursor: str, lane: str | None = None) -> None:
         """End at a close mark of its history (`cursor`): a follow-up subscription
         resuming from `cursor` starts after it, with the stream's next life."""
         self.positions[lane if lane is not None else self.lang] = position(cursor)
         self.end()
-
-    def end(self) -> None:
-        """Take nothing more: iteration yields what is queued, then stops."""
-        self._ended = True
-        self._ready.set()
 
     def close(self) -> None:
         """Deprecated: `end` (the old name goes in the next release)."""
@@ -157,10 +190,6 @@ class Subscription(AsyncIterator[Reply]):
         self.end()
 
     @property
-    def ended(self) -> bool:
-        return self._ended
-
-    @property
     def cursor(self) -> str | None:
         """The cursor of the last reply it took, where a follow-up subscription resumes
         (None: none taken, or several languages', which no one cursor places)."""
@@ -168,20 +197,6 @@ class Subscription(AsyncIterator[Reply]):
             return None
         ms, n = next(iter(self.positions.values()))
         return f"{ms}-{n}"
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __aiter__(self) -> Subscription:
-        return self
-
-    async def __anext__(self) -> Reply:
-        while not self._items:
-            if self._ended:
-                raise StopAsyncIteration
-            self._ready = anyio.Event()
-            await self._ready.wait()
-        return self._items.popleft()
 
 
 @dataclass(frozen=True)
@@ -358,12 +373,13 @@ def backlog_lines(entries: Sequence[Entry]) -> list[TranslationUpdate]:
 
 
 def find_final(
-    entries: Iterable[Entry], segment_id: int, seq: int, source: str
+    entries: Sequence[Entry], segment_id: int, seq: int, source: str
 ) -> TranslationUpdate | None:
-    """The final update of (`segment_id`, `seq`) with this source text, if published.
-    The text is compared too: a writer that restarted without closing its stream numbers
-    from 0 again, and only the same words may be answered with the same translation."""
-    for entry in entries:
+    """The final update of (`segment_id`, `seq`) with this source text, if the history's
+    current life (`current_life`) published one; the newest wins. The text is compared
+    too: a writer that restarted without closing its stream numbers from 0 again, and
+    only the same words may be answered with the same translation."""
+    for entry in reversed(current_life(entries)):
         reply = entry.reply
         if (
             isinstance(reply, TranslationUpdate)
@@ -451,8 +467,7 @@ class InProcessBus:
     ) -> dict[str, TranslationUpdate]:
         found = {}
         for lang in languages:
-            entries = current_life(self._entries(stream_id, lang))
-            update = find_final(reversed(entries), segment_id, seq, source)
+            update = find_final(list(self._entries(stream_id, lang)), segment_id, seq, source)
             if update is not None:
                 found[lang] = update
         return found
@@ -543,9 +558,9 @@ class InProcessBus:
 
     def unsubscribe(self, sub: Subscription) -> None:
         if sub.owner is not None:
-            _remove(self._writers, sub.owner, sub)
+            remove_subscription(self._writers, sub.owner, sub)
         else:
-            _remove(self._viewers, sub.stream_id, sub)
+            remove_subscription(self._viewers, sub.stream_id, sub)
         sub.end()
 
     def end_stream(self, stream_id: str, closed: bool = True) -> None:
@@ -574,7 +589,8 @@ class InProcessBus:
 K = TypeVar("K")
 
 
-def _remove(table: dict[K, list[Subscription]], key: K, sub: Subscription) -> None:
+def remove_subscription(table: dict[K, list[Subscription]], key: K, sub: Subscription) -> None:
+    """Take `sub` out of `table[key]`, and the key out once its list is empty."""
     subs = table.get(key, [])
     if sub in subs:
         subs.remove(sub)

@@ -41,17 +41,17 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The server's helpers are load_server.py's (this directory is on the path when the script
+# runs, as every benchmark here is run).
+from load_server import free_port, http_get
 from websockets.asyncio.client import connect
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,23 +168,6 @@ async def run(url: str, pcms: list[bytes], n: int, seed: int, timeout: float) ->
 
 
 # -- the server ----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def http_get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, ""
-    except OSError:
-        return 0, ""
 
 
 def metric(body: str, name: str, labels: str = "") -> float:
