@@ -279,7 +279,9 @@ def test_an_abort_drops_a_waiting_request_and_refuses_a_later_one() -> None:
     (the worker thread was slow): a waiting one is answered with `DecodingCancelled` at
     once, while the lane is still busy; a submission with an aborted id fails at once."""
     needs_fixture()
-    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
+    # One thread admits and steps, so that the held lane admits nothing meanwhile.
+    one_thread = SchedulerOptions(lanes=1, prefill_apart=False)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=one_thread)
     scheduler = tr.scheduler
     release, holding = threading.Event(), threading.Event()
 
@@ -311,7 +313,9 @@ def test_an_abort_drops_a_waiting_request_and_refuses_a_later_one() -> None:
 
 def test_finals_are_admitted_before_waiting_partials() -> None:
     needs_fixture()
-    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(max_rows=2, lanes=1))
+    # One thread admits and steps (no prefill thread), so the blocker holds all admission.
+    one_thread = SchedulerOptions(max_rows=2, lanes=1, prefill_apart=False)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=one_thread)
     release = threading.Event()
     first_step: dict[str, int] = {}
     clock = iter(range(10**6))
@@ -525,6 +529,78 @@ def test_two_lanes_share_the_work_and_give_the_same_results() -> None:
     assert all(steps), steps  # both lanes decoded
 
 
+def test_prefills_on_their_own_thread_give_the_same_results() -> None:
+    """`prefill_apart`: newcomers are encoded and prefilled (drafts verified) on the lane's
+    prefill thread while its stepping thread goes on; the rows it hands over join the
+    batch between two steps. Every result is still decoding it alone, drafts or not."""
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(prefill_apart=True))
+    assert tr.scheduler.apart and tr.scheduler.lanes == 1
+    todo = requests(tr) * 3
+    expected = [alone(tr, text, prefix, DecodeOptions()) for text, prefix in todo]
+    gate = threading.Barrier(len(todo))
+
+    def one(item: tuple[int, tuple[str, list[int]]]) -> Hypothesis:
+        index, (text, prefix) = item
+        ref = expected[index].token_ids[len(prefix) :]
+        drafts = {0: list(ref), 1: [*ref[:2], 7], 2: []}
+        draft = drafts[index % 3]
+        gate.wait()
+        return tr.decode(tr.encoding([tr.source_ids(text)]), prefixes=[prefix], drafts=[draft])[0]
+
+    with ThreadPoolExecutor(len(todo)) as pool:
+        got = list(pool.map(one, enumerate(todo)))
+    assert [h.token_ids for h in got] == [r.token_ids for r in expected]
+    stats = tr.scheduler.stats
+    lane = tr.scheduler._lanes[0]
+    assert lane.prefill_stats["prefill_calls"] > 0  # the prefill thread did prefill
+    assert stats["prefill_rows"] == len(todo)
+    tr.close()
+
+
+def test_sources_given_as_ids_are_encoded_by_the_admitting_lane_once(
+    translator: Translator,
+) -> None:
+    """An `Encoding` is encoded on the way, in the turn its request joins (no encoder trip
+    of its own), and a later decode of the same `Encoding` reuses the states."""
+    text = SOURCES[1]
+    ref = alone(translator, text, [], DecodeOptions())
+    pending = translator.encoding([translator.source_ids(text)])
+    assert pending.encoded is None
+    before = translator.scheduler.stats["encoder_calls"]
+    assert translator.decode(pending)[0].token_ids == ref.token_ids
+    assert pending.encoded is not None
+    assert translator.scheduler.stats["encoder_calls"] == before + 1
+    assert translator.decode(pending)[0].token_ids == ref.token_ids
+    assert translator.scheduler.stats["encoder_calls"] == before + 1  # reused
+
+
+def test_a_burst_is_prefilled_in_calls_within_the_position_budget() -> None:
+    """`prefill_positions` bounds one prefill call; a request longer than the budget still
+    joins alone. Results do not change."""
+    needs_fixture()
+    budget = SchedulerOptions(lanes=1, prefill_positions=8)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=budget)
+    todo = requests(tr) * 2
+    expected = [alone(tr, text, prefix, DecodeOptions()) for text, prefix in todo]
+    calls = tr.scheduler.stats["prefill_calls"]
+    gate = threading.Barrier(len(todo))
+
+    def one(item: tuple[str, list[int]]) -> Hypothesis:
+        text, prefix = item
+        enc = tr.encode([tr.source_ids(text)])
+        gate.wait()
+        return tr.decode(enc, prefixes=[prefix], drafts=[[5] * 6])[0]
+
+    with ThreadPoolExecutor(len(todo)) as pool:
+        got = list(pool.map(one, todo))
+    assert [h.token_ids for h in got] == [r.token_ids for r in expected]
+    # Each request feeds at least 7 positions (start token and a 6-token draft): at most
+    # one fits in a budget of 8, so every request had a prefill call of its own.
+    assert tr.scheduler.stats["prefill_calls"] - calls == len(todo)
+    tr.close()
+
+
 def test_thread_counts_are_set_in_one_place() -> None:
     # (lanes, threads per lane, threads of a step's output projection)
     assert SchedulerOptions().resolved(2) == (2, 1, 2)
@@ -534,6 +610,10 @@ def test_thread_counts_are_set_in_one_place() -> None:
     assert SchedulerOptions(lanes=1, threads_per_lane=3).resolved(2) == (1, 3, 3)
     assert SchedulerOptions(cores=4).resolved() == (2, 2, 4)
     assert SchedulerOptions(cores=2, head_threads=1).resolved() == (2, 1, 1)
+    # A lane that prefills apart runs two calls at once: the cores count both.
+    assert SchedulerOptions(prefill_apart=True).resolved(2) == (1, 1, 2)
+    assert SchedulerOptions(prefill_apart=True).resolved(16) == (2, 4, 16)
+    assert SchedulerOptions().resolved(2, apart=True) == (1, 1, 2)
     with pytest.raises(ValueError, match="cores"):
         SchedulerOptions(cores=0)
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2))

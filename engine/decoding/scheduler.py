@@ -16,9 +16,17 @@ The loop, after Orca / vLLM's iteration-level scheduling, for an encoder-decoder
 2. the batch's searches take the last step's logits (`DecodeBatch.update`); finished
    requests are answered;
 3. aborted requests' rows leave, and waiting requests join, finals and offline calls
-   before partials, up to `max_rows` (`DecodeBatch.schedule`): with the stock decoder
-   graphs only when the batch is empty (lockstep);
+   before partials, up to `max_rows` rows and `prefill_positions` prefill positions
+   (`DecodeBatch.schedule`): with the stock decoder graphs only when the batch is empty
+   (lockstep). Newcomers whose sources came as ids (`Encoding`) are encoded first, in one
+   call, so a request makes one trip through a lane, not an encoder trip and a decoder
+   trip;
 4. one decoder call for every live row (`DecodeBatch.execute`).
+
+With `prefill_apart`, a lane has a second thread that runs step 3's encoder and prefill
+calls while the first goes on stepping, and hands the prefilled rows over between two
+steps (`Prefilled`), as disaggregated prefill does in LLM serving; it is off by default
+(measured no better on 2 cores: examples/benchmarks/README.md, issue 25).
 
 Cancellation is pushed in: the owner of a request calls `abort(ids)` (a newer partial of
 the stream arrived: latest wins); no lane calls back into its callers. A waiting request
@@ -49,6 +57,7 @@ from engine.decoding.batch import (
     ContinuousBatch,
     DecodeBatch,
     LockstepBatch,
+    Prefilled,
 )
 from engine.decoding.search import (
     DecodeOptions,
@@ -91,15 +100,29 @@ class SchedulerOptions:
     step's small ops stay on its lane's thread. `lookahead_positions`: extra positions a
     cached step may compute to verify re-aligned draft tokens, over all its rows (see
     `engine.decoding.batch.LOOKAHEAD_POSITIONS`; 0 turns lookahead off).
+    `prefill_positions`: decoder positions (start token, forced prefix and draft of each
+    row) one lane's prefill may take per turn; the waiting requests past it go to the
+    other lane or the next turn (`PREFILL_POSITIONS`). `prefill_apart`: each lane runs
+    its prefills on a thread of their own, next to the thread that steps its batch
+    (continuous batching only; `_prefill_loop`): off by default, as on 2 cores one lane
+    so split measured no better than two lanes (examples/benchmarks/README.md, issue
+    25). `recognizers`:
+    cores of the budget given to speech recognition's worker processes (`serve --asr`):
+    taken off `cores` before the models' share, so recognition and translation together
+    never run more calls than the machine has cores (at least one core stays for the
+    models).
     """
 
     max_rows: int = 32
     lookahead_positions: int = LOOKAHEAD_POSITIONS
+    prefill_positions: int = 0  # 0: PREFILL_POSITIONS
     lanes: int | None = None
     threads_per_lane: int | None = None
     cores: int | None = None
     head_threads: int | None = None
     models: int = 1
+    recognizers: int = 0
+    prefill_apart: bool = False
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -110,16 +133,33 @@ class SchedulerOptions:
                 raise ValueError(f"{name} must be >= 1")
         if self.models < 1:
             raise ValueError("models must be >= 1")
+        if self.recognizers < 0:
+            raise ValueError("recognizers must be >= 0")
         if self.lookahead_positions < 0:
             raise ValueError("lookahead_positions must be >= 0")
+        if self.prefill_positions < 0:
+            raise ValueError("prefill_positions must be >= 0")
 
-    def resolved(self, cores: int | None = None) -> Threads:
+    def resolved(self, cores: int | None = None, *, apart: bool | None = None) -> Threads:
         """Lanes and threads of one of `models` schedulers on `cores` cores (default:
-        `self.cores`, else the machine's): the one place the core budget is split."""
-        cores = max(1, (cores or self.cores or os.cpu_count() or 1) // self.models)
-        lanes = self.lanes or (2 if cores >= 2 else 1)
-        threads = self.threads_per_lane or max(1, cores // lanes)
+        `self.cores`, else the machine's): the one place the core budget is split. A lane
+        that prefills apart (`apart`, default `prefill_apart`) runs two calls at once."""
+        total = cores or self.cores or os.cpu_count() or 1
+        cores = max(1, max(1, total - self.recognizers) // self.models)
+        calls = 2 if (self.prefill_apart if apart is None else apart) else 1
+        lanes = self.lanes or (2 if cores >= 2 * calls else 1)
+        threads = self.threads_per_lane or max(1, cores // (lanes * calls))
         return Threads(lanes, threads, self.head_threads or max(cores, threads))
+
+
+PREFILL_POSITIONS = 96
+"""Decoder positions one lane's prefill takes per turn, by default. A prefill verifies
+whole drafts, so it is compute-bound (every draft position goes through the output
+projection: ~15 ms a row here) and the lane's running rows wait for it: a lane that took
+every waiting request at once ran prefills of up to 7 rows, 150-600 ms, while the other
+lane sat idle with nothing left to take. A budget spreads a burst over both lanes and
+bounds how long running rows wait; a request longer than the budget still joins an
+idle-enough lane on its own (figures: examples/benchmarks/README.md, issue 25)."""
 
 
 class Priority(enum.IntEnum):
@@ -148,9 +188,40 @@ far more than the aborts of every stream in the time a worker takes to submit.""
 
 
 @dataclass(eq=False)
+class Encoding:
+    """Right-padded source ids and, once a lane ran the encoder on them, their states
+    (`future`).
+
+    Given to `DecodeScheduler.submit` in place of an `EncoderOutput`, the sources are
+    encoded by the lane that admits their requests, in one call with the other
+    newcomers' sources, just before their prefill: a request then makes one trip through
+    a lane, not two (an encoder trip waited ~26 ms at the median for the lane's turn to
+    end, for an encoder call of ~3 ms). Keep it to reuse the states: once `encoded`, a
+    later submission skips the encoder.
+    """
+
+    input_ids: IntArray
+    attention_mask: IntArray
+    future: Future[EncoderOutput] = field(default_factory=Future)
+    claimed: bool = False  # a lane runs the encoder on it (under the scheduler's lock)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def encoded(self) -> EncoderOutput | None:
+        """The states when the encoder ran on these sources and succeeded, else None."""
+        if not self.future.done() or self.future.exception() is not None:
+            return None
+        return self.future.result()
+
+
+@dataclass(eq=False)
 class _Request:
     search: Search
-    enc: EncoderOutput  # its one source
+    source: EncoderOutput | Encoding  # its sources, of which it decodes `row`
+    row: int
     priority: Priority
     request_id: RequestId | None  # None: never aborted
     future: Future[Hypothesis] = field(default_factory=Future)
@@ -158,12 +229,31 @@ class _Request:
     admitted: bool = False  # taken from the waiting list by a lane (under the lock)
     aborted: bool = False  # its row leaves the batch at the lane's next step
 
+    @property
+    def positions(self) -> int:
+        """Decoder positions its prefill feeds: start token, forced prefix and draft."""
+        search = self.search
+        return search.options.beam_size * (1 + len(search.prefix) + len(search.draft))
 
-@dataclass(eq=False)
-class _EncodeJob:
-    input_ids: IntArray
-    attention_mask: IntArray
-    future: Future[EncoderOutput] = field(default_factory=Future)
+    def enc(self) -> EncoderOutput:
+        """Its one source's states (the source has been encoded)."""
+        source = self.source
+        if isinstance(source, Encoding):
+            source = source.future.result()
+        return source.select(np.array([self.row], dtype=np.int64))
+
+
+class _Turn(NamedTuple):
+    """Seconds the parts of a lane turn took, and the rows (for the timeline)."""
+
+    encode: float
+    encode_rows: int
+    update: float
+    schedule: float
+    execute: float
+    rows: int
+    joined: int
+    left: int
 
 
 class SchedulerClosed(RuntimeError):
@@ -171,14 +261,26 @@ class SchedulerClosed(RuntimeError):
 
 
 class _Lane:
-    """One thread's batch and the requests running in it."""
+    """One batch, the requests running in it, and what its prefill thread handed over."""
 
     def __init__(self, index: int, batch: DecodeBatch) -> None:
         self.index = index
         self.batch = batch
         self.running: dict[Search, _Request] = {}
         self.stats: Counter[str] = Counter()
+        self.prefill_stats: Counter[str] = Counter()  # the prefill thread's own
         self.batch_sizes: Counter[int] = Counter()
+        # Under the scheduler's lock: newcomers in the prefill thread's call, and prefilled
+        # groups the stepping thread has not adopted yet.
+        self.prefilling: list[_Request] = []
+        self.prefilled: list[tuple[Prefilled, list[_Request]]] = []
+
+    @property
+    def rows(self) -> int:
+        """Rows it holds or will hold once what is being prefilled joins (under the lock)."""
+        pending = sum(r.search.width for r in self.prefilling)
+        pending += sum(len(done.kept) for done, _ in self.prefilled)
+        return self.batch.rows + pending
 
 
 class DecodeScheduler:
@@ -200,10 +302,12 @@ class DecodeScheduler:
         self.options = options or SchedulerOptions()
         # Set to record every lane turn (`engine.decoding.timeline`); None: nothing kept.
         self.timeline = timeline
-        self.lanes, self.threads_per_lane, _ = self.options.resolved()
+        # Prefills apart need a batch that rows join at any step (the rewritten decoder).
+        self.apart = self.options.prefill_apart and model.masked is not None
+        self.lanes, self.threads_per_lane, _ = self.options.resolved(apart=self.apart)
         self._cond = threading.Condition()
         self._waiting: list[_Request] = []
-        self._encodes: list[_EncodeJob] = []
+        self._encodes: list[Encoding] = []
         self._lanes = [_Lane(i, self._new_batch()) for i in range(self.lanes)]
         self._threads: list[threading.Thread] = []
         self._closed = False
@@ -229,6 +333,7 @@ class DecodeScheduler:
             total = Counter(self._counts)
         for lane in self._lanes:
             total.update(lane.stats)
+            total.update(lane.prefill_stats)
         return total
 
     @property
@@ -249,13 +354,13 @@ class DecodeScheduler:
 
     def encode(self, input_ids: IntArray, attention_mask: IntArray) -> EncoderOutput:
         """The encoder over a padded batch, run by the next lane between two steps."""
-        job = _EncodeJob(input_ids, attention_mask)
+        job = Encoding(input_ids, attention_mask)
         self._submit(encodes=[job])
         return job.future.result()
 
     def submit(
         self,
-        enc: EncoderOutput,
+        enc: EncoderOutput | Encoding,
         options: DecodeOptions,
         *,
         priority: Priority,
@@ -265,7 +370,8 @@ class DecodeScheduler:
         drafts: Sequence[Sequence[int]] | None = None,
     ) -> list[Future[Hypothesis]]:
         """Queue each source of `enc` (after its forced prefix) as a request of its own;
-        each future gets its answer.
+        each future gets its answer. `enc`: the sources' states, or an `Encoding` whose
+        sources the admitting lane encodes first (once: a done one is reused).
 
         `priority`: finals before partials at admission. `request_id`: given when the
         requests may be aborted (`abort`); raises `DecodingCancelled` at once when it was
@@ -277,10 +383,13 @@ class DecodeScheduler:
         drafts = drafts if drafts is not None else [[] for _ in range(enc.batch_size)]
         if not len(prefixes) == len(drafts) == enc.batch_size:
             raise ValueError("one prefix (and draft) per source is needed")
+        if isinstance(enc, Encoding) and enc.encoded is not None:
+            enc = enc.encoded
         requests = [
             _Request(
                 make_search(self.model.config, prefix, options, hook, draft),
-                enc.select(np.array([row], dtype=np.int64)),
+                enc,
+                row,
                 Priority(priority),
                 request_id,
             )
@@ -323,7 +432,7 @@ class DecodeScheduler:
     # -- the loop (lane threads) ---------------------------------------------------------
 
     def _submit(
-        self, *, requests: Sequence[_Request] = (), encodes: Sequence[_EncodeJob] = ()
+        self, *, requests: Sequence[_Request] = (), encodes: Sequence[Encoding] = ()
     ) -> None:
         with self._cond:
             if self._closed:
@@ -338,21 +447,39 @@ class DecodeScheduler:
             self._encodes.extend(encodes)
             if not self._threads:
                 for lane in self._lanes:
-                    thread = threading.Thread(
-                        target=self._loop,
-                        args=(lane,),
-                        name=f"decode-lane-{lane.index}",
-                        daemon=True,
-                    )
-                    thread.start()
-                    self._threads.append(thread)
+                    loops = [(self._loop, "decode-lane")]
+                    if self.apart:
+                        loops.append((self._prefill_loop, "prefill-lane"))
+                    for target, name in loops:
+                        thread = threading.Thread(
+                            target=target,
+                            args=(lane,),
+                            name=f"{name}-{lane.index}",
+                            daemon=True,
+                        )
+                        thread.start()
+                        self._threads.append(thread)
             self._cond.notify_all()
 
+    def _takes_prefills(self, lane: _Lane) -> bool:
+        """Whether the stepping thread admits newcomers itself (under the lock): always
+        without a prefill thread; with one, only while it has no rows to step and nothing
+        prefilled to adopt, so that a burst's prefills use both threads but running rows
+        never wait for a prefill."""
+        return not self.apart or not (lane.batch or lane.prefilled)
+
     def _loop(self, lane: _Lane) -> None:
+        """The stepping thread of a lane: update, adopt what was prefilled, admit (see
+        `_takes_prefills`), execute."""
         while True:
             with self._cond:
                 idle = time.perf_counter()
-                while not (self._waiting or self._encodes or lane.batch) and not self._closed:
+                while not (
+                    lane.batch
+                    or lane.prefilled
+                    or (self._takes_prefills(lane) and (self._waiting or self._encodes))
+                    or self._closed
+                ):
                     self._cond.wait()
                 began = time.perf_counter()
                 lane.stats["idle_ms"] += int((began - idle) * 1000)
@@ -360,11 +487,14 @@ class DecodeScheduler:
                     self._fail_lane(lane, SchedulerClosed("the decode scheduler is closed"))
                     self._fail_waiting(SchedulerClosed("the decode scheduler is closed"))
                     return
-                encodes, self._encodes = self._encodes, []
+                adopted, lane.prefilled = lane.prefilled, []
+                encodes: list[Encoding] = []
+                if self._takes_prefills(lane):
+                    encodes, self._encodes = self._encodes, []
             try:
                 self._run_encodes(lane, encodes)
                 encoded = time.perf_counter()
-                turn = self._iterate(lane)
+                turn = self._iterate(lane, adopted)
             except Exception as exc:  # a failing call must not kill the lane
                 log.exception("decoder step failed; its requests get the error")
                 self._fail_lane(lane, exc)
@@ -375,14 +505,87 @@ class DecodeScheduler:
                         lane.index,
                         began,
                         began - idle,
-                        encoded - began,
-                        sum(int(job.input_ids.shape[0]) for job in encodes),
-                        *turn,
+                        encoded - began + turn.encode,
+                        sum(job.batch_size for job in encodes) + turn.encode_rows,
+                        turn.update,
+                        turn.schedule,
+                        turn.execute,
+                        turn.rows,
+                        turn.joined,
+                        turn.left,
                         len(self._waiting),
                     )
                 )
 
-    def _run_encodes(self, lane: _Lane, jobs: list[_EncodeJob]) -> None:
+    def _prefill_loop(self, lane: _Lane) -> None:
+        """The prefill thread of a lane: takes encoder jobs and waiting requests (finals
+        first, up to the position budget), encodes and prefills them in one call each,
+        and hands the rows to the stepping thread, which adopts them at its next step.
+        Meanwhile that thread goes on stepping the running rows: a prefill verifies whole
+        drafts (tens of milliseconds), and rows waiting behind it were most of a request's
+        latency under load."""
+        while True:
+            with self._cond:
+                idle = time.perf_counter()
+                while not (self._waiting or self._encodes or self._closed):
+                    self._cond.wait()
+                began = time.perf_counter()
+                lane.prefill_stats["prefill_idle_ms"] += int((began - idle) * 1000)
+                if self._closed:
+                    return
+                encodes, self._encodes = self._encodes, []
+            self._run_encodes(lane, encodes, lane.prefill_stats)
+            e0 = time.perf_counter()
+            joining = self._admit(lane, self.options.max_rows - lane.rows, prefilling=True)
+            ready = self._encode_joining(lane, joining, lane.prefill_stats)
+            e1 = time.perf_counter()
+            done: Prefilled | None = None
+            if ready:
+                try:
+                    batch = lane.batch  # pure: whichever batch adopts it
+                    assert isinstance(batch, ContinuousBatch)
+                    done = batch.prefill([(r.search, r.enc()) for r in ready])
+                except Exception as exc:
+                    log.exception("prefill failed; its requests get the error")
+                    for request in ready:
+                        self._forget(request)
+                        request.future.set_exception(exc)
+                    ready = []
+            p1 = time.perf_counter()
+            with self._cond:
+                lane.prefilling = []
+                closed = self._closed
+                if done is not None and not closed:
+                    lane.prefilled.append((done, ready))
+                    lane.prefill_stats["prefill_calls"] += 1
+                    lane.prefill_stats["prefill_rows"] += len(ready)
+                self._cond.notify_all()
+            if closed:
+                for request in ready:
+                    self._forget(request)
+                    request.future.set_exception(SchedulerClosed("the decode scheduler is closed"))
+            if self.timeline is not None and (encodes or joining):
+                self.timeline.add(
+                    Step(
+                        lane.index,
+                        began,
+                        began - idle,
+                        e0 - began + e1 - e0,
+                        sum(job.batch_size for job in encodes) + len(joining),
+                        0.0,
+                        p1 - e1,
+                        0.0,
+                        0,
+                        len(ready),
+                        0,
+                        len(self._waiting),
+                        "prefill",
+                    )
+                )
+
+    def _run_encodes(
+        self, lane: _Lane, jobs: Sequence[Encoding], stats: Counter[str] | None = None
+    ) -> None:
         """Every encoder job that arrived, in one call over their rows padded to the
         longest; each job gets its rows back at its own width (padding is masked, so its
         states are those of running it alone)."""
@@ -410,7 +613,7 @@ class DecodeScheduler:
             for job in jobs:
                 job.future.set_exception(exc)
             return
-        lane.stats["encoder_calls"] += 1
+        (lane.stats if stats is None else stats)["encoder_calls"] += 1
         row = 0
         for job in jobs:
             n, w = job.input_ids.shape
@@ -419,21 +622,67 @@ class DecodeScheduler:
             )
             row += n
 
-    def _iterate(self, lane: _Lane) -> tuple[float, float, float, int, int, int]:
-        """One step of the lane's batch: update, schedule, execute (`DecodeBatch`).
-        Returns the seconds each took, the rows of the decoder call and the rows that
-        joined and left (for the timeline)."""
+    def _encode_joining(
+        self, lane: _Lane, joining: list[_Request], stats: Counter[str] | None = None
+    ) -> list[_Request]:
+        """Encode the sources of newcomers that came with ids (`Encoding`), in one call
+        with any the turn took; returns the newcomers whose sources are encoded (those
+        whose encoder call failed are answered with its error)."""
+        jobs = {id(r.source): r.source for r in joining if isinstance(r.source, Encoding)}
+        with self._cond:  # a submission's rows may join two lanes: one encodes them
+            pending = [job for job in jobs.values() if not job.claimed]
+            for job in pending:
+                job.claimed = True
+        self._run_encodes(lane, pending, stats)
+        ready: list[_Request] = []
+        for request in joining:
+            source = request.source
+            if isinstance(source, Encoding) and source.future.exception() is not None:
+                self._forget(request)
+                request.future.set_exception(source.future.exception() or RuntimeError())
+                continue
+            ready.append(request)
+        return ready
+
+    def _iterate(
+        self, lane: _Lane, adopted: Sequence[tuple[Prefilled, list[_Request]]] = ()
+    ) -> _Turn:
+        """One step of the lane's batch: update, adopt the rows the prefill thread
+        prefilled, schedule (newcomers' sources encoded first when they came as ids),
+        execute (`DecodeBatch`)."""
         batch = lane.batch
         t0 = time.perf_counter()
         for search in batch.update():
             self._finish(lane, search)
+        for done, requests in adopted:
+            assert isinstance(batch, ContinuousBatch)
+            for request in requests:
+                lane.running[request.search] = request
+            batch.adopt(done)
+            for search in done.ended:
+                self._finish(lane, search)
         t1 = time.perf_counter()
         with self._cond:
             leaving = [search for search, r in lane.running.items() if r.aborted]
-        joining = self._admit(lane, self.options.max_rows - batch.rows) if batch.joinable else []
+            takes = self._takes_prefills(lane)
+        joining: list[_Request] = []
+        if takes and batch.joinable:
+            joining = self._admit(lane, self.options.max_rows - batch.rows)
+        encoding = sum(
+            r.source.batch_size
+            for r in {id(r.source): r for r in joining}.values()
+            if isinstance(r.source, Encoding) and not r.source.future.done()
+        )
         for request in joining:  # on an error, _fail_lane answers them
             lane.running[request.search] = request
-        ended = batch.schedule([(r.search, r.enc) for r in joining], leaving)
+        e0 = time.perf_counter()
+        ready = self._encode_joining(lane, joining) if encoding else joining
+        for request in joining:
+            if request not in ready:
+                del lane.running[request.search]
+        joining = ready
+        e1 = time.perf_counter()
+        ended = batch.schedule([(r.search, r.enc()) for r in joining], leaving)
         for search in leaving:
             self._cancel(lane, lane.running.pop(search))
         for search in ended:
@@ -451,31 +700,41 @@ class DecodeScheduler:
         if batch.stats:  # draft and lookahead tokens verified
             lane.stats.update(batch.stats)
             batch.stats.clear()
-        return t1 - t0, t2 - t1, t3 - t2, rows, len(joining), len(leaving)
+        encode = e1 - e0
+        schedule = t2 - t1 - encode
+        return _Turn(encode, encoding, t1 - t0, schedule, t3 - t2, rows, len(joining), len(leaving))
 
-    def _admit(self, lane: _Lane, room: int) -> list[_Request]:
+    def _admit(self, lane: _Lane, room: int, *, prefilling: bool = False) -> list[_Request]:
         """Waiting requests this lane starts now: finals and offline calls first, then by
-        arrival, as many rows as there is room for (at least one when the lane is idle).
+        arrival, as many rows as there is room for (at least one when the lane is idle)
+        and as many prefill positions as one turn takes (at least one request).
         A lane with more rows than another leaves the waiting requests to that one (which
         was woken too), so the lanes' batches stay even."""
-        fewest = min(other.batch.rows for other in self._lanes)
-        if lane.batch.rows > fewest + 1:
-            return []
+        budget = self.options.prefill_positions or PREFILL_POSITIONS
         with self._cond:
+            fewest = min(other.rows for other in self._lanes)
+            if lane.rows > fewest + 1:
+                return []
             self._waiting.sort(key=lambda r: (r.priority, r.submitted))
             chosen: list[_Request] = []
-            rows = 0
+            rows = positions = 0
             for request in self._waiting:
                 width = request.search.options.beam_size
                 if rows + width > room and (chosen or room < self.options.max_rows):
                     break
+                if chosen and positions + request.positions > budget:
+                    break  # the rest: the other lane, or this one's next turn
                 chosen.append(request)
                 request.admitted = True
                 rows += width
+                positions += request.positions
             self._waiting = self._waiting[len(chosen) :]
+            if prefilling:
+                lane.prefilling = chosen
         now = time.perf_counter()
+        stats = lane.prefill_stats if prefilling else lane.stats
         for request in chosen:
-            lane.stats["queue_wait_ms"] += int((now - request.submitted) * 1000)
+            stats["queue_wait_ms"] += int((now - request.submitted) * 1000)
         return chosen
 
     def _finish(self, lane: _Lane, search: Search) -> None:
@@ -511,6 +770,11 @@ class DecodeScheduler:
                     del self._live[request.request_id]
 
     def _fail_lane(self, lane: _Lane, exc: Exception) -> None:
+        with self._cond:
+            adopted, lane.prefilled = lane.prefilled, []
+        for _, requests in adopted:
+            for request in requests:
+                lane.running[request.search] = request
         for request in lane.running.values():
             self._forget(request)
             if not request.future.done():

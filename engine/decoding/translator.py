@@ -15,7 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.decoding.scheduler import DecodeScheduler, Priority, RequestId, SchedulerOptions
+from engine.decoding.scheduler import (
+    DecodeScheduler,
+    Encoding,
+    Priority,
+    RequestId,
+    SchedulerOptions,
+)
 from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
 from engine.errors import InputTooLongError, ModelLoadError
 from engine.languages import word_joiner
@@ -124,19 +130,26 @@ class Translator:
             raise InputTooLongError(len(ids), self.max_source_tokens)
         return ids
 
-    def encode(self, sources: Sequence[Sequence[int]]) -> EncoderOutput:
-        """Run the encoder once on a right-padded batch of source ids."""
+    def encoding(self, sources: Sequence[Sequence[int]]) -> Encoding:
+        """A right-padded batch of source ids for `decode` to encode on the way (the lane
+        that starts its searches runs the encoder first, in one call with the other
+        newcomers' sources), kept for reuse once encoded (`Encoding.encoded`)."""
         width = max(len(s) for s in sources)
         ids = np.full((len(sources), width), self.config.pad_token_id, dtype=np.int64)
         mask = np.zeros((len(sources), width), dtype=np.int64)
         for row, source in enumerate(sources):
             ids[row, : len(source)] = source
             mask[row, : len(source)] = 1
-        return self.scheduler.encode(ids, mask)
+        return Encoding(ids, mask)
+
+    def encode(self, sources: Sequence[Sequence[int]]) -> EncoderOutput:
+        """Run the encoder once on a right-padded batch of source ids."""
+        pending = self.encoding(sources)
+        return self.scheduler.encode(pending.input_ids, pending.attention_mask)
 
     def decode(
         self,
-        enc: EncoderOutput,
+        enc: EncoderOutput | Encoding,
         options: DecodeOptions = DecodeOptions(),
         *,
         prefixes: Sequence[Sequence[int]] | None = None,
@@ -146,6 +159,7 @@ class Translator:
         request_id: RequestId | None = None,
     ) -> list[Hypothesis]:
         """Run a search for each source of `enc` through the scheduler and wait for them.
+        `enc`: the sources' states, or an `Encoding` (`encoding`) encoded on the way.
 
         `priority`: partials wait behind finals and offline calls. `request_id`: makes
         the searches abortable (`abort`), which raises `DecodingCancelled` here. `drafts`:
@@ -190,7 +204,7 @@ class Translator:
                 results[i] = TranslationResult("", (), 0.0)
         if todo:
             sources = [self.source_ids(texts[i].strip()) for i in todo]
-            enc = self.encode(sources)
+            enc = self.encoding(sources)
             chosen = [list(prefixes[i]) for i in todo] if prefixes is not None else None
             for i, hyp in zip(todo, self.decode(enc, options, prefixes=chosen), strict=True):
                 results[i] = TranslationResult(

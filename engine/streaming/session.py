@@ -19,11 +19,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from engine.decoding.scheduler import Priority, RequestId
+from engine.decoding.scheduler import Encoding, Priority, RequestId
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
 from engine.languages import drop_fillers, is_cjk
-from engine.model import EncoderOutput, ModelConfig
+from engine.model import ModelConfig
 from engine.streaming.policies import Policy, common_prefix_length, default_policy
 from protocol import PartialTranscript, TranslationUpdate
 
@@ -166,7 +166,7 @@ class SegmentState:
     segment_id: int
     source: str = ""
     source_ids: list[int] | None = None
-    encoded: EncoderOutput | None = None
+    encoded: Encoding | None = None  # the source's, encoded on the way by its first decode
     committed: list[int] = field(default_factory=list)
     stable_text: str = ""
     history: deque[list[int]] = field(default_factory=deque)
@@ -242,12 +242,17 @@ class StreamSession:
 
     def _encode(
         self, seg: SegmentState, source: str, *, partial: bool, ids: list[int] | None = None
-    ) -> EncoderOutput:
+    ) -> Encoding:
+        """The source's `Encoding`: the segment's own when the ids did not change (no
+        encoder call then), else a new one that the decode encodes on its way."""
         if ids is None:
             ids = self.translator.source_ids(source, partial=partial)
-        if seg.encoded is None or ids != seg.source_ids:
-            seg.encoded = self.translator.encode([ids])
+        cached = seg.encoded
+        failed = cached is not None and cached.future.done() and cached.encoded is None
+        if cached is None or failed or ids != seg.source_ids:
+            seg.encoded = self.translator.encoding([ids])
             seg.source_ids = ids
+        assert seg.encoded is not None
         return seg.encoded
 
     def answer(
@@ -435,7 +440,7 @@ class StreamSession:
             # The settled part's last translation is the natural draft for its next one.
             draft = seg.settled[1][len(seg.committed) :] if seg.settled else []
             hyp = self.translator.decode(
-                self.translator.encode([ids]),
+                self.translator.encoding([ids]),
                 self.options.decode_for(len(ids), len(seg.committed), partial=True),
                 prefixes=[seg.committed],
                 drafts=[draft if self.options.drafts else []],
@@ -472,6 +477,7 @@ class StreamSession:
         if seg is None:
             return 0
         size = len(seg.committed) + sum(len(h) for h in seg.history)
-        if seg.encoded is not None:
-            size += seg.encoded.hidden_states.size + seg.encoded.attention_mask.size
+        enc = seg.encoded.encoded if seg.encoded is not None else None
+        if enc is not None:
+            size += enc.hidden_states.size + enc.attention_mask.size
         return size
