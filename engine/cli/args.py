@@ -193,8 +193,9 @@ def load_translator(args: argparse.Namespace) -> Translator:
     )
 
 
-def _load_options(args: argparse.Namespace) -> dict[str, Any]:
-    """`Translator.from_dir`'s keyword options from `add_model_arguments`' options."""
+def _load_options(args: argparse.Namespace, recognizers: int = 0) -> dict[str, Any]:
+    """`Translator.from_dir`'s keyword options from `add_model_arguments`' options;
+    `recognizers`: cores of the budget that speech recognition's processes take."""
     return {
         "quantized": args.quantized,
         "use_cache": not args.no_cache,
@@ -202,17 +203,18 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         "allow_spinning": args.spin,
         "batchable": not args.lockstep,
         "int8_per_token": not args.int8_per_call,
-        "scheduler": SchedulerOptions(max_rows=args.max_batch_rows),
+        "scheduler": SchedulerOptions(max_rows=args.max_batch_rows, recognizers=recognizers),
     }
 
 
-def load_targets(args: argparse.Namespace) -> Targets:
+def load_targets(args: argparse.Namespace, *, recognizers: int = 0) -> Targets:
     """Every model of a repeated `--model` (see `add_model_arguments(several=True)`),
-    loaded once each with the cores split between them; `ModelLoadError` names the one
-    that failed, or the two that conflict."""
+    loaded once each with the cores split between them, after `recognizers` cores for
+    speech recognition's processes (`serve --asr-workers`); `ModelLoadError` names the
+    one that failed, or the two that conflict."""
     specs = args.model if isinstance(args.model, list) else [args.model]
     return Targets.load(
         specs,
         resolve=lambda spec: resolve_model(spec, quantized=args.quantized),
-        **_load_options(args),
+        **_load_options(args, recognizers),
     )

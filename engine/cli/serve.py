@@ -230,6 +230,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
 
 
+CORES_PER_ASR_WORKER = 4
+"""`--asr-workers`' default: one recognition process per this many cores. A live stream
+costs pocketsphinx about 4% of a core, so one process carries some 20 real-time speakers;
+the rest of the cores go to the models, whose decoder steps are what grows with load."""
+
+
+def default_asr_workers(cores: int | None = None) -> int:
+    """Recognition processes for `cores` cores (default: the machine's): one per
+    `CORES_PER_ASR_WORKER`, at least one."""
+    return max(1, (cores or os.cpu_count() or 1) // CORES_PER_ASR_WORKER)
 
 
 def add_audio_arguments(p: argparse.ArgumentParser) -> None:
@@ -253,6 +263,17 @@ def add_audio_arguments(p: argparse.ArgumentParser) -> None:
         help="audio streams recognized at once, on all connections (each holds a recognizer "
         "and a worker thread; default %(default)s)",
     )
+    audio.add_argument(
+        "--asr-workers",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="recognition processes; each audio stream is recognized in one of them, and "
+        "their cores are taken off the models' share (default: one per "
+        f"{CORES_PER_ASR_WORKER} cores, at least 1: {default_asr_workers()} here; 0: "
+        "threads of the server process, which pocketsphinx's hold on the GIL keeps to one "
+        "core with the event loop)",
+    )
 
 
 def audio_input(args: argparse.Namespace, stack: contextlib.ExitStack) -> AudioInput | None:
@@ -264,9 +285,12 @@ def audio_input(args: argparse.Namespace, stack: contextlib.ExitStack) -> AudioI
         if given:
             flag = "--" + given[0].replace("_", "-")
             raise ValueError(f"{flag} is a recognizer option: it needs --asr pocketsphinx")
+        if args.asr_workers is not None:
+            raise ValueError("--asr-workers is a recognizer option: it needs --asr pocketsphinx")
         return None
     options = sphinx_options(args, stack, log.warning)
-    return pocketsphinx_input(options, max_streams=args.max_audio_streams)
+    workers = default_asr_workers() if args.asr_workers is None else args.asr_workers
+    return pocketsphinx_input(options, max_streams=args.max_audio_streams, workers=workers)
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
@@ -444,10 +468,14 @@ async def _serve_with(
         )
         log.info("websocket: %s (writers send partial_transcript, viewers subscribe)", ws_url)
         if options.audio is not None:
+            workers = options.audio.workers
             log.info(
-                "audio input: %s, at most %d streams at once; speaker page: %s%s",
+                "audio input: %s, at most %d streams at once, recognized in %s; speaker page: %s%s",
                 options.audio.description,
                 options.audio.limits.max_streams,
+                f"{workers} worker process{'es' if workers > 1 else ''}"
+                if workers
+                else "threads of this process",
                 f"{server.url}speak?stream={DEFAULT_STREAM}",
                 " (add &token= with the writer token)" if options.token is not None else "",
             )
@@ -458,7 +486,8 @@ async def _serve_with(
             log.warning("the connection caps may exceed the descriptor limit: raise `ulimit -n`")
         for spec in args.model:
             log.info("loading model %s", spec)
-        targets = await _load(args, stop)
+        # The recognition processes' cores come off the models' share of the machine.
+        targets = await _load(args, stop, options.audio.workers if options.audio else 0)
         if targets is None:
             return 0 if stop.is_set() else 2
         async with (
@@ -527,14 +556,15 @@ def describe_model(translator: Translator) -> str:
     )
 
 
-async def _load(args: argparse.Namespace, stop: anyio.Event) -> Targets | None:
-    """Load every model in a thread (health checks answer meanwhile); None if a signal
-    came first or a model cannot be loaded (the error names it: nothing is served
-    with fewer languages than asked for)."""
+async def _load(args: argparse.Namespace, stop: anyio.Event, recognizers: int) -> Targets | None:
+    """Load every model in a thread (health checks answer meanwhile), their scheduler
+    told of the `recognizers` cores that recognition processes take; None if a signal
+    came first or a model cannot be loaded (the error names it: nothing is served with
+    fewer languages than asked for)."""
 
     def load() -> Targets:
         # Resolving a catalog name may download: in the thread too, not on the event loop.
-        return load_targets(args)
+        return load_targets(args, recognizers=recognizers)
 
     result: Targets | None = None
     async with anyio.create_task_group() as tg:

@@ -151,6 +151,8 @@ class SubtitleServer:
             open_timeout=self.options.connections.handshake_timeout + 1.0,
         )
         self._doors.guard(asyncio.get_running_loop(), self._server.sockets)
+        if self.audio is not None:  # listening first: a port in use starts no process
+            await self.audio.start()
 
     def attach(self, engine: IncrementalTranslator) -> None:
         """Start serving `engine` (running, i.e. inside its `async with`)."""
@@ -205,6 +207,7 @@ class SubtitleServer:
         5. Close the listener; cut the connections whose client has not answered the
            close frame by then (`CLOSE_GRACE` after it, at the latest `ABORT_GRACE`
            past the timeout), so that the whole shutdown is bounded.
+        6. Stop the recognition processes, if any (whatever happened before).
         """
         if not self.state.stop():
             await self._stopped.wait()
@@ -214,6 +217,8 @@ class SubtitleServer:
             await shut_down(self.engine, self._clients, self._server, self.options.shutdown_timeout)
         finally:
             self._doors.unguard()
+            if self.audio is not None:
+                await self.audio.aclose()
             self._stopped.set()
 
     async def _finish_audio(self) -> None:

@@ -11,15 +11,21 @@ resamples and numbers the audio. What is here is the I/O between them:
   (`AudioInput.max_backlog_s`): the receive loop never waits for recognition, and a
   recognizer that falls behind by more than that drops audio with a `rate_limited` error
   (once per run of drops) instead of piling up delay. One task per stream takes all that
-  is queued at once and recognizes it in a worker thread of its own (a `CapacityLimiter`
-  of one per stream, so audio never takes the threads the engine's decoding uses), then
-  hands the events over in order;
-- `AudioService`: the server's feeds and their counters (`/metrics`: `nmt_audio_*`).
+  is queued at once and has it recognized from a worker thread of its own (a
+  `CapacityLimiter` of one per stream, so audio never takes the threads the engine's
+  decoding uses), then hands the events over in order;
+- `AudioService`: the server's feeds, their counters (`/metrics`: `nmt_audio_*`) and,
+  with `AudioInput.workers`, the recognition processes (`RecognizerPool`), started with
+  the server and stopped when it shuts down.
 
-pocketsphinx holds the GIL while it decodes: the recognition threads of one server share
-one core with its event loop (about 4% of it per live stream; see
-`examples/benchmarks/audio_streams.py`). More streams than that core carries need
-recognition in other processes, or more server processes.
+Where recognition runs: with `workers` (what `serve --asr` does), in that many worker
+processes, each stream pinned to one of them; the feed's thread only waits for the
+answer. pocketsphinx holds the GIL while it decodes, so in threads of the server
+process all recognition shares one core with the event loop and the engine's Python
+(`examples/benchmarks/audio_streams.py`: past about 16 real-time speakers on 2 cores it
+fell behind); in processes it does not, and the decode scheduler counts their cores
+(`SchedulerOptions.recognizers`). Without `workers` (0: tests with scripted recognizers,
+which need not pickle, and embedding callers) it runs in the feed's thread.
 """
 
 from __future__ import annotations
@@ -39,13 +45,15 @@ from prometheus_client.registry import Collector
 from engine.asr import SphinxOptions, SphinxRecognizer
 from engine.server.connection import AudioLimits
 from engine.streaming.recognizer import Recognizer, RecognizerFailed, RecognizerStream
+from engine.streaming.recognizer_pool import PooledStream, RecognizerPool
 from protocol import ErrorCode, ErrorMessage, PartialTranscript
 
 log = logging.getLogger(__name__)
 
 RecognizerFactory = Callable[[], Recognizer]
 """Makes one recognizer per audio stream (recognizers are not thread-safe and keep the
-state of their utterance)."""
+state of their utterance). Run in worker processes (`AudioInput.workers`) it must pickle:
+a module-level function or class, or a `functools.partial` of one."""
 
 Deliver = Callable[[list[PartialTranscript]], Awaitable[None]]
 """Takes a batch of a feed's events, in order (the connection pushes and echoes them)."""
@@ -61,31 +69,40 @@ class AudioInput:
     """Audio input of a server: `recognizer` makes one recognizer per audio stream;
     `limits` are the connection's rules (speed, streams at once, language heard);
     `max_backlog_s`: audio waiting for recognition past which new audio is dropped (the
-    server is overloaded); `description` names the recognizer in logs."""
+    server is overloaded); `description` names the recognizer in logs; `workers`:
+    recognition processes (0: threads of the server process; see the module docstring),
+    whose cores the models' scheduler should be told of (`SchedulerOptions.recognizers`)."""
 
     recognizer: RecognizerFactory
     limits: AudioLimits = field(default_factory=AudioLimits)
     max_backlog_s: float = 10.0
     description: str = "a recognizer"
+    workers: int = 0
 
     def __post_init__(self) -> None:
         if not self.max_backlog_s > 0:
             raise ValueError("max_backlog_s must be positive")
+        if self.workers < 0:
+            raise ValueError("workers must be >= 0")
 
 
-def pocketsphinx_input(options: SphinxOptions, *, max_streams: int = 32) -> AudioInput:
-    """Audio input recognized by pocketsphinx with `options`. One recognizer is made here,
-    so that a missing extra or a bad model file stops the server at start
-    (`RecognizerUnavailable`), not at its first speaker. The package's acoustic model
-    hears English; with another one the spoken language is not checked."""
+def pocketsphinx_input(
+    options: SphinxOptions, *, max_streams: int = 32, workers: int = 0
+) -> AudioInput:
+    """Audio input recognized by pocketsphinx with `options`, in `workers` processes (0:
+    in threads). One recognizer is made here, so that a missing extra or a bad model file
+    stops the server at start (`RecognizerUnavailable`), not at its first speaker. The
+    package's acoustic model hears English; with another one the spoken language is not
+    checked."""
     SphinxRecognizer(options)
     language = "en" if options.acoustic_model is None else None
     model = options.language_model or options.grammar
     what = f"pocketsphinx ({model.name if model is not None else 'general en-US model'})"
     return AudioInput(
-        lambda: SphinxRecognizer(options),
+        functools.partial(SphinxRecognizer, options),  # pickles, for the worker processes
         AudioLimits(max_streams=max_streams, language=language),
         description=what,
+        workers=workers,
     )
 
 
@@ -100,10 +117,11 @@ class AudioStats:
     streams: int = 0
     heard_s: float = 0.0
     recognizing_s: float = 0.0  # wall time in the recognizer's calls (and resampling)
-    recognizing_cpu_s: float = 0.0  # CPU time of those calls, in their worker threads
+    recognizing_cpu_s: float = 0.0  # CPU time of those calls, where they ran
     partials: int = 0
     finals: int = 0
     failures: int = 0
+    workers_lost: int = 0  # recognition processes that died (each replaced)
     dropped_fast_s: float = 0.0  # audio faster than the speed limit
     dropped_backlog_s: float = 0.0  # audio past the backlog (recognition behind)
 
@@ -122,25 +140,38 @@ class AudioStats:
             "partials": self.partials,
             "finals": self.finals,
             "recognizer_failures": self.failures,
+            "recognizer_processes_lost": self.workers_lost,
         }
 
 
 class AudioCollector(Collector):
-    """`nmt_audio_streams` (open now), `nmt_audio_seconds_total{kind}` (heard,
-    recognizing, dropped_too_fast, dropped_backlog) and `nmt_audio_events_total{kind}`
-    (streams, partials, finals, recognizer_failures), read at scrape time."""
+    """`nmt_audio_streams` (open now), `nmt_audio_recognizer_processes` (live recognition
+    processes), `nmt_audio_seconds_total{kind}` (heard, recognizing, recognizing_cpu,
+    dropped_too_fast, dropped_backlog) and `nmt_audio_events_total{kind}` (streams,
+    partials, finals, recognizer_failures, recognizer_processes_lost), read at scrape
+    time."""
 
-    def __init__(self, stats: AudioStats) -> None:
+    def __init__(self, stats: AudioStats, pool: RecognizerPool | None = None) -> None:
         self.stats = stats
+        self.pool = pool
 
     def collect(self) -> Iterable[Metric]:
+        if self.pool is not None:
+            self.stats.workers_lost = self.pool.lost
         active = GaugeMetricFamily("nmt_audio_streams", "Audio streams being recognized now.")
         active.add_metric([], float(self.stats.active))
         yield active
+        processes = GaugeMetricFamily(
+            "nmt_audio_recognizer_processes",
+            "Recognition worker processes alive now (0: recognition runs in threads).",
+        )
+        processes.add_metric([], float(self.pool.alive if self.pool is not None else 0))
+        yield processes
         seconds = CounterMetricFamily(
             "nmt_audio_seconds",
             "Audio over the WebSocket, in seconds: heard, time spent recognizing it "
-            "(recognizer and resampling calls: wall time, and CPU time of their threads), "
+            "(recognizer and resampling calls: wall time, and their CPU time, in the "
+            "recognition processes or threads), "
             "dropped for arriving too fast, dropped because recognition was too far behind.",
             labels=["kind"],
         )
@@ -149,8 +180,8 @@ class AudioCollector(Collector):
         yield seconds
         events = CounterMetricFamily(
             "nmt_audio_events",
-            "Audio streams started, and the partials, finals and recognizer failures of "
-            "their recognition.",
+            "Audio streams started, the partials, finals and recognizer failures of their "
+            "recognition, and recognition processes that died (each was replaced).",
             labels=["kind"],
         )
         for kind, count in self.stats.counts().items():
@@ -180,6 +211,8 @@ class AudioFeed:
     flush, or after a failure (`error`: the reply naming the stream; what the stream had
     heard was made final and delivered first). `clock` afterwards says where a next
     audio stream into the same stream goes on. `done` is set when `run` has returned.
+    With `pool` the stream's recognizer lives in one of its processes (a worker that
+    dies fails the stream as a raising recognizer does), else in this process.
     """
 
     def __init__(
@@ -189,8 +222,10 @@ class AudioFeed:
         stream_id: str,
         sample_rate: int,
         deliver: Deliver,
+        pool: RecognizerPool | None = None,
     ) -> None:
         self.audio = audio
+        self.pool = pool
         self.stats = stats
         self.stream_id = stream_id
         self.sample_rate = sample_rate
@@ -201,14 +236,13 @@ class AudioFeed:
         self.close_after = False  # close the stream once the last final is pushed
         self.clock = Clock()
         self.done = anyio.Event()
-        self.stream: RecognizerStream | None = None
+        self.stream: RecognizerStream | PooledStream | None = None
         self._queue: deque[bytes] = deque()
         self._queued = 0  # bytes
         self._behind = False  # dropping for the backlog (its error was sent)
         self._wake = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)  # this stream's worker thread
         self._stopped = False
-        self._cpu_s = 0.0  # CPU time of the worker's calls, not yet counted
 
     # -- from the receive loop ----------------------------------------------------------
 
@@ -259,6 +293,8 @@ class AudioFeed:
             self._queue.clear()
             self._queued = 0
             stream = self.stream
+            if isinstance(stream, PooledStream):
+                stream.close()  # its worker forgets it, and takes new streams in its place
             if stream is not None:
                 self.clock = Clock(stream.segment_id, stream.seq, stream.heard_ms)
                 heard = stream.heard_ms - clock.offset_ms
@@ -300,12 +336,11 @@ class AudioFeed:
             else:
                 last = True
                 work = stream.flush
-            busy = stream.busy_s
-            heard = stream.heard_ms
+            busy, cpu, heard = stream.busy_s, stream.cpu_s, stream.heard_ms
             try:
                 events = await self._in_thread(work)
             except RecognizerFailed as exc:
-                self._count(stream, busy, heard, exc.events)
+                self._count(stream, busy, cpu, heard, exc.events)
                 await self.deliver(exc.events)
                 self._failed(exc.at_ms, exc.__cause__ or exc)
                 return
@@ -313,12 +348,20 @@ class AudioFeed:
                 log.exception("stream %r: recognition failed", self.stream_id)
                 self._failed(stream.heard_ms, exc)
                 return
-            self._count(stream, busy, heard, events)
+            self._count(stream, busy, cpu, heard, events)
             await self.deliver(events)
             if last:
                 return
 
-    def _make(self, clock: Clock) -> RecognizerStream:
+    def _make(self, clock: Clock) -> RecognizerStream | PooledStream:
+        if self.pool is not None:
+            return self.pool.open(
+                self.stream_id,
+                sample_rate=self.sample_rate,
+                first_segment=clock.segment_id,
+                first_seq=clock.seq,
+                offset_ms=clock.offset_ms,
+            )
         return RecognizerStream(
             self.audio.recognizer(),
             self.stream_id,
@@ -329,27 +372,20 @@ class AudioFeed:
         )
 
     async def _in_thread(self, work: Callable[[], T]) -> T:
-        def timed() -> T:
-            started = time.thread_time()
-            try:
-                return work()
-            finally:
-                self._cpu_s += time.thread_time() - started
-
-        try:
-            return await anyio.to_thread.run_sync(timed, limiter=self._limiter)
-        finally:
-            self.stats.recognizing_cpu_s += self._cpu_s
-            self._cpu_s = 0.0
+        """Run `work` in this stream's worker thread: the recognizer itself, or the wait
+        for its process's answer."""
+        return await anyio.to_thread.run_sync(work, limiter=self._limiter)
 
     def _count(
         self,
-        stream: RecognizerStream,
+        stream: RecognizerStream | PooledStream,
         busy_before: float,
+        cpu_before: float,
         heard_before: float,
         events: list[PartialTranscript],
     ) -> None:
         self.stats.recognizing_s += stream.busy_s - busy_before
+        self.stats.recognizing_cpu_s += stream.cpu_s - cpu_before
         self.stats.heard_s += (stream.heard_ms - heard_before) / 1000
         finals = sum(1 for event in events if event.is_final)
         self.stats.finals += finals
@@ -368,16 +404,32 @@ class AudioFeed:
 
 
 class AudioService:
-    """A server's audio input: makes the feeds, keeps their counters."""
+    """A server's audio input: makes the feeds, keeps their counters, and owns the
+    recognition processes (`input.workers`): `start` starts them with the server,
+    `aclose` stops them once its audio streams have ended (a feed still waiting on one
+    then fails like a recognizer that raised)."""
 
     def __init__(self, audio: AudioInput) -> None:
         self.input = audio
         self.stats = AudioStats()
-        self.collector = AudioCollector(self.stats)
+        self.pool = RecognizerPool(audio.recognizer, audio.workers) if audio.workers else None
+        self.collector = AudioCollector(self.stats, self.pool)
 
     @property
     def limits(self) -> AudioLimits:
         return self.input.limits
 
+    async def start(self) -> None:
+        """Start the recognition processes (they load while the server starts; a stream
+        opened before its worker is ready waits for it)."""
+        if self.pool is not None:
+            await anyio.to_thread.run_sync(self.pool.start)
+
+    async def aclose(self) -> None:
+        """Stop the recognition processes and reap them (idempotent)."""
+        if self.pool is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.pool.close)
+
     def feed(self, stream_id: str, sample_rate: int, deliver: Deliver) -> AudioFeed:
-        return AudioFeed(self.input, self.stats, stream_id, sample_rate, deliver)
+        return AudioFeed(self.input, self.stats, stream_id, sample_rate, deliver, self.pool)

@@ -4,7 +4,7 @@ subscriptions into the outbox, send.
 The rules are the sans-I/O `ConnectionCore`'s; this module only awaits. Per connection,
 one task receives and one task sends, and one forwarder per subscription moves the
 engine's replies into a bounded `Outbox`, so the engine never waits on a socket. A writer
-streaming audio has one more task, its `AudioFeed` (recognition in a worker thread), whose
+streaming audio has one more task, its `AudioFeed` (recognition off the event loop), whose
 events are pushed as the connection's own and echoed back to it as `partial_transcript`
 messages (kept apart from the outbox, in `echoes`, and sent first).
 """

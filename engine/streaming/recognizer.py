@@ -17,7 +17,11 @@ does nothing else. What every recognizer needs, and none should do on its own, i
 - `Transcriber` (async) runs one stream's `RecognizerStream` in a worker thread, one call
   at a time, under a limiter shared with other streams, and pushes its events into an
   `IncrementalTranslator`: a recognizer is CPU-bound C code that would otherwise stall the
-  event loop, and with it every other stream's updates.
+  event loop, and with it every other stream's updates. `listen` uses it: one stream,
+  whose recognition (about 4% of a core) fits beside the event loop in one process.
+- `engine.streaming.recognizer_pool.RecognizerPool` runs `RecognizerStream`s in worker
+  processes instead, for a server with many speakers: a recognizer that holds the GIL
+  (pocketsphinx does) keeps all threads of a process to one core.
 
 ```python
 async with IncrementalTranslator.from_dir("models/fixture/model") as nmt:
@@ -282,6 +286,7 @@ class RecognizerStream:
         self._last_end = 0.0
         self.finished = False
         self.busy_s = 0.0  # time spent in the recognizer and resampling (for its RTF)
+        self.cpu_s = 0.0  # CPU time of those calls, on the thread that made them
         self.dropped_bytes = 0  # a dangling byte left at `flush`
 
     @property
@@ -316,11 +321,12 @@ class RecognizerStream:
         if not whole:
             return []
         self._samples_in += whole // SAMPLE_BYTES
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             return self._call(lambda: self.recognizer.accept(self._convert(data[:whole])))
         finally:
             self.busy_s += time.perf_counter() - started
+            self.cpu_s += time.thread_time() - cpu
 
     def flush(self) -> list[PartialTranscript]:
         """End of the audio: the last utterance's final. A dangling byte left over is half
@@ -335,7 +341,7 @@ class RecognizerStream:
                 self.stream_id,
             )
             self._carry = b""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
 
             def last() -> list[SpeechHypothesis]:
@@ -348,6 +354,7 @@ class RecognizerStream:
             events = self._call(last)
         finally:
             self.busy_s += time.perf_counter() - started
+            self.cpu_s += time.thread_time() - cpu
         if self._shown:  # the recognizer ended without the final it owed
             events += self._finalize()
         return events

@@ -17,10 +17,11 @@ Per N it reports:
   (`--silence`, 0.3 s), recognition, translation and the network. Split in two: end of
   speech -> the final's echo (`partial_transcript`, recognition), echo -> final update
   (translation);
-- the server process's CPU use (cores, from /proc) and where it went: the CPU time of the
-  recognizer's calls in their worker threads (`nmt_audio_seconds_total{kind=
-  "recognizing_cpu"}`: accept, flush, resampling), and the rest of the process (the
-  engine's encoder and decoder, the event loop, WebSocket framing); and, beside them, the
+- the server's CPU use (cores, from /proc: the server process and its children, the
+  recognition worker processes) and where it went: the CPU time of the recognizer's calls
+  in the workers (`nmt_audio_seconds_total{kind="recognizing_cpu"}`: accept, flush,
+  resampling), and the rest (the engine's encoder and decoder, the event loop, WebSocket
+  framing, passing audio and events to and from the workers); and, beside them, the
   engine's `compute_ms` summed over every update sent (the wall time of its encoder and
   decoder calls, so it also counts waiting: for the GIL, for a core);
 - finals heard against finals translated (every final is to get its update), and errors;
@@ -28,6 +29,7 @@ Per N it reports:
 and prints the largest N whose p95 stays within `--bound` (1.5 s).
 
     python examples/benchmarks/audio_streams.py [--streams 1,2,4,8,16] [--files 6]
+        [--asr-workers N]   # the server's recognition processes (0: threads, as before)
 
 Needs the `asr` extra (pocketsphinx). The machine matters: `lscpu | grep 'Model name'`,
 and whatever else runs on it (`uptime`) shows in the delays.
@@ -103,15 +105,14 @@ def read_wav(path: Path) -> bytes:
 def talks(files: list[Path], per_stream: int, n: int) -> list[bytes]:
     """N talks, each `per_stream` files in a rotation that differs per stream."""
     clips = [read_wav(path) for path in files]
-    return [
-        b"".join(clips[(i * 3 + k) % len(clips)] for k in range(per_stream)) for i in range(n)
-    ]
+    return [b"".join(clips[(i * 3 + k) % len(clips)] for k in range(per_stream)) for i in range(n)]
 
 
 async def speak(url: str, stream: Stream, pcm: bytes, delay: float, timeout: float) -> None:
     await asyncio.sleep(delay)
     frame = RATE * FRAME_MS // 1000 * 2
     async with connect(url, max_size=2**22) as ws:
+
         async def receive() -> None:
             async for data in ws:
                 now = time.perf_counter()
@@ -180,10 +181,32 @@ def metric(body: str, name: str, labels: str = "") -> float:
     return total
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """User + system CPU time of a process (all its threads) and of its descendants: the
+    live ones (the recognition workers) and, through the process's cutime/cstime, those
+    it has reaped (a worker that ended)."""
+    fields = _stat(pid)
+    total = sum(int(x) for x in fields[11:15])
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(int(_stat(int(entry.name))[1]), []).append(int(entry.name))
+            except (OSError, IndexError):
+                continue  # it ended meanwhile
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        try:
+            total += sum(int(x) for x in _stat(child)[11:13])
+        except OSError:
+            continue
+        todo += children.get(child, [])
+    return total / TICK
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -231,6 +254,12 @@ def main() -> int:
     parser.add_argument("--files", type=int, default=6, help="spoken files per stream's talk")
     parser.add_argument("--bound", type=float, default=1500.0, help="p95 delay bound, ms")
     parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads")
+    parser.add_argument(
+        "--asr-workers",
+        type=int,
+        default=None,
+        help="the server's recognition processes (default: serve's; 0: threads)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--keep-going", action="store_true", help="run every N even after one misses the bound"
@@ -250,6 +279,8 @@ def main() -> int:
     ]  # fmt: skip
     if args.threads:
         command += ["--threads", str(args.threads)]
+    if args.asr_workers is not None:
+        command += ["--asr-workers", str(args.asr_workers)]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         server_log = open(Path(tmp) / "server.log", "w+", encoding="utf-8")  # noqa: SIM115
@@ -316,8 +347,7 @@ def main() -> int:
     keeping_up = [
         row.n
         for row in rows
-        if percentile([d[0] for d in row.delays], 95) <= args.bound
-        and row.heard == row.translated
+        if percentile([d[0] for d in row.delays], 95) <= args.bound and row.heard == row.translated
     ]
     best = max(keeping_up, default=None)
     print()
