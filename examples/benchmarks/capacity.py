@@ -195,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         "on its lane's thread)",
     )
     parser.add_argument(
-        "--no-prefill-apart",
+        "--prefill-apart",
         action="store_true",
-        help="no prefill thread: each lane's one thread prefills and steps (the layout "
-        "before issue 25, with two lanes on 2 cores)",
+        help="a prefill thread beside each lane's stepping thread (SchedulerOptions."
+        "prefill_apart; one lane on 2 cores)",
     )
     parser.add_argument(
         "--prefill-positions",
@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.lookahead_positions is not None:
             chosen["lookahead_positions"] = args.lookahead_positions
-        if args.no_prefill_apart:
-            chosen["prefill_apart"] = False
+        if args.prefill_apart:
+            chosen["prefill_apart"] = True
         if args.prefill_positions is not None:
             chosen["prefill_positions"] = args.prefill_positions
         kwargs["scheduler"] = SchedulerOptions(**{k: v for k, v in chosen.items() if v is not None})
