@@ -417,12 +417,12 @@ def test_connection_caps_fit_in_the_descriptor_limit() -> None:
 
     for limit in (64, 256, 1024, 20000, 2**20):
         caps = ConnectionCaps.derive(limit)
-        # A reserve for files and one burst of accepts (a tiny limit gets a floor).
+        # A reserve for files and two bursts of accepts (a tiny limit gets a floor).
         fits = caps.descriptors() + descriptor_reserve(limit) <= limit
         assert fits or caps.descriptors() == 16, limit
         assert caps.max_per_address == caps.max_connections // 2
         assert caps.max_connections <= 10_000 and caps.max_pending >= 8
-    assert ConnectionCaps.derive(1024).max_connections == 501  # 1024 - 356 reserve - 167
+    assert ConnectionCaps.derive(1024).max_connections == 480  # 1024 - 384 reserve - 160
     given = ConnectionCaps.derive(1024, max_connections=40, max_per_address=0)
     assert (given.max_connections, given.max_per_address) == (40, None)
     assert given.max_pending == 20  # at most half the connections
@@ -555,7 +555,7 @@ def test_at_the_descriptor_limit_failed_accepts_are_summed_up_and_answered() -> 
     """A server under `ulimit -n 64` and 200 silent connects: asyncio logged a traceback
     per failed accept (thousands a second) and /healthz waited in the backlog. Now the
     failures are counted, logged as a line per interval, and the waiting connections are
-    answered at once from a spare descriptor."""
+    answered at once from a spare descriptor, also while asyncio's accept is paused."""
     import ast
     import contextlib
     import resource
@@ -587,12 +587,17 @@ def test_at_the_descriptor_limit_failed_accepts_are_summed_up_and_answered() -> 
             with contextlib.suppress(OSError):
                 held.append(socket.create_connection(("127.0.0.1", port), timeout=0.5))
         time.sleep(1.5)
-        started = time.monotonic()
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as probe:
-            probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            reply = probe.recv(4096)
-        assert reply.startswith((b"HTTP/1.1 200", b"HTTP/1.1 503")), reply
-        assert time.monotonic() - started < 2.0
+        waits = []
+        for _ in range(12):  # bounded: 12 probes, 0.15 s apart, each within 5 s
+            started = time.monotonic()
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as probe:
+                probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                reply = probe.recv(4096)
+            assert reply.startswith((b"HTTP/1.1 200", b"HTTP/1.1 503")), reply
+            waits.append(time.monotonic() - started)
+            time.sleep(0.15)
+        # Answered also within the second asyncio stops accepting after a failed accept.
+        assert max(waits) < 0.5, waits
         time.sleep(1.0)
     finally:
         for sock in held:

@@ -65,14 +65,23 @@ def descriptor_limit() -> int:
 
 
 ACCEPT_BURST = 100
-"""Connections asyncio accepts in one turn of its loop (its listen backlog): each holds a
-descriptor before the gate can drop any of them."""
+"""The most connections asyncio accepts in one turn of its loop (its listen backlog, the
+default of `loop.create_server`): each holds a descriptor before the gate can drop any."""
+
+
+def accept_burst(limit: int) -> int:
+    """The listen backlog for a descriptor limit: asyncio accepts up to this many at once
+    and the next turn's accepts come before the first turn's drops have closed theirs, so
+    at a low limit a burst of the default 100 ran out of descriptors (EMFILE), and asyncio
+    then stops accepting for a whole second, /healthz included."""
+    return max(8, min(ACCEPT_BURST, limit // 16))
 
 
 def descriptor_reserve(limit: int) -> int:
     """Descriptors kept for everything but client connections: the listener, log and model
-    files, the runtime's threads, subtitle files being written, and one burst of accepts."""
-    return max(32, limit // 4) + ACCEPT_BURST
+    files, the runtime's threads, subtitle files being written, and two bursts of accepts
+    (the second accepted before the first's drops are closed)."""
+    return max(32, limit // 4) + 2 * accept_burst(limit)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 import anyio
 from websockets.asyncio.server import Server, ServerConnection, serve
 
-from engine.server.admission import ConnectionCaps, ConnectionGate
+from engine.server.admission import (
+    ConnectionCaps,
+    ConnectionGate,
+    accept_burst,
+    descriptor_limit,
+)
 from engine.server.audio import AudioInput, AudioService
 from engine.server.client import Client
 from engine.server.connection import ConnectionCore, Credentials, Limits, ServerState
@@ -147,6 +152,7 @@ class SubtitleServer:
             max_size=self.options.frame_limit,
             compression=None,  # short messages: not worth per-connection zlib state
             create_connection=gated(self._doors),
+            backlog=accept_burst(descriptor_limit()),
             # The gate drops a connection at the deadline; this is the library's backstop.
             open_timeout=self.options.connections.handshake_timeout + 1.0,
         )

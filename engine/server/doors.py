@@ -169,11 +169,29 @@ class Doors:
             # connection waiting: count the connections, not the failed calls.
             if self._shed(sock.fileno()) is not False:
                 self.refused(Reason.FD_LIMIT)
+            # asyncio now stops accepting on this socket for a second; meanwhile every
+            # connection that arrives is answered from the spare descriptor at once
+            # (/healthz 200, the rest 503 with Retry-After) instead of waiting that second.
+            loop.call_soon(self._answer_while_paused, sock.fileno())
             return
         if self._previous is not None:
             self._previous(loop, context)
         else:
             loop.default_exception_handler(context)
+
+    def _answer_while_paused(self, listener: int) -> None:
+        """Watch `listener` while asyncio's accept is paused (it has just removed its
+        reader; its retry, or the server's close, puts its own in place of this one)."""
+        loop = self._loop
+        if loop is not None and listener in self._listeners and self._spare is not None:
+            loop.add_reader(listener, self._answer_waiting, loop, listener)
+
+    def _answer_waiting(self, loop: asyncio.AbstractEventLoop, listener: int) -> None:
+        answered = self._shed(listener)
+        if answered:
+            self.refused(Reason.FD_LIMIT)
+        elif answered is None:
+            loop.remove_reader(listener)  # no spare left: waits for asyncio's retry
 
     def _shed(self, listener: int) -> bool | None:
         """Out of descriptors: free the spare one for a moment, accept the connection
