@@ -43,6 +43,19 @@ descriptor (it then stops accepting on that socket for a second)."""
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
+ACCEPT_RETRY_DELAY = 1.0
+"""Seconds asyncio stops accepting on a socket after a failed accept
+(`asyncio.constants.ACCEPT_RETRY_DELAY`, not public)."""
+
+_MARGIN_S = 0.01
+"""The listener is watched only while asyncio's retry is this far off at least, so that
+watching never replaces asyncio's own reader once it is back."""
+
+HELD_REQUEST_S = 0.05
+"""How long a connection taken at the descriptor limit may take to send its request
+(it holds the spare descriptor meanwhile, so silent ones are answered 20 a second;
+a client sends its request at once)."""
+
 
 class Doors:
     """The I/O side of a server's `ConnectionGate`: it aborts the connections the gate
@@ -69,6 +82,8 @@ class Doors:
         self._listeners: frozenset[int] = frozenset()
         self._previous: Any = None
         self._spare: int | None = None
+        self._held: tuple[socket.socket, asyncio.TimerHandle] | None = None
+        self._paused_until = 0.0
 
     # -- connections ------------------------------------------------------------------
 
@@ -151,6 +166,13 @@ class Doors:
         self._report(self.tally.due(math.inf))
         if loop is not None and loop.get_exception_handler() == self._loop_error:
             loop.set_exception_handler(self._previous)
+        if self._held is not None:
+            conn, timer = self._held
+            self._held = None
+            timer.cancel()
+            if loop is not None:
+                loop.remove_reader(conn.fileno())
+            conn.close()
         if self._spare is not None:
             os.close(self._spare)
             self._spare = None
@@ -172,6 +194,7 @@ class Doors:
             # asyncio now stops accepting on this socket for a second; meanwhile every
             # connection that arrives is answered from the spare descriptor at once
             # (/healthz 200, the rest 503 with Retry-After) instead of waiting that second.
+            self._paused_until = loop.time() + ACCEPT_RETRY_DELAY
             loop.call_soon(self._answer_while_paused, sock.fileno())
             return
         if self._previous is not None:
@@ -183,22 +206,30 @@ class Doors:
         """Watch `listener` while asyncio's accept is paused (it has just removed its
         reader; its retry, or the server's close, puts its own in place of this one)."""
         loop = self._loop
-        if loop is not None and listener in self._listeners and self._spare is not None:
+        if (
+            loop is not None
+            and listener in self._listeners
+            and self._spare is not None
+            and loop.time() < self._paused_until - _MARGIN_S
+        ):
             loop.add_reader(listener, self._answer_waiting, loop, listener)
 
     def _answer_waiting(self, loop: asyncio.AbstractEventLoop, listener: int) -> None:
         answered = self._shed(listener)
         if answered:
             self.refused(Reason.FD_LIMIT)
-        elif answered is None:
-            loop.remove_reader(listener)  # no spare left: waits for asyncio's retry
+        if answered is None or self._held is not None:
+            # No spare (or it is lent to a connection whose request is on its way): the
+            # listener is watched again once that one is answered, or asyncio retries.
+            loop.remove_reader(listener)
 
     def _shed(self, listener: int) -> bool | None:
-        """Out of descriptors: free the spare one for a moment, accept the connection
-        waiting longest and answer it from what it sent so far (a request not in yet gets
-        the 503), then take the spare back. True: one was answered; False: none was
-        waiting; None: no spare (one may be waiting, left in the backlog)."""
-        if self._spare is None:
+        """Out of descriptors: free the spare one, accept the connection waiting longest
+        and answer it from its request (`/healthz` 200, anything else 503), waiting up to
+        `HELD_REQUEST_S` for a request not in yet, then take the spare back. True: one
+        was taken; False: none was waiting; None: no spare (one may be waiting, left in
+        the backlog)."""
+        if self._spare is None or self._held is not None:
             return None
         os.close(self._spare)
         self._spare = None
@@ -210,17 +241,50 @@ class Doors:
                 wrapper.detach()
         except OSError:
             conn = None
-        if conn is not None:
-            with conn:
-                conn.setblocking(False)
-                try:  # read what came, so that closing sends FIN, not RST
-                    head = conn.recv(8192)
-                except OSError:
-                    head = b""
-                with contextlib.suppress(OSError):
-                    conn.send(_ALIVE if head.startswith(b"GET /healthz ") else _OUT_OF_FILES)
+        if conn is None:
+            self._spare = _spare_descriptor()
+            return False
+        conn.setblocking(False)
+        try:
+            head = conn.recv(8192)
+        except BlockingIOError:  # its request is on its way (a client sends it at once)
+            loop = self._loop
+            if loop is not None:
+                timer = loop.call_later(HELD_REQUEST_S, self._answer_held, listener, True)
+                loop.add_reader(conn.fileno(), self._answer_held, listener, False)
+                self._held = (conn, timer)
+                return True
+            head = b""
+        except OSError:
+            head = b""
+        _answer(conn, head)
         self._spare = _spare_descriptor()
-        return conn is not None
+        return True
+
+    def _answer_held(self, listener: int, timed_out: bool) -> None:
+        """The held connection's request came (or its time ran out): answer it, take the
+        spare back, and watch the listener again while asyncio's accept is still paused."""
+        if self._held is None:
+            return
+        conn, timer = self._held
+        self._held = None
+        timer.cancel()
+        loop = self._loop or asyncio.get_running_loop()
+        loop.remove_reader(conn.fileno())
+        head = b""
+        if not timed_out:
+            with contextlib.suppress(OSError):
+                head = conn.recv(8192)
+        _answer(conn, head)
+        self._spare = _spare_descriptor()
+        self._answer_while_paused(listener)
+
+
+def _answer(conn: socket.socket, head: bytes) -> None:
+    """Answer a connection taken at the descriptor limit from what it sent, and close it
+    (after reading, so that the close sends FIN, not RST)."""
+    with conn, contextlib.suppress(OSError):
+        conn.send(_ALIVE if head.startswith(b"GET /healthz ") else _OUT_OF_FILES)
 
 
 def _plain(status: str, text: str) -> bytes:
