@@ -70,6 +70,18 @@ class StreamFinished(EngineError, RuntimeError):
     """Audio (or a second flush) after `flush`: the stream's audio has ended."""
 
 
+def accepted_chunk(stream_id: str, finished: bool, pcm: object) -> bytes:
+    """A chunk a stream may take, as bytes: one check for the stream in this thread and
+    its worker-process twin (`recognizer_pool.PooledStream`), so both refuse alike."""
+    if finished:
+        raise StreamFinished(
+            f"stream {stream_id!r}: audio after flush (the stream's audio has ended)"
+        )
+    if not isinstance(pcm, (bytes, bytearray, memoryview)):
+        raise AudioFormatError(f"audio must be bytes of 16-bit mono PCM, got {type(pcm).__name__}")
+    return bytes(pcm)
+
+
 class RecognizerFailed(EngineError, RuntimeError):
     """The recognizer raised. The stream goes on (the next chunk is recognized as usual);
     `events` are what was already shown made final (the segment in progress, kept as its
@@ -307,15 +319,7 @@ class RecognizerStream:
 
     def accept(self, pcm: bytes | bytearray | memoryview) -> list[PartialTranscript]:
         """Recognize the next chunk of audio; the events it completes."""
-        if self.finished:
-            raise StreamFinished(
-                f"stream {self.stream_id!r}: audio after flush (the stream's audio has ended)"
-            )
-        if not isinstance(pcm, (bytes, bytearray, memoryview)):
-            raise AudioFormatError(
-                f"audio must be bytes of 16-bit mono PCM, got {type(pcm).__name__}"
-            )
-        data = self._carry + bytes(pcm)
+        data = self._carry + accepted_chunk(self.stream_id, self.finished, pcm)
         whole = len(data) - len(data) % SAMPLE_BYTES
         self._carry = data[whole:]
         if not whole:

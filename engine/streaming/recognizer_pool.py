@@ -62,11 +62,11 @@ from typing import Final, TypeAlias
 
 from engine.errors import EngineError
 from engine.streaming.recognizer import (
-    AudioFormatError,
     Recognizer,
     RecognizerFailed,
     RecognizerStream,
     StreamFinished,
+    accepted_chunk,
 )
 from protocol import PartialTranscript
 
@@ -597,15 +597,7 @@ class PooledStream:
 
     def accept(self, pcm: bytes | bytearray | memoryview) -> list[PartialTranscript]:
         """`RecognizerStream.accept`, in the worker."""
-        if self.finished:
-            raise StreamFinished(
-                f"stream {self.stream_id!r}: audio after flush (the stream's audio has ended)"
-            )
-        if not isinstance(pcm, (bytes, bytearray, memoryview)):
-            raise AudioFormatError(
-                f"audio must be bytes of 16-bit mono PCM, got {type(pcm).__name__}"
-            )
-        data = bytes(pcm)
+        data = accepted_chunk(self.stream_id, self.finished, pcm)
         self._bytes += len(data)
         return self._call(_Accept(self._key, data))
 
