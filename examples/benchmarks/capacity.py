@@ -10,9 +10,16 @@ length a real zh->en model writes).
 Per N it prints: update latency (partial pushed -> its update, as the engine measured it)
 p50 / p95 / max; the share of non-final partials answered (the rest were superseded by a
 newer partial of their stream before or during their decode); decoder rows per step
-(p50 / p95 / max) and steps; CPU use (process CPU time / wall time / cores); RSS growth per
-stream; draft and lookahead tokens confirmed / offered. Then the largest N with p95 <= 300
-ms and >= 80% of partials answered.
+(p50 / p95 / max) and steps; CPU use (process CPU time / wall time / cores) while the
+streams are live (`cpu`: first event to last update) and while all N talk at once
+(`full`: the last stream's start to the first stream's end); RSS growth per stream; draft
+and lookahead tokens confirmed / offered. Then the largest N with p95 <= 300 ms and >= 80%
+of partials answered.
+
+Steps and CPU leave out what runs after the last update: the replay's check of every final
+against offline `translate`, one final at a time. Until 2026-11-24 they did not, which put
+the 2-core figures at 63-67% CPU and one row per step while the cores were busy 96-98% of
+the time the streams talked (examples/benchmarks/README.md, issue 25).
 
     HF_HUB_OFFLINE=1 python models/build_benchmark_model.py     # once
     python examples/benchmarks/capacity.py --streams 1,8,16,24,32,48
@@ -46,23 +53,48 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-class PeakRss:
-    """Samples the process RSS every 50 ms in a thread; `peak` after `stop`."""
+class Sampler:
+    """Every 20 ms in a thread: RSS (for the peak), the process CPU time and the
+    scheduler's steps by rows so far, so that CPU use and rows per step can be read over
+    any window of the run (`at`), not only over the whole of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: Any = None) -> None:
         self.peak = rss_mib()
+        self._scheduler = scheduler
+        self.samples: list[tuple[float, float, Counter[int]]] = []
+        self._sample()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _sample(self) -> None:
+        sizes: Counter[int] = Counter(getattr(self._scheduler, "batch_sizes", Counter()))
+        self.samples.append((time.perf_counter(), time.process_time(), sizes))
+
     def _run(self) -> None:
-        while not self._stop.wait(0.05):
+        while not self._stop.wait(0.02):
             self.peak = max(self.peak, rss_mib())
+            self._sample()
 
     def stop(self) -> float:
         self._stop.set()
         self._thread.join()
+        self._sample()
         return self.peak
+
+    def at(self, wall: float) -> tuple[float, float, Counter[int]]:
+        """The last sample taken at or before `wall` (the first one if none was)."""
+        chosen = self.samples[0]
+        for sample in self.samples:
+            if sample[0] > wall:
+                break
+            chosen = sample
+        return chosen
+
+    def cpu_use(self, start: float, end: float) -> float:
+        """Share of the machine's cores the process used between two wall times."""
+        (w0, c0, _), (w1, c1, _) = self.at(start), self.at(end)
+        return (c1 - c0) / max(w1 - w0, 1e-9) / (os.cpu_count() or 1)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,11 +144,32 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
 
         timeline = scheduler.timeline = Timeline()
     rss0 = rss_mib()
-    peak = PeakRss()
+    sampler = Sampler(scheduler)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    result = replay(translator, lines, options)
+    # Wall times of the updates, and the replay's clock (log ms -> wall) from the first.
+    clock: dict[str, float] = {}
+
+    def on_update(timed: Any) -> None:
+        now = time.perf_counter()
+        clock.setdefault("t0", now - timed.done_ms / 1000.0)
+        clock["last"] = now
+
+    result = replay(translator, lines, options, on_update=on_update)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    rss_peak = peak.stop()
+    rss_peak = sampler.stop()
+    # Windows: live (replay start -> last update; the replay's check of every final against
+    # offline `translate` runs after it, one final at a time, and is not load) and full
+    # load (every stream talking: the last first line -> the first last line).
+    t0 = clock.get("t0", wall0)
+    firsts: dict[str, float] = {}
+    lasts: dict[str, float] = {}
+    for line in lines:
+        emit = float(line["emit_ms"]) / 1000.0
+        firsts.setdefault(line["stream_id"], emit)
+        lasts[line["stream_id"]] = emit
+    emit0 = min(firsts.values(), default=0.0)
+    full = (t0 + max(firsts.values()) - emit0, t0 + min(lasts.values()) - emit0)
+    live_end = clock.get("last", wall0 + wall)
     latencies = [t.update.latency_ms for t in result.updates]
     # Before a worker took the event (its stream's earlier event, the worker limiter) and
     # in it (encoder and decoder trips through the scheduler, the session's Python).
@@ -126,8 +179,8 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
     counts = result.counts
     answered = partial_updates / max(1, partials - counts.get("unchanged", 0))
     sizes: list[float] = []
-    if scheduler is not None:
-        delta = Counter(scheduler.batch_sizes) - sizes_before
+    if scheduler is not None:  # decoder calls of the live window
+        delta = sampler.at(live_end)[2] - sizes_before
         sizes = [float(k) for k, v in delta.items() for _ in range(v)]
     finals = sum(1 for line in lines if line["is_final"])
     final_updates = sum(1 for t in result.updates if t.update.is_final)
@@ -160,7 +213,10 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
         "steps": len(sizes),
         "draft": f"{counts.get('draft_accepted', 0)}/{counts.get('draft_offered', 0)}",
         "lookahead": f"{counts.get('lookahead_accepted', 0)}/{counts.get('lookahead_offered', 0)}",
-        "cpu_use": cpu / wall / (os.cpu_count() or 1),
+        "cpu_use": sampler.cpu_use(wall0, live_end),
+        "cpu_full_load": sampler.cpu_use(*full) if full[1] > full[0] else float("nan"),
+        "full_load_s": max(0.0, full[1] - full[0]),
+        "cpu_whole_run": cpu / wall / (os.cpu_count() or 1),
         "rss_mib_per_stream": max(0.0, rss_peak - rss0) / n,
         "wall_s": wall,
     }
@@ -259,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu}, {os.cpu_count()} cores; {args.sentences} sentences per stream")
     header = (
         f"{'N':>3} {'p50':>6} {'p95':>6} {'max':>6} {'answered':>8} {'cancel':>6} "
-        f"{'rows p50/p95/max':>16} {'steps':>6} {'cpu':>5} {'MiB/str':>7} {'finals':>8} "
+        f"{'rows p50/p95/max':>16} {'steps':>6} {'cpu':>5} {'full':>5} {'MiB/str':>7} "
+        f"{'finals':>8} "
         f"{'draft acc/off':>13} {'lookahead acc/off':>17} {'queued p95':>10} "
         f"{'compute p50/p95':>15}"
     )
@@ -274,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{n:>3} {r['p50_ms']:>6.0f} {r['p95_ms']:>6.0f} {r['max_ms']:>6.0f} "
             f"{r['answered']:>8.0%} {r['cancelled']:>6} {rows:>16} {r['steps']:>6} "
-            f"{r['cpu_use']:>5.0%} {r['rss_mib_per_stream']:>7.1f} {r['finals']:>8} "
+            f"{r['cpu_use']:>5.0%} {r['cpu_full_load']:>5.0%} {r['rss_mib_per_stream']:>7.1f} "
+            f"{r['finals']:>8} "
             f"{r['draft']:>13} {r['lookahead']:>17} {r['queued_p95_ms']:>10.0f} "
             f"{compute:>15}",
             flush=True,
