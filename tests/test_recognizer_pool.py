@@ -54,11 +54,14 @@ CHUNK = 3200  # 100 ms
 
 
 def test_recognition_cores_come_off_the_models_share() -> None:
-    assert SchedulerOptions(cores=4).resolved() == Threads(2, 2, 4)
-    assert SchedulerOptions(cores=4, recognizers=1).resolved() == Threads(2, 1, 3)
+    assert SchedulerOptions(cores=4).resolved() == Threads(2, 2, 2)
+    assert SchedulerOptions(cores=4, recognizers=1).resolved() == Threads(2, 1, 1)
     assert SchedulerOptions(cores=2, recognizers=1).resolved() == Threads(1, 1, 1)
     # Two models share what recognition leaves: 8 - 2 = 6 cores, 3 each.
-    assert SchedulerOptions(cores=8, recognizers=2, models=2).resolved() == Threads(2, 1, 3)
+    assert SchedulerOptions(cores=8, recognizers=2, models=2).resolved() == Threads(2, 1, 1)
+    assert SchedulerOptions(cores=8, recognizers=2, models=2, lanes=1).resolved() == Threads(
+        1, 3, 3
+    )
     # The models always keep a core, however many recognizers are asked for.
     assert SchedulerOptions(cores=2, recognizers=4).resolved() == Threads(1, 1, 1)
     with pytest.raises(ValueError, match="recognizers must be >= 0"):

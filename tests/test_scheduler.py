@@ -603,21 +603,28 @@ def test_a_burst_is_prefilled_in_calls_within_the_position_budget() -> None:
 
 def test_thread_counts_are_set_in_one_place() -> None:
     # (lanes, threads per lane, threads of a step's output projection)
-    assert SchedulerOptions().resolved(2) == (2, 1, 2)
+    # Several lanes: each projects on its own threads (the cores are the lanes' already).
+    assert SchedulerOptions().resolved(2) == (2, 1, 1)
+    assert SchedulerOptions().resolved(16) == (2, 8, 8)
+    assert SchedulerOptions(lanes=4).resolved(16) == (4, 4, 4)
+    assert SchedulerOptions(cores=4).resolved() == (2, 2, 2)
+    assert SchedulerOptions(cores=2, head_threads=2).resolved() == (2, 1, 2)
+    # One lane: the projection gets the whole share.
     assert SchedulerOptions().resolved(1) == (1, 1, 1)
-    assert SchedulerOptions().resolved(16) == (2, 8, 16)
-    assert SchedulerOptions(lanes=4).resolved(16) == (4, 4, 16)
     assert SchedulerOptions(lanes=1, threads_per_lane=3).resolved(2) == (1, 3, 3)
-    assert SchedulerOptions(cores=4).resolved() == (2, 2, 4)
-    assert SchedulerOptions(cores=2, head_threads=1).resolved() == (2, 1, 1)
+    assert SchedulerOptions(lanes=1).resolved(2) == (1, 2, 2)
+    assert SchedulerOptions(lanes=1, threads_per_lane=1).resolved(4) == (1, 1, 4)
     # A lane that prefills apart runs two calls at once: the cores count both.
     assert SchedulerOptions(prefill_apart=True).resolved(2) == (1, 1, 2)
-    assert SchedulerOptions(prefill_apart=True).resolved(16) == (2, 4, 16)
+    assert SchedulerOptions(prefill_apart=True).resolved(16) == (2, 4, 4)
     assert SchedulerOptions().resolved(2, apart=True) == (1, 1, 2)
     with pytest.raises(ValueError, match="cores"):
         SchedulerOptions(cores=0)
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2))
-    assert (tr.model.options.intra_op_threads, tr.model.options.head_threads) == (1, 2)
+    assert (tr.model.options.intra_op_threads, tr.model.options.head_threads) == (1, 1)
+    tr.close()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2, lanes=1))
+    assert (tr.model.options.intra_op_threads, tr.model.options.head_threads) == (2, 2)
 
 
 def test_models_sharing_the_cores_split_them_instead_of_oversubscribing() -> None:
@@ -629,7 +636,7 @@ def test_models_sharing_the_cores_split_them_instead_of_oversubscribing() -> Non
             assert lanes * threads * models <= max(cores, models), (cores, models)
             assert head * models <= max(cores, models), (cores, models)
     assert SchedulerOptions(models=2).resolved(2) == (1, 1, 1)
-    assert SchedulerOptions(models=2).resolved(16) == (2, 4, 8)
+    assert SchedulerOptions(models=2).resolved(16) == (2, 4, 4)
     with pytest.raises(ValueError):
         SchedulerOptions(models=0)
 
@@ -840,3 +847,91 @@ def test_a_timeline_records_every_lane_turn_when_asked() -> None:
         assert "rows per decoder call" in format_summary(result)
     finally:
         translator.close()
+
+
+def _hold_the_lane(tr: Translator) -> tuple[threading.Event, threading.Event]:
+    """Submit a decode whose hook stops the lane at its first step (its prefill done)
+    until `release` is set; returns (held, release) once the lane is held."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+        if len(rows[0]) == 1 and not held.is_set():
+            held.set()
+            assert release.wait(30)
+        return scores
+
+    enc = tr.encode([tr.source_ids(SOURCES[0])])
+    tr.scheduler.submit(enc, DecodeOptions(), priority=Priority.FINAL, hook=hold)
+    assert held.wait(30)
+    return held, release
+
+
+def test_a_prefill_takes_newcomers_of_about_its_length_and_leaves_the_others() -> None:
+    """Rows of one prefill are padded to the longest, and padding costs what real
+    positions do: a newcomer that would add more than `PREFILL_PADDING` padding positions
+    waits for a call of its own, even when one that came after it joins. Results do not
+    change."""
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
+    todo = [(SOURCES[3], [5]), (SOURCES[4], [5] * 20), (SOURCES[1], [5] * 2)]
+    expected = [alone(tr, text, [], DecodeOptions()) for text, _ in todo]
+    encs = [tr.encode([tr.source_ids(text)]) for text, _ in todo]
+    _, release = _hold_the_lane(tr)
+    before = tr.scheduler.stats
+    futures = [
+        tr.scheduler.submit(enc, DecodeOptions(), priority=Priority.FINAL, drafts=[draft])[0]
+        for enc, (_, draft) in zip(encs, todo, strict=True)
+    ]
+    time.sleep(0.05)  # all three wait while the lane is held
+    release.set()
+    got = [future.result(30) for future in futures]
+    assert [h.token_ids for h in got] == [r.token_ids for r in expected]
+    after = tr.scheduler.stats
+    # The first and the third (2 and 4 positions) shared a call; the 22-position one had
+    # its own.
+    assert after["prefill_calls"] - before["prefill_calls"] == 2
+    assert after["prefill_rows"] - before["prefill_rows"] == 3
+    tr.close()
+
+
+@pytest.mark.parametrize("draft_kind", ["confirmed", "rejected"])
+def test_an_abort_lets_a_row_that_confirmed_its_whole_draft_finish(draft_kind: str) -> None:
+    """A running row whose prefill confirmed its whole draft has only the tokens past it
+    left, its prefill spent: an abort lets it finish with its answer (counted in
+    `rows_finished_on_abort`). A row whose draft was rejected still leaves at the next
+    step."""
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
+    text = SOURCES[4]
+    ref = alone(tr, text, [], DecodeOptions())
+    tokens = list(ref.token_ids)
+    assert len(tokens) > 4
+    draft = tokens[:-3] if draft_kind == "confirmed" else [(tokens[0] + 1) % 50, *tokens[1:-3]]
+    request_id = new_request_id()
+    steps: list[int] = []
+
+    def hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+        steps.append(len(rows[0]))
+        if len(rows[0]) == len(draft) + 1:  # the first step after the prefill's tokens
+            tr.abort([request_id])  # a newer partial of its stream arrived
+        return scores
+
+    enc = tr.encode([tr.source_ids(text)])
+    before = tr.scheduler.stats
+    (future,) = tr.scheduler.submit(
+        enc,
+        DecodeOptions(),
+        priority=Priority.PARTIAL,
+        request_id=request_id,
+        hook=hook,
+        drafts=[draft],
+    )
+    after_abort = before["rows_finished_on_abort"]
+    if draft_kind == "confirmed":
+        assert future.result(30).token_ids == ref.token_ids
+        assert tr.scheduler.stats["rows_finished_on_abort"] == after_abort + 1
+    else:
+        assert isinstance(future.exception(30), DecodingCancelled)
+        assert tr.scheduler.stats["rows_finished_on_abort"] == after_abort
+        assert max(steps) <= len(draft) + 2  # it left at the step after the abort
+    tr.close()

@@ -95,9 +95,13 @@ class SchedulerOptions:
     batch (default: 2 with 2 cores or more in the share, else 1). `threads_per_lane`: ONNX
     Runtime intra-op threads of the model's sessions (default: share / lanes, at least 1);
     an explicit `intra_op_threads` given when loading the model wins. `head_threads`:
-    threads of a decoder step's output projection (default: the whole share): the one op
-    of a step big enough to share out, so a lone stream gets both cores there while the
-    step's small ops stay on its lane's thread. `lookahead_positions`: extra positions a
+    threads of a decoder step's output projection (default: the lane's own with several
+    lanes, else the whole share): the one op of a step big enough to share out, so a
+    lane alone on the cores gets all of them there while the step's small ops stay on its
+    thread. Two lanes that each spread it over both cores ran four threads on two cores
+    under load, and 32 real-time streams then missed the p95 that one thread each holds
+    (examples/benchmarks/README.md, issue 25); a lone stream is as fast either way.
+    `lookahead_positions`: extra positions a
     cached step may compute to verify re-aligned draft tokens, over all its rows (see
     `engine.decoding.batch.LOOKAHEAD_POSITIONS`; 0 turns lookahead off).
     `prefill_positions`: decoder positions (start token, forced prefix and draft of each
@@ -149,7 +153,8 @@ class SchedulerOptions:
         calls = 2 if (self.prefill_apart if apart is None else apart) else 1
         lanes = self.lanes or (2 if cores >= 2 * calls else 1)
         threads = self.threads_per_lane or max(1, cores // (lanes * calls))
-        return Threads(lanes, threads, self.head_threads or max(cores, threads))
+        head = self.head_threads or (threads if lanes > 1 else max(cores, threads))
+        return Threads(lanes, threads, head)
 
 
 PREFILL_POSITIONS = 96
@@ -160,6 +165,15 @@ every waiting request at once ran prefills of up to 7 rows, 150-600 ms, while th
 lane sat idle with nothing left to take. A budget spreads a burst over both lanes and
 bounds how long running rows wait; a request longer than the budget still joins an
 idle-enough lane on its own (figures: examples/benchmarks/README.md, issue 25)."""
+
+
+PREFILL_PADDING = 8
+"""Padding positions a newcomer may add to a prefill it joins (its rows padded to the
+longest, or the others to it). Padding is computed like real positions (~0.4 ms per row
+and position on OPUS-MT int8, 2 cores), while a prefill call of its own costs ~4.6 ms
+more than its positions, about ten of them (examples/benchmarks/README.md, issue 25): a
+request further from the turn's first one in length waits for another call, the other
+lane's or the next turn's, and one closer in length joins although it came later."""
 
 
 class Priority(enum.IntEnum):
@@ -325,10 +339,10 @@ class DecodeScheduler:
     @property
     def stats(self) -> Counter[str]:
         """Counters summed over the lanes: decoder_steps, prefill_calls, prefill_rows,
-        encoder_calls, rows_ended, rows_cancelled, queue_wait_ms, idle_ms (waiting for
-        work), draft_offered and draft_accepted (draft tokens verified in prefills),
-        lookahead_offered and lookahead_accepted (re-aligned draft tokens verified in
-        steps)."""
+        encoder_calls, rows_ended, rows_cancelled, rows_finished_on_abort, queue_wait_ms,
+        idle_ms (waiting for work), draft_offered and draft_accepted (draft tokens verified
+        in prefills), lookahead_offered and lookahead_accepted (re-aligned draft tokens
+        verified in steps)."""
         with self._cond:
             total = Counter(self._counts)
         for lane in self._lanes:
@@ -402,13 +416,24 @@ class DecodeScheduler:
         """Abort the requests submitted with these ids, and those submitted with them
         later: a waiting one is answered with `DecodingCancelled` now, a running one
         leaves its batch at the next step (then answered so). Ids of requests already
-        answered change nothing. Any thread; never waits for a step."""
+        answered change nothing. Any thread; never waits for a step.
+
+        Except a running row whose prefill confirmed its whole draft (`Search.
+        draft_confirmed`): what it has left is the tokens past its previous hypothesis, a
+        step or two, while its prefill (most of its cost) is spent. Under load a stream's
+        partials come about as fast as a lane answers them, and aborting such rows threw
+        that prefill away for nothing: the stream's next event waits those steps and the
+        stale update is still sent first, so the newest one still wins on screen
+        (examples/benchmarks/README.md, issue 25)."""
         dropped: list[_Request] = []
         with self._cond:
             for request_id in ids:
                 self._aborted[request_id] = None
                 self._aborted.move_to_end(request_id)
                 for request in self._live.pop(request_id, ()):
+                    if request.admitted and request.search.draft_confirmed:
+                        self._counts["rows_finished_on_abort"] += 1
+                        continue  # a step or two from its answer: see `abort`
                     request.aborted = True
                     if not request.admitted:
                         dropped.append(request)
@@ -707,7 +732,9 @@ class DecodeScheduler:
     def _admit(self, lane: _Lane, room: int, *, prefilling: bool = False) -> list[_Request]:
         """Waiting requests this lane starts now: finals and offline calls first, then by
         arrival, as many rows as there is room for (at least one when the lane is idle)
-        and as many prefill positions as one turn takes (at least one request).
+        and as many prefill positions as one turn takes (at least one request). The
+        first one taken sets the prefill's length; a later one joins only if it adds at
+        most `PREFILL_PADDING` padding positions, else it waits for another call.
         A lane with more rows than another leaves the waiting requests to that one (which
         was woken too), so the lanes' batches stay even."""
         budget = self.options.prefill_positions or PREFILL_POSITIONS
@@ -717,18 +744,29 @@ class DecodeScheduler:
                 return []
             self._waiting.sort(key=lambda r: (r.priority, r.submitted))
             chosen: list[_Request] = []
-            rows = positions = 0
-            for request in self._waiting:
+            left: list[_Request] = []
+            rows = positions = longest = 0
+            for index, request in enumerate(self._waiting):
                 width = request.search.options.beam_size
                 if rows + width > room and (chosen or room < self.options.max_rows):
+                    left.extend(self._waiting[index:])
                     break
                 if chosen and positions + request.positions > budget:
+                    left.extend(self._waiting[index:])
                     break  # the rest: the other lane, or this one's next turn
+                length = request.positions // width  # its rows' own length
+                padding = (
+                    (length - longest) * rows if length > longest else (longest - length) * width
+                )
+                if chosen and padding > PREFILL_PADDING:
+                    left.append(request)
+                    continue
                 chosen.append(request)
                 request.admitted = True
                 rows += width
                 positions += request.positions
-            self._waiting = self._waiting[len(chosen) :]
+                longest = max(longest, length)
+            self._waiting = left
             if prefilling:
                 lane.prefilling = chosen
         now = time.perf_counter()

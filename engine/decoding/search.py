@@ -202,6 +202,12 @@ class Search(ABC):
     def rows(self) -> list[list[int]]:
         """Each row's tokens so far (forced prefix included, start token excluded)."""
 
+    @property
+    def draft_confirmed(self) -> bool:
+        """Whether a prefill verified a draft and confirmed all of it: the search then
+        has only the tokens past its draft left to take."""
+        return bool(self.draft) and self.accepted >= len(self.draft)
+
     @abstractmethod
     def start(self, fed: int) -> None:
         """The first call fed the start token and `prefix[:fed]`."""
