@@ -22,7 +22,13 @@ import pytest
 
 from engine import DecodeOptions, Translator
 from engine.decoding.batch import LOOKAHEAD, LOOKAHEAD_POSITIONS
-from engine.decoding.scheduler import DecodeScheduler, Priority, SchedulerOptions, new_request_id
+from engine.decoding.scheduler import (
+    PREFILL_PADDING,
+    DecodeScheduler,
+    Priority,
+    SchedulerOptions,
+    new_request_id,
+)
 from engine.decoding.search import DecodingCancelled, Hypothesis
 from engine.model import FloatArray
 from tests.conftest import FIXTURE_MODEL, needs_fixture
@@ -873,7 +879,8 @@ def test_a_prefill_takes_newcomers_of_about_its_length_and_leaves_the_others() -
     change."""
     needs_fixture()
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
-    todo = [(SOURCES[3], [5]), (SOURCES[4], [5] * 20), (SOURCES[1], [5] * 2)]
+    todo = [(SOURCES[3], [5]), (SOURCES[4], [5] * 30), (SOURCES[1], [5] * 2)]
+    assert 1 <= PREFILL_PADDING < 31 - 2  # the long one pads the first by 29 positions
     expected = [alone(tr, text, [], DecodeOptions()) for text, _ in todo]
     encs = [tr.encode([tr.source_ids(text)]) for text, _ in todo]
     _, release = _hold_the_lane(tr)
@@ -887,7 +894,7 @@ def test_a_prefill_takes_newcomers_of_about_its_length_and_leaves_the_others() -
     got = [future.result(30) for future in futures]
     assert [h.token_ids for h in got] == [r.token_ids for r in expected]
     after = tr.scheduler.stats
-    # The first and the third (2 and 4 positions) shared a call; the 22-position one had
+    # The first and the third (2 and 3 positions) shared a call; the 31-position one had
     # its own.
     assert after["prefill_calls"] - before["prefill_calls"] == 2
     assert after["prefill_rows"] - before["prefill_rows"] == 3

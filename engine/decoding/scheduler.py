@@ -167,13 +167,15 @@ bounds how long running rows wait; a request longer than the budget still joins 
 idle-enough lane on its own (figures: examples/benchmarks/README.md, issue 25)."""
 
 
-PREFILL_PADDING = 8
+PREFILL_PADDING = 16
 """Padding positions a newcomer may add to a prefill it joins (its rows padded to the
-longest, or the others to it). Padding is computed like real positions (~0.4 ms per row
-and position on OPUS-MT int8, 2 cores), while a prefill call of its own costs ~4.6 ms
-more than its positions, about ten of them (examples/benchmarks/README.md, issue 25): a
-request further from the turn's first one in length waits for another call, the other
-lane's or the next turn's, and one closer in length joins although it came later."""
+longest, or the others to it). Padding is computed like real positions (~0.37 ms per row
+and position, OPUS-MT int8 on one core), while a call of its own costs ~6.5 ms besides
+its positions (~1,500 ONNX nodes, most of them the per-token quantization's small ops),
+about 17 positions' worth: a request much longer or shorter than the turn's first one
+waits for another call, the other lane's or the next turn's, and one close in length
+joins although it came later. 16 measured a little better than 8 under load (figures:
+examples/benchmarks/README.md, issue 25)."""
 
 
 class Priority(enum.IntEnum):
