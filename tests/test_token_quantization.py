@@ -19,13 +19,21 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engine.model.checks import probe_feed
 from engine.model.passes.per_token import (
+    MAX_CORRECTION_ROWS,
     PER_TOKEN_KEY,
     NotPerToken,
+    correction_rows,
     per_token,
     per_token_graph,
 )
+from engine.model.sessions import RuntimeOptions, open_session
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_batched_decoder import _session
+
+
+def _tokens(model: bytes) -> Any:
+    """A per-token graph's session, opened as the engine opens one."""
+    return open_session(model, RuntimeOptions(intra_op_threads=1), per_token=True)
 
 
 def _matmul_model(weights: np.ndarray, zero_point: Any, extra_user: bool = False) -> Any:
@@ -88,7 +96,7 @@ def test_each_token_gets_what_it_gets_alone_and_one_token_the_files_value(
     done = per_token(model)
     assert (done.quantizations, done.matmuls) == (1, 1)
     assert {p.key: p.value for p in model.metadata_props}[PER_TOKEN_KEY] == "1"
-    tokens = _session(model.SerializeToString())
+    tokens = _tokens(model.SerializeToString())
     x = _rows()
     together = tokens.run(["y"], {"x": x})[0]
     for b in range(x.shape[0]):
@@ -104,6 +112,35 @@ def test_each_token_gets_what_it_gets_alone_and_one_token_the_files_value(
     shared = files.run(["y"], {"x": x})[0]
     alone = np.concatenate([files.run(["y"], {"x": x[b : b + 1]})[0] for b in range(6)])
     assert float(np.abs(shared - alone).max()) > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("dtype", "zero"),
+    [(np.int8, 0), (np.uint8, 131), (np.uint8, 0)],
+    ids=["int8", "uint8 zp", "uint8 zp 0"],
+)
+def test_correction_rows_subtract_the_zero_point_inside_the_matmul(dtype: Any, zero: int) -> None:
+    """Values widened by their zero point and weights by `correction_rows` give
+    sum_k (q - zp) (w - wz) in int32, for every zero point; None where the pieces cannot
+    have the sign they need (uint8 weights with zero point 0 give only >= 0) or would
+    take too many rows."""
+    rng = np.random.default_rng(5)
+    info = np.iinfo(dtype)
+    w = rng.integers(info.min, info.max + 1, (64, 12)).astype(dtype)
+    w[:8, 0] = info.max  # large column sums, one sign
+    w[:8, 1] = info.min  # and the other
+    rows = correction_rows(w, None if zero == 0 else np.array(zero, dtype))
+    if dtype is np.uint8 and zero == 0:
+        assert rows is None
+        return
+    assert rows is not None and rows.dtype == w.dtype
+    assert 0 < len(rows) <= 64 * MAX_CORRECTION_ROWS
+    wide = np.concatenate([w, rows]).astype(np.int64) - zero
+    q = rng.integers(0, 256, (9, 64))
+    for zp in (0, 1, 127, 255):
+        got = np.concatenate([q, np.full((9, len(rows)), zp)], axis=1) @ wide
+        np.testing.assert_array_equal(got, (q - zp) @ (w.astype(np.int64) - zero))
+    assert correction_rows(w[:4], None if zero == 0 else np.array(zero, dtype)) is None
 
 
 def test_a_quantization_read_by_anything_but_matmuls_is_refused_and_the_graph_kept(
@@ -138,7 +175,7 @@ def test_the_fixtures_int8_graphs_per_token(file: str) -> None:
     path = FIXTURE_MODEL / f"{file}_quantized.onnx"
     rewritten = per_token_graph(path, file)
     assert rewritten is not None
-    files, tokens = _session(path), _session(rewritten)
+    files, tokens = _session(path), _tokens(rewritten)
     output = files.get_outputs()[0].name
     inputs = files.get_inputs()
     if file == "encoder_model":

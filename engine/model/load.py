@@ -177,14 +177,14 @@ class DecoderGraphs:
         return files.decoder, files.with_past
 
 
-def _per_token(source: Path | bytes, options: RuntimeOptions, name: str) -> str | bytes:
-    """What a decoder session is opened from: its int8 activations quantized per token
-    where `options.per_token` says so and the graph allows it, else the graph as it is."""
+def _per_token(source: Path | bytes, options: RuntimeOptions, name: str) -> ort.InferenceSession:
+    """A decoder session: its int8 activations quantized per token where
+    `options.per_token` says so and the graph allows it, else the graph as it is."""
     if options.per_token:
         rewritten = per_token_graph(source, name)
         if rewritten is not None:
-            return rewritten
-    return str(source) if isinstance(source, Path) else source
+            return open_session(rewritten, options, per_token=True)
+    return open_session(str(source) if isinstance(source, Path) else source, options)
 
 
 def _open_file(
@@ -196,8 +196,9 @@ def _open_file(
     if not path.is_file():
         raise ModelLoadError(f"{model_dir}: missing {path.name}")
     try:
-        graph = _per_token(path, options, f"{model_dir}: {path.name}") if decoder else str(path)
-        return open_session(graph, options)
+        if decoder:
+            return _per_token(path, options, f"{model_dir}: {path.name}")
+        return open_session(str(path), options)
     except Exception as exc:  # onnxruntime raises its own exception types for bad files
         raise ModelLoadError(f"{model_dir}: cannot load {path.name}: {exc}") from exc
 
@@ -276,8 +277,8 @@ def _split_at_load(
         return None
     files = graphs.files
     where = f"{files.model_dir}: {files.decoder.name}"
-    no_past = open_session(_per_token(branches[0], options, where), options)
-    with_past = open_session(_per_token(branches[1], options, where), options)
+    no_past = _per_token(branches[0], options, where)
+    with_past = _per_token(branches[1], options, where)
     layers = config.decoder_layers
     if signature(no_past, layers, where) is not Signature.NO_PAST or (
         signature(with_past, layers, where) is not Signature.WITH_PAST
@@ -413,8 +414,9 @@ def load_masked(
         if rewritten is None:
             return None  # logged why
         graph = _masked_graphs(rewritten, graphs.sources, None, options.per_token)
-        no_past = open_session(graph.no_past, options)
-        with_past = open_session(graph.with_past, options)
+        per_token = graph.one_token is not None
+        no_past = open_session(graph.no_past, options, per_token=per_token)
+        with_past = open_session(graph.with_past, options, per_token=per_token)
         one = None if graph.one_token is None else open_session(graph.one_token, options)
         worst = max(
             check_rewrite(originals[0], no_past, past_len=0, cur_len=3),
@@ -442,9 +444,11 @@ def load_masked(
     prefills = (
         CutGraph(no_past, None)
         if options.quantized and not options.per_token
-        else _cut(model_dir, graph.no_past, no_past, config, options, prefill=True)
+        else _cut(
+            model_dir, graph.no_past, no_past, config, options, prefill=True, per_token=per_token
+        )
     )
-    steps = _cut(model_dir, graph.with_past, with_past, config, options)
+    steps = _cut(model_dir, graph.with_past, with_past, config, options, per_token=per_token)
     ones = (
         None
         if one is None or graph.one_token is None
@@ -470,6 +474,7 @@ def _cut(
     options: RuntimeOptions,
     *,
     prefill: bool = False,
+    per_token: bool = False,
 ) -> CutGraph:
     """A rewritten decoder graph whole (`session`), or as its body on the lane's threads
     and its output projection on `options.head_threads` (`passes.head`) when those are
@@ -481,7 +486,8 @@ def _cut(
     costs more than the small ops gain, while the projection gains from more cores.
     `prefill`: the no-past graph, cut even where the threads are the same (the head then
     on the body's), because its logits are needed at a few of its positions only
-    (`MaskedDecoder.prefill`).
+    (`MaskedDecoder.prefill`). `per_token`: the graph is quantized per token
+    (`open_session`).
     """
     threads, body_threads = options.head_threads, options.intra_op_threads
     apart = bool(threads and body_threads and threads > body_threads)
@@ -496,8 +502,8 @@ def _cut(
                 "%s: output projection not cut from the %s (unexpected graph)", model_dir, what
             )
             return CutGraph(session, None)
-        body = open_session(split.body, options)
-        head = open_session(split.head, options, threads=threads or None)
+        body = open_session(split.body, options, per_token=per_token)
+        head = open_session(split.head, options, threads=threads or None, per_token=per_token)
         worst = check_cut(session, body, head, split.hidden, past_len=past_len, cur_len=cur_len)
     except Exception as exc:  # a graph the cut did not foresee: keep it whole
         log.warning("%s: output projection not cut from the %s (%s)", model_dir, what, exc)

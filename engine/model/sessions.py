@@ -78,10 +78,26 @@ def session_options(options: RuntimeOptions, threads: int | None = None) -> ort.
     return so
 
 
+PER_TOKEN_FUSIONS_OFF = ("MatMulIntegerToFloatFusion",)
+"""ONNX Runtime fusions a graph quantized per token (`engine.model.passes.per_token`) must
+not get. This one makes `MatMulInteger -> Cast -> Mul` one `MatMulIntegerToFloat`, which
+with a per-token scale multiplies by the two scales one after the other where the files'
+kernels multiply by their product: values one float step apart from the files' for a
+one-token call, so a row stepped alone (on the files' graph) and in a batch would differ."""
+
+
 def open_session(
-    graph: str | bytes, options: RuntimeOptions, threads: int | None = None
+    graph: str | bytes,
+    options: RuntimeOptions,
+    threads: int | None = None,
+    *,
+    per_token: bool = False,
 ) -> ort.InferenceSession:
-    """A session of a file (its path as a string) or a serialised graph."""
+    """A session of a file (its path as a string) or a serialised graph; `per_token`: a
+    graph whose int8 activations are quantized per token (see `PER_TOKEN_FUSIONS_OFF`)."""
     return ort.InferenceSession(
-        graph, session_options(options, threads), providers=list(options.providers)
+        graph,
+        session_options(options, threads),
+        providers=list(options.providers),
+        **({"disabled_optimizers": list(PER_TOKEN_FUSIONS_OFF)} if per_token else {}),
     )

@@ -11,10 +11,19 @@ gives, so `per_token` rewrites every such quantization to one scale and zero poi
 even, saturated to uint8), so that a call with one token gives the files' own values.
 
 `MatMulInteger` takes the activations' zero point only as a scalar in ONNX Runtime, so the
-rewritten matmul runs without it and subtracts it after, exactly in int32:
-`sum_k (q - zp) (w - wz) = sum_k q (w - wz) - zp * colsum(w - wz)`, the column sums being
-an int32 initializer computed here. The scale product downstream (`Mul(scale, w_scale)`,
-then `Mul(product, Cast(int32))`) already broadcasts a [..., 1] scale.
+rewritten matmul runs without it and corrects for it, exactly in int32:
+`sum_k (q - zp) (w - wz) = sum_k q (w - wz) - zp * colsum(w - wz)`. The correction is
+done inside the matmul where it can be (`correction_rows`): the values get a few more
+columns, each the token's zero point, and the weights as many rows, which hold
+`-colsum(w - wz)` cut into pieces of the weights' type (about 4% more rows on OPUS-MT's
+sizes). A multiply and a subtraction over the whole output (two passes per matmul, which
+with the cast and the scale made per token ~30% dearer than the files' fused kernels on
+a 4-row prefill) become part of the matmul. Where the pieces cannot fit (uint8 weights
+with zero point 0), the column sums are an int32 initializer and the correction is
+subtracted after. The scale product downstream (`Mul(scale, w_scale)`, then
+`Mul(product, Cast(int32))`) already broadcasts a [..., 1] scale. Sessions of these
+graphs are opened without ONNX Runtime's `MatMulIntegerToFloat` fusion
+(`engine.model.sessions.PER_TOKEN_FUSIONS_OFF`), which would round differently.
 
 What it changes: the values of a call with several tokens differ from the files' (each
 token on its own scale, which is closer to fp32, not farther); a call of one token gives the
@@ -64,6 +73,8 @@ def activation_source(producer: Mapping[str, onnx.NodeProto], values: str) -> st
     """The float tensor whose quantization `values` (a `MatMulInteger` input) is, under
     either scheme (`DynamicQuantizeLinear` or `per_token`'s chain); None if neither."""
     node = producer.get(values)
+    if node is not None and node.op_type == "Concat":  # widened by zero-point columns
+        node = producer.get(str(node.input[0]))
     if node is not None and node.op_type == "DynamicQuantizeLinear":
         return str(node.input[0])
     for kind in _CHAIN:
@@ -108,6 +119,7 @@ class _Emitter:
         self.tag, self.keep, self.axes_input = tag, keep, axes_input
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
+        self.point_int32: str | None = None  # the zero point as int32, once a matmul needs it
 
     def const(self, suffix: str, value: np.ndarray[Any, Any]) -> str:
         name = f"{self.tag}/{suffix}"
@@ -121,7 +133,8 @@ class _Emitter:
 
     def quantize(self, x: str, values: str, scale: str) -> str:
         """`DynamicQuantizeLinear`'s arithmetic over the last axis: `values` (uint8) and
-        `scale` [..., 1] under their old names; returns the zero point as int32 [..., 1]."""
+        `scale` [..., 1] under their old names; returns the zero point [..., 1] (float,
+        a whole number in 0..255)."""
         zero = self.const("zero", np.array(0.0, dtype=np.float32))
         levels = self.const("levels", np.array(255.0, dtype=np.float32))
         # Smallest normal float: an all-zero token gets values 0 instead of 0 / 0.
@@ -143,7 +156,28 @@ class _Emitter:
         shifted = self.op("Add", [rounded, point], "shifted")
         clipped = self.op("Clip", [shifted, zero, levels], "clip")
         self.op("Cast", [clipped], values, to=TensorProto.UINT8)
-        return self.op("Cast", [point], "zp_int32", to=TensorProto.INT32)
+        return point
+
+    def widen(self, values: str, point: str, columns: int) -> str:
+        """`values` with `columns` more columns, each the token's zero point (uint8), for
+        the matmuls whose weights `correction_rows` widened."""
+        zp = self.op("Cast", [point], "zp_uint8", to=TensorProto.UINT8)
+        width = self.const("columns", np.array([columns], dtype=np.int64))
+        repeated = self.op("Expand", [zp, width], "zp_columns")
+        return self.op("Concat", [values, repeated], "widened", axis=-1)
+
+    def widened_matmul(
+        self, index: int, matmul: onnx.NodeProto, widened: str, weights: np.ndarray[Any, Any]
+    ) -> list[onnx.NodeProto]:
+        """`matmul` on the widened values and weights: its zero-point correction is done
+        by the matmul itself, exact in int32, under the matmul's output name."""
+        name = self.const(f"weights{index}", weights)
+        inputs = [widened, name, "", *matmul.input[3:4]]
+        return [
+            helper.make_node(
+                "MatMulInteger", inputs, [matmul.output[0]], name=f"{self.tag}/matmul{index}"
+            )
+        ]
 
     def matmul(
         self,
@@ -162,13 +196,51 @@ class _Emitter:
         sums = self.const(f"colsum{index}", centred.sum(axis=-2).astype(np.int32))
         raw, correction = f"{self.tag}/raw{index}", f"{self.tag}/correction{index}"
         inputs = [values, matmul.input[1], "", *matmul.input[3:4]]
+        if self.point_int32 is None:
+            self.point_int32 = self.op("Cast", [point], "zp_int32", to=TensorProto.INT32)
         return [
             helper.make_node("MatMulInteger", inputs, [raw], name=f"{self.tag}/matmul{index}"),
-            helper.make_node("Mul", [point, sums], [correction], name=correction),
+            helper.make_node("Mul", [self.point_int32, sums], [correction], name=correction),
             helper.make_node(
                 "Sub", [raw, correction], [matmul.output[0]], name=f"{self.tag}/out{index}"
             ),
         ]
+
+
+MAX_CORRECTION_ROWS = 1 / 4
+"""Most rows `correction_rows` adds to a matmul's weights, as a share of their rows: past
+that the wider matmul would cost more than the two passes it saves."""
+
+
+def correction_rows(
+    weights: np.ndarray[Any, Any], weight_zero: np.ndarray[Any, Any] | None
+) -> np.ndarray[Any, Any] | None:
+    """Rows to append to `weights` (their dtype) so that a token's values widened by as
+    many columns of its zero point `zp` give `sum_k (q - zp) (w - wz)` in one
+    `MatMulInteger`: the rows hold `-colsum(w - wz)` cut into pieces that fit the
+    weights' type (stored plus `wz`), so the matmul adds `-zp * colsum`. This replaces a
+    multiply and a subtraction over the whole output (the correction) by a few more
+    rows, exact in int32 either way. None when the pieces do not fit (`wz` at an end of
+    the type) or would take more than `MAX_CORRECTION_ROWS` of the rows."""
+    info = np.iinfo(weights.dtype)
+    zero = np.zeros(weights.shape[-1], np.int64) if weight_zero is None else weight_zero
+    zero = np.broadcast_to(np.asarray(zero, np.int64), (weights.shape[-1],))
+    target = -(weights.astype(np.int64) - zero).sum(axis=-2)
+    low, high = info.min - zero, info.max - zero  # what one row may hold, per column
+    if np.any((target < 0) & (low >= 0)) or np.any((target > 0) & (high <= 0)):
+        return None
+    step = np.where(target < 0, -low, high).clip(min=1)
+    count = int(((np.abs(target) + step - 1) // step).max()) if target.size else 0
+    if count > weights.shape[-2] * MAX_CORRECTION_ROWS:
+        return None
+    rows = np.zeros((count, weights.shape[-1]), np.int64)
+    left = target.copy()
+    for j in range(count):
+        rows[j] = np.clip(left, low, high)
+        left -= rows[j]
+    assert not left.any()
+    stored: np.ndarray[Any, Any] = (rows + zero).astype(weights.dtype)
+    return stored
 
 
 def per_token(model: onnx.ModelProto) -> PerToken:
@@ -227,12 +299,32 @@ def per_token(model: onnx.ModelProto) -> PerToken:
         emit = _Emitter(f"{_PREFIX}/{index}", {values, scale}, opset(model) >= 18)
         point = emit.quantize(node.input[0], values, scale)
         mine = edits.setdefault(id(graph), {})
+        extra: dict[int, np.ndarray[Any, Any]] = {}
+        for j in matmuls:
+            matmul = graph.node[j]
+            w = constant(matmul.input[1])
+            wz = constant(matmul.input[3]) if len(matmul.input) > 3 and matmul.input[3] else None
+            if w is not None and w.ndim == 2:
+                rows = correction_rows(w, wz)
+                if rows is not None and len(rows):
+                    extra[j] = rows
+        # Every widened matmul reads the same values: pad each to the widest.
+        width = max((len(rows) for rows in extra.values()), default=0)
+        widened = emit.widen(values, point, width) if width else values
         for m, j in enumerate(matmuls):
             matmul = graph.node[j]
             w = constant(matmul.input[1])
             assert w is not None  # planned
-            wz = constant(matmul.input[3]) if len(matmul.input) > 3 else None
-            mine[j] = emit.matmul(m, matmul, values, point, w, wz)
+            wz = constant(matmul.input[3]) if len(matmul.input) > 3 and matmul.input[3] else None
+            if j in extra:
+                rows = extra[j]
+                zero = np.broadcast_to(
+                    np.zeros((), w.dtype) if wz is None else wz.astype(w.dtype), (w.shape[-1],)
+                )
+                pad = np.broadcast_to(zero, (width - len(rows), w.shape[-1]))  # adds nothing
+                mine[j] = emit.widened_matmul(m, matmul, widened, np.concatenate([w, rows, pad]))
+            else:
+                mine[j] = emit.matmul(m, matmul, values, point, w, wz)
         mine[at] = emit.nodes
         added.setdefault(id(graph), []).extend(emit.initializers)
     for graph in graphs:
