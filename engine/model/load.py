@@ -177,7 +177,9 @@ class DecoderGraphs:
         return files.decoder, files.with_past
 
 
-def _per_token(source: Path | bytes, options: RuntimeOptions, name: str) -> ort.InferenceSession:
+def _decoder_session(
+    source: Path | bytes, options: RuntimeOptions, name: str
+) -> ort.InferenceSession:
     """A decoder session: its int8 activations quantized per token where
     `options.per_token` says so and the graph allows it, else the graph as it is."""
     if options.per_token:
@@ -190,14 +192,14 @@ def _per_token(source: Path | bytes, options: RuntimeOptions, name: str) -> ort.
 def _open_file(
     path: Path, model_dir: Path, options: RuntimeOptions, *, decoder: bool = True
 ) -> ort.InferenceSession:
-    """A session of `path`: a decoder's int8 activations per token (`_per_token`), the
+    """A session of `path`: a decoder's int8 activations per token (`_decoder_session`), the
     encoder's as in the file (`MarianOnnx.encode` runs its rows apart instead). A missing
     or unreadable file is a `ModelLoadError` that names it."""
     if not path.is_file():
         raise ModelLoadError(f"{model_dir}: missing {path.name}")
     try:
         if decoder:
-            return _per_token(path, options, f"{model_dir}: {path.name}")
+            return _decoder_session(path, options, f"{model_dir}: {path.name}")
         return open_session(str(path), options)
     except Exception as exc:  # onnxruntime raises its own exception types for bad files
         raise ModelLoadError(f"{model_dir}: cannot load {path.name}: {exc}") from exc
@@ -277,8 +279,8 @@ def _split_at_load(
         return None
     files = graphs.files
     where = f"{files.model_dir}: {files.decoder.name}"
-    no_past = _per_token(branches[0], options, where)
-    with_past = _per_token(branches[1], options, where)
+    no_past = _decoder_session(branches[0], options, where)
+    with_past = _decoder_session(branches[1], options, where)
     layers = config.decoder_layers
     if signature(no_past, layers, where) is not Signature.NO_PAST or (
         signature(with_past, layers, where) is not Signature.WITH_PAST
