@@ -848,11 +848,33 @@ def test_a_timeline_records_every_lane_turn_when_asked() -> None:
         assert sum(s.encode_rows for s in steps) == 2  # one encoder call for both
         assert sum(s.joined for s in steps) == 2 and max(s.rows for s in steps) >= 1
         assert all(s.execute >= 0 and s.update >= 0 and s.waited >= 0 for s in steps)
-        result = summary(steps)
+        answered = scheduler.timeline.answered()
+        assert len(answered) == 2 and not any(a.partial for a in answered)
+        assert all(a.queued >= 0 and a.compute > 0 and a.past_draft >= 1 for a in answered)
+        result = summary(steps, answered)
         assert result["steps"] == len(steps) and result["rows_p50"] >= 1
+        assert result["partials_by_past_draft"] == []  # offline calls are not partials
         assert "rows per decoder call" in format_summary(result)
     finally:
         translator.close()
+
+
+def test_partials_requests_are_grouped_by_the_tokens_they_decoded_past_their_draft() -> None:
+    """`timeline.by_past_draft`: each partial's request in the band of its tokens past the
+    draft, with its own times; finals' requests stay out unless asked for."""
+    from engine.decoding.timeline import Answered, by_past_draft
+
+    answered = [
+        Answered(0, True, 0.010, 0.050, 0),
+        Answered(1, True, 0.030, 0.070, 1),
+        Answered(0, True, 0.000, 0.400, 9),
+        Answered(0, False, 0.000, 0.900, 30),
+    ]
+    bands = by_past_draft(answered)
+    assert [(b["tokens"], b["requests"]) for b in bands] == [("0-1", 2), ("8-15", 1)]
+    assert bands[0]["compute_ms_p50"] == 70.0 and bands[0]["queued_ms_p50"] == 30.0
+    assert bands[1]["compute_ms_p95"] == 400.0
+    assert [b["tokens"] for b in by_past_draft(answered, partial=False)] == ["16+"]
 
 
 def _hold_the_lane(tr: Translator) -> tuple[threading.Event, threading.Event]:

@@ -67,7 +67,7 @@ from engine.decoding.search import (
     StepHook,
     make_search,
 )
-from engine.decoding.timeline import Step, Timeline
+from engine.decoding.timeline import Answered, Step, Timeline
 from engine.model import EncoderOutput, IntArray, MarianOnnx
 
 log = logging.getLogger(__name__)
@@ -243,6 +243,7 @@ class _Request:
     future: Future[Hypothesis] = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
     admitted: bool = False  # taken from the waiting list by a lane (under the lock)
+    started: float = 0.0  # when a lane took it (perf_counter)
     aborted: bool = False  # its row leaves the batch at the lane's next step
 
     @property
@@ -316,7 +317,8 @@ class DecodeScheduler:
     ) -> None:
         self.model = model
         self.options = options or SchedulerOptions()
-        # Set to record every lane turn (`engine.decoding.timeline`); None: nothing kept.
+        # Set to record every lane turn and answered request (`engine.decoding.timeline`);
+        # None: nothing kept.
         self.timeline = timeline
         # Prefills apart need a batch that rows join at any step (the rewritten decoder).
         self.apart = self.options.prefill_apart and model.masked is not None
@@ -774,6 +776,7 @@ class DecodeScheduler:
         now = time.perf_counter()
         stats = lane.prefill_stats if prefilling else lane.stats
         for request in chosen:
+            request.started = now
             stats["queue_wait_ms"] += int((now - request.submitted) * 1000)
         return chosen
 
@@ -792,6 +795,17 @@ class DecodeScheduler:
             request.future.set_exception(exc)
             return
         request.future.set_result(result)
+        if self.timeline is not None:
+            past = len(result.token_ids) - len(search.prefix) - search.accepted
+            self.timeline.answer(
+                Answered(
+                    lane.index,
+                    request.priority == Priority.PARTIAL,
+                    request.started - request.submitted,
+                    time.perf_counter() - request.started,
+                    max(0, past),
+                )
+            )
 
     def _cancel(self, lane: _Lane, request: _Request) -> None:
         request.future.set_exception(DecodingCancelled())

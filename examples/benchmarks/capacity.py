@@ -189,11 +189,14 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
 
         scheduler.timeline = None
         steps = timeline.steps()
-        print(format_summary(summary(steps)), flush=True)
+        print(format_summary(summary(steps, timeline.answered())), flush=True)
         path = Path(f"{args.timeline}.{n}.jsonl")
         with path.open("w") as f:
             for step in steps:
                 f.write(json.dumps(step.to_dict()) + "\n")
+        with Path(f"{args.timeline}.{n}.requests.jsonl").open("w") as f:
+            for request in timeline.answered():
+                f.write(json.dumps(request.to_dict()) + "\n")
     return {
         "streams": n,
         "partials": partials,
@@ -275,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeline",
         metavar="PREFIX",
-        help="record every scheduler lane turn (engine/decoding/timeline.py): print a "
-        "summary per N and write PREFIX.N.jsonl",
+        help="record every scheduler lane turn and answered request "
+        "(engine/decoding/timeline.py): print a summary per N and write PREFIX.N.jsonl "
+        "(turns) and PREFIX.N.requests.jsonl",
     )
     args = parser.parse_args(argv)
     if not FLORES_ZH.is_file():
