@@ -9,6 +9,7 @@ the scheduler's two lanes slow each other down. Medians over `--reps` calls.
 
     HF_HUB_OFFLINE=1 python models/build_benchmark_model.py     # once
     python examples/benchmarks/prefill_cost.py
+    python examples/benchmarks/prefill_cost.py --int8-per-call   # the files' quantization
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--fp32", action="store_true", help="fp32 (default: int8)")
+    parser.add_argument(
+        "--int8-per-call",
+        action="store_true",
+        help="int8 activations quantized per call as the files do (default: per token, "
+        "rows exact): what the per-token quantization costs, read against the default",
+    )
     args = parser.parse_args(argv)
     if not args.model.is_dir():
         print(f"needs {args.model} (models/build_benchmark_model.py)", file=sys.stderr)
@@ -51,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     from engine.decoding.scheduler import SchedulerOptions
 
     one = SchedulerOptions(lanes=1, threads_per_lane=1, head_threads=1)
-    translator = Translator.from_dir(args.model, quantized=not args.fp32, scheduler=one)
+    translator = Translator.from_dir(
+        args.model,
+        quantized=not args.fp32,
+        scheduler=one,
+        int8_per_token=not args.int8_per_call,
+    )
     model = translator.model
     decoder = model.masked
     if decoder is None:
