@@ -188,14 +188,14 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
         from engine.decoding.timeline import format_summary, summary
 
         scheduler.timeline = None
-        steps = timeline.steps()
-        print(format_summary(summary(steps, timeline.answered())), flush=True)
+        steps, requests = timeline.steps(), timeline.answered()
+        print(format_summary(summary(steps, requests)), flush=True)
         path = Path(f"{args.timeline}.{n}.jsonl")
         with path.open("w") as f:
             for step in steps:
                 f.write(json.dumps(step.to_dict()) + "\n")
         with Path(f"{args.timeline}.{n}.requests.jsonl").open("w") as f:
-            for request in timeline.answered():
+            for request in requests:
                 f.write(json.dumps(request.to_dict()) + "\n")
     return {
         "streams": n,
