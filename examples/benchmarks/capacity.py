@@ -13,8 +13,10 @@ newer partial of their stream before or during their decode); decoder rows per s
 (p50 / p95 / max) and steps; CPU use (process CPU time / wall time / cores) while the
 streams are live (`cpu`: first event to last update) and while all N talk at once
 (`full`: the last stream's start to the first stream's end); RSS growth per stream; draft
-and lookahead tokens confirmed / offered. Then the largest N with p95 <= 300 ms and >= 80%
-of partials answered.
+and lookahead tokens confirmed / offered; partials sent and answered per second while all N
+talk (`sent/s ans/s`; sent counts the ~7% whose source did not change, which need no
+update; past the knee ans/s stops growing with N: it is what the machine can answer).
+Then the largest N with p95 <= 300 ms and >= 80% of partials answered.
 
 Steps and CPU leave out what runs after the last update: the replay's check of every final
 against offline `translate`, one final at a time. Until 2026-11-24 they did not, which put
@@ -148,11 +150,14 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
     cpu0, wall0 = time.process_time(), time.perf_counter()
     # Wall times of the updates, and the replay's clock (log ms -> wall) from the first.
     clock: dict[str, float] = {}
+    partial_walls: list[float] = []  # when each partial's update came
 
     def on_update(timed: Any) -> None:
         now = time.perf_counter()
         clock.setdefault("t0", now - timed.done_ms / 1000.0)
         clock["last"] = now
+        if not timed.update.is_final:
+            partial_walls.append(now)
 
     result = replay(translator, lines, options, on_update=on_update)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
@@ -170,6 +175,16 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
     emit0 = min(firsts.values(), default=0.0)
     full = (t0 + max(firsts.values()) - emit0, t0 + min(lasts.values()) - emit0)
     live_end = clock.get("last", wall0 + wall)
+    # Throughput while all N talk: partials sent and partials answered per second. Past
+    # the knee the second stops growing with N: it is what the machine can answer.
+    full_s = max(0.0, full[1] - full[0])
+    sent_full = sum(
+        1
+        for line in lines
+        if not line["is_final"]
+        and full[0] <= t0 + float(line["emit_ms"]) / 1000.0 - emit0 <= full[1]
+    )
+    answered_full = sum(1 for w in partial_walls if full[0] <= w <= full[1])
     latencies = [t.update.latency_ms for t in result.updates]
     # Before a worker took the event (its stream's earlier event, the worker limiter) and
     # in it (encoder and decoder trips through the scheduler, the session's Python).
@@ -218,7 +233,9 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
         "lookahead": f"{counts.get('lookahead_accepted', 0)}/{counts.get('lookahead_offered', 0)}",
         "cpu_use": sampler.cpu_use(wall0, live_end),
         "cpu_full_load": sampler.cpu_use(*full) if full[1] > full[0] else float("nan"),
-        "full_load_s": max(0.0, full[1] - full[0]),
+        "full_load_s": full_s,
+        "sent_per_s_full": sent_full / full_s if full_s else float("nan"),
+        "answered_per_s_full": answered_full / full_s if full_s else float("nan"),
         "cpu_whole_run": cpu / wall / (os.cpu_count() or 1),
         "rss_mib_per_stream": max(0.0, rss_peak - rss0) / n,
         "wall_s": wall,
@@ -322,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'rows p50/p95/max':>16} {'steps':>6} {'cpu':>5} {'full':>5} {'MiB/str':>7} "
         f"{'finals':>8} "
         f"{'draft acc/off':>13} {'lookahead acc/off':>17} {'queued p95':>10} "
-        f"{'compute p50/p95':>15}"
+        f"{'compute p50/p95':>15} {'sent/s ans/s':>12}"
     )
     print(header)
     results = []
@@ -332,13 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         rows = f"{r['rows_p50']:.0f}/{r['rows_p95']:.0f}/{r['rows_max']:.0f}"
         compute = f"{r['compute_p50_ms']:.0f}/{r['compute_p95_ms']:.0f}"
+        rates = f"{r['sent_per_s_full']:.0f} {r['answered_per_s_full']:.0f}"
         print(
             f"{n:>3} {r['p50_ms']:>6.0f} {r['p95_ms']:>6.0f} {r['max_ms']:>6.0f} "
             f"{r['answered']:>8.0%} {r['cancelled']:>6} {rows:>16} {r['steps']:>6} "
             f"{r['cpu_use']:>5.0%} {r['cpu_full_load']:>5.0%} {r['rss_mib_per_stream']:>7.1f} "
             f"{r['finals']:>8} "
             f"{r['draft']:>13} {r['lookahead']:>17} {r['queued_p95_ms']:>10.0f} "
-            f"{compute:>15}",
+            f"{compute:>15} {rates:>12}",
             flush=True,
         )
         if r["p95_ms"] <= P95_MAX_MS and r["answered"] >= ANSWERED_MIN:
