@@ -242,9 +242,13 @@ class _Request:
     request_id: RequestId | None  # None: never aborted
     future: Future[Hypothesis] = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
-    admitted: bool = False  # taken from the waiting list by a lane (under the lock)
-    started: float = 0.0  # when a lane took it (perf_counter)
+    started: float = 0.0  # when a lane took it from the waiting list (under the lock)
     aborted: bool = False  # its row leaves the batch at the lane's next step
+
+    @property
+    def admitted(self) -> bool:
+        """Taken from the waiting list by a lane."""
+        return self.started > 0.0
 
     @property
     def positions(self) -> int:
@@ -747,6 +751,7 @@ class DecodeScheduler:
             if lane.rows > fewest + 1:
                 return []
             self._waiting.sort(key=lambda r: (r.priority, r.submitted))
+            now = time.perf_counter()
             chosen: list[_Request] = []
             left: list[_Request] = []
             rows = positions = longest = 0
@@ -766,17 +771,15 @@ class DecodeScheduler:
                     left.append(request)
                     continue
                 chosen.append(request)
-                request.admitted = True
+                request.started = now
                 rows += width
                 positions += request.positions
                 longest = max(longest, length)
             self._waiting = left
             if prefilling:
                 lane.prefilling = chosen
-        now = time.perf_counter()
         stats = lane.prefill_stats if prefilling else lane.stats
         for request in chosen:
-            request.started = now
             stats["queue_wait_ms"] += int((now - request.submitted) * 1000)
         return chosen
 
