@@ -29,7 +29,7 @@ Per N it reports:
 and prints the largest N whose p95 stays within `--bound` (1.5 s).
 
     python examples/benchmarks/audio_streams.py [--streams 1,2,4,8,16] [--files 6]
-        [--asr-workers N]   # the server's recognition processes (0: threads, as before)
+        [--asr-workers N]   # the server's recognition processes (0: threads of the server)
 
 Needs the `asr` extra (pocketsphinx). The machine matters: `lscpu | grep 'Model name'`,
 and whatever else runs on it (`uptime`) shows in the delays.

@@ -1,4 +1,4 @@
-"""What the Redis update bus costs, against the in-process one (issue 24).
+"""What the Redis update bus costs, against the in-process one.
 
 No model: replies as the controller publishes them (a 40-character Chinese line, its
 source, a final every eighth) go through the bus alone, so the figures are the bus's.

@@ -19,9 +19,8 @@ update; past the knee ans/s stops growing with N: it is what the machine can ans
 Then the largest N with p95 <= 300 ms and >= 80% of partials answered.
 
 Steps and CPU leave out what runs after the last update: the replay's check of every final
-against offline `translate`, one final at a time. Until 2026-11-24 they did not, which put
-the 2-core figures at 63-67% CPU and one row per step while the cores were busy 96-98% of
-the time the streams talked (examples/benchmarks/README.md, issue 25).
+against offline `translate`, one final at a time on one core, which is not load and would
+read as idle cores and one-row steps.
 
     HF_HUB_OFFLINE=1 python models/build_benchmark_model.py     # once
     python examples/benchmarks/capacity.py --streams 1,8,16,24,32,48

@@ -15,9 +15,15 @@ How it measures, and why:
   all variants alike. Reported values are medians; CPU time per token is given too (close
   to wall time when nothing else competed for the cores).
 - "ours" runs the engine's defaults (split decoder files when present, ORT worker threads
-  that sleep instead of spinning). ``--tuned`` adds the older settings for comparison
+  that sleep instead of spinning). ``--tuned`` adds other settings for comparison
   (merged ``If`` decoder, spinning threads). ``--hugepages`` starts every worker with
   ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (weights on transparent huge pages).
+
+    HF_HUB_OFFLINE=1 python models/build_benchmark_model.py      # once
+    python examples/benchmarks/decode_speed.py --threads 2 --lengths 40 --rows 1 16
+    python examples/benchmarks/decode_speed.py --tuned --json out/decode_speed.json
+
+Needs the ``bench`` extra (CTranslate2) and ``../shared/flores200-devtest`` (``--line``).
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ct2 fp32": {"engine": "ct2", "dir": "ct2-float32"},
     "ct2 int8": {"engine": "ct2", "dir": "ct2-int8"},
 }
-# With --tuned: the settings the engine no longer uses by default, for comparison (the
+# With --tuned: settings the engine does not use by default, for comparison (the
 # merged `If` decoder, ORT worker threads that spin, every op of a step on all --threads,
 # every op of a step on one thread).
 TUNED: dict[str, dict[str, Any]] = {
@@ -108,7 +114,7 @@ def _ours_runner(spec: dict[str, Any]) -> tuple[Runner, Callable[[], None]]:
 
     # --threads is the cores the model may use, set the way the engine sets them: its
     # scheduler decides the threads of each call (one per lane, the output projection on
-    # all); "all-threads" puts every op of a call on all of them (the older setting).
+    # all); "all-threads" puts every op of a call on all of them.
     everything = spec.get("intra_op_threads") == "all"
     tr = Translator.from_dir(
         Path(spec["model"]) / "onnx",

@@ -1,6 +1,6 @@
 """How far drafts taken from the previous hypothesis can cut stepwise decoding, at best.
 
-Draft verification (issue 14) confirms, in the prefill call, the tokens of the previous
+Draft verification confirms, in the prefill call, the tokens of the previous
 hypothesis that the new one repeats from its start. Tokens the previous hypothesis never
 had (the translation of new source words) still cost one decoder step each, whatever is
 done with the draft. This replays every committed fixture and log (fast, default options,

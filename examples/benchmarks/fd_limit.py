@@ -9,10 +9,10 @@ after the other, attacks that each hold their connections for `--hold` seconds:
   per address meets them first; `idle-no-per-address-cap` lifts it to reach the cap in
   all);
 - `silent`: `--silent` TCP connects that never send a request (unauthenticated sockets,
-  which used to hold their descriptors for the 10 s handshake timeout);
+  which could hold their descriptors for the 10 s handshake timeout);
 - `over-cap`: `idle` again against a second server whose `--max-connections` is set past
   what the descriptor limit holds, so that `accept()` itself fails (EMFILE): the path
-  where asyncio used to log a traceback per failed accept.
+  where asyncio would log a traceback per failed accept.
 
 While an attack holds, it measures the server's log bytes per second and CPU share, and
 whether `/healthz` and a new writer (a final translated and answered) get through; after

@@ -1,5 +1,5 @@
 """What a prefill and an encoder call cost, by rows and positions: the cost model behind
-the scheduler's `PREFILL_PADDING` (issue 25).
+the scheduler's prefill grouping (`PREFILL_PADDING`).
 
 One call at a time through the batchable decoder (`MaskedDecoder.prefill`, int8 per token
 by default, the output projection on the positions a search reads: the last `read` of

@@ -1,22 +1,22 @@
-"""What `serve --record` costs per final, and what it costs the other streams (issue 23, 3).
+"""What `serve --record` costs per final, and what it costs the other streams.
 
 Part 1, the recorder alone (no model, no server): one stream's finals fed to
 `engine.server.recorder.Recorder` as `record` feeds it. For 100 and 4,000 finals it prints
 
 - the event loop's cost per final (median of `Recorder.take`: turning an update into a final and
-  queueing it; all that runs on the loop now),
+  queueing it; all that runs on the loop),
 - the writer thread's cost per final at that point (the last 100 finals, timed once the
   ones before are written): flat if a file grows a final at a time,
-- the old recorder's cost at that point (the whole file laid out and rewritten through a
-  temporary file and a rename, on the event loop, for every final; reimplemented here
-  with `subtitles.layout` + pysubs2 as it was).
+- for comparison, the naive way's cost at that point (the whole file laid out and
+  rewritten through a temporary file and a rename, on the event loop, for every final;
+  `subtitles.layout` + pysubs2).
 
 Part 2 (`--serve`), through a real `serve` on loopback with the fixture model: a flood
 writer sends one final every 1/33 s (a stream of its own) while a bystander writer sends a
 partial every 200 ms and a final every 8th; run without `--record` and with it. Prints
 the bystander's update latency p50/p95, the flood's final latency p50/p95, its finals
 answered and those refused `rate_limited`. `--root DIR` runs the server from another
-checkout (e.g. one with the old recorder) for comparison.
+checkout, to compare two versions.
 
     python examples/benchmarks/recorder_load.py [--finals 100 4000] [--serve --flood 2000]
 """
@@ -98,9 +98,9 @@ def new_recorder_cost(n: int, directory: Path, last: int = 100) -> tuple[float, 
 
 
 def old_recorder_cost(n: int, directory: Path, reps: int = 5) -> float:
-    """ms for the old recorder's write after the `n`-th final: lay out all `n` finals,
+    """ms for a whole-file rewrite after the `n`-th final: lay out all `n` finals,
     write them with pysubs2 to a temporary file, rename it over the file (with
-    `subtitles._is_cjk_text` uncached, as it was then)."""
+    `subtitles._is_cjk_text` uncached)."""
     directory.mkdir(parents=True, exist_ok=True)
     finals = [
         subtitles.Final(u.start_ms or 0, u.end_ms or 0, u.stable_text)

@@ -1,6 +1,6 @@
-"""The shutdown window of `nmt-incremental serve` on loopback (issue 23, finding 1): a final
-sent at any point of a shutdown gets exactly one reply, unless the client had the server's
-close frame before sending it.
+"""The shutdown window of `nmt-incremental serve` on loopback: a final sent at any point
+of a shutdown gets exactly one reply, unless the client had the server's close frame
+before sending it.
 
 Each try starts a fresh server (`python -m engine.server --model ...` on a free loopback
 port) and a raw WebSocket writer with an open segment and nothing in flight; with
@@ -14,8 +14,8 @@ the signal. Each try ends as one of:
   its close frame (it crossed the close on the wire: the client's to send again after
   reconnecting, as docs/protocol.md says); a lost final it did not log broke the contract.
 
-With `--blind` the writer sends its final even when the close frame came first, as the
-issue's raw-socket attack did (those count as closed before sending, and the server's log
+With `--blind` the writer sends its final even when the close frame came first, as a
+raw-socket attacker would (those count as closed before sending, and the server's log
 says whether it read them after its close frame). With `--never-answer-close` the writer
 stays silent after the close frame, as a hung client would: the figure to watch is then
 the time from SIGTERM to the server's exit, bounded by `--shutdown-timeout` plus a fixed
@@ -179,7 +179,7 @@ async def one_try(
         saw_close = writer.closed_at is not None or writer.eof
         if saw_close and not args.blind:
             outcome = "closed before sending"
-        else:  # blind: sent even after the close frame came, as the issue's attack did
+        else:  # blind: sent even after the close frame came, as an attacker would
             writer.send(partial("w", 0, 1, "I will meet Tom", final=True))
             outcome = ""
         clients = [c for c in (writer, busy) if c is not None]
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--blind",
         action="store_true",
-        help="send the final even when the close frame came first (the issue's attack)",
+        help="send the final even when the close frame came first (a raw-socket attack)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true")
