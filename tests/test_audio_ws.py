@@ -340,7 +340,9 @@ async def test_heard_events_are_echoed_and_translated_like_text(translator: Tran
         for _ in range(8):
             await writer.send(silence(0.05))  # 800 samples a frame
         await writer.send(end())
-        messages = await receive_until(writer, lambda m: final_update()(m) and m["segment_id"] == 1)
+        messages = await receive_until(
+            writer, lambda m: final_update()(m) and m["segment_id"] == 1
+        )
         viewed = await receive_until(viewer, lambda m: final_update()(m) and m["segment_id"] == 1)
     echoes = [m for m in messages if m["type"] == "partial_transcript"]
     assert [(e["segment_id"], e["seq"], e["text"], e["is_final"]) for e in echoes] == [
@@ -720,10 +722,9 @@ async def test_serve_asr_takes_speech(translator: Translator) -> None:
             async with connect(url) as ws:
                 messages = await speak_into(ws, pcm, RATE, frame_bytes=3200)
             assert messages[-1]["source_text"] == "i will meet tom at three"
-            assert (
-                messages[-1]["stable_text"]
-                == translator.translate([SENTENCE], STREAMING.decode)[0].text
-            )
+            assert messages[-1]["stable_text"] == translator.translate(
+                [SENTENCE], STREAMING.decode
+            )[0].text
             assert "s3cret" not in served.text
             served.proc.send_signal(signal.SIGTERM)
             assert served.proc.wait(timeout=30) == 0
