@@ -25,22 +25,19 @@ from engine.decoding.translator import Translator
 from engine.server.audio import AudioInput
 from engine.server.connection import (
     AUDIO_OFF,
-    AudioLimits,
     ConnectionCore,
     FeedAudio,
     FinishAudio,
     Ignore,
-    Limits,
     OpenAudio,
     Push,
     Reply,
     Role,
-    ServerState,
     Watch,
 )
-from engine.server.connection import (
-    Credentials as Creds,
-)
+from engine.server.credentials import Credentials as Creds
+from engine.server.limits import AudioLimits, Limits
+from engine.server.state import ServerState
 from engine.streaming.recognizer import MAX_RATE, MIN_RATE, SpeechHypothesis, resample
 from protocol import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture

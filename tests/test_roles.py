@@ -19,17 +19,10 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from engine.decoding.translator import Translator
-from engine.server.connection import (
-    Access,
-    Close,
-    ConnectionCore,
-    Credentials,
-    Limits,
-    Push,
-    Reply,
-    ServerState,
-    Watch,
-)
+from engine.server.connection import Close, ConnectionCore, Push, Reply, Watch
+from engine.server.credentials import Access, Credentials
+from engine.server.limits import Limits
+from engine.server.state import ServerState
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_server import (
     _partial,

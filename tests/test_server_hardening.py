@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from engine.decoding.translator import Translator
-from engine.server.connection import SINGLE_HEADERS, duplicate_headers
+from engine.server.handshake import SINGLE_HEADERS, duplicate_headers
 from tests.test_server import serving, translator
 
 __all__ = ["translator"]  # the module fixture, shared with test_server
@@ -118,7 +118,9 @@ def test_error_replies_about_finals_are_never_shed() -> None:
 
 
 def test_a_rate_limited_final_is_a_kept_reply() -> None:
-    from engine.server.connection import ConnectionCore, Limits, Reply, ServerState
+    from engine.server.connection import ConnectionCore, Reply
+    from engine.server.limits import Limits
+    from engine.server.state import ServerState
     from tests.test_server import _partial
 
     core = ConnectionCore(1, Limits(rate_limit=1.0, rate_burst=1.0), ServerState())
@@ -140,7 +142,7 @@ async def test_a_burst_ending_in_a_final_gets_a_reply_about_the_final(
 
     from websockets.asyncio.client import connect
 
-    from engine.server.connection import Limits
+    from engine.server.limits import Limits
     from tests.test_server import _partial, ws_url
 
     for attempt in range(3):

@@ -7,15 +7,17 @@ Each kind has one sans-I/O mapper (`whisperlive.py`, `whisper_streaming.py`, `vo
 `cloud.py`): feed it the recogniser's messages, get `PartialTranscript` events. The rules
 every writer must keep (seq and segment ids that grow, one final per segment, times on one
 clock, an interrupted segment closed honestly) are `events.EventWriter`'s, shared by all.
-`runner.Bridge` is the I/O: the recogniser's connection (or a relayed one), the audio
-(`audio.py`), reconnects, and `engine.remote.RemoteTranslator` towards our server.
+`runner.Bridge` is the I/O: the recogniser's connection (or a relayed one, both through
+`transport.py`), the audio (`audio.py`), reconnects, and `engine.remote.RemoteTranslator`
+towards our server; `options.py` what a bridge is asked to do and what it did.
 """
 
 from engine.bridges.cloud import CloudMapper, Dialect
 from engine.bridges.errors import BridgeError
 from engine.bridges.events import EventWriter, Interrupted
 from engine.bridges.kinds import Kind, Mapper, MapperOptions, make_mapper
-from engine.bridges.runner import DEFAULT_TO, Bridge, BridgeOptions, BridgeResult
+from engine.bridges.options import DEFAULT_TO, BridgeOptions, BridgeResult
+from engine.bridges.runner import Bridge
 from engine.bridges.vosk import VoskMapper
 from engine.bridges.whisper_streaming import LineSplitter, Segmentation, WhisperStreamingMapper
 from engine.bridges.whisperlive import WhisperLiveMapper

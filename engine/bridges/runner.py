@@ -1,5 +1,7 @@
 """`Bridge`: the I/O around a mapper. One connection to the recogniser, one to
-`nmt-incremental serve` (through `RemoteTranslator`), and the events in between.
+`nmt-incremental serve` (through `RemoteTranslator`), and the events in between. The
+connections themselves (opening, reading, relaying) are `transport`'s; what each kind
+sends, and when a session starts and ends, is here.
 
 Our side: `RemoteTranslator` is the writer. It keeps each final until the server has
 answered it and resends the unanswered ones after a reconnect (`protocol/writer.py`), so a
@@ -32,156 +34,40 @@ import contextlib
 import logging
 import sys
 import time
-import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from engine.bridges import vosk, whisperlive
 from engine.bridges.audio import AudioSource
-from engine.bridges.cloud import Dialect
 from engine.bridges.errors import BridgeError
-from engine.bridges.events import Interrupted
-from engine.bridges.kinds import Kind, Mapper, MapperOptions, make_mapper
-from engine.bridges.whisper_streaming import LineSplitter, Segmentation
-from engine.remote import RemoteTranslator
-from protocol import (
-    Backoff,
-    EngineClosed,
-    ErrorMessage,
-    PartialTranscript,
-    TranslationUpdate,
+from engine.bridges.kinds import Kind, Mapper, make_mapper
+from engine.bridges.options import BridgeOptions, BridgeResult, Reply
+from engine.bridges.transport import (
+    MAX_MESSAGE,
+    Link,
+    close_reason,
+    open_tcp,
+    open_ws,
+    tcp_address,
 )
+from engine.remote import RemoteTranslator
+from protocol import EngineClosed, PartialTranscript
 
 if sys.version_info < (3, 11):  # pragma: no cover (anyio brings the backport there)
     from exceptiongroup import BaseExceptionGroup
 
 logger = logging.getLogger(__name__)
 
-Reply = TranslationUpdate | ErrorMessage
-
-DEFAULT_TO = "ws://127.0.0.1:8765/ws"
 WHISPER_STREAMING_CHUNK = 1600  # samples: 0.1 s, what arecord's pipe brings about
-_READ_BYTES = 65536
-_MAX_MESSAGE = 2**24  # recogniser messages: WhisperLive repeats its last n segments
-
-
-@dataclass(frozen=True)
-class BridgeOptions:
-    """One bridge: what it connects, and how it maps (see `nmt-incremental bridge -h`).
-
-    `url`: the recogniser's server (`ws://` for WhisperLive, Vosk and a cloud forwarder;
-    `host:port` or `tcp://host:port` for whisper_streaming); with `listen`, where the
-    relayed sessions go (None for a `cloud` forwarder, which connects to the bridge).
-    `end_wait`: after the audio, how long the recogniser may go quiet before the bridge
-    ends the session (WhisperLive's own client waits for its answers the same way), and how
-    long it waits for the server to close then. `idle`: whisper_streaming only, see
-    `WhisperStreamingMapper.idle`."""
-
-    kind: Kind
-    url: str | None
-    stream_id: str
-    to: str = DEFAULT_TO
-    token: str | None = None
-    lang: str | None = None
-    audio: str | None = None
-    listen: tuple[str, int] | None = None
-    speed: float = 1.0
-    dialect: Dialect = Dialect.GOOGLE
-    interrupted: Interrupted = Interrupted.FINAL
-    model: str = "small"
-    segmentation: Segmentation = field(default_factory=Segmentation)
-    min_stability: float = 0.9
-    idle: float = 2.0
-    end_wait: float = 10.0
-    ready_timeout: float = 120.0
-    reconnect_for: float = 30.0
-    backoff: Backoff | None = None
-    drain_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.listen is None and self.url is None:
-            raise BridgeError("give the recogniser's URL, or --listen")
-        if self.kind.wants_audio and self.listen is None and self.audio is None:
-            raise BridgeError(
-                f"{self.kind} transcribes audio from its client: give --audio FILE.wav (or "
-                "- for raw PCM on stdin), or --listen HOST:PORT to relay your own client"
-            )
-        if self.kind.wants_audio and self.listen is not None and self.url is None:
-            raise BridgeError(f"--listen relays sessions to the {self.kind} server: give its URL")
-        if self.audio is not None and self.listen is not None:
-            raise BridgeError("--audio and --listen exclude each other")
-        if self.kind is Kind.CLOUD and self.audio is not None:
-            raise BridgeError("cloud takes results from a forwarder, not audio")
-
-    @property
-    def recogniser_backoff(self) -> Backoff:
-        return self.backoff or Backoff(total=self.reconnect_for)
-
-    def mapper_options(self) -> MapperOptions:
-        return MapperOptions(
-            lang=self.lang,
-            interrupted=self.interrupted,
-            dialect=self.dialect,
-            min_stability=self.min_stability,
-            segmentation=self.segmentation,
-        )
-
-
-@dataclass
-class BridgeResult:
-    """What one bridge run did: the `events` it pushed, the `replies` it got (updates
-    and errors), the recogniser `sessions` it had, and why each ended (`disconnects`: in
-    connect mode the sessions lost before the input was over, in listen mode every relayed
-    session); `unanswered`: finals our server had not answered when the bridge stopped
-    (answered `unavailable` by `RemoteTranslator` then); `gave_up`: why it stopped before
-    its input ended."""
-
-    events: list[PartialTranscript] = field(default_factory=list)
-    replies: list[Reply] = field(default_factory=list)
-    sessions: int = 0
-    disconnects: list[str] = field(default_factory=list)
-    unanswered: list[PartialTranscript] = field(default_factory=list)
-    gave_up: str | None = None
-
-    @property
-    def finals(self) -> list[PartialTranscript]:
-        return [event for event in self.events if event.is_final]
-
-    @property
-    def translated(self) -> list[TranslationUpdate]:
-        """The final updates received (one per final and language)."""
-        return [r for r in self.replies if isinstance(r, TranslationUpdate) and r.is_final]
-
-    @property
-    def refused(self) -> list[ErrorMessage]:
-        """Errors that answered a final of this bridge."""
-        seqs = {event.seq for event in self.finals}
-        return [r for r in self.replies if isinstance(r, ErrorMessage) and r.seq in seqs]
 
 
 class _OurServerGone(Exception):
     """`RemoteTranslator` gave up on our server: nothing more can be pushed."""
-
-
-def _tcp_address(url: str) -> tuple[str, int]:
-    """`host:port` or `tcp://host:port`."""
-    parsed = urllib.parse.urlsplit(url if "://" in url else f"tcp://{url}")
-    if parsed.hostname is None or parsed.port is None:
-        raise BridgeError(f"{url!r}: give the whisper_streaming server as HOST:PORT")
-    return parsed.hostname, parsed.port
-
-
-def _close_reason(ws: ClientConnection | ServerConnection) -> str:
-    code = ws.close_code
-    if code is None or code == 1006:
-        return "connection dropped"
-    return f"close {code} {ws.close_reason or ''}".rstrip()
 
 
 class Bridge:
@@ -207,8 +93,9 @@ class Bridge:
         self._busy = False  # a relayed session is on (listen mode: one at a time)
         self._gone = anyio.Event()  # our server was given up: nothing can be pushed
         self._replies_ended = anyio.Event()  # the stream's subscription is over
+        self._link = Link(self._feed, self._idle, options.idle, options.end_wait)
         if options.kind is Kind.WHISPER_STREAMING and options.url is not None:
-            _tcp_address(options.url)  # a bad address fails before anything connects
+            tcp_address(options.url)  # a bad address fails before anything connects
 
     @property
     def relaying(self) -> bool:
@@ -317,6 +204,9 @@ class Bridge:
         await self._push(events)
         return bool(events) or getattr(self.mapper, "ready", False) is True
 
+    async def _idle(self) -> None:
+        await self._push(self.mapper.idle())
+
     async def _session_ended(self, why: str, next_offset_ms: float | None) -> None:
         """A recogniser session ended before the input did: close what it left open."""
         self.result.disconnects.append(why)
@@ -369,7 +259,7 @@ class Bridge:
         if kind is Kind.WHISPER_STREAMING:
             return await self._tcp_session(audio)
         url = str(self.options.url)
-        ws = await connect(url, max_size=_MAX_MESSAGE, open_timeout=10.0, close_timeout=2.0)
+        ws = await open_ws(url, close_timeout=2.0)
         self.result.sessions += 1
         heard = [False]
         async with ws:
@@ -379,48 +269,7 @@ class Bridge:
                 over = await self._vosk(ws, audio, heard)
             else:
                 over = await self._forwarder(ws, heard)
-        return over, _close_reason(ws), heard[0]
-
-    async def _receive(self, ws: ClientConnection, heard: list[bool], last: list[float]) -> None:
-        """Map text messages until the connection ends."""
-        with contextlib.suppress(ConnectionClosed):
-            async for message in ws:
-                last[0] = time.monotonic()
-                if isinstance(message, str) and await self._feed(message):
-                    heard[0] = True
-
-    async def _duplex(
-        self,
-        ws: ClientConnection,
-        heard: list[bool],
-        send: Callable[[list[float], anyio.Event], Awaitable[bool]],
-    ) -> bool:
-        """`send` beside the receiving, until the connection ends; returns whether `send`
-        got to the end of the input first."""
-        over = False
-        closed = anyio.Event()
-        last = [time.monotonic()]
-        async with anyio.create_task_group() as tg:
-
-            async def sending() -> None:
-                nonlocal over
-                with contextlib.suppress(ConnectionClosed):
-                    over = await send(last, closed)
-                    with anyio.move_on_after(self.options.end_wait):
-                        await closed.wait()  # the server closes once it has answered
-                    await ws.close()
-
-            tg.start_soon(sending)
-            await self._receive(ws, heard, last)
-            closed.set()
-            if not over:
-                tg.cancel_scope.cancel()
-        return over
-
-    async def _quiet(self, last: list[float]) -> None:
-        """Wait until the recogniser has said nothing for `end_wait` seconds."""
-        while (left := last[0] + self.options.end_wait - time.monotonic()) > 0:
-            await anyio.sleep(min(left, 0.1))
+        return over, close_reason(ws), heard[0]
 
     async def _whisperlive(
         self, ws: ClientConnection, audio: AudioSource | None, heard: list[bool]
@@ -444,11 +293,11 @@ class Bridge:
                 return False
             async for chunk in audio.chunks(whisperlive.CHUNK_SAMPLES):
                 await ws.send(whisperlive.float32_audio(chunk))
-            await self._quiet(last)
+            await self._link.quiet(last)
             await ws.send(whisperlive.END_OF_AUDIO)
             return True
 
-        return await self._duplex(ws, heard, send)
+        return await self._link.duplex(ws, heard, send)
 
     async def _vosk(
         self, ws: ClientConnection, audio: AudioSource | None, heard: list[bool]
@@ -463,18 +312,16 @@ class Bridge:
             await ws.send(vosk.EOF_MESSAGE)  # answered by the final result, then closed
             return True
 
-        return await self._duplex(ws, heard, send)
+        return await self._link.duplex(ws, heard, send)
 
     async def _forwarder(self, ws: ClientConnection, heard: list[bool]) -> bool:
         """A cloud forwarder's results, until it closes: 1000 means its input is over."""
-        await self._receive(ws, heard, [0.0])
+        await self._link.receive(ws, heard, [0.0])
         return ws.close_code == 1000
 
     async def _tcp_session(self, audio: AudioSource | None) -> tuple[bool, str, bool]:
         assert audio is not None
-        host, port = _tcp_address(str(self.options.url))
-        with anyio.fail_after(10.0):
-            stream = await anyio.connect_tcp(host, port)
+        stream = await open_tcp(str(self.options.url))
         self.result.sessions += 1
         heard = [False]
         over = False
@@ -489,41 +336,10 @@ class Bridge:
                     over = True
 
             tg.start_soon(sending)
-            why = await self._tcp_lines(stream, heard)
+            why = await self._link.tcp_lines(stream, heard)
             if not over:
                 tg.cancel_scope.cancel()
         return over, why, heard[0]
-
-    async def _tcp_lines(
-        self,
-        stream: SocketStream,
-        heard: list[bool],
-        relay: SocketStream | None = None,
-    ) -> str:
-        """Map the server's lines until it closes (and copy its bytes to `relay`);
-        returns why it ended. A pause of `idle` seconds is told to the mapper."""
-        splitter = LineSplitter()
-        why = "connection closed by the server"
-        while True:
-            with anyio.move_on_after(self.options.idle) as waited:
-                try:
-                    data = await stream.receive(_READ_BYTES)
-                except anyio.EndOfStream:
-                    break
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    why = "connection dropped"
-                    break
-            if waited.cancelled_caught:
-                await self._push(self.mapper.idle())
-                continue
-            if relay is not None:
-                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await relay.send(data)
-            for line in splitter.feed(data):
-                heard[0] = await self._feed(line) or heard[0]
-        for line in splitter.close():
-            await self._feed(line)
-        return why
 
     # -- listen mode --------------------------------------------------------------------
 
@@ -535,7 +351,7 @@ class Bridge:
                 await listener.serve(self._relay_tcp)
             return
         handler = self._relay_ws if self.options.kind.wants_audio else self._forwarded
-        async with serve(handler, host, port, max_size=_MAX_MESSAGE) as server:
+        async with serve(handler, host, port, max_size=MAX_MESSAGE) as server:
             self._listening(host, server.sockets[0].getsockname()[1], "ws")
             await anyio.sleep_forever()
 
@@ -565,7 +381,7 @@ class Bridge:
             with contextlib.suppress(ConnectionClosed):
                 async for message in client:
                     await self._feed(message)
-            await self._session_ended(_close_reason(client), None)
+            await self._session_ended(close_reason(client), None)
 
     async def _relay_ws(self, client: ServerConnection) -> None:
         async with self._one_at_a_time() as mine, _ended_by_our_server():
@@ -573,60 +389,29 @@ class Bridge:
                 await client.close(1013, "the bridge relays one session at a time")
                 return
             try:
-                upstream = await connect(
-                    str(self.options.url), max_size=_MAX_MESSAGE, open_timeout=10.0
-                )
+                upstream = await open_ws(str(self.options.url))
             except (OSError, InvalidHandshake, TimeoutError) as exc:
                 self._notice(f"cannot reach the {self.options.kind} server: {exc}")
                 await client.close(1011, "the recogniser cannot be reached")
                 return
             if isinstance(self.mapper, whisperlive.WhisperLiveMapper):
                 self.mapper.uid = None  # the client chose it
-            async with upstream, anyio.create_task_group() as tg:
-
-                async def up() -> None:
-                    with contextlib.suppress(ConnectionClosed):
-                        async for message in client:
-                            await upstream.send(message)
-                    await upstream.close()
-
-                tg.start_soon(up)
-                with contextlib.suppress(ConnectionClosed):
-                    async for message in upstream:
-                        await client.send(message)
-                        if isinstance(message, str):
-                            await self._feed(message)
-                tg.cancel_scope.cancel()
+            await self._link.relay_ws(client, upstream)
             await client.close()
-            await self._session_ended(_close_reason(upstream), None)
+            await self._session_ended(close_reason(upstream), None)
 
     async def _relay_tcp(self, client: SocketStream) -> None:
         async with self._one_at_a_time() as mine, _ended_by_our_server():
             if not mine:
                 await client.aclose()
                 return
-            host, port = _tcp_address(str(self.options.url))
             try:
-                with anyio.fail_after(10.0):
-                    upstream = await anyio.connect_tcp(host, port)
+                upstream = await open_tcp(str(self.options.url))
             except (OSError, TimeoutError) as exc:
                 self._notice(f"cannot reach the whisper_streaming server: {exc}")
                 await client.aclose()
                 return
-            async with client, upstream, anyio.create_task_group() as tg:
-
-                async def up() -> None:
-                    with contextlib.suppress(
-                        anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError
-                    ):
-                        while True:
-                            await upstream.send(await client.receive(_READ_BYTES))
-                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        await upstream.send_eof()
-
-                tg.start_soon(up)
-                why = await self._tcp_lines(upstream, [False], relay=client)
-                tg.cancel_scope.cancel()
+            why = await self._link.relay_tcp(client, upstream)
             await self._session_ended(why, None)
 
 

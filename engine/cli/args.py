@@ -16,7 +16,7 @@ from engine.decoding.search import DecodeOptions
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.hub import resolve_model
-from engine.streaming import parse_policy
+from engine.streaming import StreamingOptions, parse_policy
 
 POLICY_HELP = (
     "stability policy: local-agreement[:n] (la[:n]), mask[:k], biased[:beta] or "
@@ -182,6 +182,19 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="R",
         help="benchmarking random-weight models only: every decode emits ceil(R * source tokens)",
+    )
+
+
+def streaming_options(args: argparse.Namespace) -> StreamingOptions:
+    """`StreamingOptions` from `add_policy_argument`'s options, and `add_decode_arguments`'
+    where the command has them (`serve` decodes with the defaults)."""
+    return StreamingOptions(
+        policy=parse_policy(args.policy) if args.policy else None,
+        decode=decode_options(args) if "beam" in args else DecodeOptions(),
+        forced_length_ratio=args.forced_length_ratio,
+        source_agreement=args.source_agreement,
+        settled_source=args.settled_source,
+        drafts=args.drafts,
     )
 
 

@@ -36,7 +36,7 @@ from engine.bridges import (
     Kind,
     Segmentation,
 )
-from engine.bridges.runner import Reply
+from engine.bridges.options import Reply
 from engine.cli.args import non_negative_float, positive_float, positive_int, probability
 from protocol import ErrorMessage, TranslationUpdate
 

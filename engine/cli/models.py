@@ -19,18 +19,12 @@ from engine.cli.export import EXPORT_INSTALL, run_export
 from engine.conversion.verify import sample_texts
 from engine.decoding.translator import Translator
 from engine.errors import EngineError
+from engine.hub.cache import cache_status, cached_etag, file_digest
 from engine.hub.catalog import ONNX_FILES, load_catalog
-from engine.hub.download import (
-    HubSettings,
-    cache_status,
-    cached_etag,
-    file_digest,
-    fmt_size,
-    pull,
-    repo_entry,
-    resolve_model,
-)
+from engine.hub.download import fmt_size, pull, resolve_model
 from engine.hub.errors import UnknownModelError
+from engine.hub.repo import repo_entry
+from engine.hub.settings import HubSettings
 from engine.model import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES, onnx_dir
 
 __all__ = ["add_models_parser", "resolve_model", "run_models"]

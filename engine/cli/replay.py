@@ -28,9 +28,9 @@ from engine.cli.args import (
     add_decode_arguments,
     add_model_arguments,
     add_policy_argument,
-    decode_options,
     load_translator,
     positive_float,
+    streaming_options,
 )
 from engine.evaluation.html_report import render, write_html
 from engine.evaluation.metrics import SegmentTrace
@@ -38,7 +38,6 @@ from engine.evaluation.peers import write_simuleval, write_simulstream
 from engine.languages import word_joiner
 from engine.logs import check_references, read_log, read_references
 from engine.replay import ReplayOptions, TimedUpdate, replay, timed_update_line
-from engine.streaming import StreamingOptions, parse_policy
 
 
 def add_replay_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -114,14 +113,7 @@ def run_replay(
         references = read_references(args.references)
         check_references(references, lines, references_path=args.references, log_path=args.log)
     options = ReplayOptions(
-        streaming=StreamingOptions(
-            policy=parse_policy(args.policy) if args.policy else None,
-            decode=decode_options(args),
-            forced_length_ratio=args.forced_length_ratio,
-            source_agreement=args.source_agreement,
-            settled_source=args.settled_source,
-            drafts=args.drafts,
-        ),
+        streaming=streaming_options(args),
         realtime=args.realtime,
         speed=args.speed,
         # the view counts on stdout: a bar on the same terminal would tear it in realtime

@@ -27,6 +27,7 @@ from engine.cli.args import (
     non_negative_int,
     positive_float,
     positive_int,
+    streaming_options,
 )
 from engine.cli.recognizer import RECOGNIZER_OPTIONS, add_recognizer_arguments, sphinx_options
 from engine.decoding.targets import Targets
@@ -41,7 +42,7 @@ from engine.server.admission import (
 )
 from engine.server.audio import ASR_KINDS, AudioInput, pocketsphinx_input
 from engine.server.recorder import RecordDirectoryError, check_directory, record
-from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
+from engine.streaming import IncrementalTranslator, StreamingOptions
 from engine.streaming.redis_bus import LEASE_MS, RedisBus
 from engine.streaming.subscriptions import BusUnavailable, UpdateBus
 
@@ -378,7 +379,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Run the server until a signal; 0 after a graceful stop, 2 on a bad model/option."""
     setup_logging(args.log_level)
     try:
-        policy = parse_policy(args.policy) if args.policy else None
+        streaming = streaming_options(args)
         options = options_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -399,13 +400,6 @@ def run_serve(args: argparse.Namespace) -> int:
             return 2
         options = dataclasses.replace(options, audio=audio)
         try:
-            streaming = StreamingOptions(
-                policy=policy,
-                source_agreement=args.source_agreement,
-                settled_source=args.settled_source,
-                drafts=args.drafts,
-                forced_length_ratio=args.forced_length_ratio,
-            )
             return anyio.run(_serve, args, options, streaming)
         except KeyboardInterrupt:
             return 130

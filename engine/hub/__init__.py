@@ -5,8 +5,9 @@ and `--model NAME` resolution (`resolve_model`).
 resolving a plain model directory costs nothing.
 """
 
+from engine.hub.cache import cache_status
 from engine.hub.catalog import Catalog, CatalogEntry, RepoRef, load_catalog
-from engine.hub.download import HubSettings, PullResult, cache_status, pull, resolve_model
+from engine.hub.download import PullResult, pull, resolve_model
 from engine.hub.errors import (
     CatalogError,
     ChecksumError,
@@ -18,6 +19,7 @@ from engine.hub.errors import (
     RepoAccessError,
     UnknownModelError,
 )
+from engine.hub.settings import HubSettings
 
 __all__ = [
     "Catalog",

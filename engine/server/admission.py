@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 
-from engine.server.connection import Refusal
+from engine.server.handshake import Refusal
 
 DEFAULT_HANDSHAKE_TIMEOUT = 5.0
 """Seconds from accept to a complete HTTP request; a client on a slow phone link sends its

@@ -4,7 +4,7 @@ One port serves the WebSocket endpoint `/ws` (partials in, translation updates o
 audio input, speech in too), the subtitle page `/`, the transcript `/transcript`, the
 speaker page `/speak` and `/healthz`, `/readyz`, `/metrics` (plain HTTP through the
 `websockets` handshake hook). `SubtitleServer` only puts the pieces together: the rules
-are in `connection` (sans I/O, with the server's state), plain HTTP in `routes`, each
+are in `connection` (sans I/O; the server's state in `state`), plain HTTP in `routes`, each
 connection's I/O in `client` and the order of a shutdown in `shutdown`.
 """
 
@@ -28,12 +28,15 @@ from engine.server.admission import (
 )
 from engine.server.audio import AudioInput, AudioService
 from engine.server.client import Client
-from engine.server.connection import ConnectionCore, Credentials, Limits, ServerState
+from engine.server.connection import ConnectionCore
+from engine.server.credentials import Credentials
 from engine.server.doors import Doors, gated
+from engine.server.limits import Limits
 from engine.server.metrics import ServerMetrics
 from engine.server.outbox import Outbox
 from engine.server.routes import HttpRoutes
 from engine.server.shutdown import shut_down
+from engine.server.state import ServerState
 from engine.streaming import IncrementalTranslator
 
 AUDIO_STOP_GRACE = 2.0

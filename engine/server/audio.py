@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.asr import SphinxOptions, SphinxRecognizer
-from engine.server.connection import AudioLimits
+from engine.server.limits import AudioLimits
 from engine.streaming.recognizer import Recognizer, RecognizerFailed, RecognizerStream
 from engine.streaming.recognizer_pool import PooledStream, RecognizerPool
 from protocol import ErrorCode, ErrorMessage, PartialTranscript

@@ -33,11 +33,11 @@ from engine.server.connection import (
     OpenAudio,
     Push,
     Reply,
-    ServerState,
     Watch,
 )
 from engine.server.metrics import ServerMetrics
 from engine.server.outbox import Outbox
+from engine.server.state import ServerState
 from engine.streaming import IncrementalTranslator, Subscription
 from protocol import (
     EngineClosed,

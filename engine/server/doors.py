@@ -31,7 +31,7 @@ from engine.server.admission import (
     client_key,
     descriptor_limit,
 )
-from engine.server.connection import Refusal
+from engine.server.handshake import Refusal
 from engine.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)

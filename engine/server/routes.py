@@ -16,24 +16,20 @@ from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from engine.server.connection import (
+from engine.server.credentials import UNAUTHORIZED, Access, Credentials, authorize, presented_token
+from engine.server.doors import Doors
+from engine.server.handshake import (
     PAGES,
     SINGLE_HEADERS,
     STATIC_FILES,
-    UNAUTHORIZED,
-    Access,
-    Credentials,
     Refusal,
     Route,
-    ServerState,
-    authorize,
     duplicate_headers,
-    presented_token,
     request_path,
     route,
 )
-from engine.server.doors import Doors
 from engine.server.metrics import ServerMetrics
+from engine.server.state import ServerState
 
 _PAGE_HEADERS = (
     # The page needs nothing but itself and a WebSocket back to this server.
