@@ -1,4 +1,4 @@
-"""The recognizer seam (`engine.streaming.recognizer`) with scripted recognizers, its
+"""The recognizer seam (`engine.asr.recognizer`) with scripted recognizers, its
 resampler, and pocketsphinx (`engine.asr`) on sentences spoken by espeak-ng."""
 
 from __future__ import annotations
@@ -17,19 +17,12 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from engine.asr.audio import Resampler, check_rate, resample
+from engine.asr.errors import AudioFormatError, RecognizerFailed, StreamFinished
+from engine.asr.recognizer import RecognizerStream, SpeechHypothesis
+from engine.asr.transcriber import Transcriber
 from engine.decoding.translator import Translator
 from engine.streaming import IncrementalTranslator
-from engine.streaming.recognizer import (
-    AudioFormatError,
-    RecognizerFailed,
-    RecognizerStream,
-    Resampler,
-    SpeechHypothesis,
-    StreamFinished,
-    Transcriber,
-    check_rate,
-    resample,
-)
 from protocol import ErrorMessage, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 
