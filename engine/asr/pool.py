@@ -50,7 +50,7 @@ from multiprocessing.process import BaseProcess
 from typing import Final
 
 from engine.asr.errors import PoolClosed, RecognizerFailed, WorkerDied
-from engine.asr.recognizer import Numbering, RecognizerFactory, accepted_chunk, finished_twice
+from engine.asr.recognizer import RecognizerFactory, SpeechStream
 from engine.asr.worker import (
     Accept,
     Drop,
@@ -308,8 +308,16 @@ class RecognizerPool:
         except BaseException:
             self._release(worker)
             raise
-        numbering = Numbering(stream_id, first_segment, first_seq)
-        return PooledStream(self, worker, key, numbering, outcome.rate_in, offset_ms)
+        return PooledStream(
+            self,
+            worker,
+            key,
+            stream_id,
+            outcome.rate_in,
+            first_segment=first_segment,
+            first_seq=first_seq,
+            offset_ms=offset_ms,
+        )
 
     def _place(self) -> _Worker:
         with self._lock:
@@ -347,34 +355,37 @@ class RecognizerPool:
             worker.join(max(0.0, deadline - time.monotonic()))
 
 
-class PooledStream:
+class PooledStream(SpeechStream):
     """A `SpeechStream` whose `RecognizerStream` lives in a worker process: each call
     blocks until the worker answers (make them from a worker thread). Events,
-    `segment_id`, `seq` and `heard_ms` are those the stream would have in this process;
-    `busy_s`/`cpu_s` are the worker's time on its calls. When the worker dies, the call in
-    flight (and any later one) raises `RecognizerFailed` from `WorkerDied`, its events the
-    segment in progress made final. `close` when done (it frees the worker's slot)."""
+    `segment_id`, `seq` and `heard_ms` are those the stream would have in this process
+    (the numbering follows the worker's events); `busy_s`/`cpu_s` are the worker's time
+    on its calls. When the worker dies, the call in flight (and any later one) raises
+    `RecognizerFailed` from `WorkerDied`, its events the segment in progress made final.
+    `close` when done (it frees the worker's slot)."""
 
     def __init__(
         self,
         pool: RecognizerPool,
         worker: _Worker,
         key: int,
-        numbering: Numbering,
+        stream_id: str,
         rate_in: int,
+        *,
+        first_segment: int,
+        first_seq: int,
         offset_ms: float,
     ) -> None:
+        super().__init__(
+            stream_id,
+            rate_in,
+            first_segment=first_segment,
+            first_seq=first_seq,
+            offset_ms=offset_ms,
+        )
         self.pool = pool
-        self.stream_id = numbering.stream_id
-        self.rate_in = rate_in
-        self.offset_ms = offset_ms
-        self.finished = False
-        self.busy_s = 0.0
-        self.cpu_s = 0.0
         self._worker = worker
         self._key = key
-        self._bytes = 0  # audio sent
-        self._numbering = numbering  # follows the worker's, to finalize if it dies
         self._lost = False
         self._closed = False
 
@@ -382,30 +393,13 @@ class PooledStream:
     def worker_pid(self) -> int | None:
         return self._worker.pid
 
-    @property
-    def heard_ms(self) -> float:
-        """As `RecognizerStream.heard_ms`: every whole sample sent counts."""
-        return self.offset_ms + (self._bytes // 2) * 1000.0 / self.rate_in
-
-    @property
-    def segment_id(self) -> int:
-        return self._numbering.segment
-
-    @property
-    def seq(self) -> int:
-        return self._numbering.seq
-
     def accept(self, pcm: bytes | bytearray | memoryview) -> list[PartialTranscript]:
         """`RecognizerStream.accept`, in the worker."""
-        data = accepted_chunk(self.stream_id, self.finished, pcm)
-        self._bytes += len(data)
-        return self._call(Accept(self._key, data))
+        return self._call(Accept(self._key, self._take(pcm)))
 
     def flush(self) -> list[PartialTranscript]:
         """`RecognizerStream.flush`, in the worker."""
-        if self.finished:
-            raise finished_twice(self.stream_id)
-        self.finished = True
+        self._finish()
         return self._call(Flush(self._key))
 
     def close(self) -> None:

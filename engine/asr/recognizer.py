@@ -15,7 +15,7 @@ way and does nothing else. What every recognizer needs, and none should do on it
   stream's audio clock, repeats dropped, one final per segment that was shown), and keeps
   the stream going when the recognizer raises (`RecognizerFailed`).
 
-`SpeechStream` is what a caller holds: a `RecognizerStream` in this process, or a
+`SpeechStream` is what a caller holds: a `RecognizerStream` in this process, or an
 `engine.asr.pool.PooledStream` whose `RecognizerStream` lives in a worker process.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -78,56 +79,6 @@ state of their utterance). Run in worker processes it must pickle: a module-leve
 or class, or a `functools.partial` of one (not a lambda)."""
 
 
-class SpeechStream(Protocol):
-    """One audio stream's recognition, wherever it runs: bytes in, events out.
-
-    `accept` recognizes the next chunk, `flush` ends the audio (both may raise
-    `AudioFormatError`, `StreamFinished`, or `RecognizerFailed` with the events to push
-    anyway). `heard_ms`, `segment_id` and `seq` say where the stream's clock and numbering
-    are; `busy_s`/`cpu_s` the wall and CPU time its recognition took. One call at a time."""
-
-    @property
-    def stream_id(self) -> str: ...
-
-    @property
-    def finished(self) -> bool: ...
-
-    @property
-    def busy_s(self) -> float: ...
-
-    @property
-    def cpu_s(self) -> float: ...
-
-    @property
-    def heard_ms(self) -> float: ...
-
-    @property
-    def segment_id(self) -> int: ...
-
-    @property
-    def seq(self) -> int: ...
-
-    def accept(self, pcm: bytes | bytearray | memoryview) -> list[PartialTranscript]: ...
-
-    def flush(self) -> list[PartialTranscript]: ...
-
-
-def accepted_chunk(stream_id: str, finished: bool, pcm: object) -> bytes:
-    """A chunk a stream may take, as bytes: one check for every `SpeechStream`, so that
-    all refuse alike."""
-    if finished:
-        raise StreamFinished(
-            f"stream {stream_id!r}: audio after flush (the stream's audio has ended)"
-        )
-    if not isinstance(pcm, (bytes, bytearray, memoryview)):
-        raise AudioFormatError(f"audio must be bytes of 16-bit mono PCM, got {type(pcm).__name__}")
-    return bytes(pcm)
-
-
-def finished_twice(stream_id: str) -> StreamFinished:
-    return StreamFinished(f"stream {stream_id!r}: flushed already")
-
-
 class Numbering:
     """A stream's event numbering: the segment and `seq` of the next event, and the
     current segment's last partial (what a final must keep when the recognizer ends the
@@ -171,8 +122,82 @@ class Numbering:
         return [self.event(shown.text, True, shown.start_ms or 0.0, shown.end_ms or 0.0, None)]
 
 
-class RecognizerStream:
-    """One audio stream through one recognizer, in this process (a `SpeechStream`).
+class SpeechStream(ABC):
+    """One audio stream's recognition, wherever it runs: bytes in, events out.
+
+    `accept` recognizes the next chunk, `flush` ends the audio (both may raise
+    `AudioFormatError`, `StreamFinished`, or `RecognizerFailed` with the events to push
+    anyway). What does not depend on where the recognizer runs is kept here, so that a
+    stream in this process and one in a worker process refuse, count and number alike:
+    the checks on what a stream may take, the audio clock (`heard_ms`), the numbering
+    (`segment_id`, `seq`), and the wall and CPU time recognition took (`busy_s`,
+    `cpu_s`). One call at a time."""
+
+    def __init__(
+        self,
+        stream_id: str,
+        rate_in: int,
+        *,
+        first_segment: int = 0,
+        first_seq: int = 0,
+        offset_ms: float = 0.0,
+    ) -> None:
+        self.stream_id = stream_id
+        self.rate_in = rate_in
+        self.offset_ms = offset_ms
+        self.finished = False
+        self.busy_s = 0.0  # time spent in the recognizer and resampling (for its RTF)
+        self.cpu_s = 0.0  # CPU time of those calls, on the thread that made them
+        self._bytes_in = 0
+        self._numbering = Numbering(stream_id, first_segment, first_seq)
+
+    @property
+    def heard_ms(self) -> float:
+        """Audio taken so far (every whole sample), in ms on the stream's clock: the time
+        a live stream's events are made at, what the recognizer could have heard."""
+        return self.offset_ms + (self._bytes_in // SAMPLE_BYTES) * 1000.0 / self.rate_in
+
+    @property
+    def segment_id(self) -> int:
+        """The segment the next event belongs to."""
+        return self._numbering.segment
+
+    @property
+    def seq(self) -> int:
+        """The `seq` of the next event."""
+        return self._numbering.seq
+
+    @abstractmethod
+    def accept(self, pcm: bytes | bytearray | memoryview) -> list[PartialTranscript]:
+        """Recognize the next chunk of audio; the events it completes."""
+
+    @abstractmethod
+    def flush(self) -> list[PartialTranscript]:
+        """End of the audio: the last utterance's final."""
+
+    def _take(self, pcm: object) -> bytes:
+        """A chunk this stream may take, as bytes, counted on its clock."""
+        if self.finished:
+            raise StreamFinished(
+                f"stream {self.stream_id!r}: audio after flush (the stream's audio has ended)"
+            )
+        if not isinstance(pcm, (bytes, bytearray, memoryview)):
+            raise AudioFormatError(
+                f"audio must be bytes of 16-bit mono PCM, got {type(pcm).__name__}"
+            )
+        data = bytes(pcm)
+        self._bytes_in += len(data)
+        return data
+
+    def _finish(self) -> None:
+        """The audio ends here (once)."""
+        if self.finished:
+            raise StreamFinished(f"stream {self.stream_id!r}: flushed already")
+        self.finished = True
+
+
+class RecognizerStream(SpeechStream):
+    """One audio stream through one recognizer, in this process.
 
     `sample_rate` is the input's (None: the recognizer's); other rates are resampled.
     Events get the stream's id, segment ids from `first_segment`, `seq` from `first_seq`
@@ -196,45 +221,27 @@ class RecognizerStream:
         offset_ms: float = 0.0,
     ) -> None:
         self.recognizer = recognizer
-        self.stream_id = stream_id
         self.rate_out = check_rate(recognizer.sample_rate)
-        self.rate_in = self.rate_out if sample_rate is None else check_rate(sample_rate)
+        super().__init__(
+            stream_id,
+            self.rate_out if sample_rate is None else check_rate(sample_rate),
+            first_segment=first_segment,
+            first_seq=first_seq,
+            offset_ms=offset_ms,
+        )
         self._resampler = (
             Resampler(self.rate_in, self.rate_out) if self.rate_in != self.rate_out else None
         )
-        self.offset_ms = offset_ms
         self._carry = b""  # a dangling byte: the first half of a sample
-        self._samples_in = 0
-        self._numbering = Numbering(stream_id, first_segment, first_seq)
-        self.finished = False
-        self.busy_s = 0.0  # time spent in the recognizer and resampling (for its RTF)
-        self.cpu_s = 0.0  # CPU time of those calls, on the thread that made them
         self.dropped_bytes = 0  # a dangling byte left at `flush`
-
-    @property
-    def heard_ms(self) -> float:
-        """Audio accepted so far, in ms on the stream's clock (the time a live stream's
-        events are made at: what the recognizer could have heard)."""
-        return self.offset_ms + self._samples_in * 1000.0 / self.rate_in
-
-    @property
-    def segment_id(self) -> int:
-        """The segment the next event belongs to."""
-        return self._numbering.segment
-
-    @property
-    def seq(self) -> int:
-        """The `seq` of the next event."""
-        return self._numbering.seq
 
     def accept(self, pcm: bytes | bytearray | memoryview) -> list[PartialTranscript]:
         """Recognize the next chunk of audio; the events it completes."""
-        data = self._carry + accepted_chunk(self.stream_id, self.finished, pcm)
+        data = self._carry + self._take(pcm)
         whole = len(data) - len(data) % SAMPLE_BYTES
         self._carry = data[whole:]
         if not whole:
             return []
-        self._samples_in += whole // SAMPLE_BYTES
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             return self._call(lambda: self.recognizer.accept(self._convert(data[:whole])))
@@ -245,9 +252,7 @@ class RecognizerStream:
     def flush(self) -> list[PartialTranscript]:
         """End of the audio: the last utterance's final. A dangling byte left over is half
         a sample and is dropped (`dropped_bytes`, with a warning)."""
-        if self.finished:
-            raise finished_twice(self.stream_id)
-        self.finished = True
+        self._finish()
         if self._carry:
             self.dropped_bytes = len(self._carry)
             log.warning(
