@@ -189,9 +189,9 @@ def _run_listen(
         stack.callback(source.close)
         translator = load_translator(args)
         view = not args.out and (stdout.isatty() if terminal is None else terminal)
-        listener = ListenSession(args, stdout, stderr, view=view, duration_s=source.duration_s)
+        session = ListenSession(args, stdout, stderr, view=view, duration_s=source.duration_s)
         try:
-            return anyio.run(listener.run, translator, streaming, recognizer, source, serve)
+            return anyio.run(session.run, translator, streaming, recognizer, source, serve)
         except BaseExceptionGroup as group:
             raise _sole(group) from None
     return 2  # unreachable: the `with` returns (mypy cannot tell)
