@@ -28,7 +28,7 @@ recognizer needs, so a lower rate is a mistake rather than audio."""
 MAX_SAMPLE_RATE = 192_000
 """Highest audio rate `StartAudio` takes (studio audio); past it a rate is a mistake (bytes
 per second, or a stereo rate counted twice). The engine's recognizer seam
-(`engine.streaming.recognizer`) takes the same range; a test checks the two agree."""
+(`engine.asr.audio`) takes the same range; a test checks the two agree."""
 
 _LANG = re.compile(r"[A-Za-z]{2,8}(?:[_-][A-Za-z0-9]{1,8})*")
 """A language tag as models and browsers write them ("zh", "de", "zh-Hans", "cmn_Hans"):

@@ -21,6 +21,8 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from engine.asr.audio import MAX_RATE, MIN_RATE, resample
+from engine.asr.recognizer import SpeechHypothesis
 from engine.decoding.translator import Translator
 from engine.server.audio import AudioInput
 from engine.server.connection import (
@@ -38,7 +40,6 @@ from engine.server.connection import (
 from engine.server.credentials import Credentials as Creds
 from engine.server.limits import AudioLimits, Limits
 from engine.server.state import ServerState
-from engine.streaming.recognizer import MAX_RATE, MIN_RATE, SpeechHypothesis, resample
 from protocol import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 from tests.test_server import STREAMING, http_get, serving, wait_for

@@ -1,8 +1,9 @@
-"""The recognizer seam (`engine.streaming.recognizer`) with scripted recognizers, its
+"""The recognizer seam (`engine.asr.recognizer`) with scripted recognizers, its
 resampler, and pocketsphinx (`engine.asr`) on sentences spoken by espeak-ng."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
 import math
@@ -17,19 +18,12 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from engine.asr.audio import Backlog, RawSource, Resampler, check_rate, paced_chunks, resample
+from engine.asr.errors import AudioFormatError, RecognizerFailed, StreamFinished
+from engine.asr.recognizer import RecognizerStream, SpeechHypothesis
+from engine.asr.transcriber import Transcriber
 from engine.decoding.translator import Translator
 from engine.streaming import IncrementalTranslator
-from engine.streaming.recognizer import (
-    AudioFormatError,
-    RecognizerFailed,
-    RecognizerStream,
-    Resampler,
-    SpeechHypothesis,
-    StreamFinished,
-    Transcriber,
-    check_rate,
-    resample,
-)
 from protocol import ErrorMessage, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 
@@ -294,6 +288,27 @@ def test_the_stream_resamples_to_the_recognizer_rate_and_keeps_times() -> None:
         ("tom", 900, 1000),
         ("tom", 900, 1000),
     ]
+
+
+# -- audio sources ----------------------------------------------------------------------
+
+
+def test_a_backlog_refuses_frames_past_its_bound_until_taken() -> None:
+    backlog = Backlog(16_000, 0.25)  # 4000 samples
+    assert not backlog and backlog.seconds(pcm(1600)) == pytest.approx(0.1)
+    assert backlog.put(pcm(3000)) and backlog.put(pcm(1000))
+    assert not backlog.put(pcm(1))  # past the bound: dropped, the rest kept
+    assert backlog.take() == pcm(4000) and not backlog
+    assert backlog.put(pcm(4000))  # room again once taken
+
+
+@pytest.mark.anyio
+async def test_paced_chunks_are_whole_samples_and_wait_for_their_time() -> None:
+    source = RawSource(io.BytesIO(pcm(1601) + b"\x01"), 16_000)
+    started = time.monotonic()
+    chunks = [chunk async for chunk in paced_chunks(source, 800, speed=2.0)]
+    assert [len(c) for c in chunks] == [1600, 1600, 2]  # the dangling byte left out
+    assert time.monotonic() - started >= 1600 / 16_000 / 2.0  # the last one's start
 
 
 # -- the async pipeline ----------------------------------------------------------------

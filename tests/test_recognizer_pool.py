@@ -27,21 +27,17 @@ import anyio
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from engine.decoding.scheduler import SchedulerOptions, Threads
-from engine.streaming.recognizer import (
+from engine.asr.errors import (
     AudioFormatError,
-    RecognizerFailed,
-    RecognizerStream,
-    SpeechHypothesis,
-    StreamFinished,
-)
-from engine.streaming.recognizer_pool import (
     PoolClosed,
-    PooledStream,
-    RecognizerPool,
+    RecognizerFailed,
     RemoteError,
+    StreamFinished,
     WorkerDied,
 )
+from engine.asr.pool import PooledStream, RecognizerPool
+from engine.asr.recognizer import RecognizerStream, SpeechHypothesis
+from engine.decoding.scheduler import SchedulerOptions, Threads
 from protocol import PartialTranscript
 from tests.conftest import ROOT
 

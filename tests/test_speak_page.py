@@ -59,7 +59,7 @@ def microphone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What the fake microphone says, again and again: the sentence, then a second of
     silence (the recognizer's end of utterance), at 48 kHz like a real device."""
     needs_speech()
-    from engine.streaming.recognizer import resample
+    from engine.asr.audio import resample
 
     pcm = resample(spoken(SENTENCE) + silence(1.0), RATE, 48000)
     path = tmp_path_factory.mktemp("mic") / "speech.wav"

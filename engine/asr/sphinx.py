@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.asr.errors import RecognizerUnavailable, import_extra
-from engine.streaming.recognizer import SpeechHypothesis
+from engine.asr.recognizer import SpeechHypothesis
 
 SAMPLE_RATE = 16_000  # the rate of pocketsphinx's en-US acoustic model
 

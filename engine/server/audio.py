@@ -2,12 +2,12 @@
 the event loop and pushed into the engine as that connection's transcripts.
 
 The connection's rules (who may stream audio, how fast, one stream at a time) are the
-sans-I/O `ConnectionCore`'s; the recognizer seam (`engine.streaming.recognizer`) checks,
-resamples and numbers the audio. What is here is the I/O between them:
+sans-I/O `ConnectionCore`'s; the speech layer (`engine.asr`) queues, checks, resamples and
+numbers the audio. What is here is the I/O between them:
 
 - `AudioInput`: what a server needs to take audio (a recognizer factory and the limits),
   `pocketsphinx_input` makes one for `serve --asr pocketsphinx`;
-- `AudioFeed`: one audio stream. Its chunks wait in a queue bounded in seconds of audio
+- `AudioFeed`: one audio stream. Its chunks wait in a `Backlog` bounded in seconds of audio
   (`AudioInput.max_backlog_s`): the receive loop never waits for recognition, and a
   recognizer that falls behind by more than that drops audio with a `rate_limited` error
   (once per run of drops) instead of piling up delay. One task per stream takes all that
@@ -19,11 +19,10 @@ resamples and numbers the audio. What is here is the I/O between them:
   the server and stopped when it shuts down.
 
 Where recognition runs: with `workers` (what `serve --asr` does), in that many worker
-processes, each stream pinned to one of them; the feed's thread only waits for the
-answer. pocketsphinx holds the GIL while it decodes, so in threads of the server
-process all recognition shares one core with the event loop and the engine's Python
-(`examples/benchmarks/audio_streams.py`: past about 16 real-time speakers on 2 cores it
-fell behind); in processes it does not, and the decode scheduler counts their cores
+processes (`engine.asr.pool`), each stream pinned to one of them; the feed's thread only
+waits for the answer. pocketsphinx holds the GIL while it decodes, so in threads of the
+server process all recognition shares one core with the event loop and the engine's
+Python; in processes it does not, and the decode scheduler counts their cores
 (`SchedulerOptions.recognizers`). Without `workers` (0: tests with scripted recognizers,
 which need not pickle, and embedding callers) it runs in the feed's thread.
 """
@@ -33,7 +32,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -43,17 +41,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.asr import SphinxOptions, SphinxRecognizer
+from engine.asr.audio import Backlog
+from engine.asr.errors import RecognizerFailed
+from engine.asr.pool import PooledStream, RecognizerPool
+from engine.asr.recognizer import RecognizerFactory, RecognizerStream, SpeechStream
 from engine.server.limits import AudioLimits
-from engine.streaming.recognizer import Recognizer, RecognizerFailed, RecognizerStream
-from engine.streaming.recognizer_pool import PooledStream, RecognizerPool
 from protocol import ErrorCode, ErrorMessage, PartialTranscript
 
 log = logging.getLogger(__name__)
-
-RecognizerFactory = Callable[[], Recognizer]
-"""Makes one recognizer per audio stream (recognizers are not thread-safe and keep the
-state of their utterance). Run in worker processes (`AudioInput.workers`) it must pickle:
-a module-level function or class, or a `functools.partial` of one."""
 
 Deliver = Callable[[list[PartialTranscript]], Awaitable[None]]
 """Takes a batch of a feed's events, in order (the connection pushes and echoes them)."""
@@ -73,7 +68,7 @@ class AudioInput:
     recognition processes (0: threads of the server process; see the module docstring),
     whose cores the models' scheduler should be told of (`SchedulerOptions.recognizers`)."""
 
-    recognizer: RecognizerFactory
+    recognizer: RecognizerFactory  # one per audio stream; pickles when `workers`
     limits: AudioLimits = field(default_factory=AudioLimits)
     max_backlog_s: float = 10.0
     description: str = "a recognizer"
@@ -230,15 +225,13 @@ class AudioFeed:
         self.stream_id = stream_id
         self.sample_rate = sample_rate
         self.deliver = deliver
-        self.max_backlog_bytes = int(audio.max_backlog_s * sample_rate) * 2
         self.error: ErrorMessage | None = None
         self.finishing = False
         self.close_after = False  # close the stream once the last final is pushed
         self.clock = Clock()
         self.done = anyio.Event()
-        self.stream: RecognizerStream | PooledStream | None = None
-        self._queue: deque[bytes] = deque()
-        self._queued = 0  # bytes
+        self.stream: SpeechStream | None = None
+        self._backlog = Backlog(sample_rate, audio.max_backlog_s)
         self._behind = False  # dropping for the backlog (its error was sent)
         self._wake = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)  # this stream's worker thread
@@ -251,8 +244,8 @@ class AudioFeed:
         dropped of a run: the rest of the run is dropped without a word)."""
         if self.finishing or self._stopped:
             return None
-        if self._queued + len(pcm) > self.max_backlog_bytes:
-            self.stats.dropped_backlog_s += len(pcm) / 2 / self.sample_rate
+        if not self._backlog.put(pcm):
+            self.stats.dropped_backlog_s += self._backlog.seconds(pcm)
             if self._behind:
                 return None
             self._behind = True
@@ -264,8 +257,6 @@ class AudioFeed:
                 stream_id=self.stream_id,
             )
         self._behind = False
-        self._queue.append(pcm)
-        self._queued += len(pcm)
         self._wake.set()
         return None
 
@@ -290,8 +281,7 @@ class AudioFeed:
         finally:
             self.stats.active -= 1
             self._stopped = True
-            self._queue.clear()
-            self._queued = 0
+            self._backlog.clear()
             stream = self.stream
             if isinstance(stream, PooledStream):
                 stream.close()  # its worker forgets it, and takes new streams in its place
@@ -322,13 +312,11 @@ class AudioFeed:
             return
         stream = self.stream
         while True:
-            while not self._queue and not self.finishing:
+            while not self._backlog and not self.finishing:
                 self._wake = anyio.Event()
                 await self._wake.wait()
-            if self._queue:
-                chunk = b"".join(self._queue)
-                self._queue.clear()
-                self._queued = 0
+            if self._backlog:
+                chunk = self._backlog.take()
                 last = False
                 work: Callable[[], list[PartialTranscript]] = functools.partial(
                     stream.accept, chunk
@@ -353,7 +341,7 @@ class AudioFeed:
             if last:
                 return
 
-    def _make(self, clock: Clock) -> RecognizerStream | PooledStream:
+    def _make(self, clock: Clock) -> SpeechStream:
         if self.pool is not None:
             return self.pool.open(
                 self.stream_id,
@@ -378,7 +366,7 @@ class AudioFeed:
 
     def _count(
         self,
-        stream: RecognizerStream | PooledStream,
+        stream: SpeechStream,
         busy_before: float,
         cpu_before: float,
         heard_before: float,

@@ -3,7 +3,7 @@
     python examples/speech/evaluate.py [--realtime] [--models DIR ...] [--json OUT.json]
 
 Each WAV of `manifest.jsonl` goes through the pipeline of `nmt-incremental listen`
-(`engine.cli.listen.feed_audio`: pocketsphinx with the fixture's domain model, in a
+(`engine.asr.transcriber.feed_audio`: pocketsphinx with the fixture's domain model, in a
 worker thread, its events pushed into an `IncrementalTranslator`), once per model (by
 default both en->zh fixtures: `models/fixture/model`, prefix-trained, and
 `models/fixture_offline/model`, trained like OPUS-MT). Reported per model:
@@ -45,12 +45,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.asr import SphinxOptions, SphinxRecognizer, normalize_words  # noqa: E402
-from engine.cli.listen import WavSource, feed_audio, transcript_line  # noqa: E402
+from engine.asr.audio import WavSource  # noqa: E402
+from engine.asr.transcriber import Transcriber, feed_audio  # noqa: E402
+from engine.cli.listen_session import transcript_line  # noqa: E402
 from engine.decoding.translator import Translator  # noqa: E402
 from engine.evaluation.metrics import percentile  # noqa: E402
 from engine.replay import ReplayOptions, ReplayResult, replay  # noqa: E402
 from engine.streaming import IncrementalTranslator, StreamingOptions, Subscription  # noqa: E402
-from engine.streaming.recognizer import Transcriber  # noqa: E402
 from protocol import ErrorMessage, PartialTranscript, TranslationUpdate  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -10,7 +10,7 @@ companion phrase), so a recognizer that ends utterances at pauses cuts it in two
 it would cut a speaker who stops to think. Each file gets 250 ms of silence before the
 speech and 600 ms after it (more than the recognizer's 300 ms end-of-utterance window, so
 the last final comes from the endpointer, as it would live). espeak-ng writes 22050 Hz;
-the engine's resampler (`engine.streaming.recognizer.resample`) makes it 16 kHz.
+the engine's resampler (`engine.asr.audio.resample`) makes it 16 kHz.
 
 Writes into `--out`:
 - `wav/NN-VOICE.wav` and `manifest.jsonl` (one line per file: `file`, `text` as the
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "models" / "fixture"))
 
 from engine.asr import build_domain_model  # noqa: E402
-from engine.streaming.recognizer import resample  # noqa: E402
+from engine.asr.audio import resample  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 HELDOUT = ROOT / "models" / "fixture" / "heldout.tsv"

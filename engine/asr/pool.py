@@ -1,12 +1,11 @@
 """Speech recognition in worker processes: a pool of N processes, each holding the
-recognizers of the audio streams pinned to it.
+recognizers of the audio streams pinned to it (the worker's side is `engine.asr.worker`).
 
 Why processes: pocketsphinx holds the GIL while it decodes, so recognizers in threads of
 one process share one core with each other, with the event loop and with the engine's
-Python (`examples/benchmarks/audio_streams.py`: a server never passed 0.95 cores, and 24
-real-time speakers fell behind). In N processes recognition gets N cores of its own,
-which the decode scheduler counts (`SchedulerOptions.recognizers`), so recognition and
-translation together stay within the machine's cores instead of adding to them.
+Python. In N processes recognition gets N cores of its own, which whoever builds the
+process takes off the models' share, so recognition and translation together stay within
+the machine's cores instead of adding to them.
 
 Why 'spawn': the server has threads before the pool starts (ONNX Runtime's pools, the
 scheduler's lanes, anyio's workers, this pool's readers), and `fork` copies a process
@@ -14,32 +13,25 @@ whose other threads may hold locks (the allocator's, logging's, ONNX Runtime's) 
 child then waits on forever; a forked worker would also inherit every descriptor the
 server has open (its listening socket, the clients' connections, the other workers'
 pipe ends) and hold them past their owners. 'spawn' starts a fresh interpreter that gets
-only its own pipe end. Its cost, about half a second of imports per worker, is paid at
-server start and when a worker is replaced, never per stream ('forkserver' would save it
-on replacements, for one more process kept alive beside the workers). Like every
-'spawn' child, a worker imports the parent's main module again: a script that starts a
-pool needs the `if __name__ == "__main__":` idiom (`nmt-incremental` and `python -m
-engine.server` are safe).
+only its own pipe end; its imports are paid at server start and when a worker is
+replaced, never per stream. Like every 'spawn' child, a worker imports the parent's main
+module again: a script that starts a pool needs the `if __name__ == "__main__":` idiom.
 
 How a stream goes: `open` pins it to the least-loaded live worker (the one with the
 fewest open streams), which makes the stream's recognizer and `RecognizerStream` there;
-the returned `PooledStream` has the `RecognizerStream` calls (`accept`, `flush`, the
-counters), each sent down the worker's pipe and answered with the events (`Heard`) or a
-typed failure (`Failed`: the recognizer raised, `RecognizerFailed` as in a thread;
-`Raised`: the seam refused the call). Calls block the calling thread, never the event
-loop: they are made from worker threads (`anyio.to_thread`, as the server's `AudioFeed`
-does), and a writer thread and a reader thread per worker move the messages, the reader
-resolving each call's future.
+the returned `PooledStream` is a `SpeechStream` whose calls are each sent down the
+worker's pipe and answered with the events or a typed failure. Calls block the calling
+thread, never the event loop: they are made from worker threads (`anyio.to_thread`), and
+a writer thread and a reader thread per worker move the messages, the reader resolving
+each call's future.
 
 A worker that dies (a crash in the recognizer's C code, `kill -9`, the OOM killer): its
 reader sees the pipe close, every call waiting on it ends at once, and each of its
 streams fails as a raising recognizer does: `RecognizerFailed` whose events close the
 segment in progress with the words shown last, its cause `WorkerDied` naming the worker
-and how it ended. The next `open` starts a replacement. Workers ignore SIGINT and
-SIGTERM (a Ctrl-C or a service manager signals the whole process group, and the server
-still needs them to flush its streams while it drains); they stop when `close` asks, and
-on their own when the pipe from the server closes (the server died), so none outlives
-it. `close` stops them, kills the ones that do not stop in time, and reaps them all.
+and how it ended. The next `open` starts a replacement. Workers stop when `close` asks,
+and on their own when the pipe from the server closes (the server died), so none
+outlives it. `close` stops them, kills the ones that do not stop in time, and reaps them.
 """
 
 from __future__ import annotations
@@ -48,212 +40,38 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
-import multiprocessing.connection
 import pickle
 import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Final, TypeAlias
+from typing import Final
 
-from engine.errors import EngineError
-from engine.streaming.recognizer import (
-    Recognizer,
-    RecognizerFailed,
-    RecognizerStream,
-    StreamFinished,
-    accepted_chunk,
+from engine.asr.errors import PoolClosed, RecognizerFailed, WorkerDied
+from engine.asr.recognizer import RecognizerFactory, SpeechStream
+from engine.asr.worker import (
+    Accept,
+    Drop,
+    Failed,
+    Flush,
+    Heard,
+    Open,
+    Opened,
+    Outcome,
+    Raised,
+    Request,
+    Stop,
+    serve,
 )
 from protocol import PartialTranscript
 
 log = logging.getLogger(__name__)
 
-RecognizerFactory = Callable[[], Recognizer]
-"""Makes one recognizer per stream, in the worker: it is pickled to each worker, so a
-module-level function or class, or a `functools.partial` of one (not a lambda)."""
-
 START_METHOD: Final = "spawn"  # see the module docstring
 STOP_TIMEOUT_S = 5.0
 """How long `close` waits for workers to finish what they were sent before killing them."""
-
-
-class WorkerDied(EngineError, RuntimeError):
-    """The worker process holding a stream ended (crashed, was killed, or the pool was
-    closed) before answering: the stream's recognizer and the audio in flight are lost."""
-
-
-class PoolClosed(EngineError, RuntimeError):
-    """The pool is closed: no stream opens on it any more."""
-
-
-class RemoteError(EngineError, RuntimeError):
-    """An exception raised in a worker that could not come back as itself (it does not
-    pickle): its type and message."""
-
-
-# -- messages ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Open:
-    key: int
-    stream_id: str
-    sample_rate: int | None
-    first_segment: int
-    first_seq: int
-    offset_ms: float
-
-
-@dataclass(frozen=True)
-class _Accept:
-    key: int
-    pcm: bytes
-
-
-@dataclass(frozen=True)
-class _Flush:
-    key: int
-
-
-@dataclass(frozen=True)
-class _Drop:
-    """Forget a stream (no answer): its feed ended without a flush."""
-
-    key: int
-
-
-@dataclass(frozen=True)
-class _Stop:
-    """Exit once everything sent before is answered."""
-
-
-_Request: TypeAlias = "_Open | _Accept | _Flush | _Drop | _Stop"
-
-
-@dataclass(frozen=True)
-class Opened:
-    """A stream was opened: the rate its audio comes at (the recognizer's, when the
-    caller gave none)."""
-
-    rate_in: int
-
-
-@dataclass(frozen=True)
-class Heard:
-    """A call's events, and the wall and CPU time it took in the worker."""
-
-    events: list[PartialTranscript]
-    busy_s: float
-    cpu_s: float
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The recognizer raised (`RecognizerFailed` in the worker): its events and cause."""
-
-    events: list[PartialTranscript]
-    at_ms: float
-    cause: BaseException
-    busy_s: float
-    cpu_s: float
-
-
-@dataclass(frozen=True)
-class Raised:
-    """The call itself was refused or broke (bad audio, a recognizer that cannot be
-    made): the exception, re-raised in the caller."""
-
-    error: BaseException
-
-
-Outcome: TypeAlias = "Opened | Heard | Failed | Raised"
-
-
-# -- the worker process ----------------------------------------------------------------------
-
-
-def portable(exc: BaseException) -> BaseException:
-    """`exc` if it survives pickling both ways (so the reader thread can load it), else a
-    `RemoteError` with its type and message."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return RemoteError(f"{type(exc).__name__}: {exc}")
-    return exc
-
-
-def _serve(conn: multiprocessing.connection.Connection, factory: RecognizerFactory) -> None:
-    """A worker's loop: answer requests in order until `_Stop` or the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    streams: dict[int, RecognizerStream] = {}
-    while True:
-        try:
-            rid, message = conn.recv()
-        except (EOFError, OSError):
-            return  # the server is gone
-        if isinstance(message, _Stop):
-            return
-        try:
-            outcome = _handle(streams, factory, message)
-        except Exception as exc:  # a bug here: that call fails, the worker goes on
-            outcome = Raised(RemoteError(f"{type(exc).__name__}: {exc}"))
-        if rid is None or outcome is None:
-            continue
-        try:
-            conn.send((rid, outcome))
-        except (OSError, ValueError):
-            return  # the server is gone
-        except Exception as exc:  # an outcome that does not pickle: that call fails
-            try:
-                conn.send((rid, Raised(RemoteError(f"{type(exc).__name__}: {exc}"))))
-            except OSError:
-                return
-
-
-def _handle(
-    streams: dict[int, RecognizerStream], factory: RecognizerFactory, message: _Request
-) -> Outcome | None:
-    if isinstance(message, _Open):
-        try:
-            made = RecognizerStream(
-                factory(),
-                message.stream_id,
-                sample_rate=message.sample_rate,
-                first_segment=message.first_segment,
-                first_seq=message.first_seq,
-                offset_ms=message.offset_ms,
-            )
-        except Exception as exc:
-            return Raised(portable(exc))
-        streams[message.key] = made
-        return Opened(made.rate_in)
-    if isinstance(message, _Drop):
-        streams.pop(message.key, None)
-        return None
-    assert isinstance(message, (_Accept, _Flush))
-    stream = streams.get(message.key)
-    if stream is None:
-        return Raised(RemoteError(f"stream key {message.key} is not open in this worker"))
-    busy, cpu = stream.busy_s, stream.cpu_s
-    try:
-        events = stream.accept(message.pcm) if isinstance(message, _Accept) else stream.flush()
-    except RecognizerFailed as exc:
-        cause = portable(exc.__cause__ or exc)
-        return Failed(exc.events, exc.at_ms, cause, stream.busy_s - busy, stream.cpu_s - cpu)
-    except Exception as exc:
-        return Raised(portable(exc))
-    finally:
-        if stream.finished:  # flushed: nothing more can be asked of it
-            streams.pop(message.key, None)
-    return Heard(events, stream.busy_s - busy, stream.cpu_s - cpu)
-
-
-# -- the server's side of one worker -----------------------------------------------------------
 
 
 class _Worker:
@@ -264,7 +82,7 @@ class _Worker:
         self.index = index
         ours, theirs = context.Pipe(duplex=True)
         self.process: BaseProcess = context.Process(
-            target=_serve, args=(theirs, factory), name=f"nmt-recognizer-{index}", daemon=True
+            target=serve, args=(theirs, factory), name=f"nmt-recognizer-{index}", daemon=True
         )
         self.process.start()
         theirs.close()  # the child's end is the child's alone: its death closes the pipe
@@ -276,7 +94,7 @@ class _Worker:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._pending: dict[int, Future[Outcome]] = {}
-        self._outbox: queue.SimpleQueue[tuple[int | None, _Request] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[int | None, Request] | None] = queue.SimpleQueue()
         self._reader = threading.Thread(
             target=self._read, name=f"nmt-recognizer-{index}-reader", daemon=True
         )
@@ -293,7 +111,7 @@ class _Worker:
     def __repr__(self) -> str:
         return f"recognition worker {self.index} (pid {self.pid})"
 
-    def request(self, message: _Request) -> Future[Outcome]:
+    def request(self, message: Request) -> Future[Outcome]:
         """Send `message`; the future of its answer (`WorkerDied` if the worker ends
         first, or already has)."""
         future: Future[Outcome] = Future()
@@ -305,7 +123,7 @@ class _Worker:
             self._outbox.put((rid, message))
         return future
 
-    def tell(self, message: _Request) -> None:
+    def tell(self, message: Request) -> None:
         """Send `message`, which has no answer (nothing if the worker has ended)."""
         with self._lock:
             if self.death is None:
@@ -314,7 +132,7 @@ class _Worker:
     def stop(self) -> None:
         """Ask the worker to exit after answering what it was sent."""
         self.closing = True
-        self.tell(_Stop())
+        self.tell(Stop())
 
     def _write(self) -> None:
         while True:
@@ -396,9 +214,6 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-# -- the pool ----------------------------------------------------------------------------------
 
 
 class RecognizerPool:
@@ -484,15 +299,14 @@ class RecognizerPool:
         factory's own error), `WorkerDied`, or `PoolClosed`."""
         worker = self._place()
         key = next(self._keys)
-        message = _Open(key, stream_id, sample_rate, first_segment, first_seq, offset_ms)
+        message = Open(key, stream_id, sample_rate, first_segment, first_seq, offset_ms)
         try:
             outcome = worker.request(message).result()
             if isinstance(outcome, Raised):
                 raise outcome.error
             assert isinstance(outcome, Opened), outcome
         except BaseException:
-            with self._lock:
-                worker.streams -= 1
+            self._release(worker)
             raise
         return PooledStream(
             self,
@@ -541,14 +355,14 @@ class RecognizerPool:
             worker.join(max(0.0, deadline - time.monotonic()))
 
 
-class PooledStream:
-    """One stream's `RecognizerStream`, living in a worker process: the same calls and
-    counters, each call blocking until the worker answers (make them from a worker
-    thread). Events, `segment_id`, `seq` and `heard_ms` are those the stream would have
-    in this process; `busy_s`/`cpu_s` are the worker's time on its calls. When the worker
-    dies, the call in flight (and any later one) raises `RecognizerFailed` from
-    `WorkerDied`, its events the segment in progress made final. `close` when done (it
-    frees the worker's slot)."""
+class PooledStream(SpeechStream):
+    """A `SpeechStream` whose `RecognizerStream` lives in a worker process: each call
+    blocks until the worker answers (make them from a worker thread). Events,
+    `segment_id`, `seq` and `heard_ms` are those the stream would have in this process
+    (the numbering follows the worker's events); `busy_s`/`cpu_s` are the worker's time
+    on its calls. When the worker dies, the call in flight (and any later one) raises
+    `RecognizerFailed` from `WorkerDied`, its events the segment in progress made final.
+    `close` when done (it frees the worker's slot)."""
 
     def __init__(
         self,
@@ -562,19 +376,16 @@ class PooledStream:
         first_seq: int,
         offset_ms: float,
     ) -> None:
+        super().__init__(
+            stream_id,
+            rate_in,
+            first_segment=first_segment,
+            first_seq=first_seq,
+            offset_ms=offset_ms,
+        )
         self.pool = pool
-        self.stream_id = stream_id
-        self.rate_in = rate_in
-        self.offset_ms = offset_ms
-        self.finished = False
-        self.busy_s = 0.0
-        self.cpu_s = 0.0
         self._worker = worker
         self._key = key
-        self._bytes = 0  # audio sent
-        self._segment = first_segment
-        self._seq = first_seq
-        self._shown: PartialTranscript | None = None  # the segment's last partial
         self._lost = False
         self._closed = False
 
@@ -582,31 +393,14 @@ class PooledStream:
     def worker_pid(self) -> int | None:
         return self._worker.pid
 
-    @property
-    def heard_ms(self) -> float:
-        """As `RecognizerStream.heard_ms`: every whole sample sent counts."""
-        return self.offset_ms + (self._bytes // 2) * 1000.0 / self.rate_in
-
-    @property
-    def segment_id(self) -> int:
-        return self._segment
-
-    @property
-    def seq(self) -> int:
-        return self._seq
-
     def accept(self, pcm: bytes | bytearray | memoryview) -> list[PartialTranscript]:
         """`RecognizerStream.accept`, in the worker."""
-        data = accepted_chunk(self.stream_id, self.finished, pcm)
-        self._bytes += len(data)
-        return self._call(_Accept(self._key, data))
+        return self._call(Accept(self._key, self._take(pcm)))
 
     def flush(self) -> list[PartialTranscript]:
         """`RecognizerStream.flush`, in the worker."""
-        if self.finished:
-            raise StreamFinished(f"stream {self.stream_id!r}: flushed already")
-        self.finished = True
-        return self._call(_Flush(self._key))
+        self._finish()
+        return self._call(Flush(self._key))
 
     def close(self) -> None:
         """Done with the stream: the worker forgets it (if not flushed) and its slot is
@@ -615,54 +409,26 @@ class PooledStream:
             return
         self._closed = True
         if not self.finished and not self._lost:
-            self._worker.tell(_Drop(self._key))
+            self._worker.tell(Drop(self._key))
         self.pool._release(self._worker)
 
-    def _call(self, message: _Accept | _Flush) -> list[PartialTranscript]:
+    def _call(self, message: Accept | Flush) -> list[PartialTranscript]:
         try:
             if self._lost:
                 raise WorkerDied(f"{self._worker!r} {self._worker.death}")
             outcome = self._worker.request(message).result()
         except WorkerDied as exc:
             self._lost = True
-            raise RecognizerFailed(self.stream_id, self.heard_ms, self._finalize()) from exc
+            events = self._numbering.finalize()
+            raise RecognizerFailed(self.stream_id, self.heard_ms, events) from exc
         if isinstance(outcome, Raised):
             raise outcome.error
         assert isinstance(outcome, (Heard, Failed)), outcome
         self.busy_s += outcome.busy_s
         self.cpu_s += outcome.cpu_s
-        self._track(outcome.events)
+        self._numbering.follow(outcome.events)
         if isinstance(outcome, Failed):
             raise RecognizerFailed(self.stream_id, outcome.at_ms, outcome.events) from (
                 outcome.cause
             )
         return outcome.events
-
-    def _track(self, events: list[PartialTranscript]) -> None:
-        """Follow the numbering the worker's stream gave (as `RecognizerStream._event`)."""
-        for event in events:
-            self._seq = event.seq + 1
-            if event.is_final:
-                self._segment = event.segment_id + 1
-                self._shown = None
-            else:
-                self._shown = event
-
-    def _finalize(self) -> list[PartialTranscript]:
-        """The segment in progress made final with the words it showed last, as the
-        worker's stream would have done had its recognizer raised (nothing if none)."""
-        shown = self._shown
-        if shown is None:
-            return []
-        event = PartialTranscript(
-            self.stream_id,
-            self._segment,
-            self._seq,
-            shown.text,
-            True,
-            shown.start_ms,
-            shown.end_ms,
-            None,
-        )
-        self._track([event])
-        return [event]
