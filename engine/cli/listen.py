@@ -26,14 +26,13 @@ from engine.cli.args import (
     add_decode_arguments,
     add_model_arguments,
     add_policy_argument,
-    decode_options,
     load_translator,
+    streaming_options,
 )
 from engine.cli.listen_session import PROGRESS_MIN_S, ListenSession
 from engine.cli.recognizer import add_recognizer_arguments, sphinx_options
 from engine.cli.serve import DEFAULT_STREAM
 from engine.errors import EngineError
-from engine.streaming import StreamingOptions, parse_policy
 
 if sys.version_info < (3, 11):  # pragma: no cover (anyio brings the backport there)
     from exceptiongroup import BaseExceptionGroup
@@ -174,14 +173,7 @@ def _run_listen(
     terminal: bool | None,
 ) -> int:
     serve = parse_serve(args.serve) if args.serve else None
-    streaming = StreamingOptions(
-        policy=parse_policy(args.policy) if args.policy else None,
-        decode=decode_options(args),
-        forced_length_ratio=args.forced_length_ratio,
-        source_agreement=args.source_agreement,
-        settled_source=args.settled_source,
-        drafts=args.drafts,
-    )
+    streaming = streaming_options(args)
     with contextlib.ExitStack() as stack:
         options = sphinx_options(args, stack, lambda line: print(f"warning: {line}", file=stderr))
         recognizer = SphinxRecognizer(options)  # before the model: a missing extra fails fast

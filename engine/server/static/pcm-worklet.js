@@ -10,7 +10,7 @@
 // How: a low-pass filter (windowed sinc, cut at 90% of the output's Nyquist frequency,
 // so that nothing above 8 kHz folds into the speech band), then linear interpolation at
 // the output's sample times, in the manner of the server's resampler
-// (engine/streaming/recognizer.py). The filter runs on every input sample (about 50
+// (engine/asr/audio.py). The filter runs on every input sample (about 50
 // multiply-adds each: nothing for an audio thread) and keeps its state across the
 // 128-sample blocks the browser hands over.
 "use strict";
