@@ -42,7 +42,7 @@ from engine.server.connection import (
     Credentials as Creds,
 )
 from engine.streaming.recognizer import MAX_RATE, MIN_RATE, SpeechHypothesis, resample
-from protocol import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
+from protocol.messages import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 from tests.test_server import STREAMING, http_get, serving, wait_for
 

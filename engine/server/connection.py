@@ -60,8 +60,8 @@ class Limits:
     second's worth, at least one message).
     """
 
-    max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
-    max_text_chars: int = protocol.MAX_TEXT_CHARS
+    max_message_bytes: int = protocol.codec.MAX_MESSAGE_BYTES
+    max_text_chars: int = protocol.codec.MAX_TEXT_CHARS
     max_streams_per_connection: int = 16
     rate_limit: float | None = 50.0
     rate_burst: float | None = None
@@ -625,7 +625,7 @@ class ConnectionCore:
             data,
             max_bytes=self.limits.max_message_bytes,
             max_text_chars=self.limits.max_text_chars,
-            accept=protocol.TO_ENGINE_TYPES,
+            accept=protocol.codec.TO_ENGINE_TYPES,
         )
         final = isinstance(message, PartialTranscript) and message.is_final
         if not allowed:

@@ -47,7 +47,6 @@ from engine.streaming.lifecycle import (
     Trigger,
 )
 from engine.streaming.session import StreamingOptions, StreamSession
-
 from engine.streaming.subscriptions import (
     Claim,
     InProcessBus,
