@@ -17,6 +17,9 @@ final still owed, in order, with its ids, before anything new. A node that lost 
 connection to the shared store, or that stops, is left behind without the pipeline noticing:
 the answer to each final arrives exactly once (duplicates after a resend race are dropped).
 
+`Reconnector` is the connecting half alone (backoff over an outage, fatal answers raised),
+for a writer that keeps its own `FinalLedger`, like examples/replay_client.py.
+
 An I/O adapter like `engine/server`, but it only needs `protocol`, `anyio` and `websockets`.
 """
 
@@ -52,6 +55,7 @@ from protocol import (
     PartialTranscript,
     TranslationUpdate,
 )
+from protocol.codec import FROM_ENGINE_TYPES
 
 PING_INTERVAL = 5.0
 """Seconds between pings, and how long a pong may take: a node that vanished without
@@ -77,8 +81,89 @@ class RemoteStats:
     dropped_partials: int = 0
 
 
-class _GaveUp(Exception):
+class GaveUp(Exception):
     """An outage outlasted the backoff's total; `__cause__` is the last failure."""
+
+
+class Reconnector:
+    """Connections to one URL, made again after each loss with backoff: the connecting half
+    of the writer's rule, for `RemoteTranslator` and for a writer that keeps its own
+    `FinalLedger` (examples/replay_client.py).
+
+    An outage spans the connections lost before one worked: the caller says whether the
+    lost one worked (`healthy`), and the next loss after a healthy connection starts a new
+    outage with the backoff's whole budget. A handshake answer that retrying cannot help
+    (bad token, wrong path) is raised at once.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        backoff: Backoff | None = None,
+        max_size: int = 2**22,
+        open_timeout: float = 10.0,
+    ) -> None:
+        self.url = url
+        self.backoff = backoff or Backoff()
+        self.max_size = max_size
+        self.open_timeout = open_timeout
+        self._headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._outage: float | None = None  # when the current outage began
+        self._attempt = 0  # failed tries in it
+
+    async def connect(self) -> ClientConnection:
+        """The first connection, retried like a reconnect; when the backoff gives up, the
+        last failure itself is raised (`OSError`, `InvalidHandshake`, a timeout)."""
+        try:
+            ws, _ = await self._dial(time.monotonic(), 0, first=True)
+        except GaveUp as exc:
+            raise (exc.__cause__ or ConnectionError("could not connect")) from None
+        return ws
+
+    async def reconnect(self, healthy: bool) -> ClientConnection:
+        """A new connection after one was lost; `healthy`: the lost one worked (a new
+        outage begins), else the same outage goes on. Raises `GaveUp` when the outage
+        outlasts the backoff, `InvalidStatus` when the server refuses for good."""
+        if healthy or self._outage is None:
+            self._outage, self._attempt = time.monotonic(), 0
+        else:
+            self._attempt += 1  # that connection never worked
+        ws, self._attempt = await self._dial(self._outage, self._attempt)
+        return ws
+
+    async def _dial(
+        self, began: float, attempt: int, *, first: bool = False
+    ) -> tuple[ClientConnection, int]:
+        """A new connection, retried with backoff while the failure looks passing;
+        returns it with the outage's try count."""
+        while True:
+            if not first:
+                if self.backoff.gives_up(time.monotonic() - began, attempt):
+                    raise GaveUp
+                await anyio.sleep(self.backoff.jittered(attempt))
+            first = False
+            try:
+                ws = await connect(
+                    self.url,
+                    additional_headers=self._headers,
+                    max_size=self.max_size,
+                    open_timeout=self.open_timeout,
+                    ping_interval=PING_INTERVAL,
+                    ping_timeout=PING_INTERVAL,
+                    close_timeout=2.0,
+                )
+                return ws, attempt
+            except InvalidStatus as exc:
+                if exc.response.status_code in _FATAL_STATUS:
+                    raise
+                failure: Exception = exc
+            except (OSError, asyncio.TimeoutError, InvalidHandshake) as exc:  # refused, DNS...
+                failure = exc
+            attempt += 1
+            if self.backoff.gives_up(time.monotonic() - began, attempt):
+                raise GaveUp from failure
 
 
 class RemoteSubscription(ReplyQueue):
@@ -139,8 +224,9 @@ class RemoteTranslator:
         self.drain_timeout = drain_timeout
         self.queue_size = queue_size
         self.max_size = max_size
-        self.open_timeout = open_timeout
-        self._headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._dialer = Reconnector(
+            url, token, backoff=self.backoff, max_size=max_size, open_timeout=open_timeout
+        )
         self.ledger = FinalLedger()
         self._stats = RemoteStats()
         self._ws: ClientConnection | None = None  # the connection in use
@@ -167,10 +253,7 @@ class RemoteTranslator:
         and start reading replies."""
         if self._running or self._stopped or self._closed:
             raise RuntimeError("a RemoteTranslator starts once")
-        try:
-            ws, _ = await self._connect(time.monotonic(), 0, first=True)
-        except _GaveUp as exc:
-            raise (exc.__cause__ or ConnectionError("could not connect")) from None
+        ws = await self._dialer.connect()
         self._ws, self._ready, self._running = ws, True, True
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
@@ -310,42 +393,8 @@ class RemoteTranslator:
 
     # -- the connection -----------------------------------------------------------------
 
-    async def _connect(
-        self, began: float, attempt: int, *, first: bool = False
-    ) -> tuple[ClientConnection, int]:
-        """A new connection, retried with backoff while the failure looks passing;
-        returns it with the outage's try count."""
-        while True:
-            if not first:
-                if self.backoff.gives_up(time.monotonic() - began, attempt):
-                    raise _GaveUp
-                await anyio.sleep(self.backoff.jittered(attempt))
-            first = False
-            try:
-                ws = await connect(
-                    self.url,
-                    additional_headers=self._headers,
-                    max_size=self.max_size,
-                    open_timeout=self.open_timeout,
-                    ping_interval=PING_INTERVAL,
-                    ping_timeout=PING_INTERVAL,
-                    close_timeout=2.0,
-                )
-                return ws, attempt
-            except InvalidStatus as exc:
-                if exc.response.status_code in _FATAL_STATUS:
-                    raise
-                failure: Exception = exc
-            except (OSError, asyncio.TimeoutError, InvalidHandshake) as exc:  # refused, DNS...
-                failure = exc
-            attempt += 1
-            if self.backoff.gives_up(time.monotonic() - began, attempt):
-                raise _GaveUp from failure
-
     async def _run(self, ws: ClientConnection) -> None:
         """Read replies; when the connection is lost, make a new one and resend."""
-        outage: float | None = None
-        attempt = 0
         resend = False
         while True:
             self._healthy = self.ledger.pending == 0
@@ -354,13 +403,9 @@ class RemoteTranslator:
             self._ws = None
             await ws.close()
             self._stats.disconnects.append(reason)
-            if self._healthy or outage is None:
-                outage, attempt = time.monotonic(), 0
-            else:
-                attempt += 1  # that connection never worked: the same outage goes on
             try:
-                ws, attempt = await self._connect(outage, attempt)
-            except _GaveUp:
+                ws = await self._dialer.reconnect(self._healthy)
+            except GaveUp:
                 self._stop(f"the server could not be reached again ({reason})")
                 return
             except InvalidStatus as exc:
@@ -387,13 +432,11 @@ class RemoteTranslator:
                         self._here.discard(stream_id)
                         await ws.send(protocol.serialize(CloseStream(stream_id)))
                 except ConnectionClosed as exc:
-                    return _why(exc)
+                    return why_lost(ws, exc)
                 self._ready = True
         try:
             async for data in ws:
-                message = protocol.parse(
-                    data, max_bytes=self.max_size, accept=protocol.FROM_ENGINE_TYPES
-                )
+                message = protocol.parse(data, max_bytes=self.max_size, accept=FROM_ENGINE_TYPES)
                 if not isinstance(message, TranslationUpdate | ErrorMessage):
                     continue
                 got = self.ledger.received(message)
@@ -407,11 +450,8 @@ class RemoteTranslator:
                     continue
                 self._deliver(message)
         except ConnectionClosed as exc:
-            return _why(exc)
-        code = ws.close_code
-        if code is None or code == 1006:
-            return "connection dropped"
-        return f"close {code} {ws.close_reason or ''}".rstrip()
+            return why_lost(ws, exc)
+        return why_lost(ws)
 
     # -- delivery -----------------------------------------------------------------------
 
@@ -493,7 +533,14 @@ def _text(message: Reply) -> str:
     return message.message if isinstance(message, ErrorMessage) else "no message"
 
 
-def _why(exc: ConnectionClosed) -> str:
-    if exc.rcvd is not None:
-        return f"close {exc.rcvd.code} {exc.rcvd.reason}".rstrip()
-    return "connection dropped"
+def why_lost(ws: ClientConnection, closed: ConnectionClosed | None = None) -> str:
+    """Why a connection ended, for the disconnect log: the close frame received (code and
+    reason), else "connection dropped"; `closed`: what a read or a send raised."""
+    if closed is not None:
+        if closed.rcvd is None:
+            return "connection dropped"
+        return f"close {closed.rcvd.code} {closed.rcvd.reason}".rstrip()
+    code = ws.close_code
+    if code is None or code == 1006:
+        return "connection dropped"
+    return f"close {code} {ws.close_reason or ''}".rstrip()

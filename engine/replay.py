@@ -54,11 +54,6 @@ from engine.logs import (
     read_references,
     segment_order,
 )
-
-# `by_emit_time` and `interleave_logs` lived here until 2026-11 (as did `event_of` and
-# `segment_order`, imported above): re-exported for one release, import them from `engine.logs`.
-from engine.logs import by_emit_time as by_emit_time
-from engine.logs import interleave_logs as interleave_logs
 from engine.streaming import IncrementalTranslator, StreamingOptions
 from protocol import (
     ErrorCode,

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from engine.streaming import IncrementalTranslator
+from engine import IncrementalTranslator
 from protocol import ErrorMessage, PartialTranscript
 
 SENTENCES = ["I will meet Tom at three", "Tom reads a book"]

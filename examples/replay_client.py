@@ -3,7 +3,8 @@
 A log is JSON Lines of `partial_transcript` messages with an extra `emit_ms` (when the
 recogniser emitted it; see `engine/logs/format.py`). Each line is sent at its
 `emit_ms` (divided by `--speed`) without `emit_ms`, and the updates are printed as they
-come. Needs only the `protocol` package and `websockets`, like any pipeline client:
+come. Needs the client side of the checkout only (`protocol`, `engine.remote`'s
+`Reconnector`, `websockets`), not the model:
 
     python examples/replay_client.py examples/logs/fixture_en_zh.jsonl --stream-id mic-1
     python examples/replay_client.py LOG --url ws://host:8765/ws --token SECRET --quiet
@@ -12,8 +13,8 @@ It prints the subtitle page of each stream first (open it to watch the subtitles
 
 `--url` may name a load balancer in front of several server nodes. When the connection is
 lost (a node dies or drains, or answers a final `unavailable`), the client reconnects to
-the same URL and resends every final not yet answered (`protocol.FinalLedger`), for up to
-`--reconnect-for` seconds; the summary says how often.
+the same URL (`engine.remote.Reconnector`) and resends every final not yet answered
+(`protocol.FinalLedger`), for up to `--reconnect-for` seconds; the summary says how often.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 import protocol
+from engine.remote import GaveUp, Reconnector, why_lost
 from protocol import (
     Backoff,
     CloseStream,
@@ -45,6 +47,7 @@ from protocol import (
     PartialTranscript,
     TranslationUpdate,
 )
+from protocol.codec import FROM_ENGINE_TYPES
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(PartialTranscript)) | {"type"}
 
@@ -160,15 +163,6 @@ async def replay(
     return await run.run()
 
 
-class _GaveUp(Exception):
-    """An outage outlasted the backoff's total; `__cause__` is the last failure."""
-
-
-# A handshake answered with one of these is a mistake (bad token, wrong path), not an
-# outage: retrying cannot help. (408 and 429 pass: a balancer's "try again later".)
-_FATAL_STATUS = frozenset(range(400, 500)) - {408, 429}
-
-
 class _Replay:
     """One replay's state across its connections."""
 
@@ -184,10 +178,9 @@ class _Replay:
         final_timeout: float,
         backoff: Backoff,
     ) -> None:
-        self.url = url
         self.lines = lines
         self.speed = speed
-        self.headers = {"Authorization": f"Bearer {token}"} if token else None
+        self.dialer = Reconnector(url, token, backoff=backoff)
         self.on_message = on_message
         self.on_event = on_event
         self.final_timeout = final_timeout
@@ -215,23 +208,8 @@ class _Replay:
 
     async def run(self) -> ReplayResult:
         self.start = time.perf_counter()
-        outage_start: float | None = None  # None: connecting for the first time
-        attempt = 0
-        first = True
+        ws = await self.dialer.connect()  # never connected: the error itself is raised
         while True:
-            try:
-                ws, attempt = await self._connect(outage_start, attempt, first)
-            except _GaveUp as exc:
-                if first and exc.__cause__ is not None:
-                    raise exc.__cause__ from None  # never connected: the error itself
-                self.result.gave_up = True
-                self.on_event(f"gave up reconnecting after {self.backoff.total:g} s")
-                self._unsent_finals_are_lost()
-                break
-            if not first:
-                self.result.reconnects += 1
-                self.resumed_at = time.perf_counter()
-            first = False
             self.healthy = self.ledger.pending == 0
             async with ws:
                 reason = await self._session(ws)
@@ -239,46 +217,18 @@ class _Replay:
                 break
             self.result.disconnects.append(reason)
             self.on_event(f"reconnecting ({reason})")
-            if self.healthy or outage_start is None:
-                outage_start, attempt = time.perf_counter(), 0
-            else:
-                attempt += 1  # the last connection never worked: the same outage goes on
+            try:
+                ws = await self.dialer.reconnect(self.healthy)
+            except GaveUp:
+                self.result.gave_up = True
+                self.on_event(f"gave up reconnecting after {self.backoff.total:g} s")
+                self._unsent_finals_are_lost()
+                break
+            self.result.reconnects += 1
+            self.resumed_at = time.perf_counter()
         self.result.resent = self.ledger.resent
         self.result.duplicates = self.ledger.duplicates
         return self.result
-
-    async def _connect(
-        self, outage_start: float | None, attempt: int, first: bool
-    ) -> tuple[ClientConnection, int]:
-        """A new connection, retried with backoff while the failure looks passing;
-        returns it with the outage's try count."""
-        began = time.perf_counter() if outage_start is None else outage_start
-        while True:
-            if not first:
-                if self.backoff.gives_up(time.perf_counter() - began, attempt):
-                    raise _GaveUp
-                await asyncio.sleep(self.backoff.jittered(attempt))
-            first = False
-            try:
-                ws = await connect(
-                    self.url,
-                    additional_headers=self.headers,
-                    max_size=2**22,
-                    # A node gone without closing is noticed in seconds, not a minute.
-                    ping_interval=5.0,
-                    ping_timeout=5.0,
-                    close_timeout=2.0,
-                )
-                return ws, attempt
-            except InvalidStatus as exc:
-                if exc.response.status_code in _FATAL_STATUS:
-                    raise
-                failure: Exception = exc
-            except (OSError, asyncio.TimeoutError, InvalidHandshake) as exc:  # refused, DNS...
-                failure = exc
-            attempt += 1
-            if self.backoff.gives_up(time.perf_counter() - began, attempt):
-                raise _GaveUp from failure
 
     async def _session(self, ws: ClientConnection) -> str | None:
         """Resend what is owed, go on with the log, wait for the last finals. Returns why
@@ -287,7 +237,7 @@ class _Replay:
         try:
             return await self._write(ws, receiver)
         except ConnectionClosed as exc:
-            return _why(exc)
+            return why_lost(ws, exc)
         finally:
             receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -366,7 +316,7 @@ class _Replay:
         try:
             async for data in ws:
                 now = time.perf_counter()
-                message = protocol.parse(data, max_bytes=2**22, accept=protocol.FROM_ENGINE_TYPES)
+                message = protocol.parse(data, max_bytes=2**22, accept=FROM_ENGINE_TYPES)
                 if not isinstance(message, TranslationUpdate | ErrorMessage):
                     continue
                 got = self.ledger.received(message)
@@ -392,21 +342,8 @@ class _Replay:
                 if got.outcome is Outcome.MUST_RECONNECT and isinstance(message, ErrorMessage):
                     return f"unavailable: {message.message}"
         except ConnectionClosed as exc:
-            return _why(exc)
-        return _why_closed(ws)
-
-
-def _why(exc: ConnectionClosed) -> str:
-    if exc.rcvd is not None:
-        return f"close {exc.rcvd.code} {exc.rcvd.reason}".rstrip()
-    return "connection dropped"
-
-
-def _why_closed(ws: ClientConnection) -> str:
-    code = ws.close_code
-    if code is None or code == 1006:
-        return "connection dropped"
-    return f"close {code} {ws.close_reason or ''}".rstrip()
+            return why_lost(ws, exc)
+        return why_lost(ws)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

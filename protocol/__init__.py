@@ -2,28 +2,16 @@
 
 Pure Python, standard library only: a client, a proxy or a speech pipeline can depend on it
 without pulling in the engine's numerical stack.
+
+Exported here is what a user of the protocol needs: the messages, `parse` and `serialize`,
+the errors, the `NmtIncremental` API and the writer's helpers (`protocol/writer.py`). The
+limits, the message-type tables and the JSON Schema stay in their modules
+(`protocol.messages`, `protocol.codec`).
 """
 
 from protocol.api import EngineClosed, InvalidEvent, NmtIncremental
-from protocol.codec import (
-    FROM_ENGINE_TYPES,
-    MAX_MESSAGE_BYTES,
-    MAX_TEXT_CHARS,
-    MESSAGE_TYPES,
-    TO_ENGINE_TYPES,
-    load_schema,
-    parse,
-    schema_path,
-    serialize,
-)
+from protocol.codec import parse, serialize
 from protocol.messages import (
-    ERROR_CODES,
-    MAX_FIELD_NAME_CHARS,
-    MAX_ID,
-    MAX_LANG_CHARS,
-    MAX_SAMPLE_RATE,
-    MAX_STREAM_ID_CHARS,
-    MIN_SAMPLE_RATE,
     CloseStream,
     EndAudio,
     ErrorCode,
@@ -38,18 +26,6 @@ from protocol.messages import (
 from protocol.writer import Backoff, FinalLedger, Outcome, Received
 
 __all__ = [
-    "ERROR_CODES",
-    "FROM_ENGINE_TYPES",
-    "MAX_FIELD_NAME_CHARS",
-    "MAX_ID",
-    "MAX_LANG_CHARS",
-    "MAX_MESSAGE_BYTES",
-    "MAX_SAMPLE_RATE",
-    "MAX_STREAM_ID_CHARS",
-    "MAX_TEXT_CHARS",
-    "MESSAGE_TYPES",
-    "MIN_SAMPLE_RATE",
-    "TO_ENGINE_TYPES",
     "Backoff",
     "CloseStream",
     "EndAudio",
@@ -67,8 +43,6 @@ __all__ = [
     "StartAudio",
     "Subscribe",
     "TranslationUpdate",
-    "load_schema",
     "parse",
-    "schema_path",
     "serialize",
 ]

@@ -40,7 +40,7 @@ from engine.server.connection import (
 from engine.server.credentials import Credentials as Creds
 from engine.server.limits import AudioLimits, Limits
 from engine.server.state import ServerState
-from protocol import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
+from protocol.messages import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 from tests.test_server import STREAMING, http_get, serving, wait_for
 

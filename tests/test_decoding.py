@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine import DecodeOptions, DecoderLayout, Translator
+from engine import DecodeOptions, Translator
+from engine.model.layouts import DecoderLayout
 
 SOURCES = [
     "I will meet Tom at three",

@@ -16,7 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Layer of a module: the longest prefix below that names it.
 LAYER_OF: dict[str, str] = {
-    "engine._moved": "facts",
     "engine.errors": "facts",
     "engine.languages": "facts",
     "engine.model": "model",
@@ -33,7 +32,7 @@ LAYER_OF: dict[str, str] = {
     "engine.remote": "io",
     "engine.bridges": "io",
     "engine.subtitles": "io",
-    "engine": "facade",  # engine/__init__.py: the public names, re-exported
+    "engine": "facade",  # engine/__init__.py: the public names, loaded on first use
 }
 
 # What each layer may import (besides itself and `protocol`, which depends on nothing).

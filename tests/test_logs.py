@@ -1,19 +1,15 @@
 """Transcript logs (`engine.logs`): synthetic logs' shape, determinism and ASR-like
-behaviour, file handling, merging, and the old `engine.evaluation.translogs` path."""
+behaviour, file handling and merging."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import engine.evaluation
-import engine.logs
 from engine.evaluation.metrics import (
     SegmentTrace,
     UpdatePoint,
@@ -367,16 +363,3 @@ def test_interleave_logs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="stream 'a' appears in logs 1 and 2"):
         interleave_logs(a, a)
 
-
-def test_the_old_paths_still_work_and_say_where_the_names_went() -> None:
-    """`engine.evaluation.translogs` and `engine.evaluation.read_log` (until 2026-11) are
-    `engine.logs` and its names, with a DeprecationWarning, for one release."""
-    sys.modules.pop("engine.evaluation.translogs", None)
-    with pytest.warns(DeprecationWarning, match="engine.evaluation.translogs moved to engine.logs"):
-        old = importlib.import_module("engine.evaluation.translogs")
-    assert old is engine.logs
-    assert old.source_revisions is source_revisions and old.generate_log is generate_log
-    with pytest.warns(DeprecationWarning, match="engine.evaluation.read_log moved to engine.logs"):
-        assert engine.evaluation.read_log is read_log
-    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
-        _ = engine.evaluation.nothing_here

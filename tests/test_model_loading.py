@@ -8,8 +8,9 @@ from pathlib import Path
 import onnx
 import pytest
 
-from engine import DecoderLayout, ModelLoadError, Translator
+from engine import ModelLoadError, Translator
 from engine.model import load
+from engine.model.layouts import DecoderLayout
 from tests.conftest import FIXTURE_MODEL, model_copy, needs_fixture
 
 

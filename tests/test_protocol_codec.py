@@ -9,14 +9,6 @@ from typing import Any
 import pytest
 
 from protocol import (
-    FROM_ENGINE_TYPES,
-    MAX_ID,
-    MAX_MESSAGE_BYTES,
-    MAX_SAMPLE_RATE,
-    MAX_TEXT_CHARS,
-    MESSAGE_TYPES,
-    MIN_SAMPLE_RATE,
-    TO_ENGINE_TYPES,
     CloseStream,
     EndAudio,
     ErrorCode,
@@ -29,6 +21,14 @@ from protocol import (
     parse,
     serialize,
 )
+from protocol.codec import (
+    FROM_ENGINE_TYPES,
+    MAX_MESSAGE_BYTES,
+    MAX_TEXT_CHARS,
+    MESSAGE_TYPES,
+    TO_ENGINE_TYPES,
+)
+from protocol.messages import MAX_ID, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 MESSAGES: list[Message] = [
     PartialTranscript("mic-1", 0, 0, "", False),

@@ -14,10 +14,6 @@ from typing import Any
 import pytest
 
 from protocol import (
-    ERROR_CODES,
-    MAX_ID,
-    MAX_SAMPLE_RATE,
-    MIN_SAMPLE_RATE,
     CloseStream,
     EndAudio,
     ErrorCode,
@@ -30,6 +26,7 @@ from protocol import (
     Subscribe,
     TranslationUpdate,
 )
+from protocol.messages import ERROR_CODES, MAX_ID, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 PARTIAL: dict[str, Any] = {
     "stream_id": "mic-1",
@@ -354,7 +351,7 @@ def test_invalid_event_carries_the_error() -> None:
 def test_importing_protocol_pulls_in_nothing_heavy() -> None:
     code = (
         "import sys, protocol, protocol.api, protocol.codec, protocol.messages\n"
-        "protocol.load_schema()\n"
+        "protocol.codec.load_schema()\n"
         "heavy = {'numpy', 'onnxruntime', 'anyio', 'websockets', 'sentencepiece', 'engine',"
         " 'jsonschema', 'asyncio'}\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"

@@ -13,14 +13,6 @@ import jsonschema
 import pytest
 
 from protocol import (
-    ERROR_CODES,
-    MAX_ID,
-    MAX_LANG_CHARS,
-    MAX_SAMPLE_RATE,
-    MAX_STREAM_ID_CHARS,
-    MAX_TEXT_CHARS,
-    MESSAGE_TYPES,
-    MIN_SAMPLE_RATE,
     CloseStream,
     EndAudio,
     ErrorCode,
@@ -30,10 +22,17 @@ from protocol import (
     StartAudio,
     Subscribe,
     TranslationUpdate,
-    load_schema,
     parse,
-    schema_path,
     serialize,
+)
+from protocol.codec import MAX_TEXT_CHARS, MESSAGE_TYPES, load_schema, schema_path
+from protocol.messages import (
+    ERROR_CODES,
+    MAX_ID,
+    MAX_LANG_CHARS,
+    MAX_SAMPLE_RATE,
+    MAX_STREAM_ID_CHARS,
+    MIN_SAMPLE_RATE,
 )
 from tests.test_protocol_codec import ER, PT, TU, with_, without
 

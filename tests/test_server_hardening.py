@@ -276,7 +276,7 @@ async def test_a_stream_at_the_largest_seq_can_be_closed_and_started_again(
 
     from websockets.asyncio.client import connect
 
-    from protocol import MAX_ID
+    from protocol.messages import MAX_ID
     from tests.test_server import _partial, ws_url
 
     async with serving(translator) as server, connect(ws_url(server)) as ws:
@@ -633,7 +633,7 @@ def test_the_page_checks_stream_ids_with_the_servers_rules() -> None:
 
     script = (ROOT / "engine" / "server" / "static" / "subtitles.js").read_text("utf-8")
     limit = re.search(r"const MAX_STREAM_ID_CHARS = (\d+);", script)
-    assert limit is not None and int(limit.group(1)) == protocol.MAX_STREAM_ID_CHARS
+    assert limit is not None and int(limit.group(1)) == protocol.messages.MAX_STREAM_ID_CHARS
     literal = re.search(r"const UNPRINTABLE =\s*/(\[[^\]]+\])/;", script)
     assert literal is not None
     page = re.compile(literal.group(1))  # \uXXXX classes read the same in Python

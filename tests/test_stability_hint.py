@@ -136,7 +136,7 @@ def test_commits_stop_where_the_settled_source_stops_supporting_them(
 
 
 def test_replay_passes_the_hint_from_the_log_lines() -> None:
-    from engine.replay import event_of
+    from engine.logs import event_of
 
     line = {"stream_id": "a", "segment_id": 0, "seq": 1, "text": "hi there", "is_final": False}
     assert event_of(line).stable_chars is None

@@ -12,9 +12,9 @@ from typing import Any
 import anyio
 import pytest
 
-from engine import DecodingCancelled, Translator
+from engine import Translator
 from engine.decoding import new_request_id
-from engine.decoding.search import StepHook
+from engine.decoding.search import DecodingCancelled, StepHook
 from engine.logs import generate_log
 from engine.model import FloatArray
 from engine.streaming import (

@@ -32,7 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from protocol import MAX_ID, MAX_TEXT_CHARS, PartialTranscript
+from protocol import PartialTranscript
+from protocol.codec import MAX_TEXT_CHARS
+from protocol.messages import MAX_ID
 
 
 class Interrupted(str, Enum):

@@ -131,7 +131,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "--max-message-bytes",
         type=positive_int,
         metavar="N",
-        default=protocol.MAX_MESSAGE_BYTES,
+        default=protocol.codec.MAX_MESSAGE_BYTES,
         help="larger messages get a too_large error (default %(default)s)",
     )
     p.add_argument(

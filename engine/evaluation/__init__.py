@@ -1,12 +1,9 @@
 """Evaluation of streaming translation: units, streaming metrics, how a log's source
 changes, peer formats and the HTML report.
 
-Transcript logs themselves (reading, writing, making them) are `engine.logs`; the names
-this package exported for them (`read_log`, `generate_log`, ...) still resolve here, with
-a DeprecationWarning, for one release (`engine._moved.MOVED_NAMES`).
+Transcript logs themselves (reading, writing, making them) are `engine.logs`.
 """
 
-from engine import _moved
 from engine.evaluation.metrics import (
     QualityScores,
     SegmentMetrics,
@@ -53,6 +50,3 @@ __all__ = [
     "split_units",
 ]
 
-
-def __getattr__(name: str) -> object:
-    return _moved.moved_name(__name__, name)

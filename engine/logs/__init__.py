@@ -2,12 +2,8 @@
 that make them: synthetic logs from parallel text (`make`), recogniser stability hints
 (`hints`) and several streams' logs merged into one (`merge`). How a log's partials change
 is measured in `engine.evaluation.revisions`.
-
-`engine.evaluation.translogs` (until 2026-11) is this package under its old name, for one
-release: `SourceRevisions` and `source_revisions` are re-exported here for it.
 """
 
-from engine.evaluation.revisions import SourceRevisions, source_revisions
 from engine.logs.format import (
     MESSAGE_TYPE,
     PathLike,
@@ -34,7 +30,6 @@ __all__ = [
     "AsrStyle",
     "PathLike",
     "SegmentKey",
-    "SourceRevisions",
     "TranscriptLogError",
     "by_emit_time",
     "check_references",
@@ -47,7 +42,6 @@ __all__ = [
     "read_references",
     "references_output_path",
     "segment_order",
-    "source_revisions",
     "validate_message",
     "with_stability_hints",
     "write_log",

@@ -102,17 +102,3 @@ class MarianOnnx:
     ) -> tuple[FloatArray, DecoderCache]:
         """One more token per row ([B, 1]); returns last-position logits [B, V] and the cache."""
         return self.decoder.step(enc, cache, input_ids)
-
-    # The names these calls had before 2026-11, for callers not moved yet; remove with
-    # `engine._moved`.
-    def decode_first(
-        self, enc: EncoderOutput, input_ids: IntArray
-    ) -> tuple[FloatArray, DecoderCache]:
-        """Old name of `prefill`."""
-        return self.prefill(enc, input_ids)
-
-    def decode_next(
-        self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray
-    ) -> tuple[FloatArray, DecoderCache]:
-        """Old name of `step`."""
-        return self.step(enc, cache, input_ids)

@@ -202,7 +202,7 @@ class ConnectionCore:
             data,
             max_bytes=self.limits.max_message_bytes,
             max_text_chars=self.limits.max_text_chars,
-            accept=protocol.TO_ENGINE_TYPES,
+            accept=protocol.codec.TO_ENGINE_TYPES,
         )
         final = isinstance(message, PartialTranscript) and message.is_final
         if not allowed:

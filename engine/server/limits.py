@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import protocol
+import protocol.codec
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,8 @@ class Limits:
     second's worth, at least one message).
     """
 
-    max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
-    max_text_chars: int = protocol.MAX_TEXT_CHARS
+    max_message_bytes: int = protocol.codec.MAX_MESSAGE_BYTES
+    max_text_chars: int = protocol.codec.MAX_TEXT_CHARS
     max_streams_per_connection: int = 16
     rate_limit: float | None = 50.0
     rate_burst: float | None = None

@@ -47,12 +47,14 @@ from engine.streaming.lifecycle import (
     Trigger,
 )
 from engine.streaming.session import StreamingOptions, StreamSession
-
-# `Reply` and `Subscription` moved to `engine.streaming.subscriptions`; importing them from
-# here keeps working for one release.
-from engine.streaming.subscriptions import Claim, InProcessBus, UpdateBus, target_language
-from engine.streaming.subscriptions import Reply as Reply
-from engine.streaming.subscriptions import Subscription as Subscription
+from engine.streaming.subscriptions import (
+    Claim,
+    InProcessBus,
+    Reply,
+    Subscription,
+    UpdateBus,
+    target_language,
+)
 from protocol import (
     EngineClosed,
     ErrorCode,

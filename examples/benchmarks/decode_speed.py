@@ -148,7 +148,7 @@ def _ours_runner(spec: dict[str, Any]) -> tuple[Runner, Callable[[], None]]:
 def _ct2_runner(spec: dict[str, Any]) -> Runner:
     import ctranslate2
 
-    from engine import MarianTokenizer
+    from engine.model.tokenizer import MarianTokenizer
 
     tok = MarianTokenizer.from_dir(Path(spec["model"]) / "onnx")
     pieces = [tok.id_to_piece(i) for i in tok.encode_source(spec["source"])]
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     import ctranslate2
     import onnxruntime
 
-    from engine import MarianTokenizer
+    from engine.model.tokenizer import MarianTokenizer
 
     n_source = len(MarianTokenizer.from_dir(model / "onnx").encode_source(source))
     print(f"source line {args.line} ({n_source} tokens with eos): {source}")
