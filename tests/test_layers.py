@@ -19,6 +19,7 @@ LAYER_OF: dict[str, str] = {
     "engine._moved": "facts",
     "engine.errors": "facts",
     "engine.languages": "facts",
+    "engine.replies": "facts",
     "engine.model": "model",
     "engine.decoding": "decoding",
     "engine.streaming": "streaming",
