@@ -31,7 +31,7 @@ from engine.model import EncoderOutput
 from engine.server import Limits, ServerOptions, SubtitleServer
 from engine.server.recorder import record
 from engine.streaming import IncrementalTranslator, StreamingOptions
-from engine.streaming.subscriptions import Reply
+from engine.replies import Reply
 from protocol import ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, needs_fixture, relabel, serving
 from tests.test_server import SENTENCE, recv, send_sentence, wait_for, ws_url

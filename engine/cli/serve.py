@@ -43,7 +43,7 @@ from engine.server.audio import ASR_KINDS, AudioInput, pocketsphinx_input
 from engine.server.recorder import RecordDirectoryError, check_directory, record
 from engine.streaming import IncrementalTranslator, StreamingOptions, parse_policy
 from engine.streaming.redis_bus import LEASE_MS, RedisBus
-from engine.streaming.subscriptions import BusUnavailable, UpdateBus
+from engine.streaming.bus import BusUnavailable, UpdateBus
 
 log = logging.getLogger("engine.server")
 LOG_LEVELS = ("debug", "info", "warning", "error")
