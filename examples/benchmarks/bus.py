@@ -128,6 +128,7 @@ async def latency(redis: Redis, updates: int) -> None:
     results = {}
     for name in ("in-process", "redis"):
         writer_bus: UpdateBus
+        reader_bus: UpdateBus
         if name == "redis":
             writer_bus, reader_bus = await node(redis), await node(redis)
         else:
