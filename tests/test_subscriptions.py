@@ -13,6 +13,9 @@ from engine.decoding.translator import Translator
 from engine.replies import RECENT_FINALS, Reply
 from engine.streaming import IncrementalTranslator, InProcessBus, Owner, Subscription, UpdateBus
 from engine.streaming.bus import subscribe
+from engine.streaming.fanout import Hub
+from engine.streaming.history import Entry
+from engine.streaming.redis_bus import RedisBus
 from engine.streaming.subscriptions import target_language
 from protocol import (
     EngineClosed,
@@ -116,6 +119,30 @@ async def test_ending_a_stream_ends_its_viewers_and_its_backlog_only() -> None:
     assert again.ended and writer.ended
     bus.publish(update(1, True, lang="zh"), A)
     assert queued(again) == [] and queued(writer) == [update(0, True, lang="zh")]
+
+
+def test_both_buses_are_the_narrow_interface_over_one_kind_of_hub() -> None:
+    for bus in (InProcessBus(), RedisBus("redis://127.0.0.1:1/0")):
+        assert isinstance(bus, UpdateBus) and type(bus.hub) is Hub
+
+
+def test_a_joining_viewer_takes_nothing_live_before_its_replay_and_ends_at_a_close_mark() -> None:
+    hub = Hub(8)
+    sub = hub.viewer("s", "zh")
+    hub.deliver("s", "zh", Entry("9-0", update(9, True, lang="zh")))  # not joined yet
+    assert queued(sub) == []
+    entries = [
+        Entry("1-0", update(0, True, lang="zh")),
+        Entry("2-0", None),  # its writer closed the stream here
+        Entry("3-0", update(1, True, lang="zh")),
+    ]
+    assert not hub.join(sub, [("zh", entries)], after="1-0")
+    assert sub.ended and sub.cursor == "2-0" and queued(sub) == []
+    gap = hub.viewer("s", "zh")
+    assert hub.join(gap, [("zh", entries[2:])], after="1-0")  # older than what is kept
+    assert [u.seq for u in queued(gap)] == [1] and hub.viewers() == {"s": 1}
+    hub.deliver("s", "zh", Entry("4-0", update(2, True, lang="zh")))
+    assert [u.seq for u in queued(gap)] == [1, 2]
 
 
 def test_one_language_match_and_one_refusal_for_the_server_and_the_engine() -> None:

@@ -76,7 +76,7 @@ DECODE_SLOTS = 64
 HANDOVER_WAIT = 5.0
 """Seconds a writer that reconnects waits for its stream's old life (its connection gone)
 to answer the finals it accepted, before the stream goes on as a new life; past it the
-writer is refused (`unknown_stream`: closing) and sends again."""
+writer is refused (`forbidden`: another connection's) and sends again."""
 
 
 class IncrementalTranslator:

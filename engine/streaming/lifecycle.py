@@ -48,7 +48,7 @@ Words for ending things, each with one meaning in the engine and the server:
 - **drained / release**: a closing stream with nothing waiting or running leaves the
   table and its id is free (`Trigger.DRAINED`, `StreamTable.release`).
 - **end**: a reader's queue takes nothing more and stops once emptied (`Subscription.end`,
-  `UpdateBus.end_stream`, `UpdateBus.end_all`, `Outbox.end`).
+  `UpdateBus.end_stream`, `Hub.end_all`, `Outbox.end`).
 """
 
 from __future__ import annotations
