@@ -41,7 +41,7 @@ import protocol
 
 # A new subscription starts, like the engine's own backlog, with RECENT_FINALS final updates
 # per stream and language, then the current segment's latest update.
-from engine.streaming.subscriptions import RECENT_FINALS, Reply, ReplyQueue
+from engine.replies import RECENT_FINALS, Reply, ReplyQueue
 from protocol import (
     Backoff,
     CloseStream,

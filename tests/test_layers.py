@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYER_OF: dict[str, str] = {
     "engine.errors": "facts",
     "engine.languages": "facts",
+    "engine.replies": "facts",
     "engine.model": "model",
     "engine.decoding": "decoding",
     "engine.streaming": "streaming",

@@ -1,11 +1,14 @@
 """The per-stream state machine (`engine.streaming.lifecycle`): no model, no network.
 
 These are the rules the server, the controller and replay all go through; the server tests
-check the same rules end to end over WebSocket.
+check the same rules end to end over WebSocket. `admit` below carries out the table's
+decisions as the controller does, with a counter standing in for the bus's epochs.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +23,8 @@ from engine.streaming.lifecycle import (
     StreamLifecycle,
     StreamTable,
     Trigger,
+    Verdict,
+    too_large,
 )
 from protocol import InvalidEvent, PartialTranscript
 
@@ -42,8 +47,38 @@ class Stream:
     life: StreamLifecycle
 
 
+_EPOCHS: dict[int, Iterator[int]] = {}
+
+
 def table(**kwargs: int) -> StreamTable[Stream]:
-    return StreamTable(Stream, **kwargs)
+    t: StreamTable[Stream] = StreamTable(**kwargs)
+    _EPOCHS[id(t)] = itertools.count(1)
+    return t
+
+
+@dataclass(frozen=True)
+class Admitted:
+    stream: Stream
+    source: str
+    source_ids: Mapping[str, list[int]]
+    opened: bool
+
+
+def admit(t: StreamTable[Stream], event: PartialTranscript, owner: Owner | None) -> Admitted:
+    """The controller's steps: the table decides, the text is checked, then the event is
+    recorded in its stream or opens one with a new life."""
+    decision = t.admit(event, owner)
+    try:
+        source, ids = prepare(event)
+    except InputTooLongError as exc:
+        raise too_large(event, exc) from None
+    if decision.verdict is Verdict.ACCEPT:
+        assert decision.stream is not None
+        t.accept(decision.stream, event)
+        return Admitted(decision.stream, source, ids, False)
+    assert decision.verdict is Verdict.OPEN
+    life = StreamLifecycle(event.stream_id, owner, next(_EPOCHS[id(t)]))
+    return Admitted(t.open(Stream(life), event), source, ids, True)
 
 
 def ev(
@@ -54,7 +89,7 @@ def ev(
 
 def refused(t: StreamTable[Stream], event: PartialTranscript, owner: Owner | None) -> str:
     with pytest.raises(InvalidEvent) as info:
-        t.admit(event, owner, prepare)
+        admit(t, event, owner)
     assert info.value.error.seq == event.seq and info.value.error.stream_id == event.stream_id
     return str(info.value.error.code)
 
@@ -70,13 +105,13 @@ def test_the_table_is_complete_and_closed_is_final() -> None:
 
 def test_segments_move_the_phase_and_finals_are_counted() -> None:
     t = table()
-    adm = t.admit(ev("s", 0, "  I   will "), A, prepare)
+    adm = admit(t, ev("s", 0, "  I   will "), A)
     s = adm.stream.life
     assert adm.opened and (adm.source, adm.source_ids) == ("I will", {"xx": [1, 4]})
     assert s.phase is Phase.LIVE and s.owner == A and s.epoch == 1
-    assert not t.admit(ev("s", 1, "I will go", final=True), A, prepare).opened
+    assert not admit(t, ev("s", 1, "I will go", final=True), A).opened
     assert (s.phase, s.finals_pending) == (Phase.OPEN, 1)
-    t.admit(ev("s", 2, "we", seg=1), A, prepare)  # the next segment before the reply
+    admit(t, ev("s", 2, "we", seg=1), A)  # the next segment before the reply
     assert (s.phase, s.finals_pending) == (Phase.LIVE, 1)
     s.fire(Trigger.ANSWERED)
     assert (s.phase, s.finals_pending) == (Phase.LIVE, 0)
@@ -86,14 +121,14 @@ def test_segments_move_the_phase_and_finals_are_counted() -> None:
 
 def test_admission_rules() -> None:
     t = table(max_pending_finals=1)
-    t.admit(ev("s", 5), A, prepare)
+    admit(t, ev("s", 5), A)
     assert refused(t, ev("s", 5), A) == "out_of_order"  # seq must grow
     assert refused(t, ev("s", 6), B) == "forbidden"  # not its stream
     assert refused(t, ev("s", 6, "x" * 30), A) == "too_large"
-    t.admit(ev("s", 6, final=True), A, prepare)
+    admit(t, ev("s", 6, final=True), A)
     assert refused(t, ev("s", 7), A) == "out_of_order"  # segment 0 had its final
     assert refused(t, ev("s", 7, final=True, seg=1), A) == "rate_limited"  # one owed already
-    t.admit(ev("s", 8, seg=1), A, prepare)  # a partial is still taken
+    admit(t, ev("s", 8, seg=1), A)  # a partial is still taken
     assert t.get("s") is not None and t.get("s").life.last_seq == 8  # type: ignore[union-attr]
 
 
@@ -101,7 +136,7 @@ def test_a_refused_event_opens_nothing_and_changes_nothing() -> None:
     t = table()
     assert refused(t, ev("s", 0, "x" * 30), A) == "too_large"
     assert t.ids == []
-    t.admit(ev("s", 0), A, prepare)
+    admit(t, ev("s", 0), A)
     assert refused(t, ev("s", 1, "x" * 30), A) == "too_large"
     stream = t.get("s")
     assert stream is not None and stream.life.last_seq == 0  # the refused seq was not taken
@@ -109,22 +144,22 @@ def test_a_refused_event_opens_nothing_and_changes_nothing() -> None:
 
 def test_limits_per_owner_and_in_total() -> None:
     t = table(max_streams=3)
-    t.admit(ev("a1", 0), A, prepare)
-    t.admit(ev("a2", 0), A, prepare)
+    admit(t, ev("a1", 0), A)
+    admit(t, ev("a2", 0), A)
     assert refused(t, ev("a3", 0), A) == "limit_exceeded"  # A holds 2
-    t.admit(ev("b1", 0), B, prepare)
+    admit(t, ev("b1", 0), B)
     assert refused(t, ev("b2", 0), B) == "limit_exceeded"  # 3 in the engine
     stream = t.close("a1", A)
     assert refused(t, ev("a3", 0), A) == "limit_exceeded"  # a closing stream still counts
     t.release(stream)
-    t.admit(ev("a3", 0), A, prepare)
+    admit(t, ev("a3", 0), A)
     assert sorted(t.ids) == ["a2", "a3", "b1"]
 
 
 def test_closing_refuses_events_and_frees_the_id_only_when_released() -> None:
     """Issue 9 finding 1: partials after a close could reopen the stream with no owner."""
     t = table()
-    t.admit(ev("s", 0, "Tom", final=True), A, prepare)
+    admit(t, ev("s", 0, "Tom", final=True), A)
     with pytest.raises(InvalidEvent) as info:
         t.close("s", B)
     assert info.value.error.code == "forbidden"
@@ -140,27 +175,27 @@ def test_closing_refuses_events_and_frees_the_id_only_when_released() -> None:
     stream.life.fire(Trigger.ANSWERED)
     t.release(stream)
     assert stream.life.phase is Phase.CLOSED and t.ids == []
-    again = t.admit(ev("s", 0, "Tom reads"), B, prepare)  # anyone may take the free id
+    again = admit(t, ev("s", 0, "Tom reads"), B)  # anyone may take the free id
     assert again.opened and again.stream.life.epoch == 2 and again.stream.life.owner == B
 
 
 def test_owner_left_closes_only_its_streams() -> None:
     t = table()
-    t.admit(ev("a", 0), A, prepare)
-    t.admit(ev("b", 0), B, prepare)
-    t.admit(ev("c", 0), None, prepare)  # an embedding caller's: no owner
+    admit(t, ev("a", 0), A)
+    admit(t, ev("b", 0), B)
+    admit(t, ev("c", 0), None)  # an embedding caller's: no owner
     assert [s.life.stream_id for s in t.owner_left(A)] == ["a"]
     assert t.owner_left(A) == []  # already closing
     phases = {s.life.stream_id: s.life.phase for s in t}
     assert phases == {"a": Phase.CLOSING, "b": Phase.LIVE, "c": Phase.LIVE}
     assert refused(t, ev("c", 1), A) == "forbidden"  # an owned caller cannot write it
-    t.admit(ev("c", 1), None, prepare)
+    admit(t, ev("c", 1), None)
 
 
 def test_shutdown_and_abort() -> None:
     t = table()
-    t.admit(ev("a", 0, final=True), A, prepare)
-    t.admit(ev("b", 0), B, prepare)
+    admit(t, ev("a", 0, final=True), A)
+    admit(t, ev("b", 0), B)
     assert {s.life.stream_id for s in t.shutdown()} == {"a", "b"}
     assert t.phase is EnginePhase.DRAINING and not t.accepting
     assert refused(t, ev("new", 0), A) == "unavailable"
@@ -171,3 +206,19 @@ def test_shutdown_and_abort() -> None:
     for stream in t:
         t.release(stream)
     assert len(t) == 0
+
+
+def test_a_writer_may_wait_for_a_handed_over_life_and_a_claim_is_checked_again() -> None:
+    t = table()
+    admit(t, ev("s", 0, final=True), A)
+    t.owner_left(A)
+    waiting = t.admit(ev("s", 1), B)  # A left: B may wait for its finals, then go on
+    assert waiting.verdict is Verdict.HANDOVER and waiting.stream is t.get("s")
+    with pytest.raises(InvalidEvent) as info:
+        t.admit(ev("s", 1), B, handover=False)  # waited, and it is still closing
+    assert info.value.error.code == "forbidden"
+    assert t.admit(ev("n", 0), B).verdict is Verdict.OPEN
+    t.shutdown()  # while the claim of "n" was awaited
+    with pytest.raises(InvalidEvent) as info:
+        t.open(Stream(StreamLifecycle("n", B, 7)), ev("n", 0))
+    assert info.value.error.code == "unavailable" and t.get("n") is None

@@ -243,10 +243,10 @@ async def test_finals_sent_at_every_point_of_a_shutdown_get_one_reply_or_a_close
 
 
 def test_an_aborted_stream_is_not_closed_again_when_its_owner_leaves() -> None:
-    table: StreamTable[Any] = StreamTable(lambda life: _Held(life))
+    table: StreamTable[Any] = StreamTable()
     owner = Owner("connection 1")
     event = PartialTranscript("s", 0, 0, "I will", True)
-    table.admit(event, owner, lambda e: (e.text, {}))
+    table.open(_Held(StreamLifecycle("s", owner, 1)), event)
     table.shutdown()
     assert [owed for _, owed in table.abort()] == [1]
     assert table.owner_left(owner) == []  # raised LifecycleError: owner_left not allowed

@@ -1,5 +1,5 @@
-"""Subscriptions and the update bus (`engine.streaming.subscriptions`): who gets which reply,
-what a late viewer starts from, and when a subscription ends; the bus alone first, then
+"""Subscriptions, the local fan-out and the update bus (`engine.streaming.bus`): who gets
+which reply, what a late viewer starts from, and when a subscription ends; the bus alone first, then
 through the controller on the fixture model."""
 
 from __future__ import annotations
@@ -10,8 +10,13 @@ import anyio
 import pytest
 
 from engine.decoding.translator import Translator
+from engine.replies import RECENT_FINALS, Reply
 from engine.streaming import IncrementalTranslator, InProcessBus, Owner, Subscription, UpdateBus
-from engine.streaming.subscriptions import RECENT_FINALS, Reply, target_language
+from engine.streaming.bus import subscribe
+from engine.streaming.fanout import Hub
+from engine.streaming.history import Entry
+from engine.streaming.redis_bus import RedisBus
+from engine.streaming.subscriptions import target_language
 from protocol import (
     EngineClosed,
     ErrorMessage,
@@ -64,9 +69,9 @@ def test_the_in_process_bus_is_an_update_bus() -> None:
 
 def test_replies_go_to_the_owner_the_streams_viewers_and_every_stream_viewers() -> None:
     bus = InProcessBus()
-    writer_a, writer_b = bus.subscribe(owner=A), bus.subscribe(owner=B)
-    viewer_s, viewer_t, everything = bus.subscribe("s"), bus.subscribe("t"), bus.subscribe()
-    only_de = bus.subscribe("s", lang="de")
+    writer_a, writer_b = subscribe(bus, owner=A), subscribe(bus, owner=B)
+    viewer_s, viewer_t, everything = subscribe(bus, "s"), subscribe(bus, "t"), subscribe(bus)
+    only_de = subscribe(bus, "s", lang="de")
     zh, de = update(0, False, lang="zh"), update(1, False, lang="de", segment=0)
     error = ErrorMessage("internal", "boom", stream_id="s", seq=2)  # every language
     for reply in (zh, de, error):
@@ -90,10 +95,10 @@ def test_a_late_viewer_starts_from_the_recent_finals_and_the_current_line() -> N
     bus.publish(ErrorMessage("internal", "boom", stream_id="s", seq=101, lang="zh"), A)
     expected = [*finals[-RECENT_FINALS:], current]  # errors are no line of text
     assert [bare(u) for u in bus.backlog("s", None)] == expected
-    assert queued(bus.subscribe("s", lang="zh")) == expected
+    assert queued(subscribe(bus, "s", lang="zh")) == expected
     assert bus.backlog("s", "de") == []
     assert [u.stream_id for u in bus.backlog(None, None)] == ["s"] * len(expected) + ["t"]
-    assert queued(bus.subscribe(owner=A)) == []  # a writer subscribes before it pushes
+    assert queued(subscribe(bus, owner=A)) == []  # a writer subscribes before it pushes
     bus.publish(update(102, True, lang="zh", segment=50), A)  # the line is final now
     assert bus.backlog("s", "zh")[-1].seq == 102
 
@@ -101,19 +106,43 @@ def test_a_late_viewer_starts_from_the_recent_finals_and_the_current_line() -> N
 @pytest.mark.anyio
 async def test_ending_a_stream_ends_its_viewers_and_its_backlog_only() -> None:
     bus = InProcessBus()
-    viewer, everything, writer = bus.subscribe("s"), bus.subscribe(), bus.subscribe(owner=A)
+    viewer, everything, writer = subscribe(bus, "s"), subscribe(bus), subscribe(bus, owner=A)
     bus.publish(update(0, True, lang="zh"), A)
     bus.end_stream("s")
     assert viewer.ended and not everything.ended and not writer.ended
     assert [u.seq async for u in viewer] == [0]  # what was queued is still read
     assert bus.backlog("s", None) == []  # a new life of the id starts empty
-    again = bus.subscribe("s")  # a viewer waiting for the next life
-    bus.unsubscribe(everything)
+    again = subscribe(bus, "s")  # a viewer waiting for the next life
+    bus.hub.unsubscribe(everything)
     assert everything.ended
-    bus.end_all()
+    bus.hub.end_all()
     assert again.ended and writer.ended
     bus.publish(update(1, True, lang="zh"), A)
     assert queued(again) == [] and queued(writer) == [update(0, True, lang="zh")]
+
+
+def test_both_buses_are_the_narrow_interface_over_one_kind_of_hub() -> None:
+    for bus in (InProcessBus(), RedisBus("redis://127.0.0.1:1/0")):
+        assert isinstance(bus, UpdateBus) and type(bus.hub) is Hub
+
+
+def test_a_joining_viewer_takes_nothing_live_before_its_replay_and_ends_at_a_close_mark() -> None:
+    hub = Hub(8)
+    sub = hub.viewer("s", "zh")
+    hub.deliver("s", "zh", Entry("9-0", update(9, True, lang="zh")))  # not joined yet
+    assert queued(sub) == []
+    entries = [
+        Entry("1-0", update(0, True, lang="zh")),
+        Entry("2-0", None),  # its writer closed the stream here
+        Entry("3-0", update(1, True, lang="zh")),
+    ]
+    assert not hub.join(sub, [("zh", entries)], after="1-0")
+    assert sub.ended and sub.cursor == "2-0" and queued(sub) == []
+    gap = hub.viewer("s", "zh")
+    assert hub.join(gap, [("zh", entries[2:])], after="1-0")  # older than what is kept
+    assert [u.seq for u in queued(gap)] == [1] and hub.viewers() == {"s": 1}
+    hub.deliver("s", "zh", Entry("4-0", update(2, True, lang="zh")))
+    assert [u.seq for u in queued(gap)] == [1, 2]
 
 
 def test_one_language_match_and_one_refusal_for_the_server_and_the_engine() -> None:
@@ -184,16 +213,16 @@ async def test_a_closed_engine_refuses_pushes_and_ends_new_subscriptions(
 
 def test_a_viewer_resumes_after_its_cursor_or_from_the_start() -> None:
     bus = InProcessBus()
-    writer = bus.subscribe(owner=A)
+    writer = subscribe(bus, owner=A)
     for seq in range(5):
         bus.publish(update(seq, seq % 2 == 1, lang="zh", segment=seq // 2), A)
     cursors = [u.cursor for u in writer._items if isinstance(u, TranslationUpdate)]
     assert all(cursors) and len(set(cursors)) == 5
-    after_two = bus.subscribe("s", lang="zh", after=cursors[1])
+    after_two = subscribe(bus, "s", lang="zh", after=cursors[1])
     assert [u.seq for u in queued(after_two)] == [2, 3, 4]
-    everything = bus.subscribe("s", lang="zh", after="0-0")
+    everything = subscribe(bus, "s", lang="zh", after="0-0")
     assert [u.seq for u in queued(everything)] == [0, 1, 2, 3, 4]
-    unknown = bus.subscribe("s", lang="zh", after="1-0")  # older than the history: backlog
+    unknown = subscribe(bus, "s", lang="zh", after="1-0")  # older than the history: backlog
     assert [u.seq for u in queued(unknown)] == [1, 3, 4]
     bus.publish(update(5, True, lang="zh", segment=2), A)
     assert [u.seq for u in queued(after_two)] == [2, 3, 4, 5]  # live, nothing twice

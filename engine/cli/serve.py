@@ -43,8 +43,8 @@ from engine.server.admission import (
 from engine.server.audio import ASR_KINDS, AudioInput, pocketsphinx_input
 from engine.server.recorder import RecordDirectoryError, check_directory, record
 from engine.streaming import IncrementalTranslator, StreamingOptions
+from engine.streaming.bus import BusUnavailable, UpdateBus
 from engine.streaming.redis_bus import LEASE_MS, RedisBus
-from engine.streaming.subscriptions import BusUnavailable, UpdateBus
 
 log = logging.getLogger("engine.server")
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -2,10 +2,12 @@
 
 `lifecycle` decides each stream's life (admission, ownership, closing) in one table,
 `session` translates one stream's events (sans I/O), `policies` choose what becomes
-stable, `controller` runs many streams at once (`IncrementalTranslator`) and
-`subscriptions` carries their replies to writers and viewers (`UpdateBus`).
+stable, `controller` runs many streams at once (`IncrementalTranslator`), `bus` records
+their replies and hands out each stream's life (`UpdateBus`), and `fanout` carries the
+replies to this process's writers and viewers (`Subscription`).
 """
 
+from engine.streaming.bus import InProcessBus, UpdateBus
 from engine.streaming.controller import IncrementalTranslator
 from engine.streaming.lifecycle import EnginePhase, Owner, Phase, StreamTable
 from engine.streaming.policies import (
@@ -21,7 +23,7 @@ from engine.streaming.session import (
     StreamSession,
     normalize_source,
 )
-from engine.streaming.subscriptions import InProcessBus, Subscription, UpdateBus
+from engine.streaming.subscriptions import Subscription
 
 __all__ = [
     "BiasedDecoding",

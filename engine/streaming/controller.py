@@ -17,7 +17,8 @@ or an error naming the language). The price: a stream's languages advance event 
 event together, so the slower model sets the pace of the stream's next partial.
 
 Who reads the replies is not decided here: each is published to an `UpdateBus`
-(`engine.streaming.subscriptions`), which hands it to the stream's writer and viewers.
+(`engine.streaming.bus`), which records it and hands it to the stream's writer and
+viewers through its hub (`engine.streaming.fanout`).
 """
 
 from __future__ import annotations
@@ -26,35 +27,34 @@ import dataclasses
 import functools
 import logging
 import time
-from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.abc
 
-from engine.decoding.scheduler import Priority, RequestId, new_request_id
+from engine.decoding.scheduler import Priority, new_request_id
 from engine.decoding.search import DecodingCancelled
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
+from engine.errors import InputTooLongError
 from engine.languages import in_other_script
+from engine.replies import Reply
+from engine.streaming.bus import InProcessBus, UpdateBus, subscribe
+from engine.streaming.history import find_final
 from engine.streaming.lifecycle import (
-    Admission,
     Owner,
     StreamLifecycle,
     StreamTable,
     Trigger,
+    Verdict,
+    too_large,
 )
 from engine.streaming.session import StreamingOptions, StreamSession
-from engine.streaming.subscriptions import (
-    Claim,
-    InProcessBus,
-    Reply,
-    Subscription,
-    UpdateBus,
-    target_language,
-)
+from engine.streaming.stream import Admission, Stream
+from engine.streaming.subscriptions import Subscription, target_language
 from protocol import (
     EngineClosed,
     ErrorCode,
@@ -76,65 +76,7 @@ DECODE_SLOTS = 64
 HANDOVER_WAIT = 5.0
 """Seconds a writer that reconnects waits for its stream's old life (its connection gone)
 to answer the finals it accepted, before the stream goes on as a new life; past it the
-writer is refused (`unknown_stream`: closing) and sends again."""
-
-
-class _Stream:
-    """The controller's working state for one stream: its queue of admitted events, one
-    session per target language and the events its task waits on. Its lifecycle (phase,
-    owner, admission record) is held in `life`, which only the stream table moves."""
-
-    def __init__(self, life: StreamLifecycle, sessions: Mapping[str, StreamSession]) -> None:
-        self.life = life
-        self.sessions = dict(sessions)
-        # Admitted events waiting, each with its arrival time.
-        self.pending: deque[tuple[Admission[_Stream], float]] = deque()
-        self.wake = anyio.Event()
-        self.done = anyio.Event()
-        self.idle = anyio.Event()
-        self.busy = False
-        self.current: PartialTranscript | None = None  # the event being translated
-        self.answered: set[str] = set()  # languages that answered `current` already
-        self.cancelled_in_row = 0
-        # The id of the current partial's decodes while a newer event may abort them.
-        self.abortable: RequestId | None = None
-        self.warned_script = False  # said once that its text is in another script
-
-    def __repr__(self) -> str:
-        return repr(self.life)
-
-    @property
-    def stream_id(self) -> str:
-        return self.life.stream_id
-
-    @property
-    def taking_events(self) -> bool:
-        return self.life.taking_events
-
-    @property
-    def closed(self) -> bool:
-        """Released or aborted: nothing it does is published any more."""
-        return self.life.closed
-
-    def drop_partials(self) -> int:
-        """Latest wins: drop waiting partials (finals stay); returns how many."""
-        kept = deque(item for item in self.pending if item[0].event.is_final)
-        dropped = len(self.pending) - len(kept)
-        self.pending = kept
-        return dropped
-
-    def supersede(self) -> None:
-        """Latest wins: once a newer event waits, the partial being translated (if it may
-        still be cancelled) is aborted in every language's scheduler; its row leaves the
-        batch at the next step, or its decode is refused if not submitted yet."""
-        if self.pending:
-            self.abort_decoding()
-
-    def abort_decoding(self) -> None:
-        """Abort the current partial's decodes, when they may be aborted."""
-        if self.abortable is not None:
-            for session in self.sessions.values():
-                session.translator.abort([self.abortable])
+writer is refused (`forbidden`: another connection's) and sends again."""
 
 
 class IncrementalTranslator:
@@ -185,14 +127,14 @@ class IncrementalTranslator:
         slots = decode_slots or DECODE_SLOTS
         self._limiter = anyio.CapacityLimiter(slots)
         self._threads = anyio.CapacityLimiter(slots * len(self.targets))
-        self._table: StreamTable[_Stream] = StreamTable(
-            self._make_stream, max_streams=max_streams, max_pending_finals=max_pending_finals
+        self._table: StreamTable[Stream] = StreamTable(
+            max_streams=max_streams, max_pending_finals=max_pending_finals
         )
         self._bus = bus if bus is not None else InProcessBus(queue_size)
         self._group: anyio.abc.TaskGroup | None = None
-        # One claim at a time per stream id, so two writers opening it cannot both get
-        # a life from the bus (the second one's would fence out the first one's).
-        self._claiming: dict[str, anyio.Lock] = {}
+        # One admission at a time per stream id, so two writers opening it cannot both
+        # claim a life from the bus (the second one's would fence out the first one's).
+        self._admitting: dict[str, anyio.Lock] = {}
 
     @classmethod
     def from_dir(
@@ -263,7 +205,7 @@ class IncrementalTranslator:
             await stream.done.wait()
         self._table.finish_shutdown()
         await self._bus.aclose()  # a shared bus: what is queued reaches Redis and writers
-        self._bus.end_all()
+        self._bus.hub.end_all()
 
     def abort(self, reason: str) -> int:
         """Give up on work not done yet (a shutdown past its deadline): every accepted final
@@ -296,7 +238,7 @@ class IncrementalTranslator:
                         ErrorCode.UNAVAILABLE, reason, None, event.stream_id, event.seq, lang
                     )
                     self._deliver(error, stream)
-        self._bus.end_all()
+        self._bus.hub.end_all()
         self.stats["aborted_finals"] += answered
         return answered
 
@@ -337,11 +279,11 @@ class IncrementalTranslator:
         # A viewer's starts from the last lines of each open stream (its recent finals,
         # then the current segment's latest update): one joining mid-talk sees what was
         # just said.
-        return self._bus.subscribe(stream_id, owner=owner, lang=lang, after=after)
+        return subscribe(self._bus, stream_id, owner=owner, lang=lang, after=after)
 
     def unsubscribe(self, sub: Subscription) -> None:
         """Stop delivering to `sub` and end it."""
-        self._bus.unsubscribe(sub)
+        self._bus.hub.unsubscribe(sub)
 
     async def push(self, event: PartialTranscript, owner: Owner | None = None) -> None:
         """Queue an event and return at once; raises `InvalidEvent` for a refused one
@@ -357,30 +299,19 @@ class IncrementalTranslator:
             )
         received = time.perf_counter()
         sid = event.stream_id
-        lock = self._claiming.setdefault(sid, anyio.Lock())
+        lock = self._admitting.setdefault(sid, anyio.Lock())
         try:
             async with lock:
-                claim = await self._claim(event, owner)
-                try:
-                    admission = self._table.admit(
-                        event, owner, self._prepare, None if claim is None else claim.epoch
-                    )
-                except InvalidEvent:
-                    if claim is not None:  # it opened nothing: let the stream go
-                        self._bus.release(sid)
-                    raise
+                stream, admission, opened = await self._admit(event, owner)
         except InvalidEvent:
             self.stats["rejected"] += 1
             raise
         finally:
             if not lock.statistics().tasks_waiting:
-                self._claiming.pop(sid, None)
-        stream = admission.stream
-        if admission.opened and claim is not None:
-            stream.life.answered_through = claim.answered_through
+                self._admitting.pop(sid, None)
         if event.is_final and not stream.warned_script:
             self._check_script(stream, admission.source)
-        if admission.opened:
+        if opened:
             self._group.start_soon(self._run_stream, stream)
         self.stats["events"] += 1
         # Latest wins: a waiting partial is superseded by any newer event; finals stay.
@@ -392,7 +323,7 @@ class IncrementalTranslator:
             stream.idle = anyio.Event()
         stream.wake.set()
 
-    def _check_script(self, stream: _Stream, source: str) -> None:
+    def _check_script(self, stream: Stream, source: str) -> None:
         """One warning per stream whose final is mostly in another script than the models'
         source language (e.g. Chinese into an English -> Chinese model): the models
         translate it into nonsense without a word, so the log says it once."""
@@ -408,22 +339,33 @@ class IncrementalTranslator:
                 source[:60],
             )
 
-    async def _claim(self, event: PartialTranscript, owner: Owner | None) -> Claim | None:
-        """The bus's new life for the stream `event` opens, or None when it opens none
-        (the stream is open here: the table accepts or refuses the event). A writer that
-        reconnects finds its stream's old life closing (its connection gone): it waits
-        for the old life's finals (within `HANDOVER_WAIT`), then goes on as a new one."""
-        stream = self._table.get(event.stream_id)
-        if stream is not None:
-            if stream.life.owner == owner or not stream.life.handed_over:
-                return None
+    async def _admit(
+        self, event: PartialTranscript, owner: Owner | None
+    ) -> tuple[Stream, Admission, bool]:
+        """Carry out the table's decision on `event`: the stream, the admission, and
+        whether it opened the stream. A writer that reconnects finds its stream's old
+        life closing (its connection gone): it waits for the old life's finals (within
+        `HANDOVER_WAIT`), then goes on as a new one. A new life is claimed from the bus
+        only once every rule passed, text included."""
+        decision = self._table.admit(event, owner)
+        if decision.verdict is Verdict.HANDOVER:
+            assert decision.stream is not None
             with anyio.move_on_after(HANDOVER_WAIT):
-                await stream.done.wait()
-            if self._table.get(event.stream_id) is not None:
-                return None  # still closing: the table refuses the event
-        if not self._table.accepting:
-            return None  # the table refuses it (shutting down)
-        return await self._bus.claim(event.stream_id)
+                await decision.stream.done.wait()
+            decision = self._table.admit(event, owner, handover=False)
+        admission = self._prepare(event)
+        if decision.verdict is Verdict.ACCEPT:
+            assert decision.stream is not None
+            self._table.accept(decision.stream, event)
+            return decision.stream, admission, False
+        claim = await self._bus.claim(event.stream_id)
+        life = StreamLifecycle(event.stream_id, owner, claim.epoch, claim.answered_through)
+        try:
+            stream = self._table.open(self._make_stream(life), event)
+        except InvalidEvent:  # the engine stopped or filled up while the bus answered
+            self._bus.release(event.stream_id)
+            raise
+        return stream, admission, True
 
     async def wait_idle(self, stream_id: str | None = None) -> None:
         """Wait until a stream (or every stream) has nothing pending or running."""
@@ -461,26 +403,31 @@ class IncrementalTranslator:
 
     # -- internals ------------------------------------------------------------------
 
-    def _make_stream(self, life: StreamLifecycle) -> _Stream:
+    def _make_stream(self, life: StreamLifecycle) -> Stream:
         sessions = {
             lang: StreamSession(life.stream_id, translator, self.options, lang=lang)
             for lang, translator in self.targets.items()
         }
-        return _Stream(life, sessions)
+        return Stream(life, sessions)
 
-    def _prepare(self, event: PartialTranscript) -> tuple[str, dict[str, list[int]]]:
+    def _prepare(self, event: PartialTranscript) -> Admission:
         """Admission's text step: normalise once (every model shares the source
-        language) and tokenise once per model; decoding reuses both."""
+        language) and tokenise once per model, for decoding to reuse; the text is the
+        last rule (`too_large`)."""
         source = self.options.clean(event.text, self.targets.source_lang)
         if not source:
-            return source, {}
+            return Admission(event, source, {})
         partial = not event.is_final
-        return source, {
-            lang: translator.source_ids(source, partial=partial)
-            for lang, translator in self.targets.items()
-        }
+        try:
+            ids = {
+                lang: translator.source_ids(source, partial=partial)
+                for lang, translator in self.targets.items()
+            }
+        except InputTooLongError as exc:
+            raise too_large(event, exc) from None
+        return Admission(event, source, ids)
 
-    def _publish(self, stream: _Stream, lang: str, update: TranslationUpdate) -> None:
+    def _publish(self, stream: Stream, lang: str, update: TranslationUpdate) -> None:
         """Publish `lang`'s update, stamped with the stream's life (`epoch`), which a
         shared bus checks against the stream's current one."""
         update = dataclasses.replace(update, epoch=stream.life.epoch, lang=lang)
@@ -489,12 +436,12 @@ class IncrementalTranslator:
             self.stats["finals"] += 1
         self._deliver(update, stream)
 
-    def _deliver(self, reply: Reply, stream: _Stream) -> None:
+    def _deliver(self, reply: Reply, stream: Stream) -> None:
         """To the stream's owner, its viewers and those of every stream (the bus hands
         each the languages it asked for)."""
         self._bus.publish(reply, stream.life.owner, stream.life.epoch)
 
-    async def _run_stream(self, stream: _Stream) -> None:
+    async def _run_stream(self, stream: Stream) -> None:
         try:
             while True:
                 if not stream.pending:
@@ -522,21 +469,20 @@ class IncrementalTranslator:
             stream.done.set()
 
     async def _answer_from_history(
-        self, stream: _Stream, admission: Admission[_Stream]
+        self, stream: Stream, admission: Admission
     ) -> dict[str, StreamSession]:
         """A final sent again by a writer that lost its connection: the languages that
         answered it before (its update is in the stream's history) answer it from there,
         to the writer only (viewers had it); returns the sessions still to translate it.
         Only finals at or below the seq the earlier life answered up to are looked up."""
         event = admission.event
+        found: dict[str, TranslationUpdate] = {}
         try:
-            found = await self._bus.answered(
-                event.stream_id,
-                event.segment_id,
-                event.seq,
-                admission.source,
-                list(stream.sessions),
-            )
+            for lang in stream.sessions:
+                entries = await self._bus.history(event.stream_id, lang)
+                update = find_final(entries, event.segment_id, event.seq, admission.source)
+                if update is not None:
+                    found[lang] = update
         except InvalidEvent:  # the bus cannot say: translate it (a duplicate, not a loss)
             found = {}
         if stream.closed:
@@ -544,17 +490,15 @@ class IncrementalTranslator:
         for lang, update in found.items():
             stream.answered.add(lang)
             self.stats["answered_from_history"] += 1
-            self._bus.to_owner(update, stream.life.owner)
+            self._bus.hub.to_owner(update, stream.life.owner)
         return {lang: s for lang, s in stream.sessions.items() if lang not in found}
 
-    async def _translate(
-        self, stream: _Stream, admission: Admission[_Stream], received: float
-    ) -> None:
+    async def _translate(self, stream: Stream, admission: Admission, received: float) -> None:
         """Translate one admitted event into every language at once; publish each
         language's update when it is ready; a final is answered once all have."""
         event = admission.event
         # A partial's decodes get an id of their own, by which a newer event aborts them
-        # (`_Stream.supersede`), unless the stream's last MAX_CANCELLED_IN_A_ROW were
+        # (`Stream.supersede`), unless the stream's last MAX_CANCELLED_IN_A_ROW were
         # cancelled: this one then runs to its end.
         # A partial that runs to its end is admitted like a final, ahead of abortable ones.
         cancellable = not event.is_final and stream.cancelled_in_row < MAX_CANCELLED_IN_A_ROW

@@ -2,12 +2,13 @@
 
 Written after h11's `_state.py`: a stream's phases and what moves it between them are one
 table (`TRANSITIONS`), and every rule about what a stream takes is decided in one place
-(`StreamTable.admit`, `StreamTable.close`, `StreamTable.owner_left`, `StreamTable.shutdown`,
-`StreamTable.release`). Nothing here does I/O, starts a task or knows about sockets: the
-controller (`engine.streaming.controller`) drives the table and carries out what it
-returns, the server and replay only talk to the controller. So ownership lives in exactly
-one place; before, the server's registry, each connection and the engine each kept their
-own copy and reconciled them after the fact, which leaked stream slots.
+(`StreamTable.admit`, `StreamTable.open`, `StreamTable.close`, `StreamTable.owner_left`,
+`StreamTable.shutdown`, `StreamTable.release`). Nothing here does I/O, starts a task, calls
+out or knows about sockets: the table returns decisions (`Decision`, the streams to act
+on) and the controller (`engine.streaming.controller`) carries them out; the server and
+replay only talk to the controller. A stream's life number (`epoch`) is not counted here:
+the update bus hands it out with the stream's claim (with several server processes they
+share it), and the table records the life it is given.
 
 Phases (`Phase`):
 
@@ -47,13 +48,12 @@ Words for ending things, each with one meaning in the engine and the server:
 - **drained / release**: a closing stream with nothing waiting or running leaves the
   table and its id is free (`Trigger.DRAINED`, `StreamTable.release`).
 - **end**: a reader's queue takes nothing more and stops once emptied (`Subscription.end`,
-  `UpdateBus.end_stream`, `UpdateBus.end_all`, `Outbox.end`).
+  `UpdateBus.end_stream`, `Hub.end_all`, `Outbox.end`).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
@@ -146,7 +146,13 @@ class StreamLifecycle:
     every update so that viewers can tell a stream taken over by a new writer.
     """
 
-    def __init__(self, stream_id: str, owner: Owner | None, epoch: int) -> None:
+    def __init__(
+        self,
+        stream_id: str,
+        owner: Owner | None,
+        epoch: int,
+        answered_through: int | None = None,
+    ) -> None:
         self.stream_id = stream_id
         self.owner = owner
         self.epoch = epoch
@@ -160,7 +166,7 @@ class StreamLifecycle:
         self.ending: Trigger | None = None
         # The highest seq an earlier life (whose writer left) answered, when the bus says
         # so: a final resent at or below it may be answered already.
-        self.answered_through: int | None = None
+        self.answered_through = answered_through
 
     def __repr__(self) -> str:
         return (
@@ -265,49 +271,48 @@ class HoldsLifecycle(Protocol):
 
 S = TypeVar("S", bound=HoldsLifecycle)
 
-Prepare = Callable[[PartialTranscript], tuple[str, Mapping[str, list[int]]]]
-"""Admission's text step: the event's normalised source and its token ids for each target
-language's model (models tokenise, and may prefix, differently; empty for an empty
-source); raises `InputTooLongError` for a text a model cannot take."""
+
+class Verdict(Enum):
+    """What the caller does with an event the table takes."""
+
+    ACCEPT = "accept"  # the stream is open: record it (`accept`) and queue it
+    OPEN = "open"  # the id is free: claim a life from the bus, then `open` the stream
+    HANDOVER = "handover"  # the id's last life is closing, its writer gone: wait, then ask again
 
 
 @dataclass(frozen=True)
-class Admission(Generic[S]):
-    """An admitted event with what admission computed, handed on to decoding so that
-    nothing is normalised or tokenised twice. `opened`: the event opened the stream."""
+class Decision(Generic[S]):
+    """The table's answer to an event it does not refuse. `stream`: the stream holding
+    the id (`ACCEPT`: the one to record the event in; `HANDOVER`: the one to wait for)."""
 
-    stream: S
-    event: PartialTranscript
-    source: str
-    source_ids: Mapping[str, list[int]]
-    opened: bool
+    verdict: Verdict
+    stream: S | None = None
+
+
+def too_large(event: PartialTranscript, exc: InputTooLongError) -> InvalidEvent:
+    """The refusal of an event whose text a model cannot take: the last rule, checked by
+    the caller (which tokenises) once every rule of the table passed."""
+    return InvalidEvent(
+        ErrorMessage(ErrorCode.TOO_LARGE, str(exc), "text", event.stream_id, event.seq)
+    )
 
 
 class StreamTable(Generic[S]):
     """Every open stream of an engine, by id: the one record of who owns what.
 
-    The table makes each stream's `StreamLifecycle` (it numbers the epochs) and
-    `factory(life)` the stream that holds it (the controller's adds a queue and
-    sessions). A stream stays in the table from the event that opens it until `release`,
-    closing included, so its id cannot be reopened behind the back of the finals it still
-    owes.
+    The caller makes each stream around its `StreamLifecycle` (the controller's adds a
+    queue and sessions) and hands it to `open`. A stream stays in the table from the
+    event that opens it until `release`, closing included, so its id cannot be reopened
+    behind the back of the finals it still owes.
     """
 
-    def __init__(
-        self,
-        factory: Callable[[StreamLifecycle], S],
-        *,
-        max_streams: int = 256,
-        max_pending_finals: int = 32,
-    ) -> None:
+    def __init__(self, *, max_streams: int = 256, max_pending_finals: int = 32) -> None:
         if max_streams < 1 or max_pending_finals < 1:
             raise ValueError("max_streams and max_pending_finals must be >= 1")
-        self.factory = factory
         self.max_streams = max_streams
         self.max_pending_finals = max_pending_finals
         self.phase = EnginePhase.RUNNING
         self._streams: dict[str, S] = {}
-        self._epochs = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -351,62 +356,75 @@ class StreamTable(Generic[S]):
         return InvalidEvent(ErrorMessage(ErrorCode.UNAVAILABLE, message, "stream_id", stream_id))
 
     def admit(
-        self,
-        event: PartialTranscript,
-        owner: Owner | None,
-        prepare: Prepare,
-        epoch: int | None = None,
-    ) -> Admission[S]:
-        """Take `event` for its stream (opening it if needed) or raise `InvalidEvent`.
+        self, event: PartialTranscript, owner: Owner | None, *, handover: bool = True
+    ) -> Decision[S]:
+        """Decide on `event` for its stream, or raise `InvalidEvent`; records nothing (an
+        accepted event is recorded by `accept`, a new stream by `open`).
 
         The order of the rules is the order a client fixes them in: shutdown,
-        ownership, the stream's phase and order, limits, then the text (the only costly
-        check, done last and only once). `epoch`: the life a stream opened now gets, as
-        the update bus handed it out (`UpdateBus.claim`); default: the table's own
-        count."""
-
-        def refuse(code: ErrorCode, message: str, field: str | None = None) -> InvalidEvent:
-            return InvalidEvent(ErrorMessage(code, message, field, event.stream_id, event.seq))
-
+        ownership, the stream's phase and order, limits; the text is the caller's last
+        check (`too_large`). `handover`: whether a writer may wait for the id's last
+        life, closing because its writer left, to drain (`Verdict.HANDOVER`); asked
+        again after that wait, it is refused as another's."""
         stopped = self._stopped(event.stream_id, event)
         if stopped is not None:
             raise stopped
         stream = self._streams.get(event.stream_id)
         if stream is None:
-            if len(self._streams) >= self.max_streams:
-                raise refuse(
-                    ErrorCode.LIMIT_EXCEEDED, f"too many open streams (limit {self.max_streams})"
-                )
-            if owner is not None and owner.max_streams is not None:
-                held = len(self.owned_by(owner))
-                if held >= owner.max_streams:
-                    raise refuse(
-                        ErrorCode.LIMIT_EXCEEDED,
-                        f"too many open streams on this connection (limit {owner.max_streams});"
-                        " close one first",
-                        "stream_id",
-                    )
-        else:
-            if stream.life.owner != owner:
-                raise refuse(
+            self._check_room(event, owner)
+            return Decision(Verdict.OPEN)
+        if stream.life.owner != owner:
+            if handover and stream.life.handed_over:
+                return Decision(Verdict.HANDOVER, stream)
+            raise InvalidEvent(
+                ErrorMessage(
                     ErrorCode.FORBIDDEN,
                     f"stream {event.stream_id!r} belongs to another connection",
                     "stream_id",
+                    event.stream_id,
+                    event.seq,
                 )
-            error = stream.life.refusal(event, self.max_pending_finals)
-            if error is not None:
-                raise InvalidEvent(error)
-        try:
-            source, ids = prepare(event)
-        except InputTooLongError as exc:
-            raise refuse(ErrorCode.TOO_LARGE, str(exc), "text") from None
-        opened = stream is None
-        if stream is None:
-            life = epoch if epoch is not None else next(self._epochs)
-            stream = self.factory(StreamLifecycle(event.stream_id, owner, life))
-            self._streams[event.stream_id] = stream
+            )
+        error = stream.life.refusal(event, self.max_pending_finals)
+        if error is not None:
+            raise InvalidEvent(error)
+        return Decision(Verdict.ACCEPT, stream)
+
+    def _check_room(self, event: PartialTranscript, owner: Owner | None) -> None:
+        """Refuse a new stream past the engine's or the owner's limit."""
+
+        def refuse(message: str, field: str | None) -> InvalidEvent:
+            return InvalidEvent(
+                ErrorMessage(ErrorCode.LIMIT_EXCEEDED, message, field, event.stream_id, event.seq)
+            )
+
+        if len(self._streams) >= self.max_streams:
+            raise refuse(f"too many open streams (limit {self.max_streams})", None)
+        limit = owner.max_streams if owner is not None else None
+        if owner is not None and limit is not None and len(self.owned_by(owner)) >= limit:
+            raise refuse(
+                f"too many open streams on this connection (limit {limit}); close one first",
+                "stream_id",
+            )
+
+    def accept(self, stream: S, event: PartialTranscript) -> None:
+        """Record an event `admit` accepted (`Verdict.ACCEPT`) for `stream`."""
         stream.life.accept(event)
-        return Admission(stream, event, source, ids, opened)
+
+    def open(self, stream: S, event: PartialTranscript) -> S:
+        """Take a new stream (made around the life the bus handed out) with the event
+        that opens it, once `admit` said `Verdict.OPEN`. The rules are checked again, as
+        the claim was waited for: a refusal (`InvalidEvent`) opens nothing, and the
+        caller lets its claim go."""
+        stopped = self._stopped(event.stream_id, event)
+        if stopped is not None:
+            raise stopped
+        if event.stream_id in self._streams:
+            raise LifecycleError(f"{stream!r}: its id is open already")
+        self._check_room(event, stream.life.owner)
+        self._streams[event.stream_id] = stream
+        stream.life.accept(event)
+        return stream
 
     def close(self, stream_id: str, owner: Owner | None) -> S:
         """Begin closing a stream at its owner's request (or raise `InvalidEvent`); the

@@ -36,28 +36,32 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
 import anyio.abc
 
 import protocol
+from engine.replies import Reply
+from engine.streaming.bus import BusUnavailable, Claim
+from engine.streaming.fanout import Hub
+from engine.streaming.history import HISTORY, Entry, answered_through
 from engine.streaming.lifecycle import Owner
-from engine.streaming.subscriptions import (
-    HISTORY,
-    BusUnavailable,
-    Claim,
-    Entry,
-    Reply,
-    Subscription,
-    answered_through,
-    backlog_lines,
-    by_cursor,
-    find_final,
-    remove_subscription,
-    resume_from,
+from engine.streaming.redis_store import (
+    APPEND,
+    CLAIM,
+    KIND_CLOSED,
+    KIND_REPLY,
+    RELEASE,
+    RENEW,
+    Append,
+    Keys,
+    Watch,
+    entry_of,
+    redis_errors,
+    with_cursor,
 )
+from engine.streaming.subscriptions import Subscription
 from protocol import ErrorCode, ErrorMessage, InvalidEvent, TranslationUpdate
 
 log = logging.getLogger(__name__)
@@ -77,84 +81,6 @@ BACKOFF = (0.1, 2.0)
 
 SAMPLES = 2048
 """Latency samples kept for the metrics' quantiles."""
-
-_CLAIM = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return {0, redis.call('PTTL', KEYS[1])} end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('SET', KEYS[2], ARGV[3]) end
-return {1, redis.call('INCR', KEYS[2])}
-"""
-# The epoch counter starts from the clock (ms) when missing, so that a Redis restarted
-# without its data never hands out an epoch that an older life already had.
-
-_APPEND = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
-local ids = {}
-for i = 2, #KEYS do
-  ids[#ids + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*',
-                             'k', ARGV[4], 'e', ARGV[1], 'm', ARGV[5])
-  redis.call('PEXPIRE', KEYS[i], ARGV[3])
-end
-return ids
-"""
-# KEYS[1]: the stream's epoch; the rest: its history keys. An append of an older life
-# (a node that lost the stream without knowing it yet) is refused here.
-
-_RENEW = """
-local holder = redis.call('GET', KEYS[1])
-local current = redis.call('GET', KEYS[2])
-if current and current ~= ARGV[3] then return 0 end
-if holder == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-elseif not holder then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-else
-  return 0
-end
-if not current then redis.call('SET', KEYS[2], ARGV[3]) end
-return 1
-"""
-# A lease that expired while nobody took the stream over (or a Redis restarted without
-# its data) is taken back with the same epoch; one that another life holds is lost.
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-_KIND_REPLY = "r"
-_KIND_CLOSED = "c"
-
-
-@dataclass
-class _Append:
-    """One reply (or close mark) waiting to be appended, with whom to tell once it is."""
-
-    stream_id: str
-    langs: list[str]
-    epoch: int
-    kind: str
-    payload: str
-    reply: Reply | None
-    owner: Owner | None
-    queued: float
-
-
-@dataclass
-class _Watch:
-    """A history key this node reads for its local viewers."""
-
-    stream_id: str
-    lang: str
-    last: str  # the id read up to
-    subs: list[Subscription]
-
-
-def _redis_errors() -> tuple[type[BaseException], ...]:
-    from redis.exceptions import RedisError
-
-    return (RedisError, OSError)
 
 
 class RedisBus:
@@ -179,8 +105,9 @@ class RedisBus:
         self.url = url
         self.queue_size = queue_size
         self.lease_ms = lease_ms
-        self.history = history
+        self.history_size = history
         self.prefix = prefix
+        self.keys = Keys(prefix)
         self.node = node or uuid.uuid4().hex[:12]
         self.languages: list[str] = []
         self._stats: Counter[str] = Counter()
@@ -194,31 +121,24 @@ class RedisBus:
         self._group: anyio.abc.TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
         self._closing = False
-        self._outgoing: deque[_Append] = deque()
-        self._in_flight: list[_Append] = []  # the batch being appended
+        self._outgoing: deque[Append] = deque()
+        self._in_flight: list[Append] = []  # the batch being appended
         self._has_outgoing = anyio.Event()
         self._held: dict[str, int] = {}  # stream -> epoch of the life this node holds
         self._lost: set[str] = set()  # held streams whose lease went to another life
-        self._writers: dict[Owner, list[Subscription]] = {}
-        self._everything: list[Subscription] = []  # every stream written on this node
-        self._watches: dict[str, _Watch] = {}  # history key -> watch
+        self._hub = Hub(queue_size)
+        self._watches: dict[str, Watch] = {}  # history key -> watch
         self._joining: deque[tuple[Subscription, str | None]] = deque()
         self._has_watch = anyio.Event()
         self._reading = False
 
     # -- keys ---------------------------------------------------------------------------
 
-    def _lease_key(self, stream_id: str) -> str:
-        return f"{self.prefix}:lease:{stream_id}"
-
-    def _epoch_key(self, stream_id: str) -> str:
-        return f"{self.prefix}:epoch:{stream_id}"
-
-    def _history_key(self, stream_id: str, lang: str) -> str:
-        # The language is last and never holds a colon: any stream id maps to one key.
-        return f"{self.prefix}:h:{stream_id}:{lang}"
-
     # -- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def hub(self) -> Hub:
+        return self._hub
 
     @property
     def ready(self) -> bool:
@@ -256,7 +176,7 @@ class RedisBus:
             socket_timeout=BLOCK_MS / 1000 + 5,
             socket_connect_timeout=3,
         )
-        failures: tuple[type[BaseException], ...] = (*_redis_errors(), TimeoutError)
+        failures: tuple[type[BaseException], ...] = (*redis_errors(), TimeoutError)
         try:
             with anyio.fail_after(5):
                 info = await self._redis.info("server")
@@ -270,10 +190,10 @@ class RedisBus:
         self._scripts = {
             name: self._redis.register_script(source)
             for name, source in (
-                ("claim", _CLAIM),
-                ("append", _APPEND),
-                ("renew", _RENEW),
-                ("release", _RELEASE),
+                ("claim", CLAIM),
+                ("append", APPEND),
+                ("renew", RENEW),
+                ("release", RELEASE),
             )
         }
         self._healthy = True
@@ -338,11 +258,11 @@ class RedisBus:
         while True:
             try:
                 granted, value = await self._scripts["claim"](
-                    keys=[self._lease_key(stream_id), self._epoch_key(stream_id)],
+                    keys=[self.keys.lease(stream_id), self.keys.epoch(stream_id)],
                     args=[self.node, self.lease_ms, int(time.time() * 1000)],
                 )
                 through = await self._answered_through(stream_id) if granted else None
-            except _redis_errors() as exc:
+            except redis_errors() as exc:
                 self._failed("claiming a stream", exc)
                 raise self._unavailable(
                     stream_id, "the update bus (Redis) is unreachable: try again shortly"
@@ -376,9 +296,9 @@ class RedisBus:
         highest: int | None = None
         for lang in self.languages:
             raw = await self._redis.xrevrange(
-                self._history_key(stream_id, lang), "+", "-", count=16
+                self.keys.history(stream_id, lang), "+", "-", count=16
             )
-            entries = [_entry(entry_id, fields) for entry_id, fields in reversed(raw)]
+            entries = [entry_of(entry_id, fields) for entry_id, fields in reversed(raw)]
             seq = answered_through(entries)
             if seq is not None and (highest is None or seq > highest):
                 highest = seq
@@ -392,8 +312,8 @@ class RedisBus:
         self._held.pop(stream_id, None)
         self._lost.discard(stream_id)
         try:
-            await self._scripts["release"](keys=[self._lease_key(stream_id)], args=[self.node])
-        except _redis_errors() as exc:  # it expires by itself
+            await self._scripts["release"](keys=[self.keys.lease(stream_id)], args=[self.node])
+        except redis_errors() as exc:  # it expires by itself
             self._failed("releasing a lease", exc)
 
     async def _renew_loop(self) -> None:
@@ -406,7 +326,7 @@ class RedisBus:
                     async with self._redis.pipeline(transaction=False) as pipe:
                         for stream_id, epoch in held.items():
                             await self._scripts["renew"](
-                                keys=[self._lease_key(stream_id), self._epoch_key(stream_id)],
+                                keys=[self.keys.lease(stream_id), self.keys.epoch(stream_id)],
                                 args=[self.node, self.lease_ms, epoch],
                                 client=pipe,
                             )
@@ -414,7 +334,7 @@ class RedisBus:
                 else:
                     await self._redis.ping()
                     results = []
-            except _redis_errors() as exc:
+            except redis_errors() as exc:
                 self._failed("renewing leases", exc)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, BACKOFF[1])
@@ -433,20 +353,12 @@ class RedisBus:
 
     # -- appending ------------------------------------------------------------------------
 
-    async def answered(
-        self, stream_id: str, segment_id: int, seq: int, source: str, languages: Sequence[str]
-    ) -> dict[str, TranslationUpdate]:
-        found: dict[str, TranslationUpdate] = {}
+    async def history(self, stream_id: str, lang: str) -> list[Entry]:
         try:
-            for lang in languages:
-                entries = await self._entries(stream_id, lang)
-                update = find_final(entries, segment_id, seq, source)
-                if update is not None:
-                    found[lang] = update
-        except _redis_errors() as exc:
+            return await self._entries(stream_id, lang)
+        except redis_errors() as exc:
             self._failed("reading a history", exc)
             raise self._unavailable(stream_id, "the update bus (Redis) is unreachable") from None
-        return found
 
     def publish(self, reply: Reply, owner: Owner | None, epoch: int | None = None) -> None:
         stream_id = reply.stream_id or ""
@@ -454,11 +366,11 @@ class RedisBus:
             epoch = self._held.get(stream_id, 0)
         langs = [reply.lang] if reply.lang is not None else list(self.languages)
         self._queue(
-            _Append(
+            Append(
                 stream_id,
                 langs,
                 epoch,
-                _KIND_REPLY,
+                KIND_REPLY,
                 protocol.serialize(reply),
                 reply,
                 owner,
@@ -466,7 +378,7 @@ class RedisBus:
             )
         )
 
-    def _queue(self, item: _Append) -> None:
+    def _queue(self, item: Append) -> None:
         self._outgoing.append(item)
         self._has_outgoing.set()
 
@@ -484,12 +396,12 @@ class RedisBus:
                     for item in batch:
                         await self._scripts["append"](
                             keys=[
-                                self._epoch_key(item.stream_id),
-                                *(self._history_key(item.stream_id, lang) for lang in item.langs),
+                                self.keys.epoch(item.stream_id),
+                                *(self.keys.history(item.stream_id, lang) for lang in item.langs),
                             ],
                             args=[
                                 item.epoch,
-                                self.history,
+                                self.history_size,
                                 HISTORY_TTL_MS,
                                 item.kind,
                                 item.payload,
@@ -497,7 +409,7 @@ class RedisBus:
                             client=pipe,
                         )
                     results = await pipe.execute(raise_on_error=False)
-            except _redis_errors() as exc:
+            except redis_errors() as exc:
                 self._failed("appending replies", exc)
                 results = [exc] * len(batch)
             else:
@@ -515,20 +427,17 @@ class RedisBus:
                     self._appended(item, list(result))
             self._in_flight = []
 
-    def _appended(self, item: _Append, ids: list[str]) -> None:
+    def _appended(self, item: Append, ids: list[str]) -> None:
         reply = item.reply
         if reply is None:
             return
         cursor = ids[0] if ids else None
         if isinstance(reply, TranslationUpdate) and cursor is not None and len(ids) == 1:
-            reply = _with_cursor(reply, cursor)
-        subs = list(self._writers.get(item.owner, ())) if item.owner is not None else []
-        subs.extend(self._everything)
-        for sub in subs:
-            if sub.wants(reply):
-                sub.put(reply)
+            reply = with_cursor(reply, cursor)
+        # Its viewers on every node (this one's too) have it from their reads.
+        self._hub.publish(reply, item.owner, viewers=False)
 
-    def _not_appended(self, item: _Append, why: str) -> None:
+    def _not_appended(self, item: Append, why: str) -> None:
         """A reply Redis did not take: a final's becomes an `unavailable` error to its
         writer (which sends the final again), a partial's is dropped (counted)."""
         reply = item.reply
@@ -550,22 +459,17 @@ class RedisBus:
             final,
             reply.lang,
         )
-        for sub in list(self._writers.get(item.owner, ())) if item.owner is not None else []:
-            sub.put(error)
-
-    def to_owner(self, reply: Reply, owner: Owner | None) -> None:
-        for sub in list(self._writers.get(owner, ())) if owner is not None else []:
-            sub.put(reply)
+        self._hub.to_owner(error, item.owner)
 
     def end_stream(self, stream_id: str, closed: bool = True) -> None:
         epoch = self._held.get(stream_id)
         if closed and epoch is not None and self.languages:
             self._queue(
-                _Append(
+                Append(
                     stream_id,
                     list(self.languages),
                     epoch,
-                    _KIND_CLOSED,
+                    KIND_CLOSED,
                     "",
                     None,
                     None,
@@ -585,60 +489,17 @@ class RedisBus:
 
     # -- reading --------------------------------------------------------------------------
 
-    def subscribe(
-        self,
-        stream_id: str | None = None,
-        *,
-        owner: Owner | None = None,
-        lang: str | None = None,
-        after: str | None = None,
-    ) -> Subscription:
-        sub = Subscription(stream_id, self.queue_size, owner, lang)
-        if owner is not None:
-            self._writers.setdefault(owner, []).append(sub)
-        elif stream_id is None:
+    def watch(self, sub: Subscription, after: str | None = None) -> None:
+        if sub.stream_id is None:
             # Every stream: those written on this node (the nodes keep no list of all).
-            self._everything.append(sub)
-        else:
-            self._joining.append((sub, after))
-            self._wake_reader()
-        return sub
-
-    def backlog(self, stream_id: str | None, lang: str | None) -> list[TranslationUpdate]:
-        return []  # read from Redis by each new subscription (`_join`), not here
-
-    def unsubscribe(self, sub: Subscription) -> None:
-        if sub.owner is not None:
-            remove_subscription(self._writers, sub.owner, sub)
-        elif sub in self._everything:
-            self._everything.remove(sub)
-        else:
-            for key, watch in list(self._watches.items()):
-                if sub in watch.subs:
-                    watch.subs.remove(sub)
-                if not watch.subs:
-                    del self._watches[key]
-        sub.end()
-
-    def end_all(self) -> None:
-        for sub in [
-            *self._everything,
-            *(s for subs in self._writers.values() for s in subs),
-            *(s for w in self._watches.values() for s in w.subs),
-            *(s for s, _ in self._joining),
-        ]:
-            sub.end()
-        self._writers.clear()
-        self._everything.clear()
-        self._watches.clear()
-        self._joining.clear()
+            self._hub.join(sub, [])
+            return
+        self._joining.append((sub, after))
+        self._wake_reader()
 
     def viewers(self) -> dict[str, int]:
         """Local viewer subscriptions per stream (for the metrics)."""
-        counts: Counter[str] = Counter()
-        for watch in self._watches.values():
-            counts[watch.stream_id] += len(watch.subs)
-        return dict(counts)
+        return self._hub.viewers()
 
     def _wake_reader(self) -> None:
         self._has_watch.set()
@@ -648,58 +509,45 @@ class RedisBus:
     async def _unblock(self) -> None:
         try:
             await self._redis.client_unblock(self._reader_id)
-        except _redis_errors():
+        except redis_errors():
             pass  # the read ends by itself within BLOCK_MS
 
     async def _entries(self, stream_id: str, lang: str, after: str | None = None) -> list[Entry]:
         """A history from Redis, oldest first (all that is kept, or what follows `after`)."""
-        key = self._history_key(stream_id, lang)
+        key = self.keys.history(stream_id, lang)
         if after is None:
-            raw = await self._redis.xrevrange(key, "+", "-", count=self.history)
+            raw = await self._redis.xrevrange(key, "+", "-", count=self.history_size)
             raw.reverse()
         else:
-            raw = await self._redis.xrange(key, f"({after}", "+", count=self.history)
-        return [_entry(entry_id, fields) for entry_id, fields in raw]
+            raw = await self._redis.xrange(key, f"({after}", "+", count=self.history_size)
+        return [entry_of(entry_id, fields) for entry_id, fields in raw]
 
     async def _join(self, sub: Subscription, after: str | None) -> None:
-        """Start a viewer: its backlog or what it missed, then live entries (each key
-        is read from where this history read ended)."""
+        """Start a viewer: the hub replays it its history, then it takes live entries
+        (a key already read goes on from where it was: entries it had are skipped by
+        cursor)."""
         assert sub.stream_id is not None
-        langs = [sub.lang] if sub.lang is not None else list(self.languages)
-        missed: list[tuple[Entry, str]] = []
-        backlog: list[TranslationUpdate] = []
-        resumed = after is not None
-        heads: dict[str, str] = {}
-        for lang in langs:
+        histories: list[tuple[str, Sequence[Entry]]] = []
+        for lang in [sub.lang] if sub.lang is not None else list(self.languages):
             entries = await self._entries(sub.stream_id, lang)
-            heads[lang] = entries[-1].cursor if entries else "0-0"
-            found = resume_from(entries, after) if after is not None else None
-            if found is None:
-                resumed = False
-            else:
-                missed.extend((entry, lang) for entry in found)
-            backlog.extend(backlog_lines(entries))
-        if resumed:
-            missed.sort(key=lambda item: item[0].at)
-            for entry, lang in missed:
-                if entry.reply is None:
-                    sub.end_at(entry.cursor, lang)
-                    return
-                sub.put(entry.reply, entry.cursor, lang)
-        else:
-            if after is not None and backlog:  # a cursor this history cannot place
-                self._stats["resume_gaps"] += 1
-            for update in sorted(backlog, key=by_cursor):
-                sub.put(update)
-        for lang in langs:
-            key = self._history_key(sub.stream_id, lang)
-            watch = self._watches.get(key)
-            if watch is None:
-                self._watches[key] = _Watch(sub.stream_id, lang, heads[lang], [sub])
-            else:
-                watch.subs.append(sub)
-                # Entries between its head and this watch's position reach this viewer
-                # from the read; those it had already are skipped by cursor.
+            head = entries[-1].cursor if entries else "0-0"
+            key = self.keys.history(sub.stream_id, lang)
+            self._watches.setdefault(key, Watch(sub.stream_id, lang, head))
+            histories.append((lang, entries))
+        if self._hub.join(sub, histories, after):
+            self._stats["resume_gaps"] += 1
+
+    def _reads(self) -> dict[str, str]:
+        """The keys this node's viewers watch, each with the id read up to; keys no
+        viewer watches any more are forgotten."""
+        keys = {
+            self.keys.history(sid, lang)
+            for sid, langs in self._hub.watched().items()
+            for lang in (self.languages if None in langs else langs)
+            if lang is not None
+        }
+        self._watches = {key: w for key, w in self._watches.items() if key in keys}
+        return {key: watch.last for key, watch in self._watches.items()}
 
     async def _read_loop(self) -> None:
         delay = BACKOFF[0]
@@ -712,18 +560,18 @@ class RedisBus:
                     if not sub.ended:
                         await self._join(sub, after)
                     self._joining.popleft()
-                if not self._watches:
+                streams = self._reads()
+                if not streams:
                     self._has_watch = anyio.Event()
                     if not self._joining:
                         await self._has_watch.wait()
                     continue
-                streams = {key: watch.last for key, watch in self._watches.items()}
                 self._reading = True
                 try:
                     got = await self._reader.xread(streams, count=512, block=BLOCK_MS)
                 finally:
                     self._reading = False
-            except _redis_errors() as exc:
+            except redis_errors() as exc:
                 self._failed("reading histories", exc)
                 self._reader_id = None
                 await anyio.sleep(delay)
@@ -738,35 +586,11 @@ class RedisBus:
         now_ms = time.time() * 1000
         for key, raw in items:
             watch = self._watches.get(key)
+            if watch is None:
+                continue
             for entry_id, fields in raw:
-                if watch is None:
-                    break
                 watch.last = entry_id
-                entry = _entry(entry_id, fields)
+                entry = entry_of(entry_id, fields)
                 self._stats["entries_read"] += 1
                 self.read_seconds.append(max(0.0, now_ms - entry.at[0]) / 1000)
-                for sub in list(watch.subs):
-                    if entry.reply is None:
-                        sub.end_at(entry.cursor, watch.lang)
-                    elif sub.wants(entry.reply):
-                        sub.put(entry.reply, entry.cursor, watch.lang)
-                if entry.reply is None:
-                    watch.subs.clear()
-            if watch is not None and not watch.subs:
-                self._watches.pop(key, None)
-
-
-def _entry(entry_id: str, fields: dict[str, str]) -> Entry:
-    """A Redis Stream entry as a history entry."""
-    epoch = int(fields["e"]) if fields.get("e") else None
-    if fields.get("k") != _KIND_REPLY:
-        return Entry(entry_id, None, epoch)
-    message = protocol.parse(fields["m"], max_bytes=1 << 22, max_text_chars=1 << 20)
-    if isinstance(message, TranslationUpdate):
-        return Entry(entry_id, _with_cursor(message, entry_id), epoch)
-    assert isinstance(message, ErrorMessage)
-    return Entry(entry_id, message, epoch)
-
-
-def _with_cursor(update: TranslationUpdate, cursor: str) -> TranslationUpdate:
-    return replace(update, cursor=cursor)
+                self._hub.deliver(watch.stream_id, watch.lang, entry)

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.streaming import InProcessBus, Owner, Subscription
+from engine.streaming.bus import UpdateBus, subscribe
 from engine.streaming.redis_bus import RedisBus
-from engine.streaming.subscriptions import UpdateBus
 from protocol import TranslationUpdate
 
 LINE = "我们将在三点钟和汤姆见面然后一起去看电影我们将在三点钟和汤姆见面然后一起去看"
@@ -128,13 +128,14 @@ async def latency(redis: Redis, updates: int) -> None:
     results = {}
     for name in ("in-process", "redis"):
         writer_bus: UpdateBus
+        reader_bus: UpdateBus
         if name == "redis":
             writer_bus, reader_bus = await node(redis), await node(redis)
         else:
             writer_bus = reader_bus = InProcessBus(queue_size=4096)
         stream = f"lat-{name}"
         epoch = await claimed(writer_bus, stream)
-        viewer = reader_bus.subscribe(stream, lang="zh")
+        viewer = subscribe(reader_bus, stream, lang="zh")
         await asyncio.sleep(0.2)
         samples = []
         for seq in range(updates):
@@ -162,7 +163,7 @@ async def latency(redis: Redis, updates: int) -> None:
 async def throughput(redis: Redis, updates: int, streams: int) -> None:
     bus = await node(redis)
     owner = Owner("w")
-    writer = bus.subscribe(owner=owner)
+    writer = subscribe(bus, owner=owner)
     epochs = {f"tp-{i}": await claimed(bus, f"tp-{i}") for i in range(streams)}
     names = list(epochs)
     cpu0, redis0, start = time.process_time(), redis.cpu_seconds(), time.perf_counter()
@@ -189,7 +190,7 @@ async def fan_out(redis: Redis, viewers: int, updates: int) -> None:
     nodes = [await node(redis) for _ in range(3)]
     stream = "talk"
     epoch = await claimed(writer_bus, stream)
-    subs = [nodes[i % 3].subscribe(stream, lang="zh") for i in range(viewers)]
+    subs = [subscribe(nodes[i % 3], stream, lang="zh") for i in range(viewers)]
     await asyncio.sleep(0.5)
     samples: list[float] = []
     for seq in range(updates):
@@ -217,9 +218,9 @@ async def fan_out(redis: Redis, viewers: int, updates: int) -> None:
 async def cpu_per_40(redis: Redis, seconds: float, streams: int = 40, rate: float = 4.0) -> None:
     writer_bus, reader_bus = await node(redis), await node(redis)
     owner = Owner("w")
-    writer_sub = writer_bus.subscribe(owner=owner)
+    writer_sub = subscribe(writer_bus, owner=owner)
     epochs = {f"cpu-{i}": await claimed(writer_bus, f"cpu-{i}") for i in range(streams)}
-    viewers = [reader_bus.subscribe(s, lang="zh") for s in epochs]
+    viewers = [subscribe(reader_bus, s, lang="zh") for s in epochs]
     await asyncio.sleep(0.5)
     names = list(epochs)
     interval = 1 / (rate * streams)

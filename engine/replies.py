@@ -1,0 +1,73 @@
+"""What a reader of translations receives, apart from who made them: the engine's
+subscriptions and the WebSocket client (`engine.remote`) both queue replies this way, so
+this module needs nothing beyond the protocol (a client imports it without the model)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import TypeAlias
+
+import anyio
+
+from protocol import ErrorMessage, TranslationUpdate
+
+Reply: TypeAlias = TranslationUpdate | ErrorMessage
+"""What a subscription yields: updates, and an `error` (code `internal`) in place of the
+final update of a final transcript whose translation failed."""
+
+RECENT_FINALS = 8
+"""Final updates of a stream kept per language for viewers who join late (the page shows
+a few lines)."""
+
+
+class ReplyQueue(AsyncIterator[Reply]):
+    """A bounded queue of replies for one consumer, iterated with `async for`.
+
+    When it is full, the oldest non-final update is dropped (a newer one supersedes it);
+    finals and errors (which answer finals) are never dropped, so a slow consumer cannot
+    stall translation for others and every final transcript still gets its reply.
+    """
+
+    def __init__(self, max_items: int) -> None:
+        self.max_items = max_items
+        self.dropped = 0
+        self._items: deque[Reply] = deque()
+        self._ready = anyio.Event()
+        self._ended = False
+
+    def put(self, reply: Reply) -> None:
+        """Queue `reply` (nothing once ended)."""
+        if self._ended:
+            return
+        if len(self._items) >= self.max_items:
+            for i, old in enumerate(self._items):
+                if isinstance(old, TranslationUpdate) and not old.is_final:
+                    del self._items[i]
+                    self.dropped += 1
+                    break
+        self._items.append(reply)
+        self._ready.set()
+
+    def end(self) -> None:
+        """Take nothing more: iteration yields what is queued, then stops."""
+        self._ended = True
+        self._ready.set()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __aiter__(self) -> ReplyQueue:
+        return self
+
+    async def __anext__(self) -> Reply:
+        while not self._items:
+            if self._ended:
+                raise StopAsyncIteration
+            self._ready = anyio.Event()
+            await self._ready.wait()
+        return self._items.popleft()

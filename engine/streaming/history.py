@@ -1,0 +1,112 @@
+"""A (stream, language) history as both buses keep it: entries ordered by cursor, read by
+a viewer that joins late or resumes, and by a writer's resent final. Pure functions over
+entries, so the in-process bus and Redis answer each question the same way."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from engine.replies import RECENT_FINALS, Reply
+from protocol import TranslationUpdate
+
+HISTORY = 512
+"""Entries of a (stream, language) history kept for viewers that resume and writers that
+resend: at a few updates per second, a couple of minutes of talk, far more than a
+reconnect takes."""
+
+Position: TypeAlias = tuple[int, int]
+
+
+def position(cursor: str) -> Position:
+    """A cursor (`MS-N`) as a pair that orders like the history."""
+    ms, _, n = cursor.partition("-")
+    return int(ms), int(n)
+
+
+def by_cursor(update: TranslationUpdate) -> Position:
+    """Sort key: an update's place in the history (updates without one first)."""
+    return (0, 0) if update.cursor is None else position(update.cursor)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One place in a (stream, language) history: a reply, or (`reply` None) the mark
+    that the stream's writer closed it there (`epoch`: the life that wrote it)."""
+
+    cursor: str
+    reply: Reply | None
+    epoch: int | None = None
+
+    @property
+    def at(self) -> Position:
+        return position(self.cursor)
+
+
+def current_life(entries: Sequence[Entry]) -> Sequence[Entry]:
+    """The entries after the last close mark: the stream's lives since its writer last
+    closed it (lives joined by handovers, whose finals a resending writer may find)."""
+    for i in range(len(entries) - 1, -1, -1):
+        if entries[i].reply is None:
+            return entries[i + 1 :]
+    return entries
+
+
+def answered_through(entries: Sequence[Entry]) -> int | None:
+    """The highest seq with a reply in the current life of a history (None: none)."""
+    seqs = [
+        entry.reply.seq
+        for entry in current_life(entries)
+        if entry.reply is not None and entry.reply.seq is not None
+    ]
+    return max(seqs) if seqs else None
+
+
+def backlog_lines(entries: Sequence[Entry]) -> list[TranslationUpdate]:
+    """The recent finals, then the current segment's latest update, of a history (oldest
+    first), as a late viewer is to see them."""
+    finals: deque[TranslationUpdate] = deque(maxlen=RECENT_FINALS)
+    last: TranslationUpdate | None = None
+    for entry in current_life(entries):
+        if isinstance(entry.reply, TranslationUpdate):
+            last = entry.reply
+            if last.is_final:
+                finals.append(last)
+    current = [last] if last is not None and not last.is_final else []
+    return [*finals, *current]
+
+
+def find_final(
+    entries: Sequence[Entry], segment_id: int, seq: int, source: str
+) -> TranslationUpdate | None:
+    """The final update of (`segment_id`, `seq`) with this source text, if the history's
+    current life (`current_life`) published one; the newest wins. The text is compared
+    too: a writer that restarted without closing its stream numbers from 0 again, and
+    only the same words may be answered with the same translation."""
+    for entry in reversed(current_life(entries)):
+        reply = entry.reply
+        if (
+            isinstance(reply, TranslationUpdate)
+            and reply.is_final
+            and reply.seq == seq
+            and reply.segment_id == segment_id
+            and reply.source_text == source
+        ):
+            return reply
+    return None
+
+
+def resume_from(entries: Sequence[Entry], after: str) -> list[Entry] | None:
+    """The entries after cursor `after` (`0-0`: all that is kept); None when the history
+    cannot say (the cursor is older than what is kept, or newer than anything here: from
+    another history)."""
+    at = position(after)
+    if at == (0, 0):  # "from the start": everything kept (a transcript view)
+        return list(entries)
+    if not entries or at > entries[-1].at:
+        return None
+    if at < entries[0].at:
+        return None
+    return [entry for entry in entries if entry.at > at]

@@ -1,0 +1,123 @@
+"""What the Redis bus keeps in Redis and runs there: the scripts that claim, renew and
+release a stream's lease and append to its histories (each one step inside Redis, so a
+fence cannot be passed between a check and a write), and how an entry is stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import protocol
+from engine.replies import Reply
+from engine.streaming.history import Entry
+from engine.streaming.lifecycle import Owner
+from protocol import ErrorMessage, TranslationUpdate
+
+CLAIM = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return {0, redis.call('PTTL', KEYS[1])} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('SET', KEYS[2], ARGV[3]) end
+return {1, redis.call('INCR', KEYS[2])}
+"""
+# The epoch counter starts from the clock (ms) when missing, so that a Redis restarted
+# without its data never hands out an epoch that an older life already had.
+
+APPEND = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+local ids = {}
+for i = 2, #KEYS do
+  ids[#ids + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*',
+                             'k', ARGV[4], 'e', ARGV[1], 'm', ARGV[5])
+  redis.call('PEXPIRE', KEYS[i], ARGV[3])
+end
+return ids
+"""
+# KEYS[1]: the stream's epoch; the rest: its history keys. An append of an older life
+# (a node that lost the stream without knowing it yet) is refused here.
+
+RENEW = """
+local holder = redis.call('GET', KEYS[1])
+local current = redis.call('GET', KEYS[2])
+if current and current ~= ARGV[3] then return 0 end
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+elseif not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+else
+  return 0
+end
+if not current then redis.call('SET', KEYS[2], ARGV[3]) end
+return 1
+"""
+# A lease that expired while nobody took the stream over (or a Redis restarted without
+# its data) is taken back with the same epoch; one that another life holds is lost.
+
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+KIND_REPLY = "r"
+KIND_CLOSED = "c"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The bus's keys, under `prefix` so that several services may share one Redis."""
+
+    prefix: str
+
+    def lease(self, stream_id: str) -> str:
+        return f"{self.prefix}:lease:{stream_id}"
+
+    def epoch(self, stream_id: str) -> str:
+        return f"{self.prefix}:epoch:{stream_id}"
+
+    def history(self, stream_id: str, lang: str) -> str:
+        # The language is last and never holds a colon: any stream id maps to one key.
+        return f"{self.prefix}:h:{stream_id}:{lang}"
+
+
+@dataclass
+class Append:
+    """One reply (or close mark) waiting to be appended, with whom to tell once it is."""
+
+    stream_id: str
+    langs: list[str]
+    epoch: int
+    kind: str
+    payload: str
+    reply: Reply | None
+    owner: Owner | None
+    queued: float
+
+
+@dataclass
+class Watch:
+    """A history key this node reads for its local viewers."""
+
+    stream_id: str
+    lang: str
+    last: str  # the id read up to
+
+
+def redis_errors() -> tuple[type[BaseException], ...]:
+    from redis.exceptions import RedisError
+
+    return (RedisError, OSError)
+
+
+def entry_of(entry_id: str, fields: dict[str, str]) -> Entry:
+    """A Redis Stream entry as a history entry."""
+    epoch = int(fields["e"]) if fields.get("e") else None
+    if fields.get("k") != KIND_REPLY:
+        return Entry(entry_id, None, epoch)
+    message = protocol.parse(fields["m"], max_bytes=1 << 22, max_text_chars=1 << 20)
+    if isinstance(message, TranslationUpdate):
+        return Entry(entry_id, with_cursor(message, entry_id), epoch)
+    assert isinstance(message, ErrorMessage)
+    return Entry(entry_id, message, epoch)
+
+
+def with_cursor(update: TranslationUpdate, cursor: str) -> TranslationUpdate:
+    return replace(update, cursor=cursor)

@@ -1,0 +1,84 @@
+"""One stream as the controller runs it: its lifecycle (moved only by the stream table),
+its queue of admitted events, one session per target language, and what latest-wins
+needs to abort a superseded partial."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import anyio
+
+from engine.decoding.scheduler import RequestId
+from engine.streaming.lifecycle import StreamLifecycle
+from engine.streaming.session import StreamSession
+from protocol import PartialTranscript
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An admitted event with its normalised source and its token ids for each target
+    language's model, computed once at admission and reused by decoding."""
+
+    event: PartialTranscript
+    source: str
+    source_ids: Mapping[str, list[int]]
+
+
+class Stream:
+    """The controller's working state for one stream: its queue of admitted events, one
+    session per target language and the events its task waits on. Its lifecycle (phase,
+    owner, admission record) is held in `life`, which only the stream table moves."""
+
+    def __init__(self, life: StreamLifecycle, sessions: Mapping[str, StreamSession]) -> None:
+        self.life = life
+        self.sessions = dict(sessions)
+        # Admitted events waiting, each with its arrival time.
+        self.pending: deque[tuple[Admission, float]] = deque()
+        self.wake = anyio.Event()
+        self.done = anyio.Event()
+        self.idle = anyio.Event()
+        self.busy = False
+        self.current: PartialTranscript | None = None  # the event being translated
+        self.answered: set[str] = set()  # languages that answered `current` already
+        self.cancelled_in_row = 0
+        # The id of the current partial's decodes while a newer event may abort them.
+        self.abortable: RequestId | None = None
+        self.warned_script = False  # said once that its text is in another script
+
+    def __repr__(self) -> str:
+        return repr(self.life)
+
+    @property
+    def stream_id(self) -> str:
+        return self.life.stream_id
+
+    @property
+    def taking_events(self) -> bool:
+        return self.life.taking_events
+
+    @property
+    def closed(self) -> bool:
+        """Released or aborted: nothing it does is published any more."""
+        return self.life.closed
+
+    def drop_partials(self) -> int:
+        """Latest wins: drop waiting partials (finals stay); returns how many."""
+        kept = deque(item for item in self.pending if item[0].event.is_final)
+        dropped = len(self.pending) - len(kept)
+        self.pending = kept
+        return dropped
+
+    def supersede(self) -> None:
+        """Latest wins: once a newer event waits, the partial being translated (if it may
+        still be cancelled) is aborted in every language's scheduler; its row leaves the
+        batch at the next step, or its decode is refused if not submitted yet."""
+        if self.pending:
+            self.abort_decoding()
+
+    def abort_decoding(self) -> None:
+        """Abort the current partial's decodes, when they may be aborted."""
+        if self.abortable is not None:
+            for session in self.sessions.values():
+                session.translator.abort([self.abortable])
