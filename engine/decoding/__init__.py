@@ -1,6 +1,6 @@
 """Decoding: searches as per-request state, batches, one scheduler per model, `Translator`."""
 
-from engine.decoding.scheduler import Priority, RequestId, new_request_id
+from engine.decoding.policy import Priority, RequestId, new_request_id
 from engine.decoding.search import (
     DecodeOptions,
     DecodingCancelled,
