@@ -51,9 +51,8 @@ Every row of a step is padded to the longest row's positions, so a lookahead cos
 row of the batch: an extra position is cheap next to a saved step for a lone row, but at
 many rows one more position each costs more than the step it could save for one of them.
 So a lone row looks 4 ahead, 2 rows 2 each, 3-4 rows 1 and a busier step none:
-speculation pays at low load, as in LLM serving. A larger budget showed no gain under
-load to pay for the risk (examples/benchmarks/capacity.py; figures in
-examples/benchmarks/README.md)."""
+speculation pays at low load, as in LLM serving; a larger budget gained nothing under
+load (examples/benchmarks/capacity.py measures it)."""
 
 
 def stack_encoder_outputs(outputs: Sequence[EncoderOutput]) -> EncoderOutput:
