@@ -1,6 +1,6 @@
 """Recognition in worker processes (issue 26): `RecognizerPool` runs each audio stream's
 `RecognizerStream` in one of N spawned processes, and its cores come off the models'
-share of the machine (`SchedulerOptions.recognizers`, `serve --asr-workers`).
+share of the machine (`engine.cli.args.translation_cores`, `serve --asr-workers`).
 
 First the budget and the command line; then the pool with scripted recognizers (no
 pocketsphinx needed: the classes below are pickled to the workers); then pocketsphinx on
