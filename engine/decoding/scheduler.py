@@ -575,4 +575,3 @@ class DecodeScheduler:
                         max(0, past),
                     )
                 )
-
