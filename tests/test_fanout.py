@@ -23,7 +23,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from engine.cli.main import main
-from engine.decoding.targets import Targets
+from engine.decoding.targets import Targets, model_share
 from engine.decoding.translator import Translator
 from engine.errors import ModelLoadError
 from engine.logs import generate_log
@@ -91,7 +91,7 @@ def test_the_models_split_the_cores_instead_of_oversubscribing(targets: Targets)
     cores = os.cpu_count() or 1
     calls = sum(t.scheduler.lanes * t.scheduler.threads_per_lane for t in targets.values())
     assert calls <= max(cores, len(targets))
-    assert all(t.scheduler.options.models == 2 for t in targets.values())
+    assert all(t.scheduler.options.cores == model_share(None, 2) for t in targets.values())
 
 
 def test_a_model_that_fails_to_load_is_named(tmp_path: Path) -> None:

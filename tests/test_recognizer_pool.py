@@ -1,6 +1,6 @@
 """Recognition in worker processes (issue 26): `RecognizerPool` runs each audio stream's
 `RecognizerStream` in one of N spawned processes, and its cores come off the models'
-share of the machine (`SchedulerOptions.recognizers`, `serve --asr-workers`).
+share of the machine (`engine.cli.args.translation_cores`, `serve --asr-workers`).
 
 First the budget and the command line; then the pool with scripted recognizers (no
 pocketsphinx needed: the classes below are pickled to the workers); then pocketsphinx on
@@ -38,6 +38,7 @@ from engine.asr.errors import (
 from engine.asr.pool import PooledStream, RecognizerPool
 from engine.asr.recognizer import RecognizerStream, SpeechHypothesis
 from engine.decoding.scheduler import SchedulerOptions, Threads
+from engine.decoding.targets import Targets, model_share
 from protocol import PartialTranscript
 from tests.conftest import ROOT
 
@@ -50,18 +51,19 @@ CHUNK = 3200  # 100 ms
 
 
 def test_recognition_cores_come_off_the_models_share() -> None:
-    assert SchedulerOptions(cores=4).resolved() == Threads(2, 2, 2)
-    assert SchedulerOptions(cores=4, recognizers=1).resolved() == Threads(2, 1, 1)
-    assert SchedulerOptions(cores=2, recognizers=1).resolved() == Threads(1, 1, 1)
+    from engine.cli.args import translation_cores
+
+    assert SchedulerOptions(cores=translation_cores(0, machine=4)).resolved() == Threads(2, 2, 2)
+    assert SchedulerOptions(cores=translation_cores(1, machine=4)).resolved() == Threads(2, 1, 1)
+    assert SchedulerOptions(cores=translation_cores(1, machine=2)).resolved() == Threads(1, 1, 1)
     # Two models share what recognition leaves: 8 - 2 = 6 cores, 3 each.
-    assert SchedulerOptions(cores=8, recognizers=2, models=2).resolved() == Threads(2, 1, 1)
-    assert SchedulerOptions(cores=8, recognizers=2, models=2, lanes=1).resolved() == Threads(
-        1, 3, 3
-    )
+    share = model_share(translation_cores(2, machine=8), 2)
+    assert SchedulerOptions(cores=share).resolved() == Threads(2, 1, 1)
+    assert SchedulerOptions(cores=share, lanes=1).resolved() == Threads(1, 3, 3)
     # The models always keep a core, however many recognizers are asked for.
-    assert SchedulerOptions(cores=2, recognizers=4).resolved() == Threads(1, 1, 1)
+    assert translation_cores(4, machine=2) == 1
     with pytest.raises(ValueError, match="recognizers must be >= 0"):
-        SchedulerOptions(recognizers=-1)
+        translation_cores(-1)
 
 
 def test_serve_gives_one_recognition_process_per_four_cores() -> None:
@@ -77,8 +79,8 @@ def serve_args(*extra: str) -> argparse.Namespace:
     return build_parser().parse_args(["serve", "--model", "models/fixture/model", *extra])
 
 
-def test_asr_workers_reach_the_pool_and_the_scheduler() -> None:
-    from engine.cli.args import _load_options
+def test_asr_workers_reach_the_pool_and_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.cli.args
     from engine.cli.serve import audio_input, default_asr_workers
 
     with contextlib.ExitStack() as stack:
@@ -93,8 +95,10 @@ def test_asr_workers_reach_the_pool_and_the_scheduler() -> None:
         assert default is not None and default.workers == default_asr_workers()
         threads = audio_input(serve_args("--asr", "pocketsphinx", *lm, "--asr-workers", "0"), stack)
         assert threads is not None and threads.workers == 0
-    scheduler = _load_options(serve_args(), recognizers=3)["scheduler"]
-    assert isinstance(scheduler, SchedulerOptions) and scheduler.recognizers == 3
+    loaded: dict[str, object] = {}
+    monkeypatch.setattr(Targets, "load", lambda specs, **kw: loaded.update(kw))
+    engine.cli.args.load_targets(serve_args(), recognizers=3)
+    assert loaded["cores"] == engine.cli.args.translation_cores(3)
 
 
 # --- scripted recognizers in worker processes ---------------------------------------------

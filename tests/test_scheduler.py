@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,14 +22,10 @@ import pytest
 
 from engine import DecodeOptions, Translator
 from engine.decoding.batch import LOOKAHEAD, LOOKAHEAD_POSITIONS
-from engine.decoding.scheduler import (
-    PREFILL_PADDING,
-    DecodeScheduler,
-    Priority,
-    SchedulerOptions,
-    new_request_id,
-)
+from engine.decoding.policy import PREFILL_PADDING, Priority, new_request_id
+from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
 from engine.decoding.search import DecodingCancelled, Hypothesis
+from engine.decoding.targets import model_share
 from engine.model import FloatArray
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 
@@ -168,7 +164,7 @@ def test_rows_join_and_leave_a_running_batch(translator: Translator) -> None:
             # machine is: the long row used to end first now and then in a loaded run.
             assert sent.wait(30)
             deadline = time.monotonic() + 0.2
-            while not translator.scheduler._waiting and time.monotonic() < deadline:
+            while not translator.scheduler.waiting and time.monotonic() < deadline:
                 time.sleep(0.0005)
         return scores
 
@@ -283,11 +279,11 @@ def test_an_abort_takes_the_stale_partials_row_out_of_the_batch(
 def test_an_abort_drops_a_waiting_request_and_refuses_a_later_one() -> None:
     """The abort may come before the request is admitted, or before it is even submitted
     (the worker thread was slow): a waiting one is answered with `DecodingCancelled` at
-    once, while the lane is still busy; a submission with an aborted id fails at once."""
+    once, while the lane is still busy; a submission with an aborted id fails at once
+    (the policy's side: tests/test_policy.py)."""
     needs_fixture()
-    # One thread admits and steps, so that the held lane admits nothing meanwhile.
-    one_thread = SchedulerOptions(lanes=1, prefill_apart=False)
-    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=one_thread)
+    # One lane, held, so that it admits nothing meanwhile.
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
     scheduler = tr.scheduler
     release, holding = threading.Event(), threading.Event()
 
@@ -304,10 +300,10 @@ def test_an_abort_drops_a_waiting_request_and_refuses_a_later_one() -> None:
         (waiting,) = scheduler.submit(
             enc, DecodeOptions(), priority=Priority.PARTIAL, request_id=waiting_id
         )
-        assert scheduler._waiting
+        assert scheduler.waiting == 1
         scheduler.abort([waiting_id, late_id])
         assert isinstance(waiting.exception(0), DecodingCancelled)
-        assert not scheduler._waiting
+        assert scheduler.waiting == 0
         with pytest.raises(DecodingCancelled):
             scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL, request_id=late_id)
         assert scheduler.stats["rows_cancelled"] == 2
@@ -315,51 +311,6 @@ def test_an_abort_drops_a_waiting_request_and_refuses_a_later_one() -> None:
         release.set()
     assert blocker.result(30).token_ids == alone(tr, SOURCES[0], [], DecodeOptions()).token_ids
     tr.close()
-
-
-def test_finals_are_admitted_before_waiting_partials() -> None:
-    needs_fixture()
-    # One thread admits and steps (no prefill thread), so the blocker holds all admission.
-    one_thread = SchedulerOptions(max_rows=2, lanes=1, prefill_apart=False)
-    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=one_thread)
-    release = threading.Event()
-    first_step: dict[str, int] = {}
-    clock = iter(range(10**6))
-    lock = threading.Lock()
-
-    def tracer(name: str) -> Callable[[Sequence[Sequence[int]], FloatArray], FloatArray]:
-        def hook(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
-            with lock:
-                first_step.setdefault(name, next(clock))
-            if name == "blocker":
-                release.wait(30)  # holds the scheduler thread until all are queued
-            return scores
-
-        return hook
-
-    options = DecodeOptions(min_new_tokens=20, max_new_tokens=20)
-    enc = tr.encode([tr.source_ids(SOURCES[0])])
-
-    def run(name: str, final: bool) -> Hypothesis:
-        priority = Priority.FINAL if final else Priority.PARTIAL
-        return tr.decode(enc, options, hook=tracer(name), priority=priority)[0]
-
-    with ThreadPoolExecutor(12) as pool:
-        blocker = pool.submit(run, "blocker", True)
-        while "blocker" not in first_step:
-            threading.Event().wait(0.001)
-        partials = [pool.submit(run, f"p{i}", False) for i in range(8)]
-        while len(tr.scheduler._waiting) < 8:
-            threading.Event().wait(0.001)
-        final = pool.submit(run, "final", True)
-        while len(tr.scheduler._waiting) < 9:
-            threading.Event().wait(0.001)
-        release.set()
-        for future in [blocker, final, *partials]:
-            future.result(60)
-    # With room for two rows, the final (queued last) starts before every partial but one.
-    later = [name for name in first_step if name.startswith("p")]
-    assert sum(first_step[p] < first_step["final"] for p in later) <= 1
 
 
 def test_lockstep_fallback_gives_the_same_results() -> None:
@@ -535,35 +486,6 @@ def test_two_lanes_share_the_work_and_give_the_same_results() -> None:
     assert all(steps), steps  # both lanes decoded
 
 
-def test_prefills_on_their_own_thread_give_the_same_results() -> None:
-    """`prefill_apart`: newcomers are encoded and prefilled (drafts verified) on the lane's
-    prefill thread while its stepping thread goes on; the rows it hands over join the
-    batch between two steps. Every result is still decoding it alone, drafts or not."""
-    needs_fixture()
-    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(prefill_apart=True))
-    assert tr.scheduler.apart and tr.scheduler.lanes == 1
-    todo = requests(tr) * 3
-    expected = [alone(tr, text, prefix, DecodeOptions()) for text, prefix in todo]
-    gate = threading.Barrier(len(todo))
-
-    def one(item: tuple[int, tuple[str, list[int]]]) -> Hypothesis:
-        index, (text, prefix) = item
-        ref = expected[index].token_ids[len(prefix) :]
-        drafts = {0: list(ref), 1: [*ref[:2], 7], 2: []}
-        draft = drafts[index % 3]
-        gate.wait()
-        return tr.decode(tr.encoding([tr.source_ids(text)]), prefixes=[prefix], drafts=[draft])[0]
-
-    with ThreadPoolExecutor(len(todo)) as pool:
-        got = list(pool.map(one, enumerate(todo)))
-    assert [h.token_ids for h in got] == [r.token_ids for r in expected]
-    stats = tr.scheduler.stats
-    lane = tr.scheduler._lanes[0]
-    assert lane.prefill_stats["prefill_calls"] > 0  # the prefill thread did prefill
-    assert stats["prefill_rows"] == len(todo)
-    tr.close()
-
-
 def test_sources_given_as_ids_are_encoded_by_the_admitting_lane_once(
     translator: Translator,
 ) -> None:
@@ -620,10 +542,6 @@ def test_thread_counts_are_set_in_one_place() -> None:
     assert SchedulerOptions(lanes=1, threads_per_lane=3).resolved(2) == (1, 3, 3)
     assert SchedulerOptions(lanes=1).resolved(2) == (1, 2, 2)
     assert SchedulerOptions(lanes=1, threads_per_lane=1).resolved(4) == (1, 1, 4)
-    # A lane that prefills apart runs two calls at once: the cores count both.
-    assert SchedulerOptions(prefill_apart=True).resolved(2) == (1, 1, 2)
-    assert SchedulerOptions(prefill_apart=True).resolved(16) == (2, 4, 4)
-    assert SchedulerOptions().resolved(2, apart=True) == (1, 1, 2)
     with pytest.raises(ValueError, match="cores"):
         SchedulerOptions(cores=0)
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2))
@@ -638,13 +556,12 @@ def test_models_sharing_the_cores_split_them_instead_of_oversubscribing() -> Non
     calls at once than there are cores."""
     for cores in (1, 2, 3, 4, 16):
         for models in (1, 2, 3):
-            lanes, threads, head = SchedulerOptions(models=models).resolved(cores)
+            share = model_share(cores, models)
+            lanes, threads, head = SchedulerOptions(cores=share).resolved()
             assert lanes * threads * models <= max(cores, models), (cores, models)
             assert head * models <= max(cores, models), (cores, models)
-    assert SchedulerOptions(models=2).resolved(2) == (1, 1, 1)
-    assert SchedulerOptions(models=2).resolved(16) == (2, 4, 4)
-    with pytest.raises(ValueError):
-        SchedulerOptions(models=0)
+    assert SchedulerOptions(cores=model_share(2, 2)).resolved() == (1, 1, 1)
+    assert SchedulerOptions(cores=model_share(16, 2)).resolved() == (2, 4, 4)
 
 
 # -- draft verification (issue 14) -----------------------------------------------------

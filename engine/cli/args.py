@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 from engine.decoding.scheduler import SchedulerOptions
@@ -206,9 +207,18 @@ def load_translator(args: argparse.Namespace) -> Translator:
     )
 
 
-def _load_options(args: argparse.Namespace, recognizers: int = 0) -> dict[str, Any]:
-    """`Translator.from_dir`'s keyword options from `add_model_arguments`' options;
-    `recognizers`: cores of the budget that speech recognition's processes take."""
+def translation_cores(recognizers: int = 0, machine: int | None = None) -> int:
+    """The cores the process's models may use: the machine's (`machine`, default all it
+    has) less those speech recognition's worker processes take (`serve --asr-workers`),
+    so recognition and translation together never run more calls than there are cores;
+    at least one stays for the models."""
+    if recognizers < 0:
+        raise ValueError("recognizers must be >= 0")
+    return max(1, (machine or os.cpu_count() or 1) - recognizers)
+
+
+def _load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`Translator.from_dir`'s keyword options from `add_model_arguments`' options."""
     return {
         "quantized": args.quantized,
         "use_cache": not args.no_cache,
@@ -216,7 +226,7 @@ def _load_options(args: argparse.Namespace, recognizers: int = 0) -> dict[str, A
         "allow_spinning": args.spin,
         "batchable": not args.lockstep,
         "int8_per_token": not args.int8_per_call,
-        "scheduler": SchedulerOptions(max_rows=args.max_batch_rows, recognizers=recognizers),
+        "scheduler": SchedulerOptions(max_rows=args.max_batch_rows),
     }
 
 
@@ -229,5 +239,6 @@ def load_targets(args: argparse.Namespace, *, recognizers: int = 0) -> Targets:
     return Targets.load(
         specs,
         resolve=lambda spec: resolve_model(spec, quantized=args.quantized),
-        **_load_options(args, recognizers),
+        cores=translation_cores(recognizers),
+        **_load_options(args),
     )

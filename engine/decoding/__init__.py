@@ -1,6 +1,7 @@
-"""Decoding: searches as per-request state, batches, one scheduler per model, `Translator`."""
+"""Decoding: searches as per-request state, batches, one scheduler per model (a policy
+and the engine running it), `Translator`."""
 
-from engine.decoding.scheduler import Priority, RequestId, new_request_id
+from engine.decoding.policy import Priority, RequestId, new_request_id
 from engine.decoding.search import (
     DecodeOptions,
     DecodingCancelled,

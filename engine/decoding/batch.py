@@ -51,9 +51,8 @@ Every row of a step is padded to the longest row's positions, so a lookahead cos
 row of the batch: an extra position is cheap next to a saved step for a lone row, but at
 many rows one more position each costs more than the step it could save for one of them.
 So a lone row looks 4 ahead, 2 rows 2 each, 3-4 rows 1 and a busier step none:
-speculation pays at low load, as in LLM serving. A larger budget showed no gain under
-load to pay for the risk (examples/benchmarks/capacity.py; figures in
-examples/benchmarks/README.md)."""
+speculation pays at low load, as in LLM serving; a larger budget gained nothing under
+load (examples/benchmarks/capacity.py measures it)."""
 
 
 def stack_encoder_outputs(outputs: Sequence[EncoderOutput]) -> EncoderOutput:
@@ -336,17 +335,6 @@ class _Slots:
         self.real = (np.arange(width)[None, :] >= (width - keep)[:, None]).astype(np.int64)
 
 
-@dataclass
-class Prefilled:
-    """Newcomers after their prefill call: those that ended there, those that go on and
-    their rows' state (None when none goes on), and the draft tokens verified."""
-
-    ended: list[Search]
-    kept: list[Search]
-    slots: _Slots | None
-    stats: Counter[str]
-
-
 class ContinuousBatch(DecodeBatch):
     """A batch that searches join and leave at any step (iteration-level batching).
 
@@ -412,30 +400,19 @@ class ContinuousBatch(DecodeBatch):
             self._slots.select(select)
         if not joining:
             return []
-        done = self.prefill(joining)
-        self.adopt(done)
-        return done.ended
+        ended, kept, slots = self._prefill(joining)
+        if kept:
+            if self.searches and self._slots is not None:
+                self._slots.extend(slots)
+            else:
+                self._slots = slots
+            self.searches = [*self.searches, *kept]
+        return ended
 
-    def adopt(self, done: Prefilled) -> None:
-        """Take in rows prefilled apart (`prefill`, maybe on another thread), between
-        `update` and `execute`: they take part in the next step."""
-        if self._logits is not None:
-            raise RuntimeError("adopt between execute and update")
-        self.stats.update(done.stats)
-        if not done.kept:
-            return
-        assert done.slots is not None
-        if self.searches and self._slots is not None:
-            self._slots.extend(done.slots)
-        else:
-            self._slots = done.slots
-        self.searches = [*self.searches, *done.kept]
-
-    def prefill(self, joining: Sequence[Member]) -> Prefilled:
+    def _prefill(self, joining: Sequence[Member]) -> tuple[list[Search], list[Search], _Slots]:
         """One call over the newcomers: start token, forced prefix and draft, right-padded.
         Each takes its first step there and goes on through its draft while the draft is
-        confirmed. Touches nothing of the batch's own state, so it may run on another
-        thread while the batch steps; `adopt` takes the result in."""
+        confirmed. Returns those that ended, those that go on and their rows' state."""
         config = self.model.config
         searches = [search for search, _ in joining]
         fed = [[config.decoder_start_token_id, *s.prefix, *s.draft] for s in searches]
@@ -450,7 +427,6 @@ class ContinuousBatch(DecodeBatch):
         needed = np.array([len(s.prefix) for s in searches], dtype=np.int64)
         logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed)
         steps = _Steps()
-        stats: Counter[str] = Counter()
         real = np.zeros(len(searches), dtype=np.int64)  # valid slots per prefilled row
         for r, search in enumerate(searches):
             start, draft = len(search.prefix), search.draft
@@ -458,14 +434,14 @@ class ContinuousBatch(DecodeBatch):
             steps.add(search, r, step)
             real[r] = 1 + start + accepted
             search.accepted = accepted
-            stats["draft_offered"] += len(draft)
-            stats["draft_accepted"] += accepted
+            self.stats["draft_offered"] += len(draft)
+            self.stats["draft_accepted"] += accepted
         used = (np.arange(width)[None, :] < real[:, None]).astype(np.int64)
         next_ids = np.zeros((len(searches), 1), dtype=np.int64)
         slots = _Slots(enc, self_kv, cross_kv, used, real, next_ids)
         slots.select(steps.select)
         slots.next = np.array(steps.tokens, dtype=np.int64).reshape(-1, 1)
-        return Prefilled(steps.ended, steps.kept, slots if steps.kept else None, stats)
+        return steps.ended, steps.kept, slots
 
     def execute(self) -> None:
         if not self.searches:

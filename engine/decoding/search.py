@@ -152,7 +152,7 @@ class Extension(NamedTuple):
 MAX_DRAFT = 64
 """Draft tokens verified at most. A rejected draft token costs one more position in the
 prefill call, far less than a step, so a long draft that the new source contradicts
-early is still cheap; the cap bounds it (figures: examples/benchmarks/README.md)."""
+early is still cheap; the cap bounds it."""
 
 
 class Search(ABC):

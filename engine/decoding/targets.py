@@ -9,13 +9,14 @@ name exactly one model). The first model's language is the default, what a viewe
 names no language gets.
 
 Each model keeps its own decode scheduler (rows of different models cannot share a
-decoder call); `load` tells each how many models share the cores, so that their lanes
-and threads together fit the machine (`SchedulerOptions.models`).
+decoder call); `load` splits the cores it is given between them (`model_share`), so that
+their lanes and threads together fit the machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,13 @@ from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.translator import Translator
 from engine.errors import EngineError, ModelLoadError
 from engine.languages import match_lang
+
+
+def model_share(cores: int | None, models: int) -> int:
+    """Each of `models` schedulers' cores out of `cores` (default: the machine's), so that
+    together they run one call per core, never more (at least one each)."""
+    return max(1, (cores or os.cpu_count() or 1) // models)
+
 
 UNKNOWN_LANG = "und"
 """The key of a lone model that does not say its target language (BCP 47 "undetermined");
@@ -102,13 +110,15 @@ class Targets(Mapping[str, Translator]):
         *,
         resolve: Callable[[str], Path] | None = None,
         scheduler: SchedulerOptions | None = None,
+        cores: int | None = None,
         **kwargs: Any,
     ) -> Targets:
         """Load each model once (`resolve` turns a catalog name into a directory) with
-        the cores split between them, then check the set. Raises `ModelLoadError` naming
-        the model that failed (or the conflict between two); models already loaded are
-        closed."""
-        options = dataclasses.replace(scheduler or SchedulerOptions(), models=len(models))
+        `cores` (default: the machine's) split between them, then check the set. Raises
+        `ModelLoadError` naming the model that failed (or the conflict between two);
+        models already loaded are closed."""
+        share = model_share(cores, len(models))
+        options = dataclasses.replace(scheduler or SchedulerOptions(), cores=share)
         loaded: list[Translator] = []
         try:
             for spec in models:

@@ -42,7 +42,6 @@ class Step:
     joined: int
     left: int
     waiting: int  # requests still queued after this turn's admission
-    thread: str = "step"  # "step": the lane's stepping thread; "prefill": its prefill thread
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,8 +112,8 @@ def summary(steps: Iterable[Step], answered: Iterable[Answered] = ()) -> dict[st
         return {"steps": 0}
     out: dict[str, Any] = {"steps": len(steps), "lanes": {}}
     out["partials_by_past_draft"] = by_past_draft(answered)
-    for lane in sorted({(s.lane, s.thread) for s in steps}):
-        mine = [s for s in steps if (s.lane, s.thread) == lane]
+    for lane in sorted({s.lane for s in steps}):
+        mine = [s for s in steps if s.lane == lane]
         parts = {
             "waited": sum(s.waited for s in mine),
             "encode": sum(s.encode for s in mine),
@@ -124,7 +123,7 @@ def summary(steps: Iterable[Step], answered: Iterable[Answered] = ()) -> dict[st
         }
         total = sum(parts.values()) or 1.0
         calls = [s.rows for s in mine if s.rows]
-        out["lanes"][lane[0] if lane[1] == "step" else f"{lane[0]} prefill"] = {
+        out["lanes"][lane] = {
             "wall_s": round(total, 3),
             **{f"{name}_share": round(value / total, 3) for name, value in parts.items()},
             "rows_p50": statistics.median(calls) if calls else 0,

@@ -270,12 +270,6 @@ def main(argv: list[str] | None = None) -> int:
         "on its lane's thread)",
     )
     parser.add_argument(
-        "--prefill-apart",
-        action="store_true",
-        help="a prefill thread beside each lane's stepping thread (SchedulerOptions."
-        "prefill_apart; one lane on 2 cores)",
-    )
-    parser.add_argument(
         "--prefill-positions",
         type=int,
         default=None,
@@ -319,8 +313,6 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.lookahead_positions is not None:
             chosen["lookahead_positions"] = args.lookahead_positions
-        if args.prefill_apart:
-            chosen["prefill_apart"] = True
         if args.prefill_positions is not None:
             chosen["prefill_positions"] = args.prefill_positions
         kwargs["scheduler"] = SchedulerOptions(**{k: v for k, v in chosen.items() if v is not None})
