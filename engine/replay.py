@@ -19,7 +19,6 @@ final equals the offline translation of its final transcript.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections import Counter, defaultdict
@@ -30,30 +29,28 @@ from typing import Any
 import anyio
 from tqdm import tqdm  # type: ignore[import-untyped]
 
-import protocol
 from engine.decoding.translator import Translator
 from engine.evaluation.metrics import (
     SegmentTrace,
-    StreamingReport,
     UpdatePoint,
-    build_report,
     display_text,
     percentile,
     segment_audio_span,
     simulated_done_times,
 )
+from engine.evaluation.report import StreamingReport, build_report
 from engine.evaluation.revisions import SourceRevisions, source_revisions
 from engine.languages import in_other_script
 from engine.logs import (
     PathLike,
     SegmentKey,
-    TranscriptLogError,
     check_references,
     event_of,
     read_log,
     read_references,
     segment_order,
 )
+from engine.logs.updates import TimedUpdate
 from engine.streaming import IncrementalTranslator, StreamingOptions
 from protocol import (
     ErrorCode,
@@ -84,48 +81,6 @@ class ReplayOptions:
     def __post_init__(self) -> None:
         if not self.speed > 0 or self.speed == float("inf"):
             raise ValueError(f"speed must be a positive finite number, got {self.speed}")
-
-
-@dataclass(frozen=True)
-class TimedUpdate:
-    """An update with the emit-clock time of the partial it answers and of its delivery."""
-
-    update: TranslationUpdate
-    emit_ms: float
-    done_ms: float
-
-    @property
-    def latency_ms(self) -> float:
-        """Arrival of the partial at the engine -> update, as the engine measured it."""
-        return self.update.latency_ms
-
-
-TIME_KEYS = ("emit_ms", "done_ms")
-
-
-def timed_update_line(timed: TimedUpdate) -> str:
-    """One line of a replay's updates file: the `translation_update` wire message plus,
-    like a transcript log line, its times on the log's clock (`emit_ms`: the partial it
-    answers; `done_ms`: when it was delivered), so reports can be recomputed from files."""
-    obj = json.loads(protocol.serialize(timed.update))
-    obj.update(emit_ms=timed.emit_ms, done_ms=timed.done_ms)
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def read_updates(path: PathLike) -> list[TimedUpdate]:
-    """The updates file `timed_update_line` wrote."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            obj = json.loads(raw)
-            times = [float(obj.pop(key)) for key in TIME_KEYS]
-            update = protocol.parse(json.dumps(obj), accept={"translation_update"})
-            if not isinstance(update, TranslationUpdate):
-                raise TranscriptLogError(f"{path}:{number}: {getattr(update, 'message', '')}")
-            out.append(TimedUpdate(update, *times))
-    return out
 
 
 @dataclass(frozen=True)

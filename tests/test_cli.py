@@ -16,7 +16,7 @@ import protocol
 from engine.cli.main import main
 from engine.decoding.translator import Translator
 from engine.logs import read_log
-from engine.replay import read_updates
+from engine.logs.updates import read_updates
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT, needs_fixture, serving
 
 LOGS = ROOT / "examples" / "logs"
@@ -147,7 +147,7 @@ def test_replay_updates_to_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_realtime_report_can_be_recomputed_from_the_files(tmp_path: Path) -> None:
     """The realtime updates file carries each update's finish time on the log's clock, so
     the report's compute-aware latency can be recomputed from the log and that file."""
-    from engine.evaluation.metrics import build_report
+    from engine.evaluation.report import build_report
     from engine.replay import _traces
 
     needs_fixture()

@@ -8,8 +8,9 @@ import pytest
 
 from engine import languages
 from engine.evaluation import units
-from engine.evaluation.metrics import SegmentTrace, UpdatePoint, build_report, display_text
+from engine.evaluation.metrics import SegmentTrace, UpdatePoint, display_text
 from engine.evaluation.peers import simuleval_instances
+from engine.evaluation.report import build_report
 from engine.languages import CJK_RANGES, base_lang, is_cjk
 from engine.model.config import _lang_code
 from engine.streaming import session

@@ -11,7 +11,6 @@ from engine.evaluation.metrics import (
     SegmentTrace,
     UpdatePoint,
     average_lagging,
-    build_report,
     corpus_quality,
     differentiable_average_lagging,
     display_text,
@@ -28,6 +27,7 @@ from engine.evaluation.metrics import (
     update_compute_ms,
     yet_another_average_lagging,
 )
+from engine.evaluation.report import build_report
 from engine.evaluation.units import count_units, guess_lang, normalize_lang, split_units
 
 

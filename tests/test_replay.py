@@ -22,10 +22,10 @@ from engine.logs import (
     read_references,
     segment_order,
 )
+from engine.logs.updates import TimedUpdate
 from engine.replay import (
     ReplayOptions,
     ReplayResult,
-    TimedUpdate,
     replay,
     replay_file,
 )

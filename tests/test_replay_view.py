@@ -22,7 +22,7 @@ from pathlib import Path
 
 from engine.cli.main import build_parser
 from engine.cli.replay import LiveView, clip_left, clip_right, display_width, run_replay
-from engine.replay import TimedUpdate
+from engine.logs.updates import TimedUpdate
 from protocol import TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 

@@ -19,7 +19,8 @@ import pytest
 
 from engine.cli.main import main
 from engine.evaluation.html_report import EXPLAIN, SUMMARY, render, segment_timeline
-from engine.evaluation.metrics import SegmentTrace, UpdatePoint, build_report
+from engine.evaluation.metrics import SegmentTrace, UpdatePoint
+from engine.evaluation.report import build_report
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -23,7 +23,7 @@ from engine.asr.transcriber import Fed, Transcriber, feed_audio
 from engine.cli.listen_view import ListenView
 from engine.cli.serve import page_url
 from engine.decoding.translator import Translator
-from engine.replay import TimedUpdate
+from engine.logs.updates import TimedUpdate
 from engine.streaming import IncrementalTranslator, StreamingOptions, Subscription
 from protocol import ErrorMessage, PartialTranscript, TranslationUpdate
 

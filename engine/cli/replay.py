@@ -37,7 +37,8 @@ from engine.evaluation.metrics import SegmentTrace
 from engine.evaluation.peers import write_simuleval, write_simulstream
 from engine.languages import word_joiner
 from engine.logs import check_references, read_log, read_references
-from engine.replay import ReplayOptions, TimedUpdate, replay, timed_update_line
+from engine.logs.updates import TimedUpdate, timed_update_line
+from engine.replay import ReplayOptions, replay
 
 
 def add_replay_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

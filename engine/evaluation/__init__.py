@@ -8,10 +8,8 @@ from engine.evaluation.metrics import (
     QualityScores,
     SegmentMetrics,
     SegmentTrace,
-    StreamingReport,
     UpdatePoint,
     average_lagging,
-    build_report,
     corpus_quality,
     differentiable_average_lagging,
     display_text,
@@ -22,6 +20,7 @@ from engine.evaluation.metrics import (
     segment_metrics,
     simulated_done_times,
 )
+from engine.evaluation.report import StreamingReport, build_report
 from engine.evaluation.revisions import SourceRevisions, source_revisions
 from engine.evaluation.units import count_units, guess_lang, normalize_lang, split_units
 

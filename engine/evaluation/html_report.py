@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.evaluation.metrics import SegmentMetrics, SegmentTrace, StreamingReport, percentile
+from engine.evaluation.metrics import SegmentMetrics, SegmentTrace, percentile
+from engine.evaluation.report import StreamingReport
 from engine.evaluation.units import split_units
 
 WIDTH, HEIGHT, PAD = 860, 220, 40

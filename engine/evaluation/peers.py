@@ -24,7 +24,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.evaluation.metrics import SegmentTrace, StreamingReport, lcp_len
+from engine.evaluation.metrics import SegmentTrace, lcp_len
+from engine.evaluation.report import StreamingReport
 from engine.evaluation.units import split_units
 from engine.languages import text_lang, word_joiner, written_without_spaces
 
