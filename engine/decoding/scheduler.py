@@ -72,12 +72,9 @@ from engine.model import EncoderOutput, IntArray, MarianOnnx
 __all__ = [
     "DecodeScheduler",
     "Encoding",
-    "Priority",
-    "RequestId",
     "SchedulerClosed",
     "SchedulerOptions",
     "Threads",
-    "new_request_id",
 ]
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ processes (`engine.asr.pool`), each stream pinned to one of them; the feed's thr
 waits for the answer. pocketsphinx holds the GIL while it decodes, so in threads of the
 server process all recognition shares one core with the event loop and the engine's
 Python; in processes it does not, and the decode scheduler counts their cores
-(`SchedulerOptions.recognizers`). Without `workers` (0: tests with scripted recognizers,
+(`engine.cli.args.translation_cores`). Without `workers` (0: tests with scripted recognizers,
 which need not pickle, and embedding callers) it runs in the feed's thread.
 """
 
@@ -66,7 +66,7 @@ class AudioInput:
     `max_backlog_s`: audio waiting for recognition past which new audio is dropped (the
     server is overloaded); `description` names the recognizer in logs; `workers`:
     recognition processes (0: threads of the server process; see the module docstring),
-    whose cores the models' scheduler should be told of (`SchedulerOptions.recognizers`)."""
+    whose cores the models' scheduler should be told of (`engine.cli.args.translation_cores`)."""
 
     recognizer: RecognizerFactory  # one per audio stream; pickles when `workers`
     limits: AudioLimits = field(default_factory=AudioLimits)

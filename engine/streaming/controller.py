@@ -35,7 +35,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from engine.decoding.scheduler import Priority, new_request_id
+from engine.decoding.policy import Priority, new_request_id
 from engine.decoding.search import DecodingCancelled
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from engine.decoding.scheduler import RequestId
+from engine.decoding.policy import RequestId
 from engine.streaming.lifecycle import StreamLifecycle
 from engine.streaming.session import StreamSession
 from protocol import PartialTranscript
