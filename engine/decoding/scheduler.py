@@ -55,7 +55,6 @@ from engine.decoding.policy import (
     Priority,
     RequestId,
     SchedulingPolicy,
-    new_request_id,
 )
 from engine.decoding.search import (
     DecodeOptions,
