@@ -41,7 +41,7 @@ from engine.evaluation.metrics import (
 from engine.evaluation.report import StreamingReport, build_report
 from engine.evaluation.revisions import SourceRevisions, source_revisions
 from engine.languages import in_other_script
-from engine.logs import (
+from engine.logs.format import (
     PathLike,
     SegmentKey,
     check_references,
@@ -51,7 +51,8 @@ from engine.logs import (
     segment_order,
 )
 from engine.logs.updates import TimedUpdate
-from engine.streaming import IncrementalTranslator, StreamingOptions
+from engine.streaming.controller import IncrementalTranslator
+from engine.streaming.session import StreamingOptions
 from protocol import (
     ErrorCode,
     ErrorMessage,

@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from engine.model import TOKENIZER_FILES
+from engine.model.config import TOKENIZER_FILES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_DIR = REPO_ROOT.parent / "shared" / "opus-mt-zh-en"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+from engine.model.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_DIR = ROOT / "models" / "fixture"

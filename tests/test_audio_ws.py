@@ -535,7 +535,7 @@ def spoken(text: str, voice: str = VOICE) -> bytes:
 @pytest.fixture(scope="module")
 def sphinx() -> AudioInput:
     needs_speech()
-    from engine.asr import SphinxOptions
+    from engine.asr.sphinx import SphinxOptions
     from engine.server.audio import pocketsphinx_input
 
     return pocketsphinx_input(
@@ -654,7 +654,7 @@ async def test_minutes_of_silence_say_nothing_and_speech_after_them_is_heard(
     translator: Translator,
 ) -> None:
     needs_speech()
-    from engine.asr import SphinxOptions
+    from engine.asr.sphinx import SphinxOptions
     from engine.server.audio import pocketsphinx_input
 
     fast = pocketsphinx_input(

@@ -31,24 +31,17 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 import protocol
-from engine.bridges import (
-    Bridge,
-    BridgeError,
-    BridgeOptions,
-    BridgeResult,
-    Dialect,
-    EventWriter,
-    Interrupted,
-    Kind,
-    LineSplitter,
-    MapperOptions,
-    Segmentation,
-    make_mapper,
-)
+from engine.bridges.cloud import Dialect
+from engine.bridges.errors import BridgeError
+from engine.bridges.events import EventWriter, Interrupted
+from engine.bridges.kinds import Kind, MapperOptions, make_mapper
+from engine.bridges.options import BridgeOptions, BridgeResult
+from engine.bridges.runner import Bridge
+from engine.bridges.whisper_streaming import LineSplitter, Segmentation
 from engine.bridges.whisperlive import WhisperLiveMapper, float32_audio
 from engine.cli.bridge import add_bridge_parser, bridge_options, exit_status, run_bridge
 from engine.decoding.translator import Translator
-from engine.server import SubtitleServer
+from engine.server.app import SubtitleServer
 from protocol import Backoff, ErrorMessage, PartialTranscript
 from tests.test_server import STREAMING, serving, translator
 

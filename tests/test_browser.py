@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from engine.decoding.translator import Translator
-from engine.streaming import IncrementalTranslator
+from engine.streaming.controller import IncrementalTranslator
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_server import STREAMING, serving
 
@@ -192,7 +192,8 @@ async def test_page_shows_the_language_it_asks_for(relabelled_de: Path) -> None:
     from websockets.asyncio.client import connect
 
     from engine.decoding.targets import Targets
-    from engine.server import Limits, ServerOptions, SubtitleServer
+    from engine.server.app import ServerOptions, SubtitleServer
+    from engine.server.limits import Limits
 
     targets = Targets.load([FIXTURE_MODEL, relabelled_de])
     options = ServerOptions(port=0, limits=Limits(rate_limit=None))

@@ -15,7 +15,7 @@ import pytest
 import protocol
 from engine.cli.main import main
 from engine.decoding.translator import Translator
-from engine.logs import read_log
+from engine.logs.format import read_log
 from engine.logs.updates import read_updates
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT, needs_fixture, serving
 

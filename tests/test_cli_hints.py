@@ -26,8 +26,8 @@ import pytest
 from engine.cli.main import build_parser, main
 from engine.conversion import verify as export_verify
 from engine.decoding.translator import Translator
-from engine.hub import HubSettings
 from engine.hub.files import repo_model_name
+from engine.hub.settings import HubSettings
 from tests.conftest import FIXTURE_MODEL, ROOT
 from tests.test_hub import (
     SENTENCE,

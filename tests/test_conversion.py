@@ -23,15 +23,15 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from engine.conversion import (
-    TOKENIZER_FILES,
+from engine.conversion.export import OPTIMUM_FILES
+from engine.conversion.quantize import (
+    check_quantized_merged,
     is_lm_head_quantized,
     lm_head_outputs,
     quantized_op_counts,
     untie_lm_head,
 )
-from engine.conversion.export import OPTIMUM_FILES
-from engine.conversion.quantize import check_quantized_merged
+from engine.model.config import TOKENIZER_FILES
 from tests.conftest import FIXTURE_CHECKPOINTS, FIXTURE_DIRS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_fixture_model_dir_is_complete_and_self_contained() -> None:
 def test_partial_marker_is_one_source_id_after_the_text_pieces() -> None:
     """The engine appends `partial_suffix` to partials: it must add exactly one id, the
     same for our tokenizer and MarianTokenizer, and leave the text's own ids alone."""
-    from engine.model import MarianTokenizer
+    from engine.model.tokenizer import MarianTokenizer
 
     vocab = json.loads((MODEL / "vocab.json").read_text("utf-8"))
     ours = MarianTokenizer.from_dir(MODEL)
@@ -393,7 +393,8 @@ def test_reexported_checkpoint_matches_committed_onnx(kind: str, tmp_path: Path)
     pytest.importorskip("optimum.exporters.onnx")
     checkpoint, model = FIXTURE_CHECKPOINTS[kind], FIXTURE_DIRS[kind] / "model"
     assert (checkpoint / "model.safetensors").is_file(), f"no fixture checkpoint at {checkpoint}"
-    from engine.conversion import export_marian, quantize_int8
+    from engine.conversion.export import export_marian
+    from engine.conversion.quantize import quantize_int8
 
     out = tmp_path / "model"
     export_marian(checkpoint, out, validate=False)
@@ -423,7 +424,8 @@ def test_quantize_int8_of_a_random_tied_marian(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("optimum.exporters.onnx")
-    from engine.conversion import export_marian, quantize_int8
+    from engine.conversion.export import export_marian
+    from engine.conversion.quantize import quantize_int8
 
     torch.manual_seed(0)
     config = transformers.MarianConfig.from_pretrained(str(MODEL))
@@ -453,7 +455,10 @@ def test_variant_exports_of_a_random_checkpoint(tmp_path: Path) -> None:
     then single-token steps); here on a random 2-layer model with the fixture's vocab."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from engine.conversion import export_decoder_without_encoder_kv, export_decoder_without_past
+    from engine.conversion.export import (
+        export_decoder_without_encoder_kv,
+        export_decoder_without_past,
+    )
 
     torch.manual_seed(0)
     config = transformers.MarianConfig.from_pretrained(str(MODEL))

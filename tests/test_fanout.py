@@ -26,12 +26,14 @@ from engine.cli.main import main
 from engine.decoding.targets import Targets, model_share
 from engine.decoding.translator import Translator
 from engine.errors import ModelLoadError
-from engine.logs import generate_log
-from engine.model import EncoderOutput
+from engine.logs.make import generate_log
+from engine.model.layouts import EncoderOutput
 from engine.replies import Reply
-from engine.server import Limits, ServerOptions, SubtitleServer
+from engine.server.app import ServerOptions, SubtitleServer
+from engine.server.limits import Limits
 from engine.server.recorder import record
-from engine.streaming import IncrementalTranslator, StreamingOptions
+from engine.streaming.controller import IncrementalTranslator
+from engine.streaming.session import StreamingOptions
 from protocol import ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, needs_fixture, relabel, serving
 from tests.test_server import SENTENCE, recv, send_sentence, wait_for, ws_url

@@ -24,7 +24,7 @@ import pytest
 
 from engine import Translator
 from engine.decoding.targets import Targets
-from engine.model import TOKENIZER_FILES
+from engine.model.config import TOKENIZER_FILES
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT
 
 DE_DIR = ROOT / "models" / "fixture_de"

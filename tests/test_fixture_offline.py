@@ -20,7 +20,7 @@ from collections import defaultdict
 import pytest
 
 from engine import Translator
-from engine.model import TOKENIZER_FILES
+from engine.model.config import TOKENIZER_FILES
 from tests.conftest import (
     FIXTURE_OFFLINE_CHECKPOINT,
     FIXTURE_OFFLINE_DIR,

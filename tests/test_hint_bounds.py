@@ -10,7 +10,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from engine.decoding.translator import Translator
-from engine.streaming import IncrementalTranslator
+from engine.streaming.controller import IncrementalTranslator
 from protocol import PartialTranscript, TranslationUpdate, parse, serialize
 from tests.test_server import STREAMING, recv, serving, translator, ws_url
 

@@ -30,23 +30,21 @@ import pytest
 from engine.cli.models import add_models_parser, run_models
 from engine.decoding.translator import Translator
 from engine.errors import ModelLoadError
-from engine.hub import (
+from engine.hub import download as hub_download
+from engine.hub.catalog import load_catalog, parse_catalog
+from engine.hub.download import pull, resolve_model
+from engine.hub.errors import (
     CatalogError,
     ChecksumError,
     DiskFullError,
-    HubSettings,
     MissingFileError,
     NetworkError,
     OfflineError,
     RepoAccessError,
     UnknownModelError,
-    load_catalog,
-    pull,
-    resolve_model,
 )
-from engine.hub import download as hub_download
-from engine.hub.catalog import parse_catalog
-from engine.model import OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES
+from engine.hub.settings import HubSettings
+from engine.model.config import OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES
 from tests.conftest import FIXTURE_MODEL, model_copy, needs_fixture
 
 ONNX_REPO = "Xenova/opus-mt-en-zh"

@@ -11,7 +11,7 @@ import pytest
 
 from engine.decoding.translator import Translator
 from engine.hub.layout import LayoutError, RepoLayout, discover
-from engine.model import DecoderLayout
+from engine.model.layouts import DecoderLayout
 from tests.conftest import FIXTURE_MODEL
 from tests.test_hub import (
     SENTENCE,

@@ -21,7 +21,7 @@ import pytest
 
 import protocol
 from engine.cli.main import build_parser, main
-from engine.logs import read_log
+from engine.logs.format import read_log
 from engine.subtitles import timestamp
 from protocol import TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture

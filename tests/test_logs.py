@@ -13,17 +13,13 @@ import pytest
 from engine.evaluation.metrics import (
     SegmentTrace,
     UpdatePoint,
-    build_report,
     segment_audio_span,
 )
+from engine.evaluation.report import build_report
 from engine.evaluation.revisions import source_revisions
 from engine.evaluation.units import split_units
-from engine.logs import (
-    AsrStyle,
+from engine.logs.format import (
     TranscriptLogError,
-    generate_log,
-    interleave_logs,
-    make_log_files,
     read_log,
     read_references,
     references_output_path,
@@ -31,6 +27,8 @@ from engine.logs import (
     validate_message,
     write_log,
 )
+from engine.logs.make import AsrStyle, generate_log, make_log_files
+from engine.logs.merge import interleave_logs
 from tests.conftest import FIXTURE_DIR, ROOT
 
 EN = [

@@ -23,7 +23,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from engine.cli.serve import DEFAULT_STREAM, page_url
 from engine.decoding.translator import Translator
-from engine.server import ServerOptions, SubtitleServer
+from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.handshake import PAGES, STATIC_FILES, Route, route
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 from tests.test_server import http_get, recv, serving

@@ -23,7 +23,7 @@ from engine.asr.errors import AudioFormatError, RecognizerFailed, StreamFinished
 from engine.asr.recognizer import RecognizerStream, SpeechHypothesis
 from engine.asr.transcriber import Transcriber
 from engine.decoding.translator import Translator
-from engine.streaming import IncrementalTranslator
+from engine.streaming.controller import IncrementalTranslator
 from protocol import ErrorMessage, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 
@@ -444,7 +444,7 @@ def word_error_rate(reference: str, heard: str) -> float:
 )
 def test_pocketsphinx_hears_fixture_sentences(text: str, voice: str) -> None:
     needs_speech()
-    from engine.asr import SphinxOptions, SphinxRecognizer
+    from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
 
     audio = spoken(text, voice)
     options = SphinxOptions(
@@ -470,7 +470,8 @@ def test_pocketsphinx_hears_fixture_sentences(text: str, voice: str) -> None:
 def test_pocketsphinx_without_its_extra_says_how_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from engine.asr import RecognizerUnavailable, SphinxRecognizer
+    from engine.asr.errors import RecognizerUnavailable
+    from engine.asr.sphinx import SphinxRecognizer
 
     monkeypatch.setitem(sys.modules, "pocketsphinx", None)  # import fails
     with pytest.raises(RecognizerUnavailable, match=r"pip install -e '\.\[asr\]'"):
@@ -479,7 +480,8 @@ def test_pocketsphinx_without_its_extra_says_how_to_install(
 
 def test_a_domain_model_is_built_from_sentences(tmp_path: Path) -> None:
     pytest.importorskip("pocketsphinx")
-    from engine.asr import SphinxOptions, SphinxRecognizer, build_domain_model
+    from engine.asr.domain import build_domain_model
+    from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
 
     model = build_domain_model(
         ["Tom reads a book.", "Mary reads a letter", "Tom meets Zorblax"], tmp_path
@@ -494,7 +496,7 @@ def test_a_domain_model_is_built_from_sentences(tmp_path: Path) -> None:
 
 def test_pocketsphinx_takes_a_grammar_instead_of_a_language_model(tmp_path: Path) -> None:
     needs_speech()
-    from engine.asr import SphinxOptions, SphinxRecognizer
+    from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
 
     grammar = tmp_path / "chores.jsgf"
     grammar.write_text(
@@ -513,7 +515,7 @@ def test_stopping_mid_sentence_on_a_frame_boundary_still_ends_the_utterance() ->
     `Endpointer.end_stream` refuses empty input, so the recognizer must not hand it any;
     the utterance ends with a final all the same."""
     needs_speech()
-    from engine.asr import SphinxOptions, SphinxRecognizer
+    from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
 
     audio = spoken("Lucy wants to meet Jack on the train", "en-gb-x-rp+klatt2")
     recognizer = SphinxRecognizer(

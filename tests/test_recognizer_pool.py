@@ -317,7 +317,7 @@ def read_wav(name: str) -> bytes:
 
 def sphinx_factory() -> Any:
     pytest.importorskip("pocketsphinx", reason="the [asr] extra (pocketsphinx) is missing")
-    from engine.asr import SphinxOptions, SphinxRecognizer
+    from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
 
     options = SphinxOptions(
         language_model=SPEECH / "fixture.lm.gz", dictionary=SPEECH / "fixture.dict"
@@ -443,7 +443,7 @@ def final_update(stream: str) -> Any:
 
 @pytest.mark.anyio
 async def test_a_server_recognizes_in_worker_processes_and_survives_a_killed_one() -> None:
-    from engine.asr import SphinxOptions
+    from engine.asr.sphinx import SphinxOptions
     from engine.decoding.translator import Translator
     from engine.server.audio import pocketsphinx_input
     from tests.conftest import FIXTURE_MODEL, needs_fixture

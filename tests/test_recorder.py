@@ -710,7 +710,7 @@ def test_the_recorder_forgets_stream_lives_that_ended() -> None:
 
 @pytest.mark.anyio
 async def test_a_reopened_stream_gets_its_own_file_and_the_old_one_stays(tmp_path: Path) -> None:
-    from engine.streaming import IncrementalTranslator
+    from engine.streaming.controller import IncrementalTranslator
     from protocol import PartialTranscript
 
     needs_fixture()

@@ -15,9 +15,11 @@ import pytest
 
 from engine.decoding.translator import Translator
 from engine.replies import Reply
-from engine.streaming import IncrementalTranslator, Owner, Subscription
 from engine.streaming.bus import BusUnavailable
+from engine.streaming.controller import IncrementalTranslator
+from engine.streaming.lifecycle import Owner
 from engine.streaming.redis_bus import RedisBus
+from engine.streaming.subscriptions import Subscription
 from protocol import ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.redis_server import RedisServer, free_port, redis_server

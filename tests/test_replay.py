@@ -16,12 +16,7 @@ import pytest
 
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
-from engine.logs import (
-    TranscriptLogError,
-    read_log,
-    read_references,
-    segment_order,
-)
+from engine.logs.format import TranscriptLogError, read_log, read_references, segment_order
 from engine.logs.updates import TimedUpdate
 from engine.replay import (
     ReplayOptions,
@@ -29,7 +24,8 @@ from engine.replay import (
     replay,
     replay_file,
 )
-from engine.streaming import LocalAgreement, MaskK, StreamingOptions
+from engine.streaming.policies import LocalAgreement, MaskK
+from engine.streaming.session import StreamingOptions
 from tests.conftest import FIXTURE_MODELS, ROOT, needs_fixture
 
 LOGS = ROOT / "examples" / "logs"

@@ -26,7 +26,7 @@ from engine.decoding.policy import PREFILL_PADDING, Priority, new_request_id
 from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
 from engine.decoding.search import DecodingCancelled, Hypothesis
 from engine.decoding.targets import model_share
-from engine.model import FloatArray
+from engine.model.layouts import FloatArray
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 
 SOURCES = [
@@ -627,9 +627,9 @@ def test_replay_with_drafts_gives_the_same_updates_in_fewer_steps(fixture: str, 
     re-aligned draft is verified ahead (lookahead). The prefix-trained fixture's updates
     mostly add tokens no earlier hypothesis had (examples/benchmarks/draft_bound.py)."""
     needs_fixture()
-    from engine.logs import read_log
+    from engine.logs.format import read_log
     from engine.replay import ReplayOptions, replay
-    from engine.streaming import StreamingOptions
+    from engine.streaming.session import StreamingOptions
     from tests.conftest import FIXTURE_MODELS, ROOT
 
     lines = read_log(ROOT / "examples" / "logs" / f"{log}.jsonl")

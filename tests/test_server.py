@@ -20,14 +20,15 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
-from engine.server import Limits, ServerOptions, SubtitleServer
+from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.connection import Close, ConnectionCore, Ignore, Push, Reply, Role, Watch
 from engine.server.credentials import Credentials, authorize, presented_token
 from engine.server.handshake import Refusal, Route, route
-from engine.server.limits import TokenBucket
+from engine.server.limits import Limits, TokenBucket
 from engine.server.outbox import Outbox
 from engine.server.state import ServerPhase, ServerState
-from engine.streaming import IncrementalTranslator, StreamingOptions
+from engine.streaming.controller import IncrementalTranslator
+from engine.streaming.session import StreamingOptions
 from protocol import ErrorMessage, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 

@@ -312,7 +312,7 @@ async def test_a_partial_of_a_closing_stream_gets_no_worker(
 ) -> None:
     import threading
 
-    from engine.streaming import IncrementalTranslator
+    from engine.streaming.controller import IncrementalTranslator
     from engine.streaming.session import StreamSession
     from protocol import PartialTranscript
     from tests.test_server import STREAMING
@@ -384,7 +384,7 @@ async def test_an_update_is_encoded_once_for_all_its_viewers(
 async def test_each_event_is_tokenised_once_from_admission_to_decoding(
     translator: Translator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine.streaming import IncrementalTranslator
+    from engine.streaming.controller import IncrementalTranslator
     from protocol import PartialTranscript
     from tests.test_server import STREAMING
 

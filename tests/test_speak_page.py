@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from engine.decoding.translator import Translator
-from engine.server import SubtitleServer
+from engine.server.app import SubtitleServer
 from engine.server.audio import AudioInput
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 from tests.test_audio_ws import RATE, SENTENCE, needs_speech, silence, spoken
@@ -74,7 +74,7 @@ def microphone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def sphinx() -> AudioInput:
     needs_speech()
-    from engine.asr import SphinxOptions
+    from engine.asr.sphinx import SphinxOptions
     from engine.server.audio import pocketsphinx_input
 
     return pocketsphinx_input(

@@ -136,7 +136,7 @@ def test_commits_stop_where_the_settled_source_stops_supporting_them(
 
 
 def test_replay_passes_the_hint_from_the_log_lines() -> None:
-    from engine.logs import event_of
+    from engine.logs.format import event_of
 
     line = {"stream_id": "a", "segment_id": 0, "seq": 1, "text": "hi there", "is_final": False}
     assert event_of(line).stable_chars is None
@@ -190,7 +190,8 @@ def test_logs_get_truthful_hints(lag: int) -> None:
     """`logs hint`: each partial's settled characters are a whole-word prefix of every later
     message of its segment (so a recogniser sending them keeps its promise), and none
     could be added (lag 0: the next word is changed by some later message)."""
-    from engine.logs import read_log, with_stability_hints
+    from engine.logs.format import read_log
+    from engine.logs.hints import with_stability_hints
     from tests.conftest import ROOT
 
     lines = read_log(ROOT / "examples" / "logs" / "fixture_en_zh_asr.jsonl")
@@ -223,7 +224,8 @@ def test_logs_get_truthful_hints(lag: int) -> None:
 def test_hinted_replay_keeps_the_streaming_guarantees(translator: Translator) -> None:
     """Replaying a hinted log: finals are still the offline translation, and fewer finals
     revise stable text than without hints."""
-    from engine.logs import read_log, with_stability_hints
+    from engine.logs.format import read_log
+    from engine.logs.hints import with_stability_hints
     from engine.replay import ReplayOptions, replay
     from tests.conftest import ROOT
 

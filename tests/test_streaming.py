@@ -13,18 +13,13 @@ import anyio
 import pytest
 
 from engine import Translator
-from engine.decoding import new_request_id
+from engine.decoding.policy import new_request_id
 from engine.decoding.search import DecodingCancelled, StepHook
-from engine.logs import generate_log
-from engine.model import FloatArray
-from engine.streaming import (
-    BiasedDecoding,
-    IncrementalTranslator,
-    LocalAgreement,
-    MaskK,
-    StreamingOptions,
-    StreamSession,
-)
+from engine.logs.make import generate_log
+from engine.model.layouts import FloatArray
+from engine.streaming.controller import IncrementalTranslator
+from engine.streaming.policies import BiasedDecoding, LocalAgreement, MaskK
+from engine.streaming.session import StreamingOptions, StreamSession
 from engine.streaming.subscriptions import Subscription
 from protocol import InvalidEvent, NmtIncremental, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_DIR, FIXTURE_DIRS, FIXTURE_MODEL, FIXTURE_MODELS, needs_fixture

@@ -11,12 +11,13 @@ import pytest
 
 from engine.decoding.translator import Translator
 from engine.replies import RECENT_FINALS, Reply
-from engine.streaming import IncrementalTranslator, InProcessBus, Owner, Subscription, UpdateBus
-from engine.streaming.bus import subscribe
+from engine.streaming.bus import InProcessBus, UpdateBus, subscribe
+from engine.streaming.controller import IncrementalTranslator
 from engine.streaming.fanout import Hub
 from engine.streaming.history import Entry
+from engine.streaming.lifecycle import Owner
 from engine.streaming.redis_bus import RedisBus
-from engine.streaming.subscriptions import target_language
+from engine.streaming.subscriptions import Subscription, target_language
 from protocol import (
     EngineClosed,
     ErrorMessage,

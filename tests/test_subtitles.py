@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli.main import main
-from engine.logs import read_log
+from engine.logs.format import read_log
 from engine.subtitles import Cue, CueRules, Final, layout, wrap, write
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
 

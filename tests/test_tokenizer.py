@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model import MarianTokenizer
+from engine.model.tokenizer import MarianTokenizer
 from tests.conftest import FIXTURE_MODEL, FLORES, ZH_EN
 
 TRICKY = [

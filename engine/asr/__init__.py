@@ -20,16 +20,3 @@ package is), so that the engine installs and imports without them:
   `build_domain_model` turns a domain's sentences into a language model and pronunciation
   dictionary for it (much better recognition of a closed vocabulary).
 """
-
-from engine.asr.domain import DomainModel, build_domain_model, normalize_words
-from engine.asr.errors import RecognizerUnavailable
-from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
-
-__all__ = [
-    "DomainModel",
-    "RecognizerUnavailable",
-    "SphinxOptions",
-    "SphinxRecognizer",
-    "build_domain_model",
-    "normalize_words",
-]

@@ -11,34 +11,3 @@ clock, an interrupted segment closed honestly) are `events.EventWriter`'s, share
 `transport.py`), the audio (`audio.py`), reconnects, and `engine.remote.RemoteTranslator`
 towards our server; `options.py` what a bridge is asked to do and what it did.
 """
-
-from engine.bridges.cloud import CloudMapper, Dialect
-from engine.bridges.errors import BridgeError
-from engine.bridges.events import EventWriter, Interrupted
-from engine.bridges.kinds import Kind, Mapper, MapperOptions, make_mapper
-from engine.bridges.options import DEFAULT_TO, BridgeOptions, BridgeResult
-from engine.bridges.runner import Bridge
-from engine.bridges.vosk import VoskMapper
-from engine.bridges.whisper_streaming import LineSplitter, Segmentation, WhisperStreamingMapper
-from engine.bridges.whisperlive import WhisperLiveMapper
-
-__all__ = [
-    "DEFAULT_TO",
-    "Bridge",
-    "BridgeError",
-    "BridgeOptions",
-    "BridgeResult",
-    "CloudMapper",
-    "Dialect",
-    "EventWriter",
-    "Interrupted",
-    "Kind",
-    "LineSplitter",
-    "Mapper",
-    "MapperOptions",
-    "Segmentation",
-    "VoskMapper",
-    "WhisperLiveMapper",
-    "WhisperStreamingMapper",
-    "make_mapper",
-]

@@ -16,8 +16,9 @@ from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodeOptions
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
-from engine.hub import resolve_model
-from engine.streaming import StreamingOptions, parse_policy
+from engine.hub.download import resolve_model
+from engine.streaming.policies import parse_policy
+from engine.streaming.session import StreamingOptions
 
 POLICY_HELP = (
     "stability policy: local-agreement[:n] (la[:n]), mask[:k], biased[:beta] or "

@@ -25,18 +25,13 @@ from typing import TextIO
 import anyio
 from websockets.exceptions import InvalidHandshake
 
-from engine.bridges import (
-    DEFAULT_TO,
-    Bridge,
-    BridgeError,
-    BridgeOptions,
-    BridgeResult,
-    Dialect,
-    Interrupted,
-    Kind,
-    Segmentation,
-)
-from engine.bridges.options import Reply
+from engine.bridges.cloud import Dialect
+from engine.bridges.errors import BridgeError
+from engine.bridges.events import Interrupted
+from engine.bridges.kinds import Kind
+from engine.bridges.options import DEFAULT_TO, BridgeOptions, BridgeResult, Reply
+from engine.bridges.runner import Bridge
+from engine.bridges.whisper_streaming import Segmentation
 from engine.cli.args import non_negative_float, positive_float, positive_int, probability
 from protocol import ErrorMessage, TranslationUpdate
 

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 from engine.conversion import verify
 from engine.conversion.verify import ExportCheck, ExportError, check_export, sample_texts
 from engine.errors import EngineError
-from engine.model import ModelConfig
+from engine.model.config import ModelConfig
 
 EXPORT_INSTALL = "pip install -e '.[export]'"
 """How to get the `export` extra: the package is installed from its checkout (it is not
@@ -38,7 +38,8 @@ def run_export(args: argparse.Namespace, out: TextIO) -> int:
     missing = verify.missing_export_modules()
     if missing:
         raise ExportError(EXPORT_EXTRA_HINT.format(missing=", ".join(missing)))
-    from engine.conversion import export_marian, quantize_int8
+    from engine.conversion.export import export_marian
+    from engine.conversion.quantize import quantize_int8
 
     checkpoint: Path = args.checkpoint
     out_dir: Path = args.out

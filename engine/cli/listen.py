@@ -19,9 +19,9 @@ from typing import IO, BinaryIO, TextIO
 
 import anyio
 
-from engine.asr import SphinxRecognizer
 from engine.asr.audio import PcmSource, RawSource, WavSource, check_rate
 from engine.asr.errors import AudioFileError
+from engine.asr.sphinx import SphinxRecognizer
 from engine.cli.args import (
     add_decode_arguments,
     add_model_arguments,

@@ -17,14 +17,16 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 import protocol
 from engine import subtitles
-from engine.asr import SphinxRecognizer
 from engine.asr.audio import PcmSource
+from engine.asr.sphinx import SphinxRecognizer
 from engine.asr.transcriber import Fed, Transcriber, feed_audio
 from engine.cli.listen_view import ListenView
 from engine.cli.serve import page_url
 from engine.decoding.translator import Translator
 from engine.logs.updates import TimedUpdate
-from engine.streaming import IncrementalTranslator, StreamingOptions, Subscription
+from engine.streaming.controller import IncrementalTranslator
+from engine.streaming.session import StreamingOptions
+from engine.streaming.subscriptions import Subscription
 from protocol import ErrorMessage, PartialTranscript, TranslationUpdate
 
 PROGRESS_MIN_S = 30.0
@@ -163,7 +165,7 @@ class ListenSession:
     async def _serve(self, nmt: IncrementalTranslator, where: tuple[str, int]) -> Any:
         """A `SubtitleServer` for `nmt` in this process. Only viewers are let in: the
         writer's token is a random one nobody knows (listen pushes in-process)."""
-        from engine.server import ServerOptions, SubtitleServer
+        from engine.server.app import ServerOptions, SubtitleServer
 
         host, port = where
         options = ServerOptions(host=host, port=port, token=secrets.token_urlsafe(24))

@@ -13,17 +13,10 @@ import protocol
 from engine.cli.args import non_negative_int, probability
 from engine.evaluation.revisions import source_revisions
 from engine.languages import UNIT_LANGS
-from engine.logs import (
-    DEFAULT_STREAM_ID,
-    AsrStyle,
-    TranscriptLogError,
-    interleave_logs,
-    make_log_files,
-    read_log,
-    references_output_path,
-    with_stability_hints,
-    write_log,
-)
+from engine.logs.format import TranscriptLogError, read_log, references_output_path, write_log
+from engine.logs.hints import with_stability_hints
+from engine.logs.make import DEFAULT_STREAM_ID, AsrStyle, make_log_files
+from engine.logs.merge import interleave_logs
 
 
 def _stream_id(value: str) -> str:

@@ -19,7 +19,7 @@ from engine.cli.replay import add_replay_parser, run_replay
 from engine.cli.serve import add_serve_parser, run_serve
 from engine.cli.translate import add_translate_parser, run_translate
 from engine.errors import EngineError
-from engine.logs import TranscriptLogError
+from engine.logs.format import TranscriptLogError
 
 
 class _BriefFormatter(logging.Formatter):

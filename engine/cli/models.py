@@ -25,7 +25,8 @@ from engine.hub.download import fmt_size, pull, resolve_model
 from engine.hub.errors import UnknownModelError
 from engine.hub.repo import repo_entry
 from engine.hub.settings import HubSettings
-from engine.model import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES, onnx_dir
+from engine.model.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+from engine.model.names import onnx_dir
 
 __all__ = ["add_models_parser", "resolve_model", "run_models"]
 

@@ -10,7 +10,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.asr import SphinxOptions, build_domain_model
+from engine.asr.domain import build_domain_model
+from engine.asr.sphinx import SphinxOptions
 from engine.cli.args import positive_float
 
 RECOGNIZER_OPTIONS = ("lm", "dict", "jsgf", "domain_text", "acoustic_model")

@@ -36,7 +36,7 @@ from engine.evaluation.html_report import render, write_html
 from engine.evaluation.metrics import SegmentTrace
 from engine.evaluation.peers import write_simuleval, write_simulstream
 from engine.languages import word_joiner
-from engine.logs import check_references, read_log, read_references
+from engine.logs.format import check_references, read_log, read_references
 from engine.logs.updates import TimedUpdate, timed_update_line
 from engine.replay import ReplayOptions, replay
 

@@ -33,18 +33,20 @@ from engine.cli.recognizer import RECOGNIZER_OPTIONS, add_recognizer_arguments, 
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.errors import EngineError
-from engine.server import Limits, ServerOptions, SubtitleServer
 from engine.server.admission import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     ConnectionCaps,
     descriptor_limit,
     descriptor_reserve,
 )
+from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.audio import ASR_KINDS, AudioInput, pocketsphinx_input
+from engine.server.limits import Limits
 from engine.server.recorder import RecordDirectoryError, check_directory, record
-from engine.streaming import IncrementalTranslator, StreamingOptions
 from engine.streaming.bus import BusUnavailable, UpdateBus
+from engine.streaming.controller import IncrementalTranslator
 from engine.streaming.redis_bus import LEASE_MS, RedisBus
+from engine.streaming.session import StreamingOptions
 
 log = logging.getLogger("engine.server")
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -22,16 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.model import (
-    DECODER,
-    DECODER_MERGED,
-    DECODER_WITH_PAST,
-    ENCODER,
-    OPTIONAL_TOKENIZER_FILES,
-    PROJECT_CONFIG,
-    TOKENIZER_FILES,
-    onnx_file,
-)
+from engine.model.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+from engine.model.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, onnx_file
 
 if TYPE_CHECKING:
     import numpy as np

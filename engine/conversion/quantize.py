@@ -23,8 +23,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.model import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, onnx_file
-from engine.model import QUANTIZED_SUFFIX as QUANTIZED_SUFFIX  # engine.conversion exports it
+from engine.model.names import (
+    DECODER,
+    DECODER_MERGED,
+    DECODER_WITH_PAST,
+    ENCODER,
+    onnx_file,
+)
 
 SPLIT_MODELS = (ENCODER, DECODER, DECODER_WITH_PAST)
 MERGED_MODEL = DECODER_MERGED

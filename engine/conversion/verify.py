@@ -19,7 +19,7 @@ import numpy as np
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
 from engine.errors import EngineError
-from engine.model import TOKENIZER_FILES, ModelConfig
+from engine.model.config import TOKENIZER_FILES, ModelConfig
 
 EXPORT_MODULES = ("torch", "transformers", "optimum.exporters.onnx", "onnx")
 EXPORT_EXTRA_HELP = (

@@ -28,14 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.decoding.search import Extension, Search
-from engine.model import (
-    DecoderCache,
-    EncoderOutput,
-    FloatArray,
-    IntArray,
-    MarianOnnx,
-    MaskedDecoder,
-)
+from engine.model.layouts import DecoderCache, EncoderOutput, FloatArray, IntArray, MaskedDecoder
+from engine.model.marian import MarianOnnx
 
 Member = tuple[Search, EncoderOutput]
 """A search joining a batch, with the encoder output of its one source."""

@@ -65,7 +65,8 @@ from engine.decoding.search import (
     make_search,
 )
 from engine.decoding.timeline import Answered, Step, Timeline
-from engine.model import EncoderOutput, IntArray, MarianOnnx
+from engine.model.layouts import EncoderOutput, IntArray
+from engine.model.marian import MarianOnnx
 
 # The policy's names that `submit` and `abort` take are importable from here too.
 __all__ = [

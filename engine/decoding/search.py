@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from engine.model import FloatArray, ModelConfig
+from engine.model.config import ModelConfig
+from engine.model.layouts import FloatArray
 
 # Called before each decoding step with the tokens of every live row (forced prefix included)
 # and their next-token log-probabilities [rows, vocab]; returns adjusted log-probabilities.

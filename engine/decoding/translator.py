@@ -20,14 +20,11 @@ from engine.decoding.scheduler import DecodeScheduler, Encoding, SchedulerOption
 from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
 from engine.errors import InputTooLongError, ModelLoadError
 from engine.languages import word_joiner
-from engine.model import (
-    EncoderOutput,
-    MarianOnnx,
-    MarianTokenizer,
-    ModelConfig,
-    RuntimeOptions,
-    threads_from_env,
-)
+from engine.model.config import ModelConfig
+from engine.model.layouts import EncoderOutput
+from engine.model.marian import MarianOnnx
+from engine.model.sessions import RuntimeOptions, threads_from_env
+from engine.model.tokenizer import MarianTokenizer
 
 _SENTENCE_END = re.compile(r"(?<=[.!?。！？；;])\s*")
 _CLAUSE_END = re.compile(r"(?<=[,，、:：])\s*")

@@ -24,13 +24,8 @@ from engine.hub.errors import ChecksumError
 from engine.hub.files import HubFile, model_files
 from engine.hub.layout import onnx_files
 from engine.hub.settings import HubSettings
-from engine.model import (
-    DECODER_STEMS,
-    ONNX_FOLDER,
-    PROJECT_CONFIG,
-    TOKENIZER_FILES,
-    VARIANT_SUFFIX,
-)
+from engine.model.config import PROJECT_CONFIG, TOKENIZER_FILES
+from engine.model.names import DECODER_STEMS, ONNX_FOLDER, VARIANT_SUFFIX
 
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine.hub.errors import CatalogError, UnknownModelError
 from engine.hub.layout import onnx_files
-from engine.model import VARIANT_SUFFIX
+from engine.model.names import VARIANT_SUFFIX
 
 CATALOG_ENV = "NMT_INCREMENTAL_CATALOG"
 _PACKAGED = Path(__file__).resolve().parent / "catalog.json"

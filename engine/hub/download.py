@@ -44,7 +44,7 @@ from engine.hub.files import HubFile, model_files, pull_argument, repo_model_nam
 from engine.hub.repo import repo_entry
 from engine.hub.settings import HubSettings
 from engine.hub.transfer import check_reachable, download_file, metadata
-from engine.model import VARIANT_SUFFIX
+from engine.model.names import VARIANT_SUFFIX
 
 Log = Callable[[str], None]
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from engine.hub.catalog import CatalogEntry, RepoRef
 from engine.hub.layout import onnx_files
-from engine.model import ONNX_FOLDER, OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES
+from engine.model.config import OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES
+from engine.model.names import ONNX_FOLDER
 
 
 @dataclass(frozen=True)

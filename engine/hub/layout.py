@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.hub.errors import HubError
-from engine.model import (
+from engine.model.config import TOKENIZER_FILES
+from engine.model.names import (
     DECODER,
     DECODER_MERGED,
     DECODER_STEMS,
@@ -28,7 +29,6 @@ from engine.model import (
     ENCODER,
     ONNX_FOLDER,
     QUANTIZED_SUFFIX,
-    TOKENIZER_FILES,
     VARIANT_SUFFIX,
     onnx_file,
 )

@@ -10,8 +10,3 @@ connection's I/O (receiving, forwarding subscriptions, sending through its `outb
 together on the `websockets` library, `metrics` the Prometheus metrics and `recorder` the
 subtitle files of `--record`; the command line is `engine.cli.serve`.
 """
-
-from engine.server.app import ServerOptions, SubtitleServer
-from engine.server.limits import Limits
-
-__all__ = ["Limits", "ServerOptions", "SubtitleServer"]

@@ -37,7 +37,7 @@ from engine.server.outbox import Outbox
 from engine.server.routes import HttpRoutes
 from engine.server.shutdown import shut_down
 from engine.server.state import ServerState
-from engine.streaming import IncrementalTranslator
+from engine.streaming.controller import IncrementalTranslator
 
 AUDIO_STOP_GRACE = 2.0
 """Seconds a stopping server gives its audio streams to flush their last utterances."""

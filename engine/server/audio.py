@@ -40,11 +40,11 @@ import anyio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.asr import SphinxOptions, SphinxRecognizer
 from engine.asr.audio import Backlog
 from engine.asr.errors import RecognizerFailed
 from engine.asr.pool import PooledStream, RecognizerPool
 from engine.asr.recognizer import RecognizerFactory, RecognizerStream, SpeechStream
+from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
 from engine.server.limits import AudioLimits
 from protocol import ErrorCode, ErrorMessage, PartialTranscript
 

@@ -38,7 +38,8 @@ from engine.server.connection import (
 from engine.server.metrics import ServerMetrics
 from engine.server.outbox import Outbox
 from engine.server.state import ServerState
-from engine.streaming import IncrementalTranslator, Subscription
+from engine.streaming.controller import IncrementalTranslator
+from engine.streaming.subscriptions import Subscription
 from protocol import (
     EngineClosed,
     ErrorMessage,

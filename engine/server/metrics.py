@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from engine.server.admission import Reason
 
 if TYPE_CHECKING:
-    from engine.streaming import IncrementalTranslator
+    from engine.streaming.controller import IncrementalTranslator
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Seconds; live subtitles are judged in tens to hundreds of milliseconds."""

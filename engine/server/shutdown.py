@@ -22,7 +22,7 @@ import anyio
 from websockets.asyncio.server import Server
 
 from engine.server.client import Client
-from engine.streaming import IncrementalTranslator
+from engine.streaming.controller import IncrementalTranslator
 
 log = logging.getLogger(__name__)
 

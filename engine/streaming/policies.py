@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine.decoding.search import StepHook
-from engine.model import FloatArray
+from engine.model.layouts import FloatArray
 
 
 def common_prefix_length(seqs: Sequence[Sequence[object]]) -> int:

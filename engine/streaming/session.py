@@ -24,7 +24,7 @@ from engine.decoding.scheduler import Encoding
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
 from engine.languages import drop_fillers, is_cjk
-from engine.model import ModelConfig
+from engine.model.config import ModelConfig
 from engine.streaming.policies import Policy, common_prefix_length, default_policy
 from protocol import PartialTranscript, TranslationUpdate
 

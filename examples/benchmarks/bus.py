@@ -33,9 +33,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.streaming import InProcessBus, Owner, Subscription
-from engine.streaming.bus import UpdateBus, subscribe
+from engine.streaming.bus import InProcessBus, UpdateBus, subscribe
+from engine.streaming.lifecycle import Owner
 from engine.streaming.redis_bus import RedisBus
+from engine.streaming.subscriptions import Subscription
 from protocol import TranslationUpdate
 
 LINE = "我们将在三点钟和汤姆见面然后一起去看电影我们将在三点钟和汤姆见面然后一起去看"

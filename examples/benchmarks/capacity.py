@@ -106,7 +106,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def make_lines(n: int, sentences: int, seed: int) -> list[dict[str, Any]]:
-    from engine.logs import generate_log, interleave_logs
+    from engine.logs.make import generate_log
+    from engine.logs.merge import interleave_logs
 
     pool = [line.strip() for line in FLORES_ZH.read_text(encoding="utf-8").splitlines()]
     rng = random.Random(seed)
@@ -127,7 +128,7 @@ def make_lines(n: int, sentences: int, seed: int) -> list[dict[str, Any]]:
 
 def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]:
     from engine.replay import ReplayOptions, replay
-    from engine.streaming import StreamingOptions
+    from engine.streaming.session import StreamingOptions
 
     lines = make_lines(n, args.sentences, args.seed)
     drafts = {"drafts": False} if args.no_drafts else {}

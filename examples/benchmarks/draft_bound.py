@@ -58,7 +58,7 @@ def decodes(model: Path, log: Path) -> list[Decode]:
     from engine import Translator
     from engine.decoding.scheduler import SchedulerOptions
     from engine.decoding.search import GreedySearch, Hypothesis
-    from engine.logs import read_log
+    from engine.logs.format import read_log
     from engine.replay import ReplayOptions, replay
 
     seen: list[Decode] = []

@@ -32,8 +32,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from replay_client import ReplayResult, percentile, read_log, replay  # noqa: E402
 
-from engine.logs import generate_log, write_log  # noqa: E402
-from engine.logs import read_log as read_log_lines  # noqa: E402
+from engine.logs.format import read_log as read_log_lines  # noqa: E402
+from engine.logs.format import write_log  # noqa: E402
+from engine.logs.make import generate_log  # noqa: E402
 
 DEFAULT_LOG = ROOT / "examples" / "logs" / "fixture_en_zh.jsonl"
 HELDOUT = ROOT / "models" / "fixture" / "heldout.tsv"

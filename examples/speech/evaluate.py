@@ -44,14 +44,17 @@ import anyio
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from engine.asr import SphinxOptions, SphinxRecognizer, normalize_words  # noqa: E402
 from engine.asr.audio import WavSource  # noqa: E402
+from engine.asr.domain import normalize_words  # noqa: E402
+from engine.asr.sphinx import SphinxOptions, SphinxRecognizer  # noqa: E402
 from engine.asr.transcriber import Transcriber, feed_audio  # noqa: E402
 from engine.cli.listen_session import transcript_line  # noqa: E402
 from engine.decoding.translator import Translator  # noqa: E402
 from engine.evaluation.metrics import percentile  # noqa: E402
 from engine.replay import ReplayOptions, ReplayResult, replay  # noqa: E402
-from engine.streaming import IncrementalTranslator, StreamingOptions, Subscription  # noqa: E402
+from engine.streaming.controller import IncrementalTranslator  # noqa: E402
+from engine.streaming.session import StreamingOptions  # noqa: E402
+from engine.streaming.subscriptions import Subscription  # noqa: E402
 from protocol import ErrorMessage, PartialTranscript, TranslationUpdate  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

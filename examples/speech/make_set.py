@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "models" / "fixture"))
 
-from engine.asr import build_domain_model  # noqa: E402
 from engine.asr.audio import resample  # noqa: E402
+from engine.asr.domain import build_domain_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 HELDOUT = ROOT / "models" / "fixture" / "heldout.tsv"
