@@ -9,13 +9,16 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
 import pytest
 
+from engine.decoding.translator import Translator
 from engine.model.config import OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG, TOKENIZER_FILES
+from protocol.messages import PartialTranscript
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_DIR = ROOT / "models" / "fixture"
@@ -122,6 +125,37 @@ def german() -> Path:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def translator() -> Translator:
+    """The committed fixture model, loaded once per test module (its scheduler's threads
+    end with the module); a module that needs another model defines its own."""
+    needs_fixture()
+    return Translator.from_dir(FIXTURE_MODEL)
+
+
+async def wait_for(condition: Callable[[], object], timeout: float = 10.0) -> None:
+    """Poll `condition` until it holds: for state that a server changes on its own time."""
+    with anyio.fail_after(timeout):
+        while not condition():
+            await anyio.sleep(0.01)
+
+
+def partial_event(
+    stream: str = "s", seq: int = 0, text: str = "I will", final: bool = False, segment: int = 0
+) -> PartialTranscript:
+    """A `partial_transcript` event (`final`: the segment's last)."""
+    return PartialTranscript(stream, segment, seq, text, is_final=final)
+
+
+def partial_message(
+    stream: str, seq: int, text: str = "I will", final: bool = False, segment: int = 0
+) -> str:
+    """A `partial_transcript` as the wire's JSON text (with the spaces `json.dumps` puts, which
+    some tests edit to break a field), for a WebSocket or a connection's core."""
+    message = {"type": "partial_transcript", "stream_id": stream, "segment_id": segment}
+    return json.dumps({**message, "seq": seq, "text": text, "is_final": final})
 
 
 @dataclass

@@ -41,8 +41,8 @@ from engine.server.credentials import Credentials as Creds
 from engine.server.limits import AudioLimits, Limits
 from engine.server.state import ServerState
 from protocol.messages import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
-from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
-from tests.test_server import STREAMING, http_get, serving, wait_for
+from tests.conftest import FIXTURE_MODEL, ROOT, partial_message, wait_for
+from tests.live_server import STREAMING, http_get, serving
 
 SPEECH = ROOT / "examples" / "speech"
 RATE = 16_000
@@ -56,11 +56,6 @@ def start(stream: str = "mic", rate: int = RATE, **extra: Any) -> str:
 
 def end(stream: str = "mic") -> str:
     return json.dumps({"type": "end_audio", "stream_id": stream})
-
-
-def partial(stream: str, seq: int, text: str = "hello", final: bool = False) -> str:
-    message = {"type": "partial_transcript", "stream_id": stream, "segment_id": 0, "seq": seq}
-    return json.dumps({**message, "text": text, "is_final": final})
 
 
 def silence(seconds: float, rate: int = RATE) -> bytes:
@@ -111,9 +106,9 @@ def test_an_audio_stream_from_start_to_end() -> None:
     assert (error.code, error.field, error.stream_id) == ("limit_exceeded", "stream_id", "other")
     assert "one audio stream at a time" in error.message
     # The recognizer writes the stream: text into it from the same connection is refused.
-    reply = core.receive(partial("mic", 0), 0.0)
+    reply = core.receive(partial_message("mic", 0), 0.0)
     assert isinstance(reply, Reply) and reply.error.code == "forbidden"
-    assert isinstance(core.receive(partial("text-stream", 0), 0.0), Push)  # others are fine
+    assert isinstance(core.receive(partial_message("text-stream", 0), 0.0), Push)  # others are fine
     error = error_of(core.receive(end("other"), 0.0))
     assert (error.code, error.field) == ("unknown_stream", "stream_id")
     assert core.receive(end("mic"), 0.0) == FinishAudio("mic")
@@ -123,7 +118,7 @@ def test_an_audio_stream_from_start_to_end() -> None:
     assert error.code == "invalid_message" and "send start_audio first" in error.message
     assert isinstance(core.receive(b"\x00\x00", 0.0), Ignore)
     assert isinstance(core.receive(b"\x00\x00", 0.0), Ignore)
-    assert isinstance(core.receive(partial("text-stream", 1), 0.0), Push)
+    assert isinstance(core.receive(partial_message("text-stream", 1), 0.0), Push)
     assert isinstance(core.receive(b"\x00\x00", 0.0), Reply)  # a new run: said again
     # close_stream of the stream its audio goes to ends the audio, then closes it.
     assert isinstance(core.receive(start("mic"), 0.0), OpenAudio)
@@ -207,12 +202,6 @@ def test_a_stopping_server_refuses_audio() -> None:
 
 
 # --- a real server ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def translator() -> Translator:
-    needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL)
 
 
 class Scripted:
@@ -315,7 +304,7 @@ async def test_a_server_without_audio_refuses_start_audio(translator: Translator
         error = (await receive_until(ws, lambda m: True))[0]
         assert (error["code"], error["field"]) == ("invalid_message", "type")
         assert "--asr pocketsphinx" in error["message"]
-        await ws.send(partial("mic", 0, SENTENCE, final=True))  # the connection goes on
+        await ws.send(partial_message("mic", 0, SENTENCE, final=True))  # the connection goes on
         assert (await receive_until(ws, final_update()))[-1]["stable_text"]
 
 
@@ -627,7 +616,7 @@ async def test_bad_audio_gets_clear_errors_and_the_connection_carries_on(
         assert error["code"] == "limit_exceeded" and error["stream_id"] == "other"
         error = await error_for(end("other"))
         assert error["code"] == "unknown_stream"
-        error = await error_for(partial("mic", 0, "typed text"))
+        error = await error_for(partial_message("mic", 0, "typed text"))
         assert error["code"] == "forbidden"
         # Faster than 2x real time for longer than the 6 s burst: the excess is dropped,
         # with one error for the burst.

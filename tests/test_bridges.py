@@ -43,9 +43,7 @@ from engine.cli.bridge import add_bridge_parser, bridge_options, exit_status, ru
 from engine.decoding.translator import Translator
 from engine.server.app import SubtitleServer
 from protocol import Backoff, ErrorMessage, PartialTranscript
-from tests.test_server import STREAMING, serving, translator
-
-__all__ = ["translator"]  # the module fixture, shared with test_server
+from tests.live_server import STREAMING, serving
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "bridges"
 QUICK = Backoff(first=0.02, most=0.1, total=5.0)

@@ -17,8 +17,8 @@ import pytest
 
 from engine.decoding.translator import Translator
 from engine.streaming.controller import IncrementalTranslator
-from tests.conftest import FIXTURE_MODEL, needs_fixture
-from tests.test_server import STREAMING, serving
+from tests.conftest import FIXTURE_MODEL
+from tests.live_server import STREAMING, serving
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu"]
@@ -37,13 +37,6 @@ READ_LINES = """() => [...document.querySelectorAll('#subtitles .line')].map(lin
     line.querySelector('.stable').textContent,
     line.querySelector('.tentative').textContent,
 ])"""
-
-
-@pytest.fixture(scope="module")
-def translator() -> Translator:
-
-    needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL)
 
 
 def message(segment: int, seq: int, text: str, final: bool) -> str:

@@ -35,8 +35,8 @@ from engine.server.recorder import record
 from engine.streaming.controller import IncrementalTranslator
 from engine.streaming.session import StreamingOptions
 from protocol import ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
-from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, needs_fixture, relabel, serving
-from tests.test_server import SENTENCE, recv, send_sentence, wait_for, ws_url
+from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, needs_fixture, relabel, serving, wait_for
+from tests.live_server import SENTENCE, recv, send_sentence, ws_url
 from tests.test_streaming import check_segments, events_of
 
 
@@ -255,7 +255,7 @@ async def test_server_viewers_get_their_language_and_the_writer_every_one(
 
 @pytest.mark.anyio
 async def test_metrics_name_every_model_and_language(targets: Targets) -> None:
-    from tests.test_server import http_get
+    from tests.live_server import http_get
 
     options = ServerOptions(port=0, limits=Limits(rate_limit=None))
     async with (

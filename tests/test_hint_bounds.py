@@ -12,9 +12,7 @@ from websockets.asyncio.client import connect
 from engine.decoding.translator import Translator
 from engine.streaming.controller import IncrementalTranslator
 from protocol import PartialTranscript, TranslationUpdate, parse, serialize
-from tests.test_server import STREAMING, recv, serving, translator, ws_url
-
-__all__ = ["translator"]  # the module fixture, shared with test_server
+from tests.live_server import STREAMING, recv, serving, ws_url
 
 EMOJI = "Tom will play tennis 🎾 with Lucy"
 

@@ -26,7 +26,7 @@ from engine.decoding.translator import Translator
 from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.handshake import PAGES, STATIC_FILES, Route, route
 from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
-from tests.test_server import http_get, recv, serving
+from tests.live_server import http_get, recv, serving
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu"]

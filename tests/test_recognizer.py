@@ -25,7 +25,7 @@ from engine.asr.transcriber import Transcriber
 from engine.decoding.translator import Translator
 from engine.streaming.controller import IncrementalTranslator
 from protocol import ErrorMessage, PartialTranscript, TranslationUpdate
-from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
+from tests.conftest import ROOT
 
 SPEECH = ROOT / "examples" / "speech"
 
@@ -312,12 +312,6 @@ async def test_paced_chunks_are_whole_samples_and_wait_for_their_time() -> None:
 
 
 # -- the async pipeline ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def translator() -> Translator:
-    needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL)
 
 
 def sentence_plan(start: int, words: str, start_ms: float) -> list[tuple[int, SpeechHypothesis]]:

@@ -447,7 +447,7 @@ async def test_a_server_recognizes_in_worker_processes_and_survives_a_killed_one
     from engine.decoding.translator import Translator
     from engine.server.audio import pocketsphinx_input
     from tests.conftest import FIXTURE_MODEL, needs_fixture
-    from tests.test_server import http_get, serving
+    from tests.live_server import http_get, serving
 
     needs_fixture()
     sphinx_factory()

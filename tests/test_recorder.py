@@ -636,8 +636,8 @@ async def test_serve_records_each_streams_finals_as_they_arrive(tmp_path: Path) 
     from websockets.asyncio.client import connect
 
     from engine.decoding.translator import Translator
-    from tests.test_server import serving as serving_in_process
-    from tests.test_server import ws_url
+    from tests.live_server import serving as serving_in_process
+    from tests.live_server import ws_url
 
     needs_fixture()
     translator = Translator.from_dir(FIXTURE_MODEL)

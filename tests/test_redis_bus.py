@@ -21,18 +21,11 @@ from engine.streaming.lifecycle import Owner
 from engine.streaming.redis_bus import RedisBus
 from engine.streaming.subscriptions import Subscription
 from protocol import ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
-from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.redis_server import RedisServer, free_port, redis_server
 
 pytestmark = pytest.mark.anyio
 
 SENTENCES = ["I will meet Tom at three", "Tom reads a book", "we will see the film"]
-
-
-@pytest.fixture(scope="module")
-def translator() -> Translator:
-    needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL)
 
 
 @pytest.fixture

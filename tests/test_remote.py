@@ -33,9 +33,8 @@ from protocol import (
     PartialTranscript,
     TranslationUpdate,
 )
-from tests.test_server import STREAMING, serving, translator, wait_for
-
-__all__ = ["translator"]  # the module fixture, shared with test_server
+from tests.conftest import wait_for
+from tests.live_server import STREAMING, serving
 
 Reply = TranslationUpdate | ErrorMessage
 QUICK = Backoff(first=0.02, most=0.1, total=5.0)

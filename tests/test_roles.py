@@ -23,21 +23,16 @@ from engine.server.connection import Close, ConnectionCore, Push, Reply, Watch
 from engine.server.credentials import Access, Credentials
 from engine.server.limits import Limits
 from engine.server.state import ServerState
-from tests.conftest import FIXTURE_MODEL, needs_fixture
-from tests.test_server import (
-    _partial,
+from tests.conftest import FIXTURE_MODEL, needs_fixture, partial_message, wait_for
+from tests.live_server import (
     http_get,
     recv,
     refused_with,
     send_sentence,
     serving,
-    translator,
     until_final,
-    wait_for,
     ws_url,
 )
-
-__all__ = ["translator"]  # the module fixture, shared with test_server
 
 SECRETS = Credentials(writer="w", viewer="v", stream_keys={"k": "key-k"}, metrics="m")
 
@@ -90,7 +85,8 @@ def test_a_viewer_credential_can_never_write_close_or_take_over() -> None:
     assert viewer is not None
     core = ConnectionCore(1, Limits(rate_limit=None), ServerState(), access=viewer)
     close = json.dumps({"type": "close_stream", "stream_id": "s"})
-    for frame, final in [(_partial("s", 0), False), (_partial("s", 1, final=True), True)]:
+    frames = [(partial_message("s", 0), False), (partial_message("s", 1, final=True), True)]
+    for frame, final in frames:
         reply = core.receive(frame, 0)
         assert isinstance(reply, Reply) and reply.error.code == "unauthorized"
         assert reply.about_final is final  # a final still gets its one reply
@@ -100,8 +96,8 @@ def test_a_viewer_credential_can_never_write_close_or_take_over() -> None:
     key = SECRETS.access("key-k")
     assert key is not None
     keyed = ConnectionCore(2, Limits(rate_limit=None), ServerState(), access=key)
-    assert isinstance(keyed.receive(_partial("k", 0), 0), Push)
-    reply = keyed.receive(_partial("other", 0), 0)
+    assert isinstance(keyed.receive(partial_message("k", 0), 0), Push)
+    reply = keyed.receive(partial_message("other", 0), 0)
     assert isinstance(reply, Reply) and reply.error.code == "unauthorized"
     assert isinstance(keyed.receive(close.replace('"s"', '"k"'), 0), Close)
 
@@ -141,7 +137,7 @@ async def test_over_the_wire_a_viewer_watches_and_cannot_write(translator: Trans
             # ...and cannot write, close or take over (its role would not let it either,
             # so a second viewer connection that never subscribed tries).
             async with connect(ws_url(server, "?token=v")) as intruder:
-                await intruder.send(_partial("s1", 50, "I will go home", final=True))
+                await intruder.send(partial_message("s1", 50, "I will go home", final=True))
                 await intruder.send(json.dumps({"type": "close_stream", "stream_id": "s1"}))
                 replies = [await recv(intruder), await recv(intruder)]
                 assert [r["code"] for r in replies] == ["unauthorized", "unauthorized"]
@@ -149,14 +145,14 @@ async def test_over_the_wire_a_viewer_watches_and_cannot_write(translator: Trans
                 assert "s1" in engine.streams
                 await writer.close()  # the writer leaves: s1 is free to take over
                 await wait_for(lambda: "s1" not in engine.streams)
-                await intruder.send(_partial("s1", 0, "I will go home", final=True))
+                await intruder.send(partial_message("s1", 0, "I will go home", final=True))
                 (reply,) = await _errors_until(intruder, 0)
                 assert reply["code"] == "unauthorized"
                 await anyio.sleep(0.2)
                 assert "s1" not in engine.streams  # never opened again
         # A stream key writes its stream alone.
         async with connect(ws_url(server), **_bearer("key-k")) as keyed:
-            await keyed.send(_partial("s2", 0, "Tom reads a book", final=True))
+            await keyed.send(partial_message("s2", 0, "Tom reads a book", final=True))
             (reply,) = await _errors_until(keyed, 0)
             assert reply["code"] == "unauthorized"
             await send_sentence(keyed, "k")
@@ -179,7 +175,7 @@ async def test_with_only_the_writer_token_anyone_may_watch(translator: Translato
         await send_sentence(writer)
         assert (await until_final(viewer))[-1]["is_final"]
         async with connect(ws_url(server)) as anonymous:
-            await anonymous.send(_partial("s9", 0, "I will", final=True))
+            await anonymous.send(partial_message("s9", 0, "I will", final=True))
             (reply,) = await _errors_until(anonymous, 0)
             assert reply["code"] == "unauthorized" and "writer token" in reply["message"]
         assert (await http_get(server, "/metrics")).status == 401

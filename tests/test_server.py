@@ -6,19 +6,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import pytest
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
-from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
 from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.connection import Close, ConnectionCore, Ignore, Push, Reply, Role, Watch
@@ -27,35 +21,28 @@ from engine.server.handshake import Refusal, Route, route
 from engine.server.limits import Limits, TokenBucket
 from engine.server.outbox import Outbox
 from engine.server.state import ServerPhase, ServerState
-from engine.streaming.controller import IncrementalTranslator
-from engine.streaming.session import StreamingOptions
 from protocol import ErrorMessage, PartialTranscript, TranslationUpdate
-from tests.conftest import FIXTURE_MODEL, needs_fixture
+from tests.conftest import partial_message, wait_for
+from tests.live_server import (
+    PREFIXES,
+    SENTENCE,
+    STREAMING,
+    http_get,
+    open_streams,
+    recv,
+    refused_with,
+    send_sentence,
+    serving,
+    until_final,
+    ws_url,
+)
 
 # --- sans-I/O rules (no model, no network) ----------------------------------------------
-
-
-def _partial(stream: str, seq: int, text: str = "I will", final: bool = False) -> str:
-    return json.dumps(
-        {
-            "type": "partial_transcript",
-            "stream_id": stream,
-            "segment_id": 0,
-            "seq": seq,
-            "text": text,
-            "is_final": final,
-        }
-    )
 
 
 def _core(state: ServerState | None = None, cid: int = 1, **limits: Any) -> ConnectionCore:
     limits = {"rate_limit": None, **limits}
     return ConnectionCore(cid, Limits(**limits), state or ServerState())
-
-
-def open_streams(server: SubtitleServer) -> list[str]:
-    """Streams in the server's engine, closing ones included."""
-    return server.engine.streams if server.engine is not None else []
 
 
 def test_token_bucket_allows_bursts_then_the_rate() -> None:
@@ -108,7 +95,7 @@ def test_core_roles_and_shutdown() -> None:
     state = ServerState()
     writer, viewer = _core(state, 1, max_streams_per_connection=2), _core(state, 2)
     assert writer.owner.max_streams == 2 and writer.owner != viewer.owner
-    action = writer.receive(_partial("a", 0), 0)
+    action = writer.receive(partial_message("a", 0), 0)
     assert isinstance(action, Push) and action.event.stream_id == "a"
     close = writer.receive(json.dumps({"type": "close_stream", "stream_id": "a"}), 0)
     assert isinstance(close, Close) and close.stream_id == "a"
@@ -117,10 +104,10 @@ def test_core_roles_and_shutdown() -> None:
     assert isinstance(reply, Reply) and reply.error.code == "forbidden"
     assert isinstance(viewer.receive(subscribe, 0), Watch) and viewer.role is Role.VIEWER
     assert isinstance(viewer.receive(subscribe, 0), Ignore)
-    reply = viewer.receive(_partial("z", 0), 0)
+    reply = viewer.receive(partial_message("z", 0), 0)
     assert isinstance(reply, Reply) and reply.error.code == "forbidden"
     assert state.stop() and not state.stop()  # the one flag: stopping, once
-    reply = writer.receive(_partial("a", 9), 0)
+    reply = writer.receive(partial_message("a", 9), 0)
     assert isinstance(reply, Reply) and reply.error.code == "unavailable"
 
 
@@ -142,7 +129,7 @@ def test_server_state_decides_every_loading_and_stopping_refusal() -> None:
     assert refusal is not None and refusal.status == 503
     assert refusal.reason == "Not ready: the server is shutting down.\n"
     frames = [
-        _partial("a", 0, final=True),
+        partial_message("a", 0, final=True),
         json.dumps({"type": "close_stream", "stream_id": "a"}),
         json.dumps({"type": "subscribe", "stream_id": "a"}),
     ]
@@ -169,12 +156,12 @@ def test_core_bad_frames_and_rate_limit() -> None:
         assert isinstance(reply, Reply) and reply.error.code == code
     reply = core.receive(b"\x00\x01", 10.0)
     assert isinstance(reply, Reply) and "binary" in reply.error.message
-    reply = core.receive(_partial("s", 0, text="x" * 11), 20.0)
+    reply = core.receive(partial_message("s", 0, text="x" * 11), 20.0)
     assert isinstance(reply, Reply) and reply.error.code == "too_large"
     assert reply.error.field == "text"
-    assert isinstance(core.receive(_partial("s", 1), 30.0), Push)
-    assert isinstance(core.receive(_partial("s", 2), 30.0), Push)
-    reply = core.receive(_partial("s", 3), 30.0)
+    assert isinstance(core.receive(partial_message("s", 1), 30.0), Push)
+    assert isinstance(core.receive(partial_message("s", 2), 30.0), Push)
+    reply = core.receive(partial_message("s", 3), 30.0)
     assert isinstance(reply, Reply) and reply.error.code == "rate_limited"
     assert (reply.error.stream_id, reply.error.seq) == ("s", 3)
 
@@ -225,96 +212,9 @@ async def test_outbox_supersedes_within_a_language_only() -> None:
 
 # --- a real server on loopback -----------------------------------------------------------
 
-SENTENCE = "I will meet Tom at three"
-PREFIXES = ["I", "I will", "I will meet", "I will meet Tom", "I will meet Tom at"]
-# Bounded decodes keep these tests quick whatever the model; the fixture's translations
-# are far shorter than this.
-STREAMING = StreamingOptions(decode=DecodeOptions(max_new_tokens=32))
-
-
-@pytest.fixture(scope="module")
-def translator() -> Translator:
-
-    needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL)
-
-
 @pytest.fixture(scope="module")
 def expected(translator: Translator) -> str:
     return translator.translate([SENTENCE], STREAMING.decode)[0].text
-
-
-@asynccontextmanager
-async def serving(
-    translator: Translator, *, max_streams: int = 64, **options: Any
-) -> AsyncIterator[SubtitleServer]:
-    options.setdefault("limits", Limits(rate_limit=None))
-    options.setdefault("port", 0)
-    async with (
-        IncrementalTranslator(translator, STREAMING, max_streams=max_streams) as nmt,
-        SubtitleServer(nmt, ServerOptions(**options)) as server,
-    ):
-        yield server
-
-
-def ws_url(server: SubtitleServer, query: str = "") -> str:
-    return f"ws://127.0.0.1:{server.port}/ws{query}"
-
-
-async def recv(ws: ClientConnection, timeout: float = 20.0) -> dict[str, Any]:
-    with anyio.fail_after(timeout):
-        data = await ws.recv()
-    assert isinstance(data, str)
-    message: dict[str, Any] = json.loads(data)
-    return message
-
-
-async def until_final(ws: ClientConnection, stream: str = "s1") -> list[dict[str, Any]]:
-    """Messages received until the final update of `stream` (errors included)."""
-    seen = []
-    while True:
-        message = await recv(ws)
-        seen.append(message)
-        is_update = message["type"] == "translation_update"
-        if is_update and message["stream_id"] == stream and message["is_final"]:
-            return seen
-
-
-async def send_sentence(ws: ClientConnection, stream: str = "s1", seq0: int = 0) -> None:
-    for i, text in enumerate([*PREFIXES, SENTENCE]):
-        await ws.send(_partial(stream, seq0 + i, text, final=text == SENTENCE))
-
-
-@dataclass
-class HttpResult:
-    status: int
-    headers: dict[str, str]
-    body: str
-
-
-async def http_get(server: SubtitleServer, path: str, **headers: str) -> HttpResult:
-    def fetch() -> HttpResult:
-        request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return HttpResult(response.status, dict(response.headers), response.read().decode())
-        except urllib.error.HTTPError as exc:
-            return HttpResult(exc.code, dict(exc.headers), exc.read().decode())
-
-    return await anyio.to_thread.run_sync(fetch)
-
-
-@contextmanager
-def refused_with(status: int) -> Iterator[None]:
-    with pytest.raises(InvalidStatus) as info:
-        yield
-    assert info.value.response.status_code == status
-
-
-async def wait_for(condition: Any, timeout: float = 10.0) -> None:
-    with anyio.fail_after(timeout):
-        while not condition():
-            await anyio.sleep(0.01)
 
 
 @pytest.mark.anyio
@@ -382,20 +282,23 @@ async def test_bad_messages_get_errors_and_the_connection_goes_on(
 ) -> None:
     limits = Limits(rate_limit=None, max_message_bytes=2000, max_text_chars=200)
     async with serving(translator, limits=limits) as server, connect(ws_url(server)) as ws:
-        await ws.send(_partial("s1", 0, "I will"))
+        await ws.send(partial_message("s1", 0, "I will"))
         bad = {
             "{not json": ("invalid_json", None),
             '{"type": "shout", "stream_id": "s1"}': ("unknown_type", "type"),
-            _partial("s1", 1).replace('"seq": 1', '"seq": "one"'): ("invalid_message", "seq"),
-            _partial("s1", 2, "x" * 300): ("too_large", "text"),
-            _partial("s1", 3, "y" * 3000): ("too_large", None),  # whole message > 2000 bytes
+            partial_message("s1", 1).replace('"seq": 1', '"seq": "one"'): (
+                "invalid_message",
+                "seq",
+            ),
+            partial_message("s1", 2, "x" * 300): ("too_large", "text"),
+            partial_message("s1", 3, "y" * 3000): ("too_large", None),  # whole message > 2000 bytes
         }
         for data in bad:
             await ws.send(data)
         await ws.send(b"\x89PNG binary")
-        await ws.send(_partial("s1", 4, "I will meet"))
-        await ws.send(_partial("s1", 2, "I will meet Tom"))  # seq going back
-        await ws.send(_partial("s1", 9, SENTENCE, final=True))
+        await ws.send(partial_message("s1", 4, "I will meet"))
+        await ws.send(partial_message("s1", 2, "I will meet Tom"))  # seq going back
+        await ws.send(partial_message("s1", 9, SENTENCE, final=True))
         messages = await until_final(ws)
         errors = [m for m in messages if m["type"] == "error"]
         assert [(e["code"], e.get("field")) for e in errors[:5]] == list(bad.values())
@@ -419,9 +322,9 @@ async def test_rate_limit_drops_messages_over_it(translator: Translator) -> None
         connect(ws_url(server)) as ws,
     ):
         for seq, text in enumerate(PREFIXES * 3):  # 15 messages at once; bursts of 2
-            await ws.send(_partial("s1", seq, text))
+            await ws.send(partial_message("s1", seq, text))
         await anyio.sleep(1.2)  # refill
-        await ws.send(_partial("s1", 20, SENTENCE, final=True))
+        await ws.send(partial_message("s1", 20, SENTENCE, final=True))
         messages = await until_final(ws)
     limited = [m["seq"] for m in messages if m.get("code") == "rate_limited"]
     assert len(limited) >= 8 and limited == sorted(limited) and limited[-1] == 14
@@ -435,13 +338,13 @@ async def test_stream_ownership(translator: Translator) -> None:
         connect(ws_url(server)) as owner,
         connect(ws_url(server)) as intruder,
     ):
-        await owner.send(_partial("s1", 0))
+        await owner.send(partial_message("s1", 0))
         await wait_for(lambda: "s1" in open_streams(server))
-        await intruder.send(_partial("s1", 1, "injected"))
+        await intruder.send(partial_message("s1", 1, "injected"))
         await intruder.send(json.dumps({"type": "close_stream", "stream_id": "s1"}))
         codes = [(await recv(intruder))["code"] for _ in range(2)]
         assert codes == ["forbidden", "forbidden"]
-        await owner.send(_partial("s1", 1, SENTENCE, final=True))
+        await owner.send(partial_message("s1", 1, SENTENCE, final=True))
         messages = await until_final(owner)
         assert "injected" not in json.dumps(messages)
 
@@ -455,13 +358,13 @@ async def test_stream_limits_per_connection_and_in_total(translator: Translator)
         connect(ws_url(server)) as b,
     ):
         for stream in ("a1", "a2", "a3"):
-            await a.send(_partial(stream, 0))
+            await a.send(partial_message(stream, 0))
         error = await recv(a)
         while error["type"] != "error":
             error = await recv(a)
         assert (error["code"], error["stream_id"]) == ("limit_exceeded", "a3")
         for stream in ("b1", "b2"):
-            await b.send(_partial(stream, 0))
+            await b.send(partial_message(stream, 0))
         error = await recv(b)
         while error["type"] != "error":
             error = await recv(b)
@@ -469,7 +372,7 @@ async def test_stream_limits_per_connection_and_in_total(translator: Translator)
         await wait_for(lambda: sorted(open_streams(server)) == ["a1", "a2", "b1"])
         await a.send(json.dumps({"type": "close_stream", "stream_id": "a1"}))
         await wait_for(lambda: "a1" not in open_streams(server))
-        await b.send(_partial("b2", 1, SENTENCE, final=True))
+        await b.send(partial_message("b2", 1, SENTENCE, final=True))
         assert (await until_final(b, "b2"))[-1]["is_final"]
 
 

@@ -12,9 +12,7 @@ import pytest
 
 from engine.decoding.translator import Translator
 from engine.server.handshake import SINGLE_HEADERS, duplicate_headers
-from tests.test_server import serving, translator
-
-__all__ = ["translator"]  # the module fixture, shared with test_server
+from tests.live_server import serving
 
 
 def test_duplicate_single_headers_are_refused_by_name() -> None:
@@ -78,15 +76,16 @@ async def test_partials_after_a_close_never_reopen_the_stream(translator: Transl
     answered; nothing is left open (tests/test_lifecycle.py has the rules alone)."""
     from websockets.asyncio.client import connect
 
-    from tests.test_server import _partial, open_streams, ws_url
+    from tests.conftest import partial_message
+    from tests.live_server import open_streams, ws_url
 
     async with serving(translator) as server:
         for _ in range(5):
             async with connect(ws_url(server)) as ws:
-                await ws.send(_partial("s", 0, "Tom reads a book", final=True))
+                await ws.send(partial_message("s", 0, "Tom reads a book", final=True))
                 await ws.send('{"type": "close_stream", "stream_id": "s"}')
                 for seq in range(1, 4):
-                    await ws.send(_partial("s", seq, "Tom reads"))
+                    await ws.send(partial_message("s", seq, "Tom reads"))
                 finals = 0
                 with anyio.fail_after(20):
                     while not finals:
@@ -121,12 +120,12 @@ def test_a_rate_limited_final_is_a_kept_reply() -> None:
     from engine.server.connection import ConnectionCore, Reply
     from engine.server.limits import Limits
     from engine.server.state import ServerState
-    from tests.test_server import _partial
+    from tests.conftest import partial_message
 
     core = ConnectionCore(1, Limits(rate_limit=1.0, rate_burst=1.0), ServerState())
-    core.receive(_partial("s", 0), 0.0)
-    partial = core.receive(_partial("s", 1), 0.0)
-    final = core.receive(_partial("s", 2, "I will go", final=True), 0.0)
+    core.receive(partial_message("s", 0), 0.0)
+    partial = core.receive(partial_message("s", 1), 0.0)
+    final = core.receive(partial_message("s", 2, "I will go", final=True), 0.0)
     assert isinstance(partial, Reply) and not partial.about_final
     assert isinstance(final, Reply) and final.about_final
     assert final.error.code == "rate_limited" and final.error.seq == 2
@@ -143,13 +142,14 @@ async def test_a_burst_ending_in_a_final_gets_a_reply_about_the_final(
     from websockets.asyncio.client import connect
 
     from engine.server.limits import Limits
-    from tests.test_server import _partial, ws_url
+    from tests.conftest import partial_message
+    from tests.live_server import ws_url
 
     for attempt in range(3):
         limits = Limits(rate_limit=20.0)
         async with serving(translator, limits=limits) as server, connect(ws_url(server)) as ws:
-            burst = [_partial("b", seq, "I will meet Tom") for seq in range(83)]
-            burst.append(_partial("b", 83, "I will meet Tom at three", final=True))
+            burst = [partial_message("b", seq, "I will meet Tom") for seq in range(83)]
+            burst.append(partial_message("b", 83, "I will meet Tom at three", final=True))
             for message in burst:
                 await ws.send(message)
             with anyio.fail_after(20):
@@ -172,7 +172,8 @@ async def test_a_final_that_fails_to_translate_gets_an_internal_error(
     from websockets.asyncio.client import connect
 
     from engine.streaming.session import StreamSession
-    from tests.test_server import _partial, ws_url
+    from tests.conftest import partial_message
+    from tests.live_server import ws_url
 
     real = StreamSession.answer
 
@@ -183,10 +184,10 @@ async def test_a_final_that_fails_to_translate_gets_an_internal_error(
 
     monkeypatch.setattr(StreamSession, "answer", failing)
     async with serving(translator) as server, connect(ws_url(server)) as ws:
-        await ws.send(_partial("f", 0, "boom", final=True))
+        await ws.send(partial_message("f", 0, "boom", final=True))
         # The next segment (a final ends its segment).
         for seq, text, final in ((1, "I will meet Tom", False), (2, "I will go", True)):
-            message = _partial("f", seq, text, final=final)
+            message = partial_message("f", seq, text, final=final)
             await ws.send(message.replace('"segment_id": 0', '"segment_id": 1'))
         replies = []
         with anyio.fail_after(20):
@@ -215,7 +216,8 @@ async def test_shutdown_past_its_timeout_answers_every_final(
     from websockets.exceptions import ConnectionClosed
 
     from engine.streaming.session import StreamSession
-    from tests.test_server import _partial, ws_url
+    from tests.conftest import partial_message
+    from tests.live_server import ws_url
 
     real = StreamSession.answer
 
@@ -230,7 +232,7 @@ async def test_shutdown_past_its_timeout_answers_every_final(
         async with connect(ws_url(server)) as ws:  # type: ignore[arg-type]
             for seg in range(6):
                 text = "Tom will play tennis with Lucy at three tomorrow"
-                message = _partial(name, seg, text, final=True)
+                message = partial_message(name, seg, text, final=True)
                 await ws.send(message.replace('"segment_id": 0', f'"segment_id": {seg}'))
             ready.set()
             got = replies.setdefault(name, [])
@@ -277,11 +279,12 @@ async def test_a_stream_at_the_largest_seq_can_be_closed_and_started_again(
     from websockets.asyncio.client import connect
 
     from protocol.messages import MAX_ID
-    from tests.test_server import _partial, ws_url
+    from tests.conftest import partial_message
+    from tests.live_server import ws_url
 
     async with serving(translator) as server, connect(ws_url(server)) as ws:
-        await ws.send(_partial("m", MAX_ID, "I will"))
-        await ws.send(_partial("m", 5, "I will meet"))
+        await ws.send(partial_message("m", MAX_ID, "I will"))
+        await ws.send(partial_message("m", 5, "I will meet"))
         with anyio.fail_after(20):
             while (reply := json.loads(await ws.recv()))["type"] != "error":
                 pass
@@ -292,7 +295,7 @@ async def test_a_stream_at_the_largest_seq_can_be_closed_and_started_again(
         with anyio.fail_after(10):
             while "m" in engine.streams:
                 await anyio.sleep(0.01)
-        await ws.send(_partial("m", 0, "I will meet Tom at three", final=True))
+        await ws.send(partial_message("m", 0, "I will meet Tom at three", final=True))
         with anyio.fail_after(20):
             while not (reply := json.loads(await ws.recv())).get("is_final"):
                 pass
@@ -315,7 +318,7 @@ async def test_a_partial_of_a_closing_stream_gets_no_worker(
     from engine.streaming.controller import IncrementalTranslator
     from engine.streaming.session import StreamSession
     from protocol import PartialTranscript
-    from tests.test_server import STREAMING
+    from tests.live_server import STREAMING
 
     real = StreamSession.answer
     release = threading.Event()
@@ -354,7 +357,8 @@ async def test_an_update_is_encoded_once_for_all_its_viewers(
 
     import protocol
     from engine.server import client
-    from tests.test_server import send_sentence, until_final, wait_for, ws_url
+    from tests.conftest import wait_for
+    from tests.live_server import send_sentence, until_final, ws_url
 
     calls: list[str] = []
 
@@ -386,7 +390,7 @@ async def test_each_event_is_tokenised_once_from_admission_to_decoding(
 ) -> None:
     from engine.streaming.controller import IncrementalTranslator
     from protocol import PartialTranscript
-    from tests.test_server import STREAMING
+    from tests.live_server import STREAMING
 
     calls: list[str] = []
     real = translator.source_ids
@@ -487,7 +491,7 @@ async def test_past_the_connection_caps_a_handshake_gets_503_or_429_at_once(
     from websockets.asyncio.client import connect
 
     from engine.server.admission import ConnectionCaps
-    from tests.test_server import http_get, refused_with, ws_url
+    from tests.live_server import http_get, refused_with, ws_url
 
     caps = ConnectionCaps(max_connections=2, max_per_address=None)
     async with serving(translator, connections=caps) as server:
@@ -521,7 +525,7 @@ async def test_a_silent_connection_is_dropped_at_the_handshake_deadline(
     import time
 
     from engine.server.admission import ConnectionCaps
-    from tests.test_server import http_get
+    from tests.live_server import http_get
 
     caps = ConnectionCaps(handshake_timeout=0.3)
     async with serving(translator, token="w", connections=caps) as server:

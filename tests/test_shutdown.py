@@ -39,15 +39,9 @@ from engine.server import shutdown
 from engine.server.outbox import Outbox
 from engine.streaming.lifecycle import Owner, StreamLifecycle, StreamTable
 from engine.streaming.session import StreamSession
-from protocol import PartialTranscript, serialize
-from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
-from tests.test_server import serving, translator, wait_for
-
-__all__ = ["translator"]  # the module fixture, shared with test_server
-
-
-def partial(stream: str, segment: int, seq: int, text: str, final: bool = False) -> str:
-    return serialize(PartialTranscript(stream, segment, seq, text, is_final=final))
+from protocol import PartialTranscript
+from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture, partial_message, wait_for
+from tests.live_server import serving
 
 
 @dataclass
@@ -145,7 +139,7 @@ async def raw(port: int) -> AsyncIterator[RawClient]:
 
 async def open_segment(client: RawClient, stream: str) -> None:
     """A writer with an open segment and nothing in flight."""
-    client.send(partial(stream, 0, 0, "I will meet"))
+    client.send(partial_message(stream, 0, "I will meet"))
     await client.until(lambda: any(r.get("seq") == 0 for r in client.replies))
 
 
@@ -167,7 +161,7 @@ async def test_a_final_arriving_as_the_outbox_ends_is_answered_before_the_close(
         real_end(self)
         if injected and not self.__dict__.get("_injected"):
             self.__dict__["_injected"] = True
-            injected[0].send(partial("w", 0, 1, "I will meet Tom", final=True))
+            injected[0].send(partial_message("w", 1, "I will meet Tom", final=True))
 
     async with serving(translator, shutdown_timeout=5) as server, raw(server.port) as writer:
         await open_segment(writer, "w")
@@ -206,7 +200,9 @@ async def test_finals_sent_at_every_point_of_a_shutdown_get_one_reply_or_a_close
             for i, writer in enumerate(writers):
                 await open_segment(writer, f"w{i}")
             for seg in range(3):  # the drain: finals being translated
-                busy.send(partial("busy", seg, seg, "Tom will play tennis", final=True))
+                busy.send(
+                    partial_message("busy", seg, "Tom will play tennis", True, segment=seg)
+                )
 
             async def final_at(i: int, writer: RawClient) -> None:
                 await anyio.sleep(i * 0.005)
@@ -214,7 +210,7 @@ async def test_finals_sent_at_every_point_of_a_shutdown_get_one_reply_or_a_close
                 if writer.close_code is not None or writer.eof:
                     outcomes.append("closed before sending")
                     return
-                writer.send(partial(f"w{i}", 0, 1, "I will meet Tom", final=True))
+                writer.send(partial_message(f"w{i}", 1, "I will meet Tom", final=True))
                 await writer.until(lambda: writer.close_code is not None or writer.eof)
                 writer.answer_close()
                 outcomes.append(f"{len(writer.about(1))} replies")
@@ -277,7 +273,9 @@ async def test_connections_closing_after_the_shutdown_timeout_log_no_traceback(
         try:
             for i, writer in enumerate(writers):
                 for seg in range(2):
-                    writer.send(partial(f"w{i}", seg, seg, "Tom reads a book", final=True))
+                    writer.send(
+                        partial_message(f"w{i}", seg, "Tom reads a book", True, segment=seg)
+                    )
             await wait_for(lambda: len(server.engine.streams) == 3)  # type: ignore[union-attr]
             async with anyio.create_task_group() as tg:
                 tg.start_soon(server.shutdown)

@@ -22,9 +22,9 @@ import pytest
 from engine.decoding.translator import Translator
 from engine.server.app import SubtitleServer
 from engine.server.audio import AudioInput
-from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture
+from tests.conftest import ROOT, wait_for
+from tests.live_server import STREAMING, serving
 from tests.test_audio_ws import RATE, SENTENCE, needs_speech, silence, spoken
-from tests.test_server import STREAMING, serving, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = Path("/tmp/speak")
@@ -46,12 +46,6 @@ def needs_browser() -> Any:
     if not CHROMIUM.is_file():
         pytest.skip(f"{CHROMIUM} missing (run .ci/install-browser)")
     return pytest.importorskip("playwright.async_api")
-
-
-@pytest.fixture(scope="module")
-def translator() -> Translator:
-    needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,6 @@ from engine import Translator
 from engine.streaming.session import StreamingOptions, StreamSession, settled_source
 from protocol import InvalidMessage, PartialTranscript, TranslationUpdate, parse, serialize
 from protocol.codec import load_schema
-from tests.conftest import FIXTURE_MODEL, needs_fixture
-
-
-@pytest.fixture(scope="module")
-def translator() -> Translator:
-    needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL)
 
 
 def replay(

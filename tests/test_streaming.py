@@ -22,15 +22,9 @@ from engine.streaming.policies import BiasedDecoding, LocalAgreement, MaskK
 from engine.streaming.session import StreamingOptions, StreamSession
 from engine.streaming.subscriptions import Subscription
 from protocol import InvalidEvent, NmtIncremental, PartialTranscript, TranslationUpdate
-from tests.conftest import FIXTURE_DIR, FIXTURE_DIRS, FIXTURE_MODEL, FIXTURE_MODELS, needs_fixture
+from tests.conftest import FIXTURE_DIR, FIXTURE_DIRS, FIXTURE_MODELS, needs_fixture
 
 POLICIES = [LocalAgreement(2), LocalAgreement(3), MaskK(2), BiasedDecoding(0.3)]
-
-
-@pytest.fixture(scope="module")
-def translator() -> Translator:
-    needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL)
 
 
 def read_heldout(directory: Path) -> list[tuple[str, str]]:

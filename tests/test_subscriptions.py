@@ -25,7 +25,6 @@ from protocol import (
     PartialTranscript,
     TranslationUpdate,
 )
-from tests.conftest import FIXTURE_MODEL, needs_fixture
 
 A = Owner("connection 1")
 B = Owner("connection 2")
@@ -157,12 +156,6 @@ def test_one_language_match_and_one_refusal_for_the_server_and_the_engine() -> N
 
 
 # --- through the controller --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def translator() -> Translator:
-    needs_fixture()
-    return Translator.from_dir(FIXTURE_MODEL)
 
 
 class CountingBus(InProcessBus):

@@ -11,9 +11,8 @@ import anyio
 import pytest
 
 from engine.decoding.translator import Translator
-from tests.test_server import _partial, serving, translator, wait_for, ws_url
-
-__all__ = ["translator"]  # the module fixture, shared with test_server
+from tests.conftest import partial_message, wait_for
+from tests.live_server import serving, ws_url
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -23,7 +22,7 @@ async def write_final(server: object, text: str) -> list[dict[str, object]]:
     from websockets.asyncio.client import connect
 
     async with connect(ws_url(server)) as ws:  # type: ignore[arg-type]
-        await ws.send(_partial("t", 0, text, final=True))
+        await ws.send(partial_message("t", 0, text, final=True))
         got = []
         with anyio.fail_after(20):
             while not (reply := json.loads(await ws.recv())).get("is_final"):
