@@ -1,4 +1,4 @@
-"""Audio over the WebSocket (issue 26): a writer's `start_audio`, binary frames of 16-bit
+"""Audio over the WebSocket: a writer's `start_audio`, binary frames of 16-bit
 PCM and `end_audio`. First the connection's rules, sans I/O; then a real `SubtitleServer`
 on loopback with the fixture model, recognizing espeak-ng speech with pocketsphinx
 (skipped without them) or a scripted recognizer that can be made to fail."""

@@ -122,7 +122,7 @@ async def test_page_shows_stable_and_tentative_text(translator: Translator, tmp_
                     tentative_seen |= any(tail for _, tail in expected)
 
         # The last line's tail is dimmer and lighter than the stable part, and never in
-        # italics: browsers fake them for Chinese by slanting the glyphs (issue 27).
+        # italics: browsers fake them for Chinese by slanting the glyphs.
         styles = await page.evaluate(
             """() => ['.stable', '.tentative'].map(sel => {
                 const s = getComputedStyle(document.querySelector('.line:last-child ' + sel));
@@ -221,10 +221,10 @@ async def test_page_shows_the_language_it_asks_for(relabelled_de: Path) -> None:
         await browser.close()
 
 
-# -- issue 23, finding 10: the page stayed blank for ids the server folds or refuses ----
+# -- the page shows ids the server folds, and names ids it refuses ----------------------
 # The server takes a stream id in NFC (an NFD spelling names the same stream) and refuses
-# ids over 128 characters or with control characters; the page compared ids exactly and
-# showed nothing, with no status line, for all three.
+# ids over 128 characters or with control characters; the page applies the same rules, so
+# it never stays blank, with no status line, for an id the server would fold or refuse.
 
 
 @pytest.mark.anyio

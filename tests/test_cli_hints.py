@@ -1,10 +1,9 @@
 """Every hint the command line prints leads somewhere: the commands its errors advise are
 run, as printed, and must work.
 
-A newcomer follows what an error says to the letter (issue 27): `models pull OWNER/NAME`
-once advised `models pull OWNER--NAME`, which is no model name, and `models export`
-advised installing an extra from a package index the project is not published on. Each
-test here provokes one error, takes the command out of its message (the text between
+A newcomer follows what an error says to the letter, so an advised command that names no
+model, or an extra from a package index the project is not published on, is a dead end.
+Each test here provokes one error, takes the command out of its message (the text between
 backticks), runs it where it needs no network (the fake hub on loopback of
 `tests/test_hub.py` stands in for the hub, pip runs `--dry-run --no-index`) and checks
 what it was meant to achieve.

@@ -169,7 +169,7 @@ def test_fixture_translates_partials_to_what_the_final_keeps() -> None:
 
 @pytest.mark.parametrize(("source", "target"), styles.RECOGNISER_EXAMPLES)
 def test_fixture_translates_recogniser_text_as_a_final(source: str, target: str) -> None:
-    """Issue 11: the prefix fixture is trained on the styles a recogniser writes too
+    """The prefix fixture is trained on the styles a recogniser writes too
     (lowercase, fillers, fragments; punctuation), so these finals translate."""
     from engine import Translator
 

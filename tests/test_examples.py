@@ -58,7 +58,7 @@ def test_a_final_is_lost_in_each_language_that_did_not_answer_it() -> None:
     assert result.lost_finals == set()
 
 
-# --- reconnecting (issue 24): against a tiny fake server ---------------------------------
+# --- reconnecting: against a tiny fake server --------------------------------------------
 
 
 def _line(ms: float, seq: int, text: str, final: bool, segment: int = 0) -> Any:

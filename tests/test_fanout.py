@@ -170,8 +170,8 @@ async def test_a_language_that_fails_answers_each_final_with_an_error_naming_it(
 
 
 @pytest.mark.anyio
-async def test_one_model_behaves_as_before_fan_out(targets: Targets) -> None:
-    """One translator: the same updates (now saying their language) and the same API."""
+async def test_one_model_keeps_the_single_language_api(targets: Targets) -> None:
+    """One translator: the single-language updates (saying their language) and API."""
     async with IncrementalTranslator(targets["zh"]) as nmt:
         assert nmt.languages == ["zh"] and nmt.translator is targets["zh"]
         sub = nmt.updates("s1")
@@ -227,7 +227,7 @@ async def test_server_viewers_get_their_language_and_the_writer_every_one(
         subscribe = {"type": "subscribe", "stream_id": "s1"}
         await viewer_zh.send(json.dumps({**subscribe, "lang": "zh-Hans"}))
         await viewer_de.send(json.dumps({**subscribe, "lang": "de"}))
-        await viewer_old.send(json.dumps(subscribe))  # a viewer from before fan-out
+        await viewer_old.send(json.dumps(subscribe))  # a viewer that names no language
         await viewer_fr.send(json.dumps({**subscribe, "lang": "fr"}))
         error = await recv(viewer_fr)
         assert (error["code"], error["field"]) == ("invalid_message", "lang")

@@ -157,7 +157,7 @@ def test_limits_per_owner_and_in_total() -> None:
 
 
 def test_closing_refuses_events_and_frees_the_id_only_when_released() -> None:
-    """Issue 9 finding 1: partials after a close could reopen the stream with no owner."""
+    """Partials after a close are refused, so they cannot reopen the stream with no owner."""
     t = table()
     admit(t, ev("s", 0, "Tom", final=True), A)
     with pytest.raises(InvalidEvent) as info:

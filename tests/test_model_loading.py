@@ -133,8 +133,8 @@ def test_a_with_past_decoder_that_also_declares_encoder_states_gets_its_encoder_
     tmp_path: Path,
 ) -> None:
     """Some exports' decoder_with_past declares `encoder_hidden_states` beside the encoder
-    KV inputs it needs. It was fed the states instead of the KV (ORT: "Required inputs
-    missing" at step 1); it must get the KV, and the states too since it declares them."""
+    KV inputs it needs: it must get the KV (fed the states alone, ORT says "Required inputs
+    missing" at step 1), and the states too since it declares them."""
     needs_fixture()
     names = ("encoder_model.onnx", "decoder_model.onnx")
     model_dir = model_copy(tmp_path / "states", {n: FIXTURE_MODEL / n for n in names})

@@ -1,4 +1,4 @@
-"""The viewer pages as a newcomer and a viewer meet them (issue 27), in headless Chromium:
+"""The viewer pages as a newcomer and a viewer meet them, in headless Chromium:
 the subtitle page says what it waits for and why it cannot show a stream, fades lines out
 after silence, shows the recognised source on request; the transcript page lists a
 stream's finals with their times, follows it across a reconnect and builds subtitle files

@@ -175,9 +175,9 @@ def test_a_lone_word_start_marker_is_never_the_last_committed_piece() -> None:
 
 def test_a_partial_never_commits_an_invisible_prefix_that_changes_later_hypotheses() -> None:
     """On the offline fixture "park will" and "park will not" translate to "\u2581" + "要在"
-    ... and "\u2581" + "不会" ...: LocalAgreement-2 used to commit the bare marker they
-    share, which forced it on the next partial, so that "you will not cook a cake" lost its
-    subject (你): what a recogniser's corrected first word looks like."""
+    ... and "\u2581" + "不会" ...: LocalAgreement-2 must not commit the bare marker they
+    share, as it would be forced on the next partial and "you will not cook a cake" would
+    lose its subject (你): what a recogniser's corrected first word looks like."""
     from engine import Translator
     from engine.streaming.session import StreamingOptions, StreamSession
     from protocol import PartialTranscript

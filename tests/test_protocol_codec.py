@@ -95,9 +95,9 @@ def test_null_means_absent_for_optional_fields() -> None:
     assert parse(absent) == TranslationUpdate("a", 0, 1, "", "", False, 1.0, 2.0, revised=False)
 
 
-def test_messages_from_before_fan_out_still_decode() -> None:
-    """`lang` came with fan-out: an update, error or subscribe without it is what every
-    earlier engine and client wrote, and still decodes (to lang None)."""
+def test_messages_without_lang_decode_to_lang_none() -> None:
+    """`lang` is optional: an update, error or subscribe without it (what a single-language
+    engine or client writes) decodes, to lang None."""
     old_update = (
         '{"type":"translation_update","stream_id":"a","segment_id":0,"seq":1,"stable_text":"x",'
         '"unstable_text":"","is_final":true,"latency_ms":1,"compute_ms":2,"revised":false,'

@@ -1,10 +1,10 @@
 """A fresh clone's walk through the README: its commands run as written.
 
-A newcomer pastes the README's commands in order (issue 27: a snippet that failed when
-pasted, a two-language example that needed downloads). This test takes the commands out of
-README.md itself (its first lines and its fenced blocks) and runs them in a temporary
-working directory that holds the checkout's files (linked, read-only use) and the
-virtualenv running the tests as `.venv`, with the hub offline:
+A newcomer pastes the README's commands in order, so each must work as pasted, without a
+download. This test takes the commands out of README.md itself (its first lines and its
+fenced blocks) and runs them in a temporary working directory that holds the checkout's
+files (linked, read-only use) and the virtualenv running the tests as `.venv`, with the
+hub offline:
 
 - the first lines: the set-up command's last step (`.venv/bin/nmt-incremental translate
   ...`; creating the venv and `pip install` need the package index) and the test command

@@ -1,4 +1,4 @@
-"""Recognition in worker processes (issue 26): `RecognizerPool` runs each audio stream's
+"""Recognition in worker processes: `RecognizerPool` runs each audio stream's
 `RecognizerStream` in one of N spawned processes, and its cores come off the models'
 share of the machine (`engine.cli.args.translation_cores`, `serve --asr-workers`).
 

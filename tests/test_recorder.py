@@ -1,8 +1,8 @@
-"""`serve --record DIR`: finals written to subtitle files as they arrive (issue 23, 3-6, 8
-and 12): off the event loop and a final at a time, never over an earlier run's files,
-under bounded names, a failure logged once and caught up, a bad directory refused before
-serving, times of 100 h and more kept, no temporary file left on a full disk, and files
-valid whenever the process dies.
+"""`serve --record DIR`: finals written to subtitle files as they arrive: off the event
+loop and a final at a time, never over an earlier run's files, under bounded names, a
+failure logged once and caught up, a bad directory refused before serving, times of 100 h
+and more kept, no temporary file left on a full disk, and files valid whenever the process
+dies.
 
 Most tests drive `record` with `FakeEngine` (what `record` reads of an engine, without a
 model); the ones through a real server use the fixture model."""
@@ -122,7 +122,7 @@ def only_file(directory: Path, pattern: str = "*.vtt") -> Path:
     return path
 
 
-# --- 3: off the event loop, a final at a time ----------------------------------------
+# --- off the event loop, a final at a time ------------------------------------------------
 
 
 _opened: list[tuple[str, int]] = []
@@ -156,8 +156,8 @@ def opened_files(tmp_path: Path) -> Iterator[list[tuple[str, int]]]:
 async def test_finals_are_written_off_the_event_loop(
     tmp_path: Path, opened_files: list[tuple[str, int]]
 ) -> None:
-    """Issue 23, 3: the recorder wrote files on the event loop (33 ms per final at 1,000
-    finals, every stream's updates waiting meanwhile). No file is opened on it now."""
+    """No file is opened on the event loop: a write there would hold every stream's
+    updates while it lasts."""
     loop_thread = threading.get_ident()
 
     async def feed(engine: FakeEngine) -> None:
@@ -182,9 +182,9 @@ def written_bytes() -> int:
 
 @pytest.mark.anyio
 async def test_a_final_costs_the_same_however_many_came_before(tmp_path: Path) -> None:
-    """Issue 23, 3: each final rewrote the whole file (cost growing with the finals before
-    it: 199 ms per final at 4,000). The bytes written for the last 50 of 400 finals are
-    those of the first 50 (append; the previous final's cues rewritten in place)."""
+    """A final appends (the previous final's cues rewritten in place) rather than rewriting
+    the whole file, so a long run does not slow down: the bytes written for the last 50 of
+    400 finals are those of the first 50."""
     if not Path("/proc/self/io").is_file():
         pytest.skip("needs /proc/self/io (Linux)")
     path = tmp_path / "none"
@@ -210,7 +210,7 @@ async def test_a_final_costs_the_same_however_many_came_before(tmp_path: Path) -
     assert last < 1.5 * first, counts
 
 
-# --- the layout: what subtitles.write writes ------------------------------------------
+# --- the layout: what subtitles.write writes ----------------------------------------------
 
 
 @pytest.mark.anyio
@@ -242,7 +242,7 @@ async def test_a_file_written_a_final_at_a_time_is_what_layout_writes(
     assert got.read_bytes() == expected.read_bytes()
 
 
-# --- files valid whenever the process dies -------------------------------------------
+# --- files valid whenever the process dies ------------------------------------------------
 
 CHILD = r"""
 import json, logging, os, resource, signal, sys
@@ -403,13 +403,13 @@ def test_sigterm_to_serve_leaves_every_answered_final_in_the_file(tmp_path: Path
     assert [c.start_time.in_milliseconds() for c in cues] == [i * 2000 for i in range(12)]
 
 
-# --- 4: a restart never overwrites ---------------------------------------------------
+# --- a restart never overwrites -----------------------------------------------------------
 
 
 @pytest.mark.anyio
 async def test_a_restart_never_writes_over_the_last_runs_files(tmp_path: Path) -> None:
-    """Issue 23, 4: epochs start at 1 in every run, so run two's `demo.1.vtt` replaced run
-    one's. Now both stay (names carry the run; a name taken gets `-2`)."""
+    """Epochs start at 1 in every run, so names carry the run and a name taken gets `-2`:
+    run two's `demo.1.vtt` never replaces run one's."""
 
     def speaking(text: str) -> Callable[[FakeEngine], Awaitable[None]]:
         async def feed(engine: FakeEngine) -> None:
@@ -431,14 +431,14 @@ async def test_a_restart_never_writes_over_the_last_runs_files(tmp_path: Path) -
     assert "two" in (tmp_path / "same" / names[0]).read_text(encoding="utf-8")
 
 
-# --- 5: any stream id is recorded, a failure logged once -------------------------------
+# --- any stream id is recorded, a failure logged once -------------------------------------
 
 
 @pytest.mark.anyio
 async def test_long_stream_ids_are_recorded_under_bounded_names(tmp_path: Path) -> None:
-    """Issue 23, 5: ids whose percent-encoded name passed 255 bytes (a 28-character Chinese
-    id among them) were never recorded. Every id is now, under a name of a readable prefix
-    and a hash, distinct for distinct ids."""
+    """Ids whose percent-encoded name would pass 255 bytes (a 28-character Chinese id among
+    them) are recorded too, under a name of a readable prefix and a hash, distinct for
+    distinct ids."""
     ids = [
         "demo",
         "会议室" * 9 + "一",  # 28 characters, 252 bytes encoded
@@ -469,9 +469,8 @@ async def test_long_stream_ids_are_recorded_under_bounded_names(tmp_path: Path) 
 async def test_a_failure_to_record_is_logged_once_and_caught_up(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 23, 5: a stream that could not be recorded logged an ERROR per final. Now one
-    line when writing fails and one when it works again; the finals meanwhile are kept
-    and written then."""
+    """A stream that cannot be recorded logs one line when writing fails and one when it
+    works again, not an ERROR per final; the finals meanwhile are kept and written then."""
     monkeypatch.setattr(recorder_module, "RETRY_S", 0.05, raising=False)
     directory = tmp_path / "rec"
     caplog.set_level(logging.INFO, logger="engine.server.recorder")
@@ -499,7 +498,7 @@ async def test_a_failure_to_record_is_logged_once_and_caught_up(
     assert len(cues) == 21 + 3  # finals 6, 13 and 20 have two cues each
 
 
-# --- 6: a bad --record directory is a bad option -------------------------------------
+# --- a bad --record directory is a bad option ---------------------------------------------
 
 
 def bad_directories(tmp_path: Path) -> dict[str, Path]:
@@ -522,8 +521,8 @@ def bad_directories(tmp_path: Path) -> dict[str, Path]:
 def test_a_record_directory_that_cannot_be_written_exits_2_before_serving(
     tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 23, 6: such a directory crashed the server (exit 1, an ExceptionGroup, after
-    /readyz had said 200). It is now refused at start with a message, like a bad option."""
+    """Such a directory is refused at start with a message, like a bad option, rather than
+    failing the server after /readyz has said 200."""
     from engine.cli.main import main
 
     directory = bad_directories(tmp_path)[case]
@@ -543,7 +542,7 @@ def test_a_record_directory_that_cannot_be_written_exits_2_before_serving(
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
-# --- 8: times of 100 h and more --------------------------------------------------------
+# --- times of 100 h and more --------------------------------------------------------------
 
 
 @pytest.mark.anyio
@@ -551,9 +550,9 @@ def test_a_record_directory_that_cannot_be_written_exits_2_before_serving(
 async def test_a_recogniser_clock_in_unix_milliseconds_gives_real_cues(
     tmp_path: Path, kind: str
 ) -> None:
-    """Issue 23, 8: times of 100 h or more became zero-length cues at 99:59:59.999 (a
-    recogniser sending Unix-epoch milliseconds). A life whose first final starts that
-    late is timed from that final."""
+    """A life whose first final starts 100 h or more in (a recogniser sending Unix-epoch
+    milliseconds) is timed from that final, not written as zero-length cues at
+    99:59:59.999."""
     epoch_ms = 1_764_000_000_000.0
 
     async def feed(engine: FakeEngine) -> None:
@@ -598,15 +597,14 @@ def test_times_past_99_hours_keep_their_value(tmp_path: Path, kind: str) -> None
     assert all(end > start for start, end in got)
 
 
-# --- 12: a full disk ---------------------------------------------------------------------
+# --- a full disk --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("room", [0, 700])
 def test_a_full_disk_leaves_no_temporary_file_and_the_file_valid(tmp_path: Path, room: int) -> None:
-    """Issue 23, 12: a 0-byte `.tmp` was left behind on a full disk. Writes that fail
-    (here: past RLIMIT_FSIZE, `room` bytes, in a child process) leave no temporary file,
-    the file as it was (`room` 700: its first finals), one ERROR; once there is room again
-    every final is written."""
+    """On a full disk, writes that fail (here: past RLIMIT_FSIZE, `room` bytes, in a child
+    process) leave no 0-byte `.tmp`, the file as it was (`room` 700: its first finals) and
+    one ERROR; once there is room again every final is written."""
     directory = tmp_path / "rec"
     directory.mkdir()
     proc = child("full", directory, room)
@@ -628,7 +626,7 @@ def test_a_full_disk_leaves_no_temporary_file_and_the_file_valid(tmp_path: Path,
     assert check_file(path, "demo") == 25
 
 
-# --- stream lives ---------------------------------------------------------------------
+# --- stream lives -------------------------------------------------------------------------
 
 
 @pytest.mark.anyio

@@ -3,7 +3,7 @@
 Rendered in Debian's headless Chromium through Playwright (never a downloaded browser);
 skipped without them. The screenshot is left in the test's tmp dir to look at.
 
-It is read by people who have not read the metrics papers (issue 27): every number says
+It is read by people who have not read the metrics papers: every number says
 what it means where it is shown, nothing reads "None", segments are named by what was
 said, and a long log stays short: a summary first, each segment's timeline on demand.
 """

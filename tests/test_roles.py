@@ -1,10 +1,10 @@
-"""Roles (issue 23, finding 13): the writer's secret (`--token`) is not the viewers'.
+"""Roles: the writer's secret (`--token`) is not the viewers'.
 
-One token used to guard writing and watching alike, so a subtitle page shown to an
-audience carried the secret that lets anyone take the stream over as its writer. Now
-`--viewer-token` (or, without it, anyone) watches, `--token` writes, `--stream-key`
-writes one stream, `--metrics-token` reads /metrics; a viewer credential never writes,
-closes or takes over a stream, and the page URL the server prints holds no writer secret.
+A subtitle page is shown to an audience, so what it carries must not let anyone take the
+stream over as its writer: `--viewer-token` (or, without it, anyone) watches, `--token`
+writes, `--stream-key` writes one stream, `--metrics-token` reads /metrics; a viewer
+credential never writes, closes or takes over a stream, and the page URL the server
+prints holds no writer secret.
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def test_rows_join_and_leave_a_running_batch(translator: Translator) -> None:
             started.set()
             # Hold the long row (this runs on the lane's thread) until the short request
             # waits (or another lane took it), so that it joins mid-decode however slow the
-            # machine is: the long row used to end first now and then in a loaded run.
+            # machine is: without the hold the long row can end first in a loaded run.
             assert sent.wait(30)
             deadline = time.monotonic() + 0.2
             while not translator.scheduler.waiting and time.monotonic() < deadline:
@@ -280,7 +280,7 @@ def test_an_abort_drops_a_waiting_request_and_refuses_a_later_one() -> None:
     """The abort may come before the request is admitted, or before it is even submitted
     (the worker thread was slow): a waiting one is answered with `DecodingCancelled` at
     once, while the lane is still busy; a submission with an aborted id fails at once
-    (the policy's side: tests/test_policy.py)."""
+    (the policy's side: tests/test_scheduling_policy.py)."""
     needs_fixture()
     # One lane, held, so that it admits nothing meanwhile.
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
@@ -344,7 +344,7 @@ def test_a_result_that_cannot_be_built_is_that_requests_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A search that fails while its answer is built (after its row left the batch) gets
-    the error; it used to leave the caller waiting for ever. The other requests and later
+    the error rather than leaving its caller waiting for ever. The other requests and later
     calls are answered as usual."""
     needs_fixture()
     from engine.decoding.search import GreedySearch
@@ -564,7 +564,7 @@ def test_models_sharing_the_cores_split_them_instead_of_oversubscribing() -> Non
     assert SchedulerOptions(cores=model_share(16, 2)).resolved() == (2, 4, 4)
 
 
-# -- draft verification (issue 14) -----------------------------------------------------
+# -- draft verification ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["accepted", "longer", "rejected", "partly"])

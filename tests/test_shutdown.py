@@ -1,11 +1,11 @@
-"""The shutdown window (issue 23): findings 1, 7 and 11.
+"""The shutdown window: every final answered, no error logged, the exit on time.
 
-1. A final that reaches the server before its close frame gets exactly one reply, even one
-   read after the connection's outbox ended (it was dropped: no reply, then 1001).
-7. Connections closing after a shutdown past its timeout logged `LifecycleError:
-   owner_left is not allowed`, one traceback each.
-11. A client that never answers the close frame held the exit for websockets' 10 s close
-   timeout, whatever `--shutdown-timeout` said.
+- A final that reaches the server before its close frame gets exactly one reply, even one
+  read after the connection's outbox ended.
+- Connections closing after a shutdown past its timeout log no `LifecycleError` (an
+  aborted stream is not closed again when its owner leaves).
+- A client that never answers the close frame cannot hold the exit past
+  `--shutdown-timeout` (websockets alone would wait for its own close timeout).
 
 The clients here are raw: a plain socket driven by websockets' sans-I/O protocol, so that
 they can do what a library client never does (stay silent after a close frame, send after
@@ -143,7 +143,7 @@ async def open_segment(client: RawClient, stream: str) -> None:
     await client.until(lambda: any(r.get("seq") == 0 for r in client.replies))
 
 
-# -- finding 1: a final that reaches the server before its close frame is answered ------
+# -- a final that reaches the server before its close frame is answered -----------------
 
 
 @pytest.mark.anyio
@@ -151,9 +151,9 @@ async def test_a_final_arriving_as_the_outbox_ends_is_answered_before_the_close(
     translator: Translator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The worst moment: the final goes on the wire the instant the writer's outbox ends
-    (the engine has drained; the close frame is next). Before, the server read it and
-    dropped its `unavailable` reply, as the outbox took nothing more: no reply, then
-    1001. Now every message read before the close frame is answered first."""
+    (the engine has drained; the close frame is next). Every message read before the
+    close frame is answered first, even when the outbox takes nothing more: a writer must
+    not see its final vanish into a 1001."""
     injected: list[RawClient] = []
     real_end = Outbox.end
 
@@ -235,7 +235,7 @@ async def test_finals_sent_at_every_point_of_a_shutdown_get_one_reply_or_a_close
     assert outcomes.count("1 replies") >= 1, outcomes
 
 
-# -- finding 7: no LifecycleError when connections close after an aborted shutdown ------
+# -- no LifecycleError when connections close after an aborted shutdown -----------------
 
 
 def test_an_aborted_stream_is_not_closed_again_when_its_owner_leaves() -> None:
@@ -292,15 +292,15 @@ async def test_connections_closing_after_the_shutdown_timeout_log_no_traceback(
     assert "LifecycleError" not in caplog.text
 
 
-# -- finding 11: a client that never answers the close cannot hold the exit -------------
+# -- a client that never answers the close cannot hold the exit ------------------------
 
 
 @pytest.mark.anyio
 async def test_a_client_that_never_answers_the_close_is_cut_within_the_grace(
     translator: Translator,
 ) -> None:
-    """Before, its connection stayed open for websockets' 10 s close timeout after the
-    shutdown had returned (and held the process's exit as long)."""
+    """Its connection is cut within the abort grace after the shutdown's timeout, not kept
+    open for websockets' own close timeout (which would hold the process's exit as long)."""
     async with serving(translator, shutdown_timeout=0.5) as server, raw(server.port) as silent:
         await open_segment(silent, "mute")
         started = time.monotonic()
@@ -314,8 +314,8 @@ async def test_a_client_that_never_answers_the_close_is_cut_within_the_grace(
 
 
 def test_serve_exits_within_its_shutdown_timeout_when_a_client_never_answers_the_close() -> None:
-    """The issue's measurement: `serve --shutdown-timeout 1`, one writer that never
-    answers the close frame, SIGTERM; the process exited after 10.2 s."""
+    """The whole process: `serve --shutdown-timeout 1`, one writer that never answers the
+    close frame, SIGTERM: the process exits within its timeout and grace."""
     needs_fixture()
     command = [
         sys.executable, "-m", "engine.server", "--model", str(FIXTURE_MODEL), "--port", "0",

@@ -1,5 +1,5 @@
-"""The recogniser's stability hint (`PartialTranscript.stable_chars`, issue 11): optional on
-the wire, and when present the engine commits translation only as far as the settled source
+"""The recogniser's stability hint (`PartialTranscript.stable_chars`): optional on the
+wire, and when present the engine commits translation only as far as the settled source
 supports it."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_the_hint_is_optional_on_the_wire() -> None:
         jsonschema.validate(json.loads(text), schema)
 
 
-# A count past the end of the text is taken, clamped (tests/test_hint_bounds.py).
+# A count past the end of the text is taken, clamped (tests/test_stability_hint_bounds.py).
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
 def test_a_bad_hint_is_refused_with_its_field(value: object) -> None:
     line = json.dumps(
@@ -83,10 +83,9 @@ def test_the_settled_source_ends_at_a_word_boundary() -> None:
 
 
 def test_nothing_is_committed_while_the_recogniser_settles_nothing(translator: Translator) -> None:
-    """A recogniser that showed "Mike" where the speaker said "My father" (the issue's
-    example): unhinted, local agreement commits 迈克 and the final revises it; told that
-    nothing is settled yet, the engine shows the same text as tentative and the final
-    revises nothing."""
+    """A recogniser that showed "Mike" where the speaker said "My father": unhinted, local
+    agreement commits 迈克 and the final revises it; told that nothing is settled yet, the
+    engine shows the same text as tentative and the final revises nothing."""
     shown = ["Mike", "Mike every", "Mike every night", "Mike every night opens"]
     final = "My father every night opens the window"
     plain = replay(translator, [(t, None) for t in shown], final)

@@ -1,6 +1,6 @@
-"""A stream id taken over after its writer left is visibly a new stream (issue 9, finding
-6): its updates carry another `epoch`, and the subtitle page clears the old writer's lines
-instead of running the new writer's text on beneath them."""
+"""A stream id taken over after its writer left is visibly a new stream: its updates carry
+another `epoch`, and the subtitle page clears the old writer's lines instead of running the
+new writer's text on beneath them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""int8 activations quantized per token: what a row gets no longer depends on its batch.
+"""int8 activations quantized per token: what a row gets does not depend on its batch.
 
 The int8 files quantize each matmul input with one scale over the whole tensor, so
 batching moves a row's values; `engine.model.passes.per_token.per_token` gives every token its

@@ -235,8 +235,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 CORES_PER_ASR_WORKER = 4
 """`--asr-workers`' default: one recognition process per this many cores. A live stream
-costs pocketsphinx about 4% of a core, so one process carries some 20 real-time speakers;
-the rest of the cores go to the models, whose decoder steps are what grows with load."""
+costs pocketsphinx a small share of a core (examples/benchmarks/audio_streams.py measures
+it), so one process carries many real-time speakers; the rest of the cores go to the
+models, whose decoder steps are what grows with load."""
 
 
 def default_asr_workers(cores: int | None = None) -> int:

@@ -156,10 +156,11 @@ class FirstWord:
     where the target language reorders (en->zh: "helen wants to study music" -> 海伦想学音乐,
     then "... on sunday" -> 海伦星期天想学音乐) any agreement past the subject is overturned
     by words still to come, however many hypotheses agreed. Committed text is also forced
-    on every later decode, so a wrong commit spoils the tentative text as well. Measured
-    on the offline-trained fixture and recogniser-style logs (docs/streaming.md, policy table): far
-    fewer revised finals than LocalAgreement-2 at the same stable LAAL, since LA-2's stable
-    text is late wherever the final revises it.
+    on every later decode, so a wrong commit spoils the tentative text as well. On the
+    offline-trained fixture and recogniser-style logs
+    (docs/streaming.md#policies-on-both-fixtures): far fewer revised finals than
+    LocalAgreement-2 at the same stable LAAL, since LA-2's stable text is late wherever the
+    final revises it.
     """
 
     n: int = 2
@@ -191,7 +192,7 @@ def default_policy(prefix_trained: bool) -> Policy:
     between two hypotheses is trustworthy: LocalAgreement-2. An ordinary model (every
     OPUS-MT model on the hub) invents endings, and where word order differs they overturn
     what agreed: `FirstWord`, which revises far fewer finals at about the same latency
-    (the policy table in examples/benchmarks/README.md)."""
+    (docs/streaming.md#policies-on-both-fixtures)."""
     return LocalAgreement(2) if prefix_trained else FirstWord(2)
 
 

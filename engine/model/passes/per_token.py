@@ -16,14 +16,14 @@ rewritten matmul runs without it and corrects for it, exactly in int32:
 inside the matmul where it can be (`correction_rows`): the values get a few more columns,
 each the token's zero point, and the weights as many rows, which hold `-colsum(w - wz)`
 cut into pieces of the weights' type (4-6% more rows on the benchmark model: OPUS-MT's
-sizes, random weights). A multiply and a subtraction over the whole output (two passes
-per matmul, which with the cast and the scale made per token ~30% dearer than the files'
-fused kernels on a 4-row prefill) become part of the matmul. Where the pieces cannot fit
-(uint8 weights with zero point 0), the column sums are an int32 initializer and the
-correction is subtracted after. The scale product downstream (`Mul(scale, w_scale)`, then
-`Mul(product, Cast(int32))`) already broadcasts a [..., 1] scale. Sessions of these graphs
-are opened without ONNX Runtime's `MatMulIntegerToFloat` fusion
-(`engine.model.sessions.PER_TOKEN_FUSIONS_OFF`), which would round differently.
+sizes, random weights). A multiply and a subtraction over the whole output (two more
+passes per matmul, which would make per-token scales clearly dearer than the files' fused
+kernels) become part of the matmul. Where the pieces cannot fit (uint8 weights with zero
+point 0), the column sums are an int32 initializer and the correction is subtracted after.
+The scale product downstream (`Mul(scale, w_scale)`, then `Mul(product, Cast(int32))`)
+already broadcasts a [..., 1] scale. Sessions of these graphs are opened without ONNX
+Runtime's `MatMulIntegerToFloat` fusion (`engine.model.sessions.PER_TOKEN_FUSIONS_OFF`),
+which would round differently.
 
 What it changes: the values of a call with several tokens differ from the files' (each
 token on its own scale, which is closer to fp32, not farther); a call of one token gives the

@@ -1,7 +1,8 @@
-"""Requests an attacker or a confused proxy sends: each gets a clear refusal, never a 500.
+"""The server at its limits: what an attacker, a confused proxy or a crowd sends gets a
+clear answer (a refusal, an error, a final), never a 500, a lost final or a held slot.
 
-(Issue 9, finding 6: two Authorization, Origin or Accept headers gave HTTP 500 and a
-traceback from websockets' MultipleValuesError.)"""
+Duplicate Authorization, Origin or Accept headers are refused by name with a 400: the
+server never lets websockets' MultipleValuesError become a 500 and a traceback."""
 
 from __future__ import annotations
 
@@ -63,10 +64,10 @@ async def test_duplicate_headers_get_400_not_500(
         assert ok.startswith("HTTP/1.1 200"), ok
 
 
-# -- issue 9, finding 1: a stream reopened while it closed leaked its slot for good -------
-# A partial that arrived after the engine had closed the stream but before the connection
-# heard so was pushed as for an open stream (no subscription), and the engine opened a new
-# stream that nobody owned, closed or watched; it held a --max-streams slot until restart.
+# -- a stream closing while partials arrive keeps no slot ----------------------------------
+# A partial that arrives after the engine closed the stream but before the connection hears
+# so must not open a new stream: nobody would own, close or watch it, and it would hold a
+# --max-streams slot until restart.
 
 
 @pytest.mark.anyio
@@ -99,7 +100,7 @@ async def test_partials_after_a_close_never_reopen_the_stream(translator: Transl
                 await anyio.sleep(0.01)
 
 
-# -- issue 9, finding 2: a final over the rate limit got neither update nor error --------
+# -- a final over the rate limit still gets an update or an error --------------------------
 
 
 def test_error_replies_about_finals_are_never_shed() -> None:
@@ -160,7 +161,7 @@ async def test_a_burst_ending_in_a_final_gets_a_reply_about_the_final(
         assert reply["type"] in ("translation_update", "error"), (attempt, reply)
 
 
-# -- issue 9, finding 5: a final whose translation raised vanished without a word --------
+# -- a final whose translation raises gets an `internal` error -----------------------------
 
 
 @pytest.mark.anyio
@@ -199,7 +200,7 @@ async def test_a_final_that_fails_to_translate_gets_an_internal_error(
     assert any(r["type"] == "translation_update" and r["is_final"] for r in replies)
 
 
-# -- issue 9, finding 3: shutdown past its timeout lost finals and crashed ---------------
+# -- a shutdown past its timeout answers every final and raises nothing --------------------
 
 
 @pytest.mark.anyio
@@ -267,7 +268,7 @@ async def test_shutdown_past_its_timeout_answers_every_final(
     assert "unavailable" in codes and set(codes) <= {"update", "unavailable"}
 
 
-# -- issue 9, finding 6: seq 2**53-1 left a stream that took nothing more ----------------
+# -- a stream at the largest seq can be closed and started again ---------------------------
 
 
 @pytest.mark.anyio
@@ -302,11 +303,10 @@ async def test_a_stream_at_the_largest_seq_can_be_closed_and_started_again(
         assert reply["seq"] == 0 and reply["stable_text"]
 
 
-# -- issue 9, finding 4: churn hurt bystanders ---------------------------------------------
-# Partials of connections that had already left waited for a worker and were translated
-# anyway, ahead of live streams' work (the chaos soak, `examples/benchmarks/chaos_soak.py`,
-# showed it in a bystander's latency). Now a partial whose stream began closing while it
-# waited is not translated.
+# -- churn does not cost bystanders --------------------------------------------------------
+# A partial whose stream began closing while it waited for a worker is not translated, so
+# connections that left do not queue work ahead of live streams
+# (`examples/benchmarks/chaos_soak.py` measures a bystander's latency under churn).
 
 
 @pytest.mark.anyio
@@ -408,14 +408,12 @@ async def test_each_event_is_tokenised_once_from_admission_to_decoding(
     assert calls == texts  # admission's ids went on to the encoder
 
 
-# -- issue 23, finding 2: nothing capped connections ------------------------------------
-# At the descriptor limit asyncio logged a traceback per failed accept (0.72 MB/s) and
-# /healthz timed out; 600 silent TCP connects held their descriptors for the 10 s
-# handshake timeout; 2,000 idle connections were held with no limit. Now the caps derive
-# from the descriptor limit, a silent connect is dropped at the handshake deadline (or for
-# a newcomer), a handshake past a cap is answered 503/429 at once, refusals are counted
-# by reason in /metrics and logged once per interval (examples/benchmarks/fd_limit.py
-# attacks a real `serve`).
+# -- connection caps -----------------------------------------------------------------------
+# Silent or idle connections must not exhaust descriptors and lock out /healthz and real
+# writers: the caps derive from the descriptor limit, a silent connect is dropped at the
+# handshake deadline (or for a newcomer), a handshake past a cap is answered 503/429 at
+# once, and refusals are counted by reason in /metrics and logged once per interval
+# (examples/benchmarks/fd_limit.py attacks a real `serve`).
 
 
 def test_connection_caps_fit_in_the_descriptor_limit() -> None:
@@ -519,8 +517,8 @@ async def test_past_the_connection_caps_a_handshake_gets_503_or_429_at_once(
 async def test_a_silent_connection_is_dropped_at_the_handshake_deadline(
     translator: Translator,
 ) -> None:
-    """With a token set, an unauthenticated socket that sends nothing used to hold its
-    descriptor for websockets' 10 s open timeout; now for `handshake_timeout`."""
+    """With a token set, an unauthenticated socket that sends nothing holds its descriptor
+    only until `handshake_timeout`, not for websockets' own, much longer open timeout."""
     import contextlib
     import time
 
@@ -558,10 +556,10 @@ anyio.run(main)
 
 
 def test_at_the_descriptor_limit_failed_accepts_are_summed_up_and_answered() -> None:
-    """A server under `ulimit -n 64` and 200 silent connects: asyncio logged a traceback
-    per failed accept (thousands a second) and /healthz waited in the backlog. Now the
-    failures are counted, logged as a line per interval, and the waiting connections are
-    answered at once from a spare descriptor, also while asyncio's accept is paused."""
+    """A server under `ulimit -n 64` and 200 silent connects: failed accepts are counted
+    and logged as a line per interval (not a traceback each), and the waiting connections
+    are answered at once from a spare descriptor, also while asyncio's accept is paused,
+    so /healthz does not wait in the backlog."""
     import ast
     import contextlib
     import resource
@@ -624,7 +622,7 @@ def test_at_the_descriptor_limit_failed_accepts_are_summed_up_and_answered() -> 
     assert len(err) < 5000, err[-3000:]
 
 
-# -- issue 23, finding 10: the page's stream-id rules are the server's ---------------------
+# -- the page's stream-id rules are the server's -------------------------------------------
 # (tests/test_browser.py shows the page itself in Chromium.)
 
 

@@ -1,6 +1,7 @@
-"""A `stable_chars` hint past the end of the text (issue 23, finding 9): it discarded the
-whole message, so a recogniser counting UTF-16 units lost every final with an emoji. The
-hint is optional: a count past the end is taken as the whole text, never refused."""
+"""A `stable_chars` hint past the end of the text is taken as the whole text, never refused.
+
+The hint is optional, so a wrong count must not cost the message: a recogniser counting
+UTF-16 units overshoots on every text with an emoji, and its finals still get translated."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_a_count_past_the_end_is_the_whole_text(final: bool, extra: int) -> None
 
 
 def test_a_utf16_count_of_an_emoji_text_overshoots_and_is_taken() -> None:
-    assert utf16_units(EMOJI) == len(EMOJI) + 1  # the issue's client
+    assert utf16_units(EMOJI) == len(EMOJI) + 1  # a UTF-16-counting client overshoots
     event = parse(wire(0, EMOJI, True, utf16_units(EMOJI)))
     assert isinstance(event, PartialTranscript) and event.stable_chars == len(EMOJI)
 
@@ -74,8 +75,8 @@ async def test_the_engine_translates_a_final_whose_hint_overshoots(translator: T
 
 @pytest.mark.anyio
 async def test_a_utf16_counting_client_gets_every_final_translated(translator: Translator) -> None:
-    """Over the wire, as the issue's client: partials and a final counted in UTF-16 units.
-    Before, each got an `invalid_message` error naming `stable_chars` instead."""
+    """Over the wire, partials and a final counted in UTF-16 units: each is translated,
+    none gets an `invalid_message` error naming `stable_chars`."""
     words = EMOJI.split()
     texts = [" ".join(words[:k]) for k in range(1, len(words) + 1)]
     async with serving(translator) as server, connect(ws_url(server)) as ws:
