@@ -540,7 +540,7 @@ async def test_a_silent_connection_is_dropped_at_the_handshake_deadline(
 
 _AT_THE_LIMIT = """
 import anyio, sys
-from engine.server import ServerOptions, SubtitleServer
+from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.admission import ConnectionCaps
 
 async def main() -> None:
