@@ -303,6 +303,11 @@ class Backlog:
         """How much audio `pcm` holds."""
         return len(pcm) / SAMPLE_BYTES / self.rate
 
+    @property
+    def queued_s(self) -> float:
+        """How much audio waits."""
+        return self._bytes / SAMPLE_BYTES / self.rate
+
     def put(self, pcm: bytes) -> bool:
         """Queue a frame; False when it would pass the bound (it is dropped)."""
         if self._bytes + len(pcm) > self.max_bytes:

@@ -39,9 +39,6 @@ from engine.server.shutdown import shut_down
 from engine.server.state import ServerState
 from engine.streaming.controller import IncrementalTranslator
 
-AUDIO_STOP_GRACE = 2.0
-"""Seconds a stopping server gives its audio streams to flush their last utterances."""
-
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -206,7 +203,9 @@ class SubtitleServer:
 
         1. Stop taking work: `/readyz` and new `/ws` handshakes answer 503, messages on
            open connections get an error (the listener stays up for health checks);
-           audio streams end, their last utterances pushed as finals.
+           audio streams end, their last utterances pushed as finals (within part of
+           `shutdown_timeout`, then each ends with the words shown last: see
+           `engine.server.shutdown`).
         2. Shut the engine down, so that accepted finals are translated.
         3. Flush every connection's outbox (within `shutdown_timeout`); each answers what
            it read meanwhile (`unavailable`), then sends its close frame (1001).
@@ -222,25 +221,12 @@ class SubtitleServer:
             await self._stopped.wait()
             return
         try:
-            await self._finish_audio()
             await shut_down(self.engine, self._clients, self._server, self.options.shutdown_timeout)
         finally:
             self._doors.unguard()
             if self.audio is not None:
                 await self.audio.aclose()
             self._stopped.set()
-
-    async def _finish_audio(self) -> None:
-        """Audio streams end first (their recognizers flushed, the last finals pushed), so
-        that what was heard before the stop is translated like any accepted final; within
-        `AUDIO_STOP_GRACE` (and the shutdown timeout)."""
-        clients = [client for client in self._clients if client.feed is not None]
-        if not clients:
-            return
-        with anyio.move_on_after(min(AUDIO_STOP_GRACE, self.options.shutdown_timeout)):
-            async with anyio.create_task_group() as group:
-                for client in clients:
-                    group.start_soon(client.finish_audio)
 
     async def __aenter__(self) -> SubtitleServer:
         await self.start()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from prometheus_client.registry import Collector
 from engine.asr.audio import Backlog
 from engine.asr.errors import RecognizerFailed
 from engine.asr.pool import PooledStream, RecognizerPool
-from engine.asr.recognizer import RecognizerFactory, RecognizerStream, SpeechStream
+from engine.asr.recognizer import Numbering, RecognizerFactory, RecognizerStream, SpeechStream
 from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
 from engine.server.limits import AudioLimits
 from protocol import ErrorCode, ErrorMessage, PartialTranscript
@@ -208,6 +209,13 @@ class AudioFeed:
     audio stream into the same stream goes on. `done` is set when `run` has returned.
     With `pool` the stream's recognizer lives in one of its processes (a worker that
     dies fails the stream as a raising recognizer does), else in this process.
+
+    `cut` ends the stream without waiting for its recognizer (a stopping server whose
+    budget is running out, a writer gone too long): the call in flight is abandoned,
+    queued audio dropped, and the utterance in progress ends at once with the words shown
+    last, so that every segment a speaker saw still gets its final; `error` then says how
+    much audio went unrecognized. The feed follows the events it delivered (a `Numbering`
+    of its own) to make that final without asking the recognizer.
     """
 
     def __init__(
@@ -236,6 +244,14 @@ class AudioFeed:
         self._wake = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)  # this stream's worker thread
         self._stopped = False
+        self._delivered = Numbering(stream_id)  # follows what `deliver` was given
+        self._cut = False
+        self._scope: anyio.CancelScope | None = None  # cancelled by `cut`
+        self._in_flight_s = 0.0  # audio in the recognizer call under way
+        # A recognizer made in a thread that `cut` abandoned is closed by whichever side
+        # sees it last: the thread that made it, or `run` ending.
+        self._made_lock = threading.Lock()
+        self._made: SpeechStream | None = None
 
     # -- from the receive loop ----------------------------------------------------------
 
@@ -267,26 +283,45 @@ class AudioFeed:
         self.close_after = self.close_after or close
         self._wake.set()
 
+    def cut(self) -> None:
+        """End the stream now (see the class docstring): `run` abandons the recognizer
+        call under way, delivers the utterance in progress as a final made of the words
+        shown last, and returns. Idempotent; a feed not running yet ends as it starts."""
+        self.finishing = True
+        with self._made_lock:
+            self._cut = True
+        if self._scope is not None:
+            self._scope.cancel()
+
     # -- the stream's task --------------------------------------------------------------
 
     async def run(self, clock: Clock) -> None:
         """Recognize the stream from `clock` (where the stream's numbering goes on) until
         it is finished or fails."""
         self.clock = clock
+        self._delivered = Numbering(self.stream_id, clock.segment_id, clock.seq)
         self.stats.active += 1
         self.stats.streams += 1
         started = time.perf_counter()
         try:
-            await self._run(clock)
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                if self._cut:
+                    scope.cancel()
+                await self._run(clock)
+            if scope.cancelled_caught:
+                await self._cut_short()
         finally:
             self.stats.active -= 1
             self._stopped = True
             self._backlog.clear()
-            stream = self.stream
+            with self._made_lock:
+                stream = self.stream = self._made
             if isinstance(stream, PooledStream):
                 stream.close()  # its worker forgets it, and takes new streams in its place
             if stream is not None:
-                self.clock = Clock(stream.segment_id, stream.seq, stream.heard_ms)
+                numbering = self._delivered
+                self.clock = Clock(numbering.segment, numbering.seq, stream.heard_ms)
                 heard = stream.heard_ms - clock.offset_ms
                 log.debug(
                     "audio stream %r: %.1f s heard, %.2f s recognizing, %.1f s wall%s",
@@ -294,12 +329,12 @@ class AudioFeed:
                     heard / 1000,
                     stream.busy_s,
                     time.perf_counter() - started,
-                    " (failed)" if self.error is not None else "",
+                    " (ended short)" if self.error is not None else "",
                 )
 
     async def _run(self, clock: Clock) -> None:
         try:
-            self.stream = await self._in_thread(lambda: self._make(clock))
+            self.stream = await self._in_thread(lambda: self._made_by_thread(clock))
         except Exception as exc:
             log.exception("stream %r: the recognizer could not start", self.stream_id)
             self.error = ErrorMessage(
@@ -317,6 +352,7 @@ class AudioFeed:
                 await self._wake.wait()
             if self._backlog:
                 chunk = self._backlog.take()
+                self._in_flight_s = self._backlog.seconds(chunk)
                 last = False
                 work: Callable[[], list[PartialTranscript]] = functools.partial(
                     stream.accept, chunk
@@ -329,17 +365,54 @@ class AudioFeed:
                 events = await self._in_thread(work)
             except RecognizerFailed as exc:
                 self._count(stream, busy, cpu, heard, exc.events)
-                await self.deliver(exc.events)
+                await self._deliver(exc.events)
                 self._failed(exc.at_ms, exc.__cause__ or exc)
                 return
             except Exception as exc:  # a bug in the seam itself: the same for the client
                 log.exception("stream %r: recognition failed", self.stream_id)
                 self._failed(stream.heard_ms, exc)
                 return
+            self._in_flight_s = 0.0
             self._count(stream, busy, cpu, heard, events)
-            await self.deliver(events)
+            await self._deliver(events)
             if last:
                 return
+
+    async def _deliver(self, events: list[PartialTranscript]) -> None:
+        """Hand events over whole: a `cut` meanwhile waits until they are (a batch cut
+        in half would leave a final unpushed, or the feed's numbering behind)."""
+        with anyio.CancelScope(shield=True):
+            self._delivered.follow(events)
+            await self.deliver(events)
+
+    async def _cut_short(self) -> None:
+        """What `cut` leaves to do: the utterance in progress ends with the words shown
+        last, and the speaker is told of the audio that went unrecognized."""
+        unheard_s = self._in_flight_s + self._backlog.queued_s
+        self._backlog.clear()
+        events = self._delivered.finalize()  # numbered after the last event delivered
+        self.stats.finals += len(events)
+        await self._deliver(events)
+        if unheard_s > 0 and self.error is None:
+            log.info(
+                "stream %r: cut short, %.1f s of audio unrecognized", self.stream_id, unheard_s
+            )
+            self.error = ErrorMessage(
+                ErrorCode.UNAVAILABLE,
+                f"stream {self.stream_id!r}: the server is shutting down: the last "
+                f"{unheard_s:.1f} s of audio were not recognized, and the utterance in "
+                "progress was ended with the words shown so far",
+                stream_id=self.stream_id,
+            )
+
+    def _made_by_thread(self, clock: Clock) -> SpeechStream:
+        stream = self._make(clock)
+        with self._made_lock:
+            self._made = stream
+            abandoned = self._cut
+        if abandoned and isinstance(stream, PooledStream):
+            stream.close()  # `run` may have ended already: it would not see this one
+        return stream
 
     def _make(self, clock: Clock) -> SpeechStream:
         if self.pool is not None:
@@ -361,8 +434,8 @@ class AudioFeed:
 
     async def _in_thread(self, work: Callable[[], T]) -> T:
         """Run `work` in this stream's worker thread: the recognizer itself, or the wait
-        for its process's answer."""
-        return await anyio.to_thread.run_sync(work, limiter=self._limiter)
+        for its process's answer. A `cut` abandons the call (its answer is dropped)."""
+        return await anyio.to_thread.run_sync(work, limiter=self._limiter, abandon_on_cancel=True)
 
     def _count(
         self,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -61,7 +62,8 @@ newer partial of its segment says more)."""
 
 AUDIO_LEAVE_GRACE = 5.0
 """Seconds a writer that left mid-audio gets for its last utterance to be recognized and
-pushed (so viewers get its final) before its streams close."""
+pushed (so viewers get its final) before its streams close; past it the utterance ends
+with the words shown last (`AudioFeed.cut`)."""
 
 
 @dataclass(eq=False)
@@ -70,7 +72,9 @@ class Client:
 
     `pumps` counts its subscriptions being forwarded: a stopping server ends the outbox
     only once the last one has delivered its final replies. `audio`: the server's audio
-    input (None: it takes none); `feed`: this connection's audio stream, if any.
+    input (None: it takes none); `feed`: this connection's audio stream, if any (the one
+    binary frames go to); `feeds`: every one of its audio streams still running (one that
+    ended still flushing, and the next one waiting for it).
     """
 
     ws: ServerConnection
@@ -93,6 +97,7 @@ class Client:
     unanswerable: int = 0
     audio: AudioService | None = None
     feed: AudioFeed | None = None
+    feeds: set[AudioFeed] = field(default_factory=set)
     echoes: deque[PartialTranscript] = field(default_factory=deque)
     # Where the numbering of each stream this connection wrote goes on (a second audio
     # stream into it, or audio after text).
@@ -211,6 +216,7 @@ class Client:
         assert self.audio is not None and self.io is not None  # the core takes no audio else
         feed = self.audio.feed(action.stream_id, action.sample_rate, self._heard)
         previous, self.feed = self.feed, feed
+        self.feeds.add(feed)
         self._subscribe_writes()
         self.io.start_soon(self._run_feed, feed, previous)
 
@@ -230,6 +236,7 @@ class Client:
                 self.clocks[sid] = feed.clock
             if self.feed is feed:
                 self.feed = None
+            self.feeds.discard(feed)
             feed.done.set()
         if feed.error is not None:
             self._reply(feed.error)
@@ -277,20 +284,28 @@ class Client:
 
     async def _leave_audio(self) -> None:
         """The connection is gone: its audio stream's last utterance still gets its
-        final (within `AUDIO_LEAVE_GRACE`), then the server's audio slot is free."""
-        with anyio.move_on_after(AUDIO_LEAVE_GRACE):
-            await self.finish_audio()
+        final (recognized within `AUDIO_LEAVE_GRACE`, else the words shown last), then
+        the server's audio slot is free."""
+        await self.finish_audio(cut_after=AUDIO_LEAVE_GRACE)
 
-    async def finish_audio(self) -> None:
-        """End this connection's audio stream, if any, as `end_audio` would, and return once
-        its last final is pushed (a stopping server calls it before closing the engine, so
-        that what was heard is still translated)."""
-        feed = self.feed
-        if feed is None:
+    async def finish_audio(self, cut_after: float = math.inf) -> None:
+        """End this connection's audio streams, if any, as `end_audio` would, and return
+        once their last finals are pushed (a stopping server calls it before closing the
+        engine, so that what was heard is still translated). Those still recognizing
+        after `cut_after` seconds are cut (`AudioFeed.cut`): their utterances end with
+        the words shown last, and the speaker hears of the audio left unrecognized."""
+        feeds = list(self.feeds)
+        for feed in feeds:
+            self.core.audio_ended(feed.stream_id)
+            feed.finish()
+        with anyio.move_on_after(cut_after):
+            for feed in feeds:
+                await feed.done.wait()
             return
-        self.core.audio_ended(feed.stream_id)
-        feed.finish()
-        await feed.done.wait()
+        for feed in feeds:
+            feed.cut()
+        for feed in feeds:
+            await feed.done.wait()
 
     # -- forwarding subscriptions ---------------------------------------------------------
 

@@ -8,9 +8,17 @@ once every message it read has been answered (`Client._close_going_away`): a fin
 reaches the server before its close frame is answered, one that crosses it is the
 client's to send again after reconnecting (docs/protocol.md says so).
 
-The whole of it is bounded: `timeout` for the engine, then `ABORT_GRACE` for the last
-replies and the close handshakes; a connection that has not finished its close handshake
-by then (a client that never answers the close frame) is cut.
+Speakers come first, because they cannot send again: every audio stream ends as
+`end_audio` would (its queued audio recognized, its recognizer flushed, the finals pushed
+while the engine still translates), and those still recognizing after `AUDIO_SHARE` of
+the timeout are cut (`AudioFeed.cut`: the utterance in progress ends with the words shown
+last, the speaker is told of the audio left unrecognized), so that the engine has the
+rest of the timeout to translate their finals, and past it answers them `unavailable`
+like any other.
+
+The whole of it is bounded: `timeout` for the audio and the engine, then `ABORT_GRACE` for
+the last replies and the close handshakes; a connection that has not finished its close
+handshake by then (a client that never answers the close frame) is cut.
 """
 
 from __future__ import annotations
@@ -36,6 +44,10 @@ CLOSE_GRACE = 1.0
 
 CUT_WAIT = 0.5
 """Seconds for the handlers of cut connections to return."""
+
+AUDIO_SHARE = 0.5
+"""Share of the shutdown timeout in which audio streams may still recognize what they
+hold; then they are cut, and the rest is left to translate their last finals."""
 
 ABORT_REASON = "the server shut down before this final transcript could be translated"
 
@@ -68,6 +80,7 @@ async def drain(
     if limit is None:
         limit = anyio.current_time() + timeout + ABORT_GRACE
     with anyio.move_on_after(timeout) as deadline:
+        await end_audio(clients, timeout * AUDIO_SHARE)
         if engine is not None:
             # Every stream closes; its accepted finals are translated and delivered, then
             # every subscription (writers' and viewers') ends.
@@ -79,6 +92,15 @@ async def drain(
             log.info("shutdown timeout: %d finals answered as unavailable", answered)
         with anyio.move_on_at(limit):
             await flush(clients)
+
+
+async def end_audio(clients: Collection[Client], cut_after: float) -> None:
+    """End every connection's audio streams at once and return when their last finals are
+    pushed; those still recognizing after `cut_after` seconds are cut."""
+    async with anyio.create_task_group() as group:
+        for client in list(clients):
+            if client.feeds:
+                group.start_soon(client.finish_audio, cut_after)
 
 
 async def flush(clients: Collection[Client]) -> None:
