@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -288,7 +287,7 @@ class Client:
         the server's audio slot is free."""
         await self.finish_audio(cut_after=AUDIO_LEAVE_GRACE)
 
-    async def finish_audio(self, cut_after: float = math.inf) -> None:
+    async def finish_audio(self, cut_after: float) -> None:
         """End this connection's audio streams, if any, as `end_audio` would, and return
         once their last finals are pushed (a stopping server calls it before closing the
         engine, so that what was heard is still translated). Those still recognizing
