@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from audio_streams import metric, read_wav
-from load_server import free_port, http_get
+from load_server import free_port, http_get, wait_ready
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -134,18 +134,22 @@ async def run(url: str, base: str, server: subprocess.Popen[bytes], n: int, args
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(ROOT / "models" / "fixture" / "model"))
-    parser.add_argument("--speakers", default="24,48", help="comma-separated N values")
-    parser.add_argument("--shutdown-timeout", type=float, default=10.0)
-    parser.add_argument("--cut", type=float, default=1.5, help="seconds of the second file")
-    parser.add_argument("--asr-workers", type=int, default=None)
+    options: dict[str, dict[str, Any]] = {
+        "--speakers": {"default": "24,48", "help": "comma-separated N values"},
+        "--shutdown-timeout": {"type": float, "default": 10.0},
+        "--cut": {"type": float, "default": 1.5, "help": "seconds of the second file"},
+        "--asr-workers": {"type": int, "default": None},
+    }
+    for name, spec in options.items():
+        parser.add_argument(name, **spec)
     args = parser.parse_args()
+    model = ROOT / "models" / "fixture" / "model"
     rows = []
     spent = 0.0  # CPU of the servers run so far
     for n in [int(x) for x in args.speakers.split(",")]:
         port = free_port()
         command = [
-            sys.executable, "-m", "engine.server", "--model", args.model, "--port", str(port),
+            sys.executable, "-m", "engine.server", "--model", str(model), "--port", str(port),
             "--asr", "pocketsphinx", "--lm", str(SPEECH / "fixture.lm.gz"),
             "--dict", str(SPEECH / "fixture.dict"), "--max-audio-streams", str(n + 4),
             "--max-streams", str(n * 2 + 8), "--shutdown-timeout", str(args.shutdown_timeout),
@@ -159,12 +163,9 @@ def main() -> int:
                 server = subprocess.Popen(command, cwd=ROOT, stdout=server_log, stderr=server_log)
                 base = f"http://127.0.0.1:{port}"
                 try:
-                    deadline = time.monotonic() + 120
-                    while http_get(base + "/readyz")[0] != 200:
-                        if server.poll() is not None or time.monotonic() > deadline:
-                            print(log_path.read_text(), file=sys.stderr)
-                            return 1
-                        time.sleep(0.2)
+                    if not wait_ready(base, server):
+                        print(log_path.read_text(), file=sys.stderr)
+                        return 1
                     row = asyncio.run(run(f"ws://127.0.0.1:{port}/ws", base, server, n, args))
                 finally:
                     if server.poll() is None:

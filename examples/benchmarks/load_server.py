@@ -76,6 +76,16 @@ def http_get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
+def wait_ready(base: str, server: subprocess.Popen[bytes], timeout: float = 120.0) -> bool:
+    """Until `base`/readyz says 200; False when the server exits or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while http_get(base + "/readyz")[0] != 200:
+        if server.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def metric(body: str, name: str) -> float:
     """Sum of every sample of `name` (all label sets)."""
     total = 0.0
