@@ -287,12 +287,13 @@ class Client:
         the server's audio slot is free."""
         await self.finish_audio(cut_after=AUDIO_LEAVE_GRACE)
 
-    async def finish_audio(self, cut_after: float) -> None:
+    async def finish_audio(self, cut_after: float) -> int:
         """End this connection's audio streams, if any, as `end_audio` would, and return
         once their last finals are pushed (a stopping server calls it before closing the
         engine, so that what was heard is still translated). Those still recognizing
         after `cut_after` seconds are cut (`AudioFeed.cut`): their utterances end with
-        the words shown last, and the speaker hears of the audio left unrecognized."""
+        the words shown last, and the speaker hears of the audio left unrecognized.
+        Returns how many were cut."""
         feeds = list(self.feeds)
         for feed in feeds:
             self.core.audio_ended(feed.stream_id)
@@ -300,11 +301,13 @@ class Client:
         with anyio.move_on_after(cut_after):
             for feed in feeds:
                 await feed.done.wait()
-            return
-        for feed in feeds:
+            return 0
+        running = [feed for feed in feeds if not feed.done.is_set()]
+        for feed in running:
             feed.cut()
-        for feed in feeds:
+        for feed in running:
             await feed.done.wait()
+        return len(running)
 
     # -- forwarding subscriptions ---------------------------------------------------------
 

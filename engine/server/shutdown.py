@@ -97,10 +97,17 @@ async def drain(
 async def end_audio(clients: Collection[Client], cut_after: float) -> None:
     """End every connection's audio streams at once and return when their last finals are
     pushed; those still recognizing after `cut_after` seconds are cut."""
+    cut: list[int] = []
+
+    async def finish(client: Client) -> None:
+        cut.append(await client.finish_audio(cut_after))
+
     async with anyio.create_task_group() as group:
         for client in list(clients):
             if client.feeds:
-                group.start_soon(client.finish_audio, cut_after)
+                group.start_soon(finish, client)
+    if sum(cut):
+        log.info("shutdown: %d audio streams cut short after %.1f s", sum(cut), cut_after)
 
 
 async def flush(clients: Collection[Client]) -> None:
