@@ -394,7 +394,7 @@ class AudioFeed:
         self.stats.finals += len(events)
         await self._deliver(events)
         if unheard_s > 0 and self.error is None:
-            log.info(
+            log.debug(
                 "stream %r: cut short, %.1f s of audio unrecognized", self.stream_id, unheard_s
             )
             self.error = ErrorMessage(
