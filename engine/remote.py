@@ -212,11 +212,12 @@ class RemoteTranslator:
 
     `unavailable` errors are not delivered: they mean "this node cannot do it", and the
     translator answers them by moving to another node. Nor are `rate_limited` ones: the
-    translator slows down and sends again a final the server did not take. Should an outage outlast
-    `reconnect_for` seconds (or `backoff.total`), the translator stops: each final still
-    owed is answered with an `unavailable` error (per language still missing), every
-    subscription ends, and `push` raises `EngineClosed`; `aclose()` does the same for the
-    finals not answered within `drain_timeout`. So every final gets exactly one reply.
+    translator slows down and sends again a final the server did not take. Should an
+    outage outlast `reconnect_for` seconds (or `backoff.total`), the translator stops:
+    each final still owed is answered with an `unavailable` error (per language still
+    missing), every subscription ends, and `push` raises `EngineClosed`; `aclose()` does
+    the same for the finals not answered within `drain_timeout`. So every final gets
+    exactly one reply.
 
     `token`: the server's writer token (sent as a bearer header). `queue_size`: each
     subscription's bound. `max_size`: the largest message accepted from the server.
@@ -483,7 +484,9 @@ class RemoteTranslator:
                 if not isinstance(message, TranslationUpdate | ErrorMessage):
                     continue
                 got = self.ledger.received(message)
-                limited = isinstance(message, ErrorMessage) and message.code in _LIMITED
+                limited = (
+                    isinstance(message, ErrorMessage) and message.code == ErrorCode.RATE_LIMITED
+                )
                 if limited:
                     self._stats.rate_limited += 1
                     if self._pacer is not None:
@@ -527,17 +530,15 @@ class RemoteTranslator:
                     continue
                 async with self._send_lock:
                     event = pacer.next_parked() if pacer.take(time.monotonic()) else None
-                    ws = self._ws
+                    ws = self._ws if self._ready else None
                     if event is None:
                         continue  # a newer event of its stream went out meanwhile
-                    try:
-                        if not self._ready or ws is None:
-                            raise ConnectionClosed(None, None)
-                        await ws.send(protocol.serialize(event))
-                    except ConnectionClosed:
-                        self._stats.dropped_partials += 1  # the next one supersedes it
-                        continue
-                    self._here.add(event.stream_id)
+                    with contextlib.suppress(ConnectionClosed):
+                        if ws is not None:
+                            await ws.send(protocol.serialize(event))
+                            self._here.add(event.stream_id)
+                            continue
+                    self._stats.dropped_partials += 1  # the next one supersedes it
 
     # -- delivery -----------------------------------------------------------------------
 
@@ -621,9 +622,6 @@ def _text(message: Reply) -> str:
 
 def _code(message: Reply) -> str:
     return str(message.code) if isinstance(message, ErrorMessage) else "update"
-
-
-_LIMITED = frozenset({ErrorCode.RATE_LIMITED})
 
 
 def why_lost(ws: ClientConnection, closed: ConnectionClosed | None = None) -> str:
