@@ -641,41 +641,54 @@ async def test_vosk_relay_maps_a_clients_sessions(translator: Translator) -> Non
     assert fake.received[0][0] == '{ "config" : { "sample_rate" : 16000 } }'
 
 
-@pytest.mark.anyio
-async def test_one_relayed_session_at_a_time(translator: Translator) -> None:
+@dataclass
+class Listening:
+    """A listen-mode bridge running: its `url`; `results` holds its result once stopped."""
+
+    bridge: Bridge
+    url: str
+    results: list[BridgeResult]
+
+
+@contextlib.asynccontextmanager
+async def listening(opts: BridgeOptions) -> AsyncIterator[Listening]:
+    """Run a listen-mode bridge until the block is left."""
     port: list[int] = []
     stop = anyio.Event()
-    async with (
-        serving(translator) as server,
-        anyio.create_task_group() as tg,
-    ):
-        opts = options(Kind.CLOUD, None, server, dialect=Dialect.AZURE, listen=("127.0.0.1", 0))
-        bridge = Bridge(opts, on_listening=port.append)
-        results: list[BridgeResult] = []
+    bridge = Bridge(opts, on_listening=port.append)
+    results: list[BridgeResult] = []
 
-        async def run() -> None:
-            results.append(await bridge.run(stop))
+    async def run() -> None:
+        results.append(await bridge.run(stop))
 
+    async with anyio.create_task_group() as tg:
         tg.start_soon(run)
         with anyio.fail_after(10):
             while not port:
                 await anyio.sleep(0.01)
-        url = f"ws://127.0.0.1:{port[0]}"
-        script = sessions("cloud_azure.jsonl")
-        async with connect(url) as forwarder:
-            for line in script[0]:
-                await forwarder.send(line)
-            async with connect(url) as second:
-                with pytest.raises(ConnectionClosed):
-                    await second.recv()
-                assert second.close_code == 1013
-        with anyio.fail_after(10):
-            while bridge.relaying:
-                await anyio.sleep(0.01)
-        async with connect(url) as forwarder:
-            await forwarder.send("\n".join(script[1]))  # several JSON lines in one message
+        yield Listening(bridge, f"ws://127.0.0.1:{port[0]}", results)
         stop.set()
-    (result,) = results
+
+
+@pytest.mark.anyio
+async def test_one_relayed_session_at_a_time(translator: Translator) -> None:
+    script = sessions("cloud_azure.jsonl")
+    async with serving(translator) as server:
+        opts = options(Kind.CLOUD, None, server, dialect=Dialect.AZURE, listen=("127.0.0.1", 0))
+        async with listening(opts) as running:
+            async with connect(running.url) as forwarder:
+                for line in script[0]:
+                    await forwarder.send(line)
+                async with connect(running.url) as second:
+                    with pytest.raises(ConnectionClosed):
+                        await second.recv()
+                    assert second.close_code == 1013
+            with anyio.fail_after(10):
+                while running.bridge.relaying:
+                    await anyio.sleep(0.01)
+            async with connect(running.url) as forwarder:
+                await forwarder.send("\n".join(script[1]))  # several JSON lines in one message
+    (result,) = running.results
     check_translated(result, translator, finals_of(AZURE))
     assert result.sessions == 2
 
@@ -892,29 +905,16 @@ async def test_a_lone_surrogate_from_the_recogniser_is_dropped_and_the_bridge_go
 async def test_a_forwarder_sending_a_lone_surrogate_keeps_its_session(
     translator: Translator,
 ) -> None:
-    port: list[int] = []
-    stop = anyio.Event()
-    async with serving(translator) as server, anyio.create_task_group() as tg:
+    async with serving(translator) as server:
         opts = options(Kind.CLOUD, None, server, listen=("127.0.0.1", 0))
-        bridge = Bridge(opts, on_listening=port.append)
-        results: list[BridgeResult] = []
-
-        async def run() -> None:
-            results.append(await bridge.run(stop))
-
-        tg.start_soon(run)
-        with anyio.fail_after(10):
-            while not port:
-                await anyio.sleep(0.01)
-        async with connect(f"ws://127.0.0.1:{port[0]}") as forwarder:
+        async with listening(opts) as running, connect(running.url) as forwarder:
             await forwarder.send(_google("I will meet Tom at three.\ud800", final=True))
             await forwarder.send(_google("Tom reads a book.", final=True))
             with anyio.fail_after(10):
-                while len(bridge.result.finals) < 2:
+                while len(running.bridge.result.finals) < 2:
                     await anyio.sleep(0.01)
             assert forwarder.close_code is None  # not closed 1011 by an error
-        stop.set()
-    (result,) = results
+    (result,) = running.results
     check_translated(result, translator, ["I will meet Tom at three.", "Tom reads a book."])
 
 
