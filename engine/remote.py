@@ -17,6 +17,12 @@ final still owed, in order, with its ids, before anything new. A node that lost 
 connection to the shared store, or that stops, is left behind without the pipeline noticing:
 the answer to each final arrives exactly once (duplicates after a resend race are dropped).
 
+It keeps within the server's rate limit (`rate`, a `Pacer`): a burst of partials is
+coalesced per stream (the latest waits for its turn and goes; the ones it replaced never
+do), finals wait for their turn and are never dropped. The server's limit is not announced:
+each `rate_limited` answer halves the pace, and a final it did not take is sent again on a
+new connection like one answered `unavailable`.
+
 `Reconnector` is the connecting half alone (backoff over an outage, fatal answers raised),
 for a writer that keeps its own `FinalLedger`, like examples/replay_client.py.
 
@@ -52,6 +58,7 @@ from protocol import (
     InvalidEvent,
     InvalidMessage,
     Outcome,
+    Pacer,
     PartialTranscript,
     TranslationUpdate,
 )
@@ -61,6 +68,10 @@ PING_INTERVAL = 5.0
 """Seconds between pings, and how long a pong may take: a node that vanished without
 closing (its host gone, a partition) is noticed within about twice this, not the minute
 of a default keepalive, and its owed finals go elsewhere."""
+
+RATE = 40.0
+"""Messages per second a writer keeps within by default: below the server's default limit
+(50 per second), so that a burst never meets it."""
 
 _FATAL_STATUS = frozenset(range(400, 500)) - {408, 429}
 """Handshake answers that are mistakes (bad token, wrong path), not outages: retrying
@@ -72,13 +83,18 @@ class RemoteStats:
     """What the connection went through: `disconnects` says why each connection was lost,
     `reconnects` counts new connections made, `resent` finals sent again on them,
     `duplicates` answers received twice and dropped, `dropped_partials` partials pushed
-    while no connection was ready (a newer one supersedes them; finals are kept)."""
+    while no connection was ready (a newer one supersedes them; finals are kept),
+    `coalesced` partials replaced by a newer event of their stream before their turn to go
+    came, `rate_limited` the server's `rate_limited` answers (not delivered: the pace was
+    halved, a final was sent again)."""
 
     disconnects: list[str] = field(default_factory=list)
     reconnects: int = 0
     resent: int = 0
     duplicates: int = 0
     dropped_partials: int = 0
+    coalesced: int = 0
+    rate_limited: int = 0
 
 
 class GaveUp(Exception):
@@ -195,14 +211,18 @@ class RemoteTranslator:
     started, closed, or given up after an outage).
 
     `unavailable` errors are not delivered: they mean "this node cannot do it", and the
-    translator answers them by moving to another node. Should an outage outlast
-    `reconnect_for` seconds (or `backoff.total`), the translator stops: each final still
-    owed is answered with an `unavailable` error (per language still missing), every
-    subscription ends, and `push` raises `EngineClosed`; `aclose()` does the same for the
-    finals not answered within `drain_timeout`. So every final gets exactly one reply.
+    translator answers them by moving to another node. Nor are `rate_limited` ones: the
+    translator slows down and sends again a final the server did not take. Should an
+    outage outlast `reconnect_for` seconds (or `backoff.total`), the translator stops:
+    each final still owed is answered with an `unavailable` error (per language still
+    missing), every subscription ends, and `push` raises `EngineClosed`; `aclose()` does
+    the same for the finals not answered within `drain_timeout`. So every final gets
+    exactly one reply.
 
     `token`: the server's writer token (sent as a bearer header). `queue_size`: each
     subscription's bound. `max_size`: the largest message accepted from the server.
+    `rate`: messages per second sent at most, in bursts of as many (None: no pacing); a
+    `push` of a final may wait for its turn.
     """
 
     def __init__(
@@ -216,9 +236,13 @@ class RemoteTranslator:
         queue_size: int = 256,
         max_size: int = 2**22,
         open_timeout: float = 10.0,
+        rate: float | None = RATE,
     ) -> None:
         if queue_size < 1:
             raise ValueError("queue_size must be >= 1")
+        self._pacer = Pacer(rate, now=time.monotonic()) if rate is not None else None
+        self._parked = anyio.Event()  # a partial waits for its turn
+        self._finals_waiting = 0  # finals (and closes) waiting for a turn: they go first
         self.url = url
         self.backoff = backoff or Backoff(total=reconnect_for)
         self.drain_timeout = drain_timeout
@@ -258,6 +282,8 @@ class RemoteTranslator:
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         self._group.start_soon(self._run, ws)
+        if self._pacer is not None:
+            self._group.start_soon(self._send_parked, self._pacer)
         return self
 
     async def __aexit__(
@@ -298,6 +324,7 @@ class RemoteTranslator:
         """Disconnects, reconnects, resends and duplicates so far."""
         self._stats.resent = self.ledger.resent
         self._stats.duplicates = self.ledger.duplicates
+        self._stats.coalesced = self._pacer.coalesced if self._pacer is not None else 0
         return self._stats
 
     @property
@@ -310,9 +337,10 @@ class RemoteTranslator:
     async def push(self, event: PartialTranscript) -> None:
         """Send an event and return; its replies come through `updates()`.
 
-        A final is kept until answered (and resent after a reconnect); a partial pushed
-        while the connection is being made again is dropped (the next one supersedes
-        it). Raises `EngineClosed` when not running."""
+        A final is kept until answered (and resent after a reconnect), and waits for its
+        turn within `rate`; a partial that finds no turn waits as its stream's latest, and
+        one pushed while the connection is being made again is dropped (the next one
+        supersedes it). Raises `EngineClosed` when not running."""
         if not self._running:
             raise EngineClosed("RemoteTranslator is not running (use `async with`)")
         if not isinstance(event, PartialTranscript):
@@ -324,6 +352,15 @@ class RemoteTranslator:
             )
         if event.stream_id not in self._closing:
             self._open.add(event.stream_id)
+        pacer = self._pacer
+        if pacer is not None:
+            pacer.unpark(event.stream_id)  # an older partial still waiting: superseded
+            if event.is_final:
+                await self._turn(pacer)
+            elif self._finals_waiting or not pacer.take(time.monotonic()):
+                pacer.park(event)
+                self._parked.set()
+                return
         async with self._send_lock:
             ws = self._ws
             if not self._ready or ws is None:
@@ -381,6 +418,9 @@ class RemoteTranslator:
     async def _close(self, stream_id: str) -> None:
         self._open.discard(stream_id)
         self._closing.add(stream_id)
+        if self._pacer is not None:
+            self._pacer.unpark(stream_id)
+            await self._turn(self._pacer)
         async with self._send_lock:
             ws = self._ws
             if self._ready and ws is not None and stream_id in self._here:
@@ -424,12 +464,16 @@ class RemoteTranslator:
                 self._here = set()
                 try:
                     for event in owed:
+                        if self._pacer is not None:
+                            await self._turn(self._pacer)
                         await ws.send(protocol.serialize(event))
                         self.ledger.sent(event)
                         self._here.add(event.stream_id)
                     # The resends open their streams again here; closed ones close again.
                     for stream_id in sorted(self._here & self._closing):
                         self._here.discard(stream_id)
+                        if self._pacer is not None:
+                            await self._turn(self._pacer)
                         await ws.send(protocol.serialize(CloseStream(stream_id)))
                 except ConnectionClosed as exc:
                     return why_lost(ws, exc)
@@ -440,18 +484,61 @@ class RemoteTranslator:
                 if not isinstance(message, TranslationUpdate | ErrorMessage):
                     continue
                 got = self.ledger.received(message)
+                limited = (
+                    isinstance(message, ErrorMessage) and message.code == ErrorCode.RATE_LIMITED
+                )
+                if limited:
+                    self._stats.rate_limited += 1
+                    if self._pacer is not None:
+                        self._pacer.slow_down(time.monotonic())
                 if got.outcome is Outcome.MUST_RECONNECT:
-                    return f"unavailable: {_text(message)}"
+                    return f"{_code(message)}: {_text(message)}"
                 if isinstance(message, TranslationUpdate):
                     self._healthy = True
-                if got.outcome is Outcome.DUPLICATE or (
-                    isinstance(message, ErrorMessage) and message.code == ErrorCode.UNAVAILABLE
+                if (
+                    got.outcome is Outcome.DUPLICATE
+                    or limited
+                    or (isinstance(message, ErrorMessage) and message.code == ErrorCode.UNAVAILABLE)
                 ):
                     continue
                 self._deliver(message)
         except ConnectionClosed as exc:
             return why_lost(ws, exc)
         return why_lost(ws)
+
+    # -- pacing -------------------------------------------------------------------------
+
+    async def _turn(self, pacer: Pacer) -> None:
+        """Wait for a turn to send a final or a close (ahead of waiting partials)."""
+        self._finals_waiting += 1
+        try:
+            while not pacer.take(time.monotonic()):
+                await anyio.sleep(pacer.delay(time.monotonic()))
+        finally:
+            self._finals_waiting -= 1
+
+    async def _send_parked(self, pacer: Pacer) -> None:
+        """Send the partials that found no turn, each stream's latest, as turns come
+        (after the finals waiting for one)."""
+        while True:
+            await self._parked.wait()
+            self._parked = anyio.Event()
+            while pacer.parked:
+                delay = pacer.delay(time.monotonic())
+                if self._finals_waiting or delay > 0:
+                    await anyio.sleep(max(delay, 0.005))
+                    continue
+                async with self._send_lock:
+                    event = pacer.next_parked() if pacer.take(time.monotonic()) else None
+                    ws = self._ws if self._ready else None
+                    if event is None:
+                        continue  # a newer event of its stream went out meanwhile
+                    with contextlib.suppress(ConnectionClosed):
+                        if ws is not None:
+                            await ws.send(protocol.serialize(event))
+                            self._here.add(event.stream_id)
+                            continue
+                    self._stats.dropped_partials += 1  # the next one supersedes it
 
     # -- delivery -----------------------------------------------------------------------
 
@@ -531,6 +618,10 @@ def _stream_id(stream_id: str) -> str:
 
 def _text(message: Reply) -> str:
     return message.message if isinstance(message, ErrorMessage) else "no message"
+
+
+def _code(message: Reply) -> str:
+    return str(message.code) if isinstance(message, ErrorMessage) else "update"
 
 
 def why_lost(ws: ClientConnection, closed: ConnectionClosed | None = None) -> str:

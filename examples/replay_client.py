@@ -40,7 +40,6 @@ from engine.remote import GaveUp, Reconnector, why_lost
 from protocol import (
     Backoff,
     CloseStream,
-    ErrorCode,
     ErrorMessage,
     FinalLedger,
     Outcome,
@@ -335,12 +334,12 @@ class _Replay:
                 else:
                     result.errors.append(message)
                     key = (message.stream_id or "", message.seq if message.seq is not None else -1)
-                    if key in result.finals_expected and message.code != ErrorCode.UNAVAILABLE:
-                        result.finals_refused.add((*key, message.lang))
+                    if key in result.finals_expected and got.outcome is not Outcome.MUST_RECONNECT:
+                        result.finals_refused.add((*key, message.lang))  # not sent again
                 if self.on_message is not None:
                     self.on_message(message)
                 if got.outcome is Outcome.MUST_RECONNECT and isinstance(message, ErrorMessage):
-                    return f"unavailable: {message.message}"
+                    return f"{message.code}: {message.message}"
         except ConnectionClosed as exc:
             return why_lost(ws, exc)
         return why_lost(ws)

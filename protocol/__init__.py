@@ -23,7 +23,7 @@ from protocol.messages import (
     Subscribe,
     TranslationUpdate,
 )
-from protocol.writer import Backoff, FinalLedger, Outcome, Received
+from protocol.writer import Backoff, FinalLedger, Outcome, Pacer, Received
 
 __all__ = [
     "Backoff",
@@ -38,6 +38,7 @@ __all__ = [
     "Message",
     "NmtIncremental",
     "Outcome",
+    "Pacer",
     "PartialTranscript",
     "Received",
     "StartAudio",

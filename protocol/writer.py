@@ -7,9 +7,14 @@ answers a final it cannot publish with an `unavailable` error). None of these ma
 final transcript, so a writer follows one rule:
 
     Keep each final until it is answered. On a dropped connection, a close frame, or an
-    `unavailable` error about a final, reconnect (through the balancer, with a short
-    backoff, bounded in total time) and resend every final not yet answered, in order,
-    with its original stream_id, segment_id and seq; then carry on.
+    `unavailable` or `rate_limited` error about a final, reconnect (through the balancer,
+    with a short backoff, bounded in total time) and resend every final not yet answered,
+    in order, with its original stream_id, segment_id and seq; then carry on.
+
+A final the server did not take (`rate_limited`) cannot be sent again on the same
+connection once a later event of its stream was taken there (a stream takes seqs only in
+increasing order); on a new connection the stream starts over and takes it. A writer that
+keeps within the server's rate (`Pacer`) meets that rarely.
 
 The server answers a resent final exactly once: from the stream's history if it was
 translated already (on any node), else by translating it. Partials are never kept or
@@ -17,7 +22,8 @@ resent: the next one supersedes them.
 
 `FinalLedger` is that rule's bookkeeping, without I/O (like `h11` or `websockets`' sans-I/O
 core): the connection code tells it what it `sent` and what it `received`, and asks it what
-is `owed`. It is shared by `examples/replay_client.py` and `engine/remote.py`.
+is `owed`. It is shared by `examples/replay_client.py` and `engine/remote.py`. `Pacer` is
+the rate a writer keeps, also without I/O: when a message may go, and which partials wait.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from enum import Enum
 from protocol.messages import ErrorCode, ErrorMessage, PartialTranscript, TranslationUpdate
 
 _Key = tuple[str, int]  # (stream_id, seq): what a reply names its final by
+
+_NOT_TAKEN = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.RATE_LIMITED})
+"""Errors about a final that do not answer it: it must be sent again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +86,8 @@ class Outcome(str, Enum):
     answer): count it, do not show it again."""
     MUST_RECONNECT = "must_reconnect"
     """An `unavailable` error about an owed final: this node cannot deliver it (it is
-    stopping, or lost the shared store). Reconnect and resend what is owed."""
+    stopping, or lost the shared store); or a `rate_limited` one: the server did not take
+    it. Reconnect and resend what is owed."""
     UNRELATED = "unrelated"
     """Not about a final this ledger keeps: a partial's update, an error about a partial
     or a close, a reply about a final sent by someone else. Show it as it is."""
@@ -115,8 +125,8 @@ class FinalLedger:
     """The finals a writer has sent and not yet seen answered, and the replies it saw.
 
     A final is answered in a language by its final `translation_update` (same stream_id
-    and seq, `is_final`), or by an `error` with its seq whose code is not `unavailable`
-    (a refusal: `out_of_order`, `too_large`, ...). An error with `lang` answers that
+    and seq, `is_final`), or by an `error` with its seq whose code is not `unavailable` or
+    `rate_limited` (a refusal: `out_of_order`, `too_large`, ...). An error with `lang` answers that
     language only; one without answers every language. A final is answered once every
     language the ledger has seen so far (on any update or error) has answered it; before
     any language is known, its first answer is enough. The server may fan out to several
@@ -190,8 +200,8 @@ class FinalLedger:
         if message.stream_id is None or message.seq is None:
             return Received(Outcome.UNRELATED)
         key = (message.stream_id, message.seq)
-        if message.code == ErrorCode.UNAVAILABLE:
-            return self._unavailable(key, message.lang)
+        if message.code in _NOT_TAKEN:
+            return self._not_taken(key, message.lang)
         if message.lang is not None:
             self._languages.setdefault(message.lang)
         return self._answer(key, message.lang, True)
@@ -226,7 +236,7 @@ class FinalLedger:
             self.refused += 1
         return Received(Outcome.ANSWERED, entry.event, lang, True)
 
-    def _unavailable(self, key: _Key, lang: str | None) -> Received:
+    def _not_taken(self, key: _Key, lang: str | None) -> Received:
         entry = self._owed.get(key)
         if entry is not None:
             return Received(Outcome.MUST_RECONNECT, entry.event, lang)
@@ -282,3 +292,87 @@ class FinalLedger:
         """The target languages seen so far, in the order first seen (None: a server
         that does not name its language)."""
         return tuple(self._languages)
+
+
+class Pacer:
+    """Keeps a writer within a server's rate limit (`rate` messages per second, bursts of
+    `burst`: the server's token bucket, kept on the writer's side), so that the server
+    drops nothing for being sent too fast.
+
+    A message goes when `take` allows it; a final that finds no turn waits for one
+    (`delay`), so no final is dropped, only delayed. A partial that finds no turn waits
+    instead as its stream's latest (`park`): a newer one replaces it (latest wins, as the
+    engine itself skips stale partials), an event of its stream that goes out first drops
+    it (`unpark`), and it goes when a turn comes (`next_parked`), after waiting finals.
+
+    The server's rate is not announced; a `rate_limited` answer says it is below ours:
+    `slow_down` halves the rate (at most once per second, since one burst is answered by
+    many errors; never below `floor`) and spends what is left of the burst.
+    """
+
+    def __init__(
+        self, rate: float, burst: float | None = None, *, floor: float = 1.0, now: float = 0.0
+    ) -> None:
+        if not rate > 0 or (burst is not None and not burst >= 1):
+            raise ValueError("Pacer needs rate > 0 and burst >= 1")
+        self.rate = rate
+        self.burst = burst or max(1.0, rate)
+        self.floor = min(floor, rate)
+        self.tokens = self.burst
+        self.updated = now
+        self.coalesced = 0  # partials replaced or dropped by a newer event of their stream
+        self.slowed = 0  # times the rate was halved
+        self._slowed_at: float | None = None
+        self._parked: dict[str, PartialTranscript] = {}
+
+    def _refill(self, now: float) -> None:
+        if now > self.updated:
+            self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+            self.updated = now
+
+    def delay(self, now: float) -> float:
+        """Seconds until a message may go (0: now)."""
+        self._refill(now)
+        return 0.0 if self.tokens >= 1.0 else (1.0 - self.tokens) / self.rate
+
+    def take(self, now: float) -> bool:
+        """Spend a turn if there is one."""
+        self._refill(now)
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+    def slow_down(self, now: float) -> None:
+        """The server answered `rate_limited`: keep to half the rate from now on."""
+        self._refill(now)
+        self.tokens = min(self.tokens, 0.0)
+        if self._slowed_at is not None and now - self._slowed_at < 1.0:
+            return
+        self._slowed_at = now
+        if self.rate > self.floor:
+            self.rate = max(self.floor, self.rate / 2)
+            self.burst = max(1.0, min(self.burst, self.rate))
+            self.slowed += 1
+
+    def park(self, event: PartialTranscript) -> None:
+        """Keep a partial that found no turn, as its stream's latest."""
+        if event.stream_id in self._parked:
+            self.coalesced += 1  # replaced, in its place in the line
+        self._parked[event.stream_id] = event
+
+    def unpark(self, stream_id: str) -> None:
+        """A newer event of the stream goes out: its waiting partial is superseded."""
+        if self._parked.pop(stream_id, None) is not None:
+            self.coalesced += 1
+
+    def next_parked(self) -> PartialTranscript | None:
+        """The partial that has waited longest (its stream's latest), taken out."""
+        for stream_id in self._parked:
+            return self._parked.pop(stream_id)
+        return None
+
+    @property
+    def parked(self) -> int:
+        """How many partials wait (one per stream at most)."""
+        return len(self._parked)

@@ -42,6 +42,7 @@ from engine.bridges.whisperlive import WhisperLiveMapper, float32_audio
 from engine.cli.bridge import add_bridge_parser, bridge_options, exit_status, run_bridge
 from engine.decoding.translator import Translator
 from engine.server.app import SubtitleServer
+from engine.server.limits import Limits
 from protocol import Backoff, ErrorMessage, PartialTranscript
 from tests.live_server import STREAMING, serving
 
@@ -640,41 +641,54 @@ async def test_vosk_relay_maps_a_clients_sessions(translator: Translator) -> Non
     assert fake.received[0][0] == '{ "config" : { "sample_rate" : 16000 } }'
 
 
-@pytest.mark.anyio
-async def test_one_relayed_session_at_a_time(translator: Translator) -> None:
+@dataclass
+class Listening:
+    """A listen-mode bridge running: its `url`; `results` holds its result once stopped."""
+
+    bridge: Bridge
+    url: str
+    results: list[BridgeResult]
+
+
+@contextlib.asynccontextmanager
+async def listening(opts: BridgeOptions) -> AsyncIterator[Listening]:
+    """Run a listen-mode bridge until the block is left."""
     port: list[int] = []
     stop = anyio.Event()
-    async with (
-        serving(translator) as server,
-        anyio.create_task_group() as tg,
-    ):
-        opts = options(Kind.CLOUD, None, server, dialect=Dialect.AZURE, listen=("127.0.0.1", 0))
-        bridge = Bridge(opts, on_listening=port.append)
-        results: list[BridgeResult] = []
+    bridge = Bridge(opts, on_listening=port.append)
+    results: list[BridgeResult] = []
 
-        async def run() -> None:
-            results.append(await bridge.run(stop))
+    async def run() -> None:
+        results.append(await bridge.run(stop))
 
+    async with anyio.create_task_group() as tg:
         tg.start_soon(run)
         with anyio.fail_after(10):
             while not port:
                 await anyio.sleep(0.01)
-        url = f"ws://127.0.0.1:{port[0]}"
-        script = sessions("cloud_azure.jsonl")
-        async with connect(url) as forwarder:
-            for line in script[0]:
-                await forwarder.send(line)
-            async with connect(url) as second:
-                with pytest.raises(ConnectionClosed):
-                    await second.recv()
-                assert second.close_code == 1013
-        with anyio.fail_after(10):
-            while bridge.relaying:
-                await anyio.sleep(0.01)
-        async with connect(url) as forwarder:
-            await forwarder.send("\n".join(script[1]))  # several JSON lines in one message
+        yield Listening(bridge, f"ws://127.0.0.1:{port[0]}", results)
         stop.set()
-    (result,) = results
+
+
+@pytest.mark.anyio
+async def test_one_relayed_session_at_a_time(translator: Translator) -> None:
+    script = sessions("cloud_azure.jsonl")
+    async with serving(translator) as server:
+        opts = options(Kind.CLOUD, None, server, dialect=Dialect.AZURE, listen=("127.0.0.1", 0))
+        async with listening(opts) as running:
+            async with connect(running.url) as forwarder:
+                for line in script[0]:
+                    await forwarder.send(line)
+                async with connect(running.url) as second:
+                    with pytest.raises(ConnectionClosed):
+                        await second.recv()
+                    assert second.close_code == 1013
+            with anyio.fail_after(10):
+                while running.bridge.relaying:
+                    await anyio.sleep(0.01)
+            async with connect(running.url) as forwarder:
+                await forwarder.send("\n".join(script[1]))  # several JSON lines in one message
+    (result,) = running.results
     check_translated(result, translator, finals_of(AZURE))
     assert result.sessions == 2
 
@@ -803,3 +817,184 @@ def socket_port() -> Iterator[int]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     yield port
+
+
+# --- hostile or failing recognisers --------------------------------------------------------
+
+
+def _google(text: str, *, final: bool = False) -> str:
+    result: dict[str, Any] = {"alternatives": [{"transcript": text}]}
+    if final:
+        result["isFinal"] = True
+    return json.dumps({"results": [result]})
+
+
+def _whisperlive(*segments: tuple[str, object, object, bool]) -> str:
+    keys = ("text", "start", "end", "completed")
+    return json.dumps(
+        {"uid": "UID", "segments": [dict(zip(keys, s, strict=True)) for s in segments]}
+    )
+
+
+READY = json.dumps({"uid": "UID", "message": SERVER_READY, "backend": "faster_whisper"})
+
+
+def test_whisperlive_segments_without_usable_times_are_taken_once() -> None:
+    """Segment times that are "nan" or missing cannot tell a repeated segment from a new
+    one: each completed segment is still one final, however many windows repeat it."""
+    mapper = make_mapper(Kind.WHISPERLIVE, "s")
+    assert isinstance(mapper, WhisperLiveMapper)
+    mapper.uid = "UID"
+    first = (" I will meet Tom.", "nan", "nan", True)
+    second = (" Tom reads a book.", None, None, True)
+    third = (" Lucy meets my friend.", "inf", "1.500", True)
+    windows = [[first]] * 5 + [[first, second]] * 5 + [[first, second, third]] * 3
+    windows += [[second, third, (" Does Tom", "nan", "nan", False)]] * 2
+    events = [e for window in windows for e in mapper.feed(_whisperlive(*window))]
+    assert [e.text for e in events if e.is_final] == [
+        "I will meet Tom.",
+        "Tom reads a book.",
+        "Lucy meets my friend.",
+    ]
+    assert [e.text for e in events if not e.is_final] == ["Does Tom"]
+    assert all(e.start_ms is None for e in events)  # no number: unknown, not 0
+    assert [e.end_ms for e in events if e.is_final] == [None, None, 1500.0]
+    # The same text said again later is a new segment when the window shows it twice.
+    again = mapper.feed(_whisperlive(third, (" Does Tom draw?", None, None, True)))
+    again += mapper.feed(_whisperlive(third, (" Does Tom draw?", None, None, True), first))
+    assert [e.text for e in again if e.is_final] == ["Does Tom draw?", "I will meet Tom."]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", [Kind.WHISPERLIVE, Kind.CLOUD], ids=["whisperlive", "cloud"])
+async def test_a_lone_surrogate_from_the_recogniser_is_dropped_and_the_bridge_goes_on(
+    translator: Translator, tmp_path: Path, kind: Kind
+) -> None:
+    """JSON can spell a lone surrogate ("\\ud800"), which no UTF-8 text may hold and the
+    server refuses: the bridge drops it from the text and goes on, and the finals after
+    it are sent and translated."""
+    bad = "I will meet Tom\ud800 at three."
+    if kind is Kind.WHISPERLIVE:
+        script = [
+            READY,
+            _whisperlive((" I will\udc00", "0.000", "1.000", False)),
+            _whisperlive((" " + bad, "0.000", "2.000", True), (" Tom", "2.000", "2.500", False)),
+            _whisperlive(
+                (" " + bad, "0.000", "2.000", True), (" Tom reads a book.", "2.000", "3.000", True)
+            ),
+        ]
+    else:
+        script = [_google("I will\udc00"), _google(bad, final=True)]
+        script += [_google("Tom"), _google("Tom reads a book.", final=True)]
+    assert any("\\ud800" in line for line in script)  # as JSON writes it
+    sine_wav(tmp_path / "a.wav", 2.0)
+    audio = {"audio": str(tmp_path / "a.wav")} if kind is Kind.WHISPERLIVE else {}
+    fake = FakeRecogniser(kind, [script])
+    async with (
+        serving(translator) as server,
+        serve(fake.ws_handler, "127.0.0.1", 0) as upstream,
+    ):
+        fake.port = upstream.sockets[0].getsockname()[1]
+        with anyio.fail_after(30):
+            result = await Bridge(options(kind, fake.url, server, **audio)).run()
+    check_translated(result, translator, ["I will meet Tom at three.", "Tom reads a book."])
+    assert result.events[0].text == "I will"
+
+
+@pytest.mark.anyio
+async def test_a_forwarder_sending_a_lone_surrogate_keeps_its_session(
+    translator: Translator,
+) -> None:
+    async with serving(translator) as server:
+        opts = options(Kind.CLOUD, None, server, listen=("127.0.0.1", 0))
+        async with listening(opts) as running, connect(running.url) as forwarder:
+            await forwarder.send(_google("I will meet Tom at three.\ud800", final=True))
+            await forwarder.send(_google("Tom reads a book.", final=True))
+            with anyio.fail_after(10):
+                while len(running.bridge.result.finals) < 2:
+                    await anyio.sleep(0.01)
+            assert forwarder.close_code is None  # not closed 1011 by an error
+    (result,) = running.results
+    check_translated(result, translator, ["I will meet Tom at three.", "Tom reads a book."])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("rate", [4.0, None], ids=["paced-within", "paced-above"])
+async def test_a_burst_of_partials_over_the_servers_rate_loses_no_final(
+    translator: Translator, rate: float | None
+) -> None:
+    """A forwarder bursts hundreds of partials at a server that takes 5 messages a
+    second: the bridge coalesces them (the latest of each burst goes), and its finals
+    are answered by their translations, never refused. Paced within the server's rate,
+    nothing is refused at all; paced above it, the bridge slows down at the first
+    `rate_limited` and sends a final the server dropped again."""
+    script: list[str] = []
+    for sentence in ("I will meet Tom at three.", "Tom reads a book."):
+        words = sentence.split()
+        for n in range(200):
+            script.append(_google(" ".join(words[: 1 + n % len(words)]) + f" {n}"))
+        script.append(_google(sentence, final=True))
+    fake = FakeRecogniser(Kind.CLOUD, [script])
+    more = {"rate": rate} if rate is not None else {}
+    async with (
+        serving(translator, limits=Limits(rate_limit=5.0)) as server,
+        serve(fake.ws_handler, "127.0.0.1", 0) as upstream,
+    ):
+        fake.port = upstream.sockets[0].getsockname()[1]
+        with anyio.fail_after(60):
+            result = await Bridge(options(Kind.CLOUD, fake.url, server, **more)).run()
+    assert [e.text for e in result.finals] == ["I will meet Tom at three.", "Tom reads a book."]
+    assert result.refused == [] and result.unanswered == [] and result.gave_up is None
+    assert {u.source_text for u in result.translated} == {e.text for e in result.finals}
+    assert len(result.translated) == 2
+
+
+class _EarlyCloser:
+    """A WhisperLive that answers each session with the same partial, then drops it."""
+
+    def __init__(self) -> None:
+        self.sessions = 0
+
+    async def handler(self, ws: ServerConnection) -> None:
+        self.sessions += 1
+        config = json.loads(await ws.recv())
+        await ws.send(READY.replace("UID", config["uid"]))
+        partial = _whisperlive((" Hello there", "0.000", "0.500", False))
+        await ws.send(partial.replace("UID", config["uid"]))
+        await asyncio.sleep(0.1)
+        ws.transport.close()  # dropped, before the end of the audio
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("seconds", "policy", "sessions"),
+    [(60.0, {}, 5), (0.3, {"short_session": 0.0}, 1)],
+    ids=["short-sessions-give-up", "the-audio-ended"],
+)
+async def test_a_recogniser_that_keeps_closing_early_is_given_up(
+    translator: Translator,
+    tmp_path: Path,
+    seconds: float,
+    policy: dict[str, Any],
+    sessions: int,
+) -> None:
+    """Every session answers one partial and is dropped at once: the bridge gives up
+    after `max_short_sessions` such sessions in a row, or stops when the audio is over,
+    and the partial that each session left open is one final, not one per session."""
+    sine_wav(tmp_path / "a.wav", seconds)
+    fake = _EarlyCloser()
+    async with (
+        serving(translator) as server,
+        serve(fake.handler, "127.0.0.1", 0) as upstream,
+    ):
+        url = f"ws://127.0.0.1:{upstream.sockets[0].getsockname()[1]}"
+        opts = options(Kind.WHISPERLIVE, url, server, audio=str(tmp_path / "a.wav"), **policy)
+        with anyio.fail_after(20):
+            result = await Bridge(opts).run()
+    assert result.sessions == fake.sessions == sessions
+    assert [e.text for e in result.finals] == ["Hello there"]
+    assert [u.source_text for u in result.translated] == ["Hello there"]
+    if policy:
+        assert result.gave_up is None
+    else:
+        assert result.gave_up is not None and "5 sessions in a row" in result.gave_up

@@ -214,6 +214,60 @@ async def test_an_unavailable_error_about_a_final_moves_to_another_connection() 
 
 
 @pytest.mark.anyio
+async def test_a_final_dropped_for_the_rate_is_sent_again_and_the_pace_halved() -> None:
+    """`rate_limited` about a final: the server did not take it, so it is no answer. The
+    translator halves its pace, sends the final again on a new connection (on this one
+    the next segment's partial was taken already), and shows no error."""
+
+    async def too_fast(fake: Fake, ws: ServerConnection, n: int, event: PartialTranscript) -> bool:
+        if n == 0 and event.is_final:
+            error = ErrorMessage(
+                ErrorCode.RATE_LIMITED, "more than 5 messages per second", None, "s", event.seq
+            )
+            await ws.send(protocol.serialize(error))
+            return True
+        await fake.answer(ws, event)
+        return True
+
+    async with (
+        fake_server(too_fast) as fake,
+        RemoteTranslator(fake.url, backoff=QUICK, rate=20.0) as nmt,
+    ):
+        replies = await talk(nmt, [partial(0), final(1), partial(2, "Tom", 1)])
+        stats = nmt.stats
+        assert nmt._pacer is not None and nmt._pacer.rate == 10.0
+    assert finals_of(replies) == [(1, None)]
+    assert not [r for r in replies if isinstance(r, ErrorMessage)]
+    assert fake.received[1][0] == final(1)
+    assert stats.rate_limited == 1 and stats.reconnects == 1 and stats.resent == 1
+    assert stats.disconnects == ["rate_limited: more than 5 messages per second"]
+
+
+@pytest.mark.anyio
+async def test_a_burst_of_partials_is_paced_latest_wins_and_finals_kept() -> None:
+    async def answer(fake: Fake, ws: ServerConnection, n: int, event: PartialTranscript) -> bool:
+        await fake.answer(ws, event)
+        return True
+
+    burst = [partial(seq, f"I will {seq}") for seq in range(200)]
+    async with fake_server(answer) as fake, RemoteTranslator(fake.url, rate=10.0) as nmt:
+        for event in burst[:100]:
+            await nmt.push(event)
+        await nmt.push(final(100))
+        for event in burst[101:]:
+            await nmt.push(PartialTranscript("s", 1, event.seq, event.text, False))
+        with anyio.fail_after(10):
+            while not fake.received or fake.received[0][-1].seq != 199:
+                await anyio.sleep(0.01)
+        stats = nmt.stats
+    got = [e.seq for e in fake.received[0]]
+    assert got[:10] == list(range(10))  # the burst allowance
+    assert 100 in got and got[-1] == 199  # the final, and the latest partial, went
+    assert got == sorted(got) and len(got) < 20
+    assert stats.coalesced == 200 - len(got) and stats.dropped_partials == 0
+
+
+@pytest.mark.anyio
 async def test_a_dropped_connection_without_a_close_frame() -> None:
     async def die(ws: ServerConnection, event: PartialTranscript) -> None:
         ws.transport.abort()  # kill -9: no close frame

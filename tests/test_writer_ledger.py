@@ -11,6 +11,7 @@ from protocol import (
     ErrorMessage,
     FinalLedger,
     Outcome,
+    Pacer,
     PartialTranscript,
     Received,
     TranslationUpdate,
@@ -287,3 +288,37 @@ def test_backoff_doubles_to_its_most_and_gives_up_past_its_total() -> None:
     for bad in ({"first": 0.0}, {"first": 3.0}, {"total": -1.0}):
         with pytest.raises(ValueError):
             Backoff(**bad)
+
+
+def test_a_final_the_server_did_not_take_for_its_rate_is_still_owed() -> None:
+    """`rate_limited` about a final is no answer: the server dropped it, so it is sent
+    again (on a new connection, where its stream takes its seq)."""
+    ledger = FinalLedger()
+    ledger.sent(final(1))
+    got = ledger.received(error(1, ErrorCode.RATE_LIMITED))
+    assert got == Received(Outcome.MUST_RECONNECT, final(1), None, False)
+    assert keys(ledger.owed()) == [("s", 1)] and ledger.refused == 0
+    ledger.sent(final(1))
+    assert ledger.received(update(1)).complete and ledger.resent == 1
+
+
+def test_the_pacer_keeps_a_rate_coalescing_partials() -> None:
+    pacer = Pacer(10.0, now=0.0)
+    assert [pacer.take(0.0) for _ in range(11)] == [True] * 10 + [False]  # a burst of 10
+    assert pacer.delay(0.0) == pytest.approx(0.1) and pacer.take(0.1)
+    pacer.park(partial(1))
+    pacer.park(partial(2))  # latest wins
+    pacer.park(partial(3, stream="t"))
+    pacer.park(partial(4))  # keeps its stream's place in the line
+    assert (pacer.parked, pacer.coalesced) == (2, 2)
+    pacer.unpark("t")  # a newer event of "t" went out first
+    assert pacer.next_parked() == partial(4) and pacer.next_parked() is None
+    assert pacer.coalesced == 3
+    # `rate_limited`: half the rate, at most once a second, the burst spent.
+    pacer.slow_down(1.0)
+    assert (pacer.rate, pacer.burst, pacer.tokens) == (5.0, 5.0, 0.0)
+    pacer.slow_down(1.5)  # the same burst's other errors
+    assert pacer.rate == 5.0 and pacer.delay(1.5) == pytest.approx(0.2)
+    for now in (3.0, 4.0, 5.0, 6.0):
+        pacer.slow_down(now)
+    assert pacer.rate == 1.0 and pacer.slowed == 4  # 2.5, 1.25, then its floor

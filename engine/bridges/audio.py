@@ -34,6 +34,7 @@ class AudioSource:
         self.path = path
         self.speed = speed
         self.samples = 0  # sent so far
+        self.ended = False  # every chunk was taken: no session has anything left to send
         self._source: PcmSource = (
             RawSource(sys.stdin.buffer, rate or 16000) if path == "-" else _wav(path, rate)
         )
@@ -50,6 +51,7 @@ class AudioSource:
         async for chunk in paced_chunks(self._source, samples, self.speed):
             self.samples += len(chunk) // SAMPLE_BYTES
             yield chunk
+        self.ended = True
 
     def close(self) -> None:
         self._source.close()

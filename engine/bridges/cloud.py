@@ -34,12 +34,12 @@ them by `Dialect`. Each dialect follows its service's documented result shape:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from engine.bridges.events import EventWriter
+from engine.bridges.upstream import read_json
 from engine.languages import word_joiner
 from protocol import PartialTranscript
 
@@ -137,10 +137,7 @@ class CloudMapper:
         for line in text.splitlines():
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
+            obj = read_json(line)
             if isinstance(obj, dict):
                 events += self._one(obj)
         return events

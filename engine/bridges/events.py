@@ -18,13 +18,17 @@ so no mapper can get them wrong on its own:
   subtitle cues keep increasing.
 - An unchanged hypothesis is not sent again (Vosk answers every audio chunk, mostly with
   the same partial).
+- What the recogniser says is checked like the server checks it (`upstream.py`): lone
+  surrogates are dropped from its text, a time that is no number is unknown, so that no
+  message of it can make an event the protocol refuses.
 
 When a recogniser session ends in the middle of a segment (a dropped connection, the end
 of the audio), `end_session` closes the segment by `Interrupted`: `FINAL` sends the last
 hypothesis as the segment's final (what was heard is kept and translated; it may lack its
 last words), `DROP` keeps only what the recogniser had committed (`stable_chars`) and
 abandons the rest. Either way a final the recogniser already gave is never lost: it was
-sent when it came.
+sent when it came. A cut-off hypothesis that repeats the previous cut-off final (a
+recogniser that keeps restarting says the same thing again) is abandoned, not sent twice.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from engine.bridges.upstream import clean_text, finite, lone_surrogates
 from protocol import PartialTranscript
 from protocol.codec import MAX_TEXT_CHARS
 from protocol.messages import MAX_ID
@@ -64,6 +69,7 @@ def _ms(value: float | None, offset: float) -> float | None:
     """A recogniser time (ms from its session's start) on the stream's clock, within the
     protocol's range (a negative start would be refused), to the microsecond (seconds
     times 1000 in floating point are not exact)."""
+    value = finite(value)
     if value is None:
         return None
     return round(min(max(0.0, value + offset), float(MAX_ID)), 3)
@@ -84,7 +90,10 @@ class EventWriter:
         self.latest_ms = 0.0  # the latest time seen, on the stream's clock
         self.finals = 0
         self.abandoned = 0
+        self.repaired = 0  # hypotheses that had characters the protocol cannot carry
         self._open: _Open | None = None
+        # The text of the last final if `end_session` made it (None after a recogniser's).
+        self._cut_off: str | None = None
 
     @property
     def open_text(self) -> str:
@@ -106,7 +115,7 @@ class EventWriter:
         """The open segment's hypothesis is now `text` (the whole of it, not a delta).
         Nothing is sent for a hypothesis equal to the last one, nor for an empty one
         before the segment has had any text."""
-        text, stable_chars = _clean(text, stable_chars)
+        text, stable_chars = self._clean(text, stable_chars)
         start, end = self._times(start_ms, end_ms)
         current = self._open
         if current is None:
@@ -127,7 +136,13 @@ class EventWriter:
     ) -> list[PartialTranscript]:
         """The open segment is over with `text`; the next hypothesis starts the next
         segment. An empty `text` abandons the segment (no final can be empty)."""
-        text, _ = _clean(text, None)
+        self._cut_off = None
+        return self._final(text, start_ms, end_ms)
+
+    def _final(
+        self, text: str, start_ms: float | None, end_ms: float | None
+    ) -> list[PartialTranscript]:
+        text, _ = self._clean(text, None)
         start, end = self._times(start_ms, end_ms)
         current = self._open or _Open()
         if start is None or (current.start_ms is not None and current.start_ms < start):
@@ -152,7 +167,9 @@ class EventWriter:
     def end_session(self, next_offset_ms: float | None = None) -> list[PartialTranscript]:
         """The recogniser's session ended: close the open segment by `interrupted`, and
         count the next session's times from `next_offset_ms` on the stream's clock
-        (default: the latest time seen, so that times never go back)."""
+        (default: the latest time seen, so that times never go back). A hypothesis equal
+        to the last final this made is abandoned: a recogniser whose sessions keep ending
+        early says the same thing in each, and one utterance is one final."""
         events: list[PartialTranscript] = []
         current = self._open
         if current is not None:
@@ -160,7 +177,12 @@ class EventWriter:
                 text = current.text
             else:
                 text = current.text[: current.stable_chars or 0]
-            events = self.final(text)  # its times are the open segment's, kept as they are
+            if text and text == self._cut_off:
+                text = ""
+            # Its times are the open segment's, kept as they are.
+            events = self._final(text, None, None)
+            if events:
+                self._cut_off = events[0].text
         self.offset_ms = self.latest_ms if next_offset_ms is None else next_offset_ms
         return events
 
@@ -197,6 +219,16 @@ class EventWriter:
         )
         self.seq += 1
         return event
+
+    def _clean(self, text: str, stable_chars: int | None) -> tuple[str, int | None]:
+        """The recogniser's text as the protocol takes it (`upstream.clean_text`), its
+        `stable_chars` moved with it, then trimmed and cut (`_clean`)."""
+        cleaned, dropped = clean_text(text)
+        if dropped:
+            self.repaired += 1
+            if stable_chars is not None:
+                stable_chars -= lone_surrogates(text[:stable_chars])
+        return _clean(cleaned, stable_chars)
 
 
 def _clean(text: str, stable_chars: int | None) -> tuple[str, int | None]:

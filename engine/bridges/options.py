@@ -12,6 +12,7 @@ from engine.bridges.errors import BridgeError
 from engine.bridges.events import Interrupted
 from engine.bridges.kinds import Kind, MapperOptions
 from engine.bridges.whisper_streaming import Segmentation
+from engine.remote import RATE
 from protocol import Backoff, ErrorMessage, PartialTranscript, TranslationUpdate
 
 Reply = TranslationUpdate | ErrorMessage
@@ -29,7 +30,10 @@ class BridgeOptions:
     `end_wait`: after the audio, how long the recogniser may go quiet before the bridge
     ends the session (WhisperLive's own client waits for its answers the same way), and how
     long it waits for the server to close then. `idle`: whisper_streaming only, see
-    `WhisperStreamingMapper.idle`."""
+    `WhisperStreamingMapper.idle`. `short_session`, `max_short_sessions`: in connect mode
+    a recogniser session that ends within this many seconds is a failure (it does not end
+    an outage), and this many in a row give up. `rate`: the messages per second to our
+    server that the bridge keeps within (`RemoteTranslator`'s `rate`)."""
 
     kind: Kind
     url: str | None
@@ -51,6 +55,9 @@ class BridgeOptions:
     reconnect_for: float = 30.0
     backoff: Backoff | None = None
     drain_timeout: float = 30.0
+    short_session: float = 5.0
+    max_short_sessions: int = 5
+    rate: float | None = RATE
 
     def __post_init__(self) -> None:
         if self.listen is None and self.url is None:
@@ -66,6 +73,10 @@ class BridgeOptions:
             raise BridgeError("--audio and --listen exclude each other")
         if self.kind is Kind.CLOUD and self.audio is not None:
             raise BridgeError("cloud takes results from a forwarder, not audio")
+        if self.max_short_sessions < 1 or self.short_session < 0:
+            raise BridgeError("max_short_sessions must be >= 1 and short_session >= 0")
+        if self.rate is not None and not self.rate > 0:
+            raise BridgeError("rate must be a positive number of messages per second")
 
     @property
     def recogniser_backoff(self) -> Backoff:

@@ -16,7 +16,10 @@ The recogniser's side, in one of two modes:
   before the input is over, the recogniser's session is gone with its segmentation: the
   mapper closes the interrupted segment (`Interrupted`), and the bridge reconnects with
   `Backoff` (bounded: it gives up after `reconnect_for` seconds, and says so), then goes on
-  with the audio where it was, on the same stream, with the next segment id.
+  with the audio where it was, on the same stream, with the next segment id. A session
+  that ends within `short_session` seconds does not end the outage (a recogniser that
+  answers, then closes at once, is failing too), `max_short_sessions` of them in a row
+  give up, and once the audio is over no new session is opened.
 - listen (`listen`): the user's own client (a microphone app, WhisperLive's or Vosk's
   client, `arecord | nc`) connects to the bridge instead of the recogniser, and the bridge
   relays its session both ways, unchanged, while mapping what the recogniser answers. None
@@ -133,7 +136,7 @@ class Bridge:
     async def _run(self, audio: AudioSource | None, stop: anyio.Event) -> None:
         options = self.options
         async with RemoteTranslator(
-            options.to, options.token, reconnect_for=options.reconnect_for
+            options.to, options.token, reconnect_for=options.reconnect_for, rate=options.rate
         ) as nmt:
             self._nmt = nmt
             sub = nmt.updates(options.stream_id)
@@ -220,9 +223,11 @@ class Bridge:
         backoff = options.recogniser_backoff
         outage = time.monotonic()
         attempt = 0
+        short = 0  # sessions in a row that ended within `short_session` seconds
         while True:
+            began = time.monotonic()
             try:
-                over, why, worked = await self._one_session(audio)
+                over, why, heard = await self._one_session(audio)
             except (OSError, InvalidHandshake, TimeoutError) as exc:
                 if self.result.sessions == 0:
                     raise BridgeError(
@@ -241,10 +246,20 @@ class Bridge:
             if over:
                 return
             await self._session_ended(why, audio.position_ms if audio is not None else None)
-            if worked:
+            if audio is not None and audio.ended:
+                return  # the input is over: a new session would have nothing to hear
+            short = short + 1 if time.monotonic() - began < options.short_session else 0
+            if heard and not short:
                 outage, attempt = time.monotonic(), 0
             else:
                 attempt += 1  # that session never got going: the same outage goes on
+            if short >= options.max_short_sessions:
+                self.result.gave_up = (
+                    f"the {options.kind} server ended {short} sessions in a row within "
+                    f"{options.short_session:g} s ({why})"
+                )
+                self._notice(self.result.gave_up)
+                return
             if backoff.gives_up(time.monotonic() - outage, attempt):
                 self.result.gave_up = f"the {options.kind} server kept failing ({why})"
                 self._notice(self.result.gave_up)
@@ -253,8 +268,8 @@ class Bridge:
             self._notice(f"reconnecting to {options.url}")
 
     async def _one_session(self, audio: AudioSource | None) -> tuple[bool, str, bool]:
-        """One recogniser connection: (the input is over, why it ended, it worked: the
-        recogniser answered something)."""
+        """One recogniser connection: (the input is over, why it ended, the recogniser
+        answered something)."""
         kind = self.options.kind
         if kind is Kind.WHISPER_STREAMING:
             return await self._tcp_session(audio)

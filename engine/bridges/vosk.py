@@ -33,6 +33,7 @@ import json
 from typing import Any
 
 from engine.bridges.events import EventWriter
+from engine.bridges.upstream import read_json
 from protocol import PartialTranscript
 
 EOF_MESSAGE = '{"eof" : 1}'
@@ -64,10 +65,7 @@ class VoskMapper:
         self.writer = writer
 
     def feed(self, message: str | bytes) -> list[PartialTranscript]:
-        try:
-            obj: Any = json.loads(message)
-        except ValueError:
-            return []
+        obj: Any = read_json(message)
         if not isinstance(obj, dict):
             return []
         if "partial" in obj:

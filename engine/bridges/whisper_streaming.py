@@ -47,11 +47,11 @@ translated in two pieces, not lost text.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
 from engine.bridges.events import EventWriter
+from engine.bridges.upstream import read_json
 from engine.languages import word_joiner
 from protocol import PartialTranscript
 
@@ -140,10 +140,7 @@ class WhisperStreamingMapper:
         return self._piece(beg, end, parts[2] if len(parts) == 3 else "")
 
     def _json(self, line: str) -> list[PartialTranscript]:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            return []
+        obj = read_json(line)
         if not isinstance(obj, dict):
             return []
         events: list[PartialTranscript] = []

@@ -20,10 +20,14 @@ What its WebSocket server says, as read in collabora/WhisperLive at bde730b:
   start (`format_segment`). A completed segment never changes; the incomplete one is the
   hypothesis of the audio after them (`update_segments`).
 
-The mapping: each completed segment not seen before is a final (once: a completed segment
-is new when it starts at or after the end of the last one taken, the test WhisperLive's own
-client applies in `Client.process_segments`); the incomplete last segment is a partial of
-the segment after the last final. WhisperLive does not say which part of the incomplete
+The mapping: each completed segment not seen before is a final, once; the incomplete last
+segment is a partial of the segment after the last final. Which completed segments are new
+follows from the window itself: it is the latest completed segments in order, so the
+segments already taken are the longest run at its head that ends the list of those taken,
+compared by text and times. WhisperLive's own client compares times only (new when it
+starts at or after the end of the last one taken, `Client.process_segments`), which a
+segment whose times are missing or not numbers ("nan") defeats: it would be taken again
+from every message repeating it. WhisperLive does not say which part of the incomplete
 segment is settled, so partials carry no `stable_chars`.
 
 Not mapped: the TensorRT backend's segments, which have no `completed` flag and no times
@@ -35,12 +39,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections import deque
 from typing import Any
 
 import numpy as np
 
 from engine.bridges.errors import BridgeError
 from engine.bridges.events import EventWriter
+from engine.bridges.upstream import clean, finite, read_json
 from protocol import PartialTranscript
 
 END_OF_AUDIO = b"END_OF_AUDIO"
@@ -78,12 +84,30 @@ def float32_audio(pcm16: bytes) -> bytes:
     return samples.astype("<f4").tobytes()
 
 
+_REMEMBER = 256
+"""Completed segments remembered per session to recognise them in later windows (the
+server repeats its last `send_last_n_segments`, 10 by default)."""
+
+_Key = tuple[str, float | None, float | None]
+"""A completed segment as compared: (text, start_ms, end_ms), unknown times None."""
+
+
 def _seconds(value: object) -> float | None:
+    """A segment time ("%.3f" seconds) in ms; None when missing or no finite number."""
     try:
         seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
-    return seconds * 1000.0
+    return finite(seconds * 1000.0)
+
+
+def _already_taken(taken: deque[_Key], window: list[_Key]) -> int:
+    """How many segments at the head of `window` were taken before: the longest head that
+    is also the tail of `taken`."""
+    for k in range(min(len(taken), len(window)), 0, -1):
+        if all(taken[len(taken) - k + i] == window[i] for i in range(k)):
+            return k
+    return 0
 
 
 class WhisperLiveMapper:
@@ -97,23 +121,20 @@ class WhisperLiveMapper:
         self.ready = False  # SERVER_READY came
         self.status: tuple[str, str] | None = None  # the last WAIT / ERROR / WARNING
         self.backend: str | None = None
-        self._taken_until = -1.0  # end (ms, session clock) of the last completed segment
+        self._taken: deque[_Key] = deque(maxlen=_REMEMBER)  # completed ones, in order
 
     def feed(self, message: str | bytes) -> list[PartialTranscript]:
-        try:
-            obj = json.loads(message)
-        except ValueError:
-            return []
+        obj = read_json(message)
         if not isinstance(obj, dict):
             return []
         if self.uid is not None and obj.get("uid") != self.uid:
             return []
         if "status" in obj:
-            self.status = (str(obj["status"]), str(obj.get("message", "")))
+            self.status = (clean(str(obj["status"])), clean(str(obj.get("message", ""))))
             return []
         if obj.get("message") == SERVER_READY:
             self.ready = True
-            self.backend = str(obj.get("backend", "")) or None
+            self.backend = clean(str(obj.get("backend", ""))) or None
             return []
         segments = obj.get("segments")
         if not isinstance(segments, list):
@@ -126,17 +147,19 @@ class WhisperLiveMapper:
                 "WhisperLive sent segments without 'completed' (its TensorRT backend?): "
                 "the bridge maps the faster_whisper and openvino backends only"
             )
+        window: list[_Key] = [
+            (str(seg.get("text", "")), _seconds(seg.get("start")), _seconds(seg.get("end")))
+            for seg in segments
+            if seg.get("completed")
+        ]
         events: list[PartialTranscript] = []
-        for i, seg in enumerate(segments):
-            text = str(seg.get("text", ""))
-            start, end = _seconds(seg.get("start")), _seconds(seg.get("end"))
-            if seg.get("completed"):
-                if start is None or end is None or start < self._taken_until:
-                    continue  # sent before: the window repeats the last n segments
-                self._taken_until = end
-                events += self.writer.final(text, start, end)
-            elif i == len(segments) - 1:
-                events += self.writer.partial(text, start, end)
+        for key in window[_already_taken(self._taken, window) :]:
+            self._taken.append(key)
+            events += self.writer.final(*key)
+        if segments and not segments[-1].get("completed"):
+            last = segments[-1]
+            start, end = _seconds(last.get("start")), _seconds(last.get("end"))
+            events += self.writer.partial(str(last.get("text", "")), start, end)
         return events
 
     def end_session(self, next_offset_ms: float | None = None) -> list[PartialTranscript]:
@@ -144,7 +167,7 @@ class WhisperLiveMapper:
         segment is closed by the writer's `interrupted` rule (`FINAL`: sent as a final,
         as WhisperLive's client writes its last incomplete segment into its SRT file);
         the next session counts its times from 0 again."""
-        self._taken_until = -1.0
+        self._taken.clear()
         self.ready = False
         return self.writer.end_session(next_offset_ms)
 

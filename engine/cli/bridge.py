@@ -33,6 +33,7 @@ from engine.bridges.options import DEFAULT_TO, BridgeOptions, BridgeResult, Repl
 from engine.bridges.runner import Bridge
 from engine.bridges.whisper_streaming import Segmentation
 from engine.cli.args import non_negative_float, positive_float, positive_int, probability
+from engine.remote import RATE
 from protocol import ErrorMessage, TranslationUpdate
 
 
@@ -158,6 +159,13 @@ def add_bridge_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "failed reconnects (default: %(default)g)",
     )
     bridge.add_argument(
+        "--rate",
+        type=positive_float,
+        default=RATE,
+        help="messages per second to our server at most (partials beyond it are coalesced; "
+        "keep it within the server's --rate-limit; default: %(default)g)",
+    )
+    bridge.add_argument(
         "--quiet", action="store_true", help="print no translations, only the summary"
     )
 
@@ -183,6 +191,7 @@ def bridge_options(args: argparse.Namespace) -> BridgeOptions:
         idle=args.idle,
         end_wait=args.end_wait,
         reconnect_for=args.reconnect_for,
+        rate=args.rate,
     )
 
 
