@@ -209,7 +209,7 @@ class Client:
 
     def _open_audio(self, action: OpenAudio) -> None:
         assert self.audio is not None and self.io is not None  # the core takes no audio else
-        feed = self.audio.feed(action.stream_id, action.sample_rate, self._heard)
+        feed = self.audio.feed(action.stream_id, action.sample_rate, self._heard, action.slot)
         previous, self.feed = self.feed, feed
         self._subscribe_writes()
         self.io.start_soon(self._run_feed, feed, previous)
@@ -230,6 +230,7 @@ class Client:
                 self.clocks[sid] = feed.clock
             if self.feed is feed:
                 self.feed = None
+            feed.release()  # its recognizer is gone (or was never made)
             feed.done.set()
         if feed.error is not None:
             self._reply(feed.error)
