@@ -309,6 +309,13 @@ def said(text: str, final: bool, start_ms: float = 0.0) -> SpeechHypothesis:
     return SpeechHypothesis(text, final, start_ms, start_ms + 100 * len(text.split()))
 
 
+def meeting_tom() -> Scripted:
+    """Hears "i will meet tom" in its first 100 ms; its flush finishes the sentence."""
+    return Scripted(
+        [(1600, said("i will meet tom", False))], at_flush=[said("i will meet tom at three", True)]
+    )
+
+
 def scripted_input(*recognizers: Scripted | Exception, **limits: Any) -> AudioInput:
     """Each audio stream gets the next recognizer (an exception: the factory raises it)."""
     queue = list(recognizers)
@@ -522,9 +529,7 @@ async def test_recognition_too_far_behind_drops_audio_with_one_error(
 async def test_a_writer_that_leaves_mid_utterance_still_gets_its_final_to_viewers(
     translator: Translator,
 ) -> None:
-    recognizer = Scripted(
-        [(1600, said("i will meet tom", False))], at_flush=[said("i will meet tom at three", True)]
-    )
+    recognizer = meeting_tom()
     expected = translator.translate(["i will meet tom at three"], STREAMING.decode)[0].text
     async with serving(translator, audio=scripted_input(recognizer)) as server:
         async with connect(ws_url(server)) as viewer:
@@ -546,9 +551,7 @@ async def test_a_writer_that_leaves_mid_utterance_still_gets_its_final_to_viewer
 async def test_a_stopping_server_translates_what_was_heard_before_it_closes(
     translator: Translator,
 ) -> None:
-    recognizer = Scripted(
-        [(1600, said("i will meet tom", False))], at_flush=[said("i will meet tom at three", True)]
-    )
+    recognizer = meeting_tom()
     expected = translator.translate(["i will meet tom at three"], STREAMING.decode)[0].text
     async with serving(translator, audio=scripted_input(recognizer)) as server:
         writer = await connect(ws_url(server))
@@ -626,9 +629,7 @@ async def test_starting_and_ending_audio_without_audio_never_exceeds_the_caps(
 async def test_an_audio_stream_that_sends_nothing_is_ended_and_its_slot_freed(
     translator: Translator,
 ) -> None:
-    silent = Scripted(
-        [(1600, said("i will meet tom", False))], at_flush=[said("i will meet tom at three", True)]
-    )
+    silent = meeting_tom()
     fresh = Scripted([(1600, said("tom reads a book", True))])
     audio = scripted_input(silent, fresh, max_streams=1, idle_timeout_s=0.5)
     async with (
