@@ -617,11 +617,14 @@ async def test_starting_and_ending_audio_without_audio_never_exceeds_the_caps(
             for i, ws in enumerate(sockets):
                 await ws.send(start(f"s{i}"))
                 await ws.send(end(f"s{i}"))
-        await wait_for(lambda: census.made > 0 and server.state.audio.held == 0, 10)
-        replies = [m for ws in sockets for m in await quiet_for(ws, 0.2)]
+        replies = []
+        for ws in sockets:  # each connection's messages are taken in order: once the reply
+            await ws.send(end("last"))  # to this one is in, all before it were taken
+            replies += await receive_until(ws, lambda m: m.get("stream_id") == "last", 10)
+        await wait_for(lambda: server.state.audio.held == 0, 10)
     refusals = [m for m in replies if m["type"] == "error" and m.get("field") == "type"]
     assert {m["code"] for m in refusals} >= {"rate_limited"}
-    assert census.most <= 3 and census.alive == 0
+    assert census.made > 0 and census.most <= 3 and census.alive == 0
     assert server.state.audio.starting == 0
 
 

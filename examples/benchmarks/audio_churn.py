@@ -26,12 +26,11 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
 from audio_streams import Stream, percentile, read_wav, speak
-from load_server import free_port, http_get
+from load_server import free_port, wait_ready
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -118,13 +117,8 @@ def main() -> int:
         server = subprocess.Popen(command, cwd=args.root, stdout=log, stderr=log, env=env)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
-            while http_get(base + "/readyz")[0] != 200:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    print(log.read(), file=sys.stderr)
-                    return 1
-                time.sleep(0.2)
+            if not wait_ready(server, base, log):
+                return 1
             url = f"ws://127.0.0.1:{port}/ws"
             speaker, codes = asyncio.run(run(url, pcm, args.churners, args.every))
             rss = rss_mb(server.pid)
