@@ -884,6 +884,7 @@ async def test_serve_asr_takes_speech(translator: Translator) -> None:
     import re
     import signal
 
+    from engine.cli.serve import default_asr_workers
     from tests.conftest import serving as serve
 
     needs_speech()
@@ -894,7 +895,12 @@ async def test_serve_asr_takes_speech(translator: Translator) -> None:
         domain.write_text("I will meet Tom at three\nTom reads a book\nI will read\n")
         with serve([*args, str(domain), "--token", "s3cret"], ready_within=60) as served:
             log = served.text
-            assert "audio input: pocketsphinx (domain.lm), at most 32 streams" in log, log
+            # The defaults are what its recognition processes serve.
+            streams = 12 * default_asr_workers()
+            assert (
+                f"audio input: pocketsphinx (domain.lm), at most {streams} streams at once "
+                f"({streams // 2} per address; ended after 30 s without audio)"
+            ) in log, log
             page = re.search(r"speaker page: (http://\S+/speak\?stream=demo) \(add &token=", log)
             assert page, log
             url = page.group(1).replace("http", "ws", 1).split("/speak")[0] + "/ws?token=s3cret"
