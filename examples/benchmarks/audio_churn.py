@@ -3,7 +3,8 @@ each sends `start_audio` then `end_audio` with no audio in between, over and ove
 server is asked to make recognizers as fast as it lets them be asked for.
 
 Starts `nmt-incremental serve --asr pocketsphinx` (the fixture model and the fixture's
-domain language model, one recognition process) from `--root` (default this checkout, so
+domain language model, or with `--general-model` pocketsphinx's own en-US model, whose
+recognizers take longer to make; one recognition process) from `--root` (default this checkout, so
 that another checkout's server can be measured alike), lets one speaker play a talk of
 `--files` spoken files at real time (`audio_streams.speak`), and meanwhile `--churners`
 connections each send a start/end pair every `--every` seconds until the speaker is done.
@@ -14,7 +15,7 @@ many starts the churners sent and how many were refused (by code), and the serve
 resident memory after the run.
 
     python examples/benchmarks/audio_churn.py [--churners 40] [--every 1.0] [--files 4]
-        [--root DIR]
+        [--general-model] [--root DIR]
 """
 
 from __future__ import annotations
@@ -83,8 +84,7 @@ async def run(url: str, pcm: bytes, churners: int, every: float) -> tuple[Stream
 def rss_mb(pid: int) -> float:
     """Resident memory of `pid` and its children (the recognition workers), in MB."""
     pids = [pid]
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):  # any thread's
         pids += [int(p) for p in children.read_text().split()]
     total = 0
     for p in pids:
@@ -103,15 +103,22 @@ def main() -> int:
         "--every", type=float, default=1.0, help="seconds between a churner's start/end pairs"
     )
     parser.add_argument("--files", type=int, default=4, help="spoken files in the talk")
+    parser.add_argument(
+        "--general-model",
+        action="store_true",
+        help="pocketsphinx's general en-US model (each recognizer takes longer to make) "
+        "instead of the fixture's domain model",
+    )
     args = parser.parse_args()
     files = sorted((SPEECH / "wav").glob("*.wav"))[: args.files]
     pcm = b"".join(read_wav(path) for path in files)
     port = free_port()
     command = [
         sys.executable, "-m", "engine.server", "--model", args.model, "--port", str(port),
-        "--asr", "pocketsphinx", "--lm", str(SPEECH / "fixture.lm.gz"),
-        "--dict", str(SPEECH / "fixture.dict"), "--asr-workers", "1",
+        "--asr", "pocketsphinx", "--asr-workers", "1",
     ]  # fmt: skip
+    if not args.general_model:
+        command += ["--lm", str(SPEECH / "fixture.lm.gz"), "--dict", str(SPEECH / "fixture.dict")]
     env = {"PYTHONPATH": args.root, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     with tempfile.TemporaryFile("w+") as log:
         server = subprocess.Popen(command, cwd=args.root, stdout=log, stderr=log, env=env)
