@@ -5,10 +5,12 @@ on loopback with the fixture model, recognizing espeak-ng speech with pocketsphi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import wave
 from collections.abc import Callable, Sequence
@@ -66,13 +68,17 @@ def silence(seconds: float, rate: int = RATE) -> bytes:
 
 
 def audio_core(
-    state: ServerState | None = None, audio: AudioLimits | None = None, **limits: Any
+    state: ServerState | None = None,
+    audio: AudioLimits | None = None,
+    address: str = "local",
+    **limits: Any,
 ) -> ConnectionCore:
     return ConnectionCore(
         1,
         Limits(**{"rate_limit": None, **limits}),
         state or ServerState(),
         audio=audio or AudioLimits(language="en"),
+        address=address,
     )
 
 
@@ -98,7 +104,9 @@ def test_an_audio_stream_from_start_to_end() -> None:
     core = audio_core()
     action = core.receive(start("mic", 48000), 0.0)
     assert action == OpenAudio("mic", 48000) and core.role is Role.WRITER
-    assert core.server.audio_streams == 1
+    opened = action
+    assert isinstance(opened, OpenAudio) and opened.slot is not None
+    assert core.server.audio.held == 1
     action = core.receive(b"\x01\x02\x03", 0.0)  # an odd byte count is the seam's to carry
     assert action == FeedAudio("mic", b"\x01\x02\x03") and core.message_type == "audio"
     # Binary frames carry no stream id: one audio stream per connection.
@@ -112,7 +120,10 @@ def test_an_audio_stream_from_start_to_end() -> None:
     error = error_of(core.receive(end("other"), 0.0))
     assert (error.code, error.field) == ("unknown_stream", "stream_id")
     assert core.receive(end("mic"), 0.0) == FinishAudio("mic")
-    assert core.server.audio_streams == 0 and core.listening is None
+    # The slot is held until the I/O layer says the recognizer is gone.
+    assert core.server.audio.held == 1 and core.listening is None
+    opened.slot.release()
+    assert core.server.audio.held == 0
     # Audio after the end: one error for a run of stray frames, then silence.
     error = error_of(core.receive(b"\x00\x00", 0.0))
     assert error.code == "invalid_message" and "send start_audio first" in error.message
@@ -121,10 +132,13 @@ def test_an_audio_stream_from_start_to_end() -> None:
     assert isinstance(core.receive(partial_message("text-stream", 1), 0.0), Push)
     assert isinstance(core.receive(b"\x00\x00", 0.0), Reply)  # a new run: said again
     # close_stream of the stream its audio goes to ends the audio, then closes it.
-    assert isinstance(core.receive(start("mic"), 0.0), OpenAudio)
+    action = core.receive(start("mic"), 0.0)
+    assert isinstance(action, OpenAudio) and action.slot is not None
     close = json.dumps({"type": "close_stream", "stream_id": "mic"})
     assert core.receive(close, 0.0) == FinishAudio("mic", close=True)
-    assert core.server.audio_streams == 0
+    assert core.server.audio.held == 1 and core.listening is None
+    action.slot.release()
+    assert core.server.audio.held == 0
 
 
 def test_who_may_stream_audio_and_in_what_language() -> None:
@@ -143,20 +157,77 @@ def test_who_may_stream_audio_and_in_what_language() -> None:
     assert isinstance(speaker.receive(start(lang="en-GB"), 0.0), OpenAudio)
     error = error_of(audio_core(state).receive(start(rate=4000), 0.0))
     assert (error.code, error.field) == ("invalid_message", "sample_rate")
-    assert state.audio_streams == 1
+    assert state.audio.held == 1
 
 
 def test_audio_streams_are_capped_on_the_whole_server() -> None:
     state = ServerState()
     limits = AudioLimits(max_streams=2)
-    cores = [audio_core(state, limits) for _ in range(3)]
-    assert isinstance(cores[0].receive(start("a"), 0.0), OpenAudio)
+    cores = [audio_core(state, limits, address=f"10.0.0.{i}") for i in range(3)]
+    opened = cores[0].receive(start("a"), 0.0)
+    assert isinstance(opened, OpenAudio) and opened.slot is not None
     assert isinstance(cores[1].receive(start("b"), 0.0), OpenAudio)
     error = error_of(cores[2].receive(start("c"), 0.0))
     assert error.code == "limit_exceeded" and "2 audio streams" in error.message
     cores[0].audio_ended("a")  # the I/O layer says it ended (failed, or the client left)
-    assert cores[0].listening is None and state.audio_streams == 1
+    assert cores[0].listening is None and state.audio.held == 2  # its recognizer is not gone
+    opened.slot.release()  # now it is
+    assert state.audio.held == 1
     assert isinstance(cores[2].receive(start("c"), 0.0), OpenAudio)
+
+
+def test_ending_an_audio_stream_keeps_its_slot_until_its_recognizer_is_gone() -> None:
+    """start_audio then end_audio, over and over, with no audio: each stream holds its
+    slot while its recognizer is being made, so past `max_starting` a start is refused for
+    now (`rate_limited`, field `type`), and past `max_streams` in all (`limit_exceeded`);
+    the frames sent behind a refused start are dropped without a word of their own."""
+    state = ServerState()
+    limits = AudioLimits(max_streams=4, max_starting=2, max_streams_per_address=0)
+    core = audio_core(state, limits)
+    slots = []
+    for _ in range(2):
+        opened = core.receive(start(), 0.0)
+        assert isinstance(opened, OpenAudio) and opened.slot is not None
+        slots.append(opened.slot)
+        assert isinstance(core.receive(end(), 0.0), FinishAudio)
+    assert (state.audio.held, state.audio.starting) == (2, 2)
+    error = error_of(core.receive(start(), 0.0))
+    assert (error.code, error.field, error.stream_id) == ("rate_limited", "type", "mic")
+    assert "2 audio streams are starting" in error.message and "send it again" in error.message
+    assert isinstance(core.receive(silence(0.1), 0.0), Ignore)  # its refusal said why
+    assert core.listening is None and state.audio.held == 2
+    # Once their recognizers are made, two more may start; then the server is full.
+    for slot in slots:
+        slot.started()
+    for _ in range(2):
+        opened = core.receive(start(), 0.0)
+        assert isinstance(opened, OpenAudio) and opened.slot is not None
+        slots.append(opened.slot)
+        assert isinstance(core.receive(end(), 0.0), FinishAudio)
+    error = error_of(core.receive(start(), 0.0))
+    assert (error.code, error.field) == ("limit_exceeded", "type")
+    assert "4 audio streams, its limit" in error.message
+    # Each recognizer gone frees its slot (a release before the start counts it started).
+    for slot in slots:
+        slot.release()
+        slot.release()  # idempotent
+    assert (state.audio.held, state.audio.starting) == (0, 0)
+    assert isinstance(core.receive(start(), 0.0), OpenAudio)
+
+
+def test_one_address_may_hold_only_its_share_of_the_audio_streams() -> None:
+    state = ServerState()
+    limits = AudioLimits(max_streams=4)  # half of them per address by default
+    assert limits.per_address == 2 and AudioLimits(max_streams_per_address=0).per_address is None
+    here = [audio_core(state, limits, address="192.0.2.1") for _ in range(3)]
+    for core in here[:2]:
+        assert isinstance(core.receive(start(), 0.0), OpenAudio)
+    error = error_of(here[2].receive(start(), 0.0))
+    assert (error.code, error.field) == ("limit_exceeded", "type")
+    assert "your address has 2 audio streams open" in error.message
+    there = audio_core(state, limits, address="198.51.100.7")
+    assert isinstance(there.receive(start(), 0.0), OpenAudio)
+    assert state.audio.held_by("192.0.2.1") == 2 and state.audio.held_by("198.51.100.7") == 1
 
 
 def test_audio_faster_than_the_speed_limit_is_dropped_once_per_burst() -> None:
@@ -236,6 +307,13 @@ class Scripted:
 
 def said(text: str, final: bool, start_ms: float = 0.0) -> SpeechHypothesis:
     return SpeechHypothesis(text, final, start_ms, start_ms + 100 * len(text.split()))
+
+
+def meeting_tom() -> Scripted:
+    """Hears "i will meet tom" in its first 100 ms; its flush finishes the sentence."""
+    return Scripted(
+        [(1600, said("i will meet tom", False))], at_flush=[said("i will meet tom at three", True)]
+    )
 
 
 def scripted_input(*recognizers: Scripted | Exception, **limits: Any) -> AudioInput:
@@ -374,7 +452,7 @@ async def test_a_failing_recognizer_is_an_internal_error_and_a_new_start_works(
         error = (await receive_until(ws, lambda m: m["type"] == "error"))[-1]
         assert (error["code"], error["stream_id"]) == ("internal", "mic")
         assert "could not start (no model here)" in error["message"]
-        await wait_for(lambda: server.state.audio_streams == 0)
+        await wait_for(lambda: server.state.audio.held == 0)
         # One that fails after a final and a partial: the final is answered as usual, the
         # partial shown is made final (kept as it was shown) and answered too.
         await ws.send(start())
@@ -451,9 +529,7 @@ async def test_recognition_too_far_behind_drops_audio_with_one_error(
 async def test_a_writer_that_leaves_mid_utterance_still_gets_its_final_to_viewers(
     translator: Translator,
 ) -> None:
-    recognizer = Scripted(
-        [(1600, said("i will meet tom", False))], at_flush=[said("i will meet tom at three", True)]
-    )
+    recognizer = meeting_tom()
     expected = translator.translate(["i will meet tom at three"], STREAMING.decode)[0].text
     async with serving(translator, audio=scripted_input(recognizer)) as server:
         async with connect(ws_url(server)) as viewer:
@@ -468,16 +544,14 @@ async def test_a_writer_that_leaves_mid_utterance_still_gets_its_final_to_viewer
         assert viewed[-1]["stable_text"] == expected
         engine = server.engine
         assert engine is not None
-        await wait_for(lambda: server.state.audio_streams == 0 and not engine.streams)
+        await wait_for(lambda: server.state.audio.held == 0 and not engine.streams)
 
 
 @pytest.mark.anyio
 async def test_a_stopping_server_translates_what_was_heard_before_it_closes(
     translator: Translator,
 ) -> None:
-    recognizer = Scripted(
-        [(1600, said("i will meet tom", False))], at_flush=[said("i will meet tom at three", True)]
-    )
+    recognizer = meeting_tom()
     expected = translator.translate(["i will meet tom at three"], STREAMING.decode)[0].text
     async with serving(translator, audio=scripted_input(recognizer)) as server:
         writer = await connect(ws_url(server))
@@ -492,7 +566,122 @@ async def test_a_stopping_server_translates_what_was_heard_before_it_closes(
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
     finals = [m for m in messages if final_update()(m)]
     assert [f["stable_text"] for f in finals] == [expected]
-    assert server.state.audio_streams == 0
+    assert server.state.audio.held == 0
+
+
+class Census:
+    """Recognizers that exist (being made, or made and not flushed yet), counted across
+    the feeds' threads: now and the most at once."""
+
+    def __init__(self, make_s: float) -> None:
+        self.make_s = make_s
+        self.lock = threading.Lock()
+        self.alive = 0
+        self.most = 0
+        self.made = 0
+
+    def make(self) -> Scripted:
+        with self.lock:
+            self.alive += 1
+            self.most = max(self.most, self.alive)
+        time.sleep(self.make_s)  # a recognizer takes a while to make
+        with self.lock:
+            self.made += 1
+        return Counted(self)
+
+
+class Counted(Scripted):
+    def __init__(self, census: Census) -> None:
+        super().__init__([])
+        self.census = census
+
+    def flush(self) -> list[SpeechHypothesis]:
+        with self.census.lock:
+            self.census.alive -= 1
+        return []
+
+
+@pytest.mark.anyio
+async def test_starting_and_ending_audio_without_audio_never_exceeds_the_caps(
+    translator: Translator,
+) -> None:
+    """Eight connections each send start_audio then end_audio three times, at once, with
+    no audio: no more recognizers exist at once than `max_streams`, the starts past
+    `max_starting` are refused for now (rate_limited), and every slot comes back."""
+    census = Census(0.2)
+    limits = AudioLimits(max_streams=3, max_starting=2, max_streams_per_address=0)
+    audio = AudioInput(census.make, limits, description="census")
+    async with serving(translator, audio=audio) as server, contextlib.AsyncExitStack() as stack:
+        sockets = [await stack.enter_async_context(connect(ws_url(server))) for _ in range(8)]
+        for _ in range(3):
+            for i, ws in enumerate(sockets):
+                await ws.send(start(f"s{i}"))
+                await ws.send(end(f"s{i}"))
+        replies = []
+        for ws in sockets:  # each connection's messages are taken in order: once the reply
+            await ws.send(end("last"))  # to this one is in, all before it were taken
+            replies += await receive_until(ws, lambda m: m.get("stream_id") == "last", 10)
+        await wait_for(lambda: server.state.audio.held == 0, 10)
+    refusals = [m for m in replies if m["type"] == "error" and m.get("field") == "type"]
+    assert {m["code"] for m in refusals} >= {"rate_limited"}
+    assert census.made > 0 and census.most <= 3 and census.alive == 0
+    assert server.state.audio.starting == 0
+
+
+@pytest.mark.anyio
+async def test_an_audio_stream_that_sends_nothing_is_ended_and_its_slot_freed(
+    translator: Translator,
+) -> None:
+    silent = meeting_tom()
+    fresh = Scripted([(1600, said("tom reads a book", True))])
+    audio = scripted_input(silent, fresh, max_streams=1, idle_timeout_s=0.5)
+    async with (
+        serving(translator, audio=audio) as server,
+        connect(ws_url(server)) as ws,
+        connect(ws_url(server)) as other,
+    ):
+        await ws.send(start())
+        await ws.send(silence(0.1))  # then nothing
+        messages = await receive_all(ws, lambda m: m["type"] == "error", final_update(), timeout=5)
+        error = next(m for m in messages if m["type"] == "error")
+        assert (error["code"], error["stream_id"]) == ("limit_exceeded", "mic")
+        assert "no audio for 0.5 s" in error["message"]
+        assert "send start_audio to go on" in error["message"]
+        # What it had heard was finished and translated.
+        assert [m["source_text"] for m in messages if final_update()(m)] == [
+            "i will meet tom at three"
+        ]
+        await wait_for(lambda: server.state.audio.held == 0)
+        # Its slot went back: another speaker gets it.
+        await other.send(start("other"))
+        await other.send(silence(0.1))
+        await other.send(end("other"))
+        heard = await receive_until(other, final_update("other"), timeout=5)
+        assert heard[-1]["source_text"] == "tom reads a book"
+        assert not [m for m in heard if m["type"] == "error"]
+        assert server.audio is not None and server.audio.stats.idle_timeouts == 1
+
+
+@pytest.mark.anyio
+async def test_the_per_address_audio_cap_leaves_room_for_other_addresses(
+    translator: Translator,
+) -> None:
+    audio = scripted_input(Scripted([]), Scripted([]), max_streams=4, max_streams_per_address=1)
+    async with (
+        serving(translator, audio=audio) as server,
+        connect(ws_url(server)) as first,
+        connect(ws_url(server)) as second,
+        connect(ws_url(server), local_addr=("127.0.0.2", 0)) as elsewhere,
+    ):
+        await first.send(start("a"))
+        await wait_for(lambda: server.state.audio.held == 1)
+        await second.send(start("b"))
+        error = (await receive_until(second, lambda m: m["type"] == "error", timeout=5))[-1]
+        assert (error["code"], error["stream_id"]) == ("limit_exceeded", "b")
+        assert "your address has 1 audio streams open" in error["message"]
+        await elsewhere.send(start("c"))
+        await wait_for(lambda: server.state.audio.held == 2)
+        assert await quiet_for(elsewhere, 0.3) == []
 
 
 # --- pocketsphinx on espeak-ng speech -------------------------------------------------------
@@ -695,6 +884,7 @@ async def test_serve_asr_takes_speech(translator: Translator) -> None:
     import re
     import signal
 
+    from engine.cli.serve import default_asr_workers
     from tests.conftest import serving as serve
 
     needs_speech()
@@ -705,7 +895,12 @@ async def test_serve_asr_takes_speech(translator: Translator) -> None:
         domain.write_text("I will meet Tom at three\nTom reads a book\nI will read\n")
         with serve([*args, str(domain), "--token", "s3cret"], ready_within=60) as served:
             log = served.text
-            assert "audio input: pocketsphinx (domain.lm), at most 32 streams" in log, log
+            # The defaults are what its recognition processes serve.
+            streams = 12 * default_asr_workers()
+            assert (
+                f"audio input: pocketsphinx (domain.lm), at most {streams} streams at once "
+                f"({streams // 2} per address; ended after 30 s without audio)"
+            ) in log, log
             page = re.search(r"speaker page: (http://\S+/speak\?stream=demo) \(add &token=", log)
             assert page, log
             url = page.group(1).replace("http", "ws", 1).split("/speak")[0] + "/ws?token=s3cret"

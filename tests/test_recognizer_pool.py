@@ -153,6 +153,14 @@ class Sleepy(Counting):
         return super().accept(pcm)
 
 
+class SlowToMake(Counting):
+    """Takes a while to make, as a real recognizer loading its model does."""
+
+    def __init__(self) -> None:
+        time.sleep(0.3)
+        super().__init__()
+
+
 def run(stream: RecognizerStream | PooledStream, pcm: bytes) -> list[PartialTranscript]:
     events: list[PartialTranscript] = []
     for i in range(0, len(pcm), CHUNK + 1):  # odd cuts: a dangling byte carried over
@@ -256,6 +264,56 @@ def test_streams_go_to_the_least_loaded_worker(counting_pool: RecognizerPool) ->
     for stream in streams[1:]:
         stream.close()
     assert counting_pool.loads == [0, 0]
+
+
+def test_new_streams_take_turns_with_the_running_streams_audio() -> None:
+    """Recognizers are made one at a time per worker, each sent once the one before is
+    answered: audio of a running stream sent while five streams wait to open is answered
+    behind at most one of them, not behind all five."""
+    with RecognizerPool(SlowToMake, 1) as pool:
+        running = pool.open("speaker")
+        opened: list[PooledStream] = []
+        lock = threading.Lock()
+
+        def open_one(i: int) -> None:
+            stream = pool.open(f"new{i}")
+            with lock:
+                opened.append(stream)
+
+        openers = [threading.Thread(target=open_one, args=(i,)) for i in range(5)]
+        for opener in openers:
+            opener.start()
+        deadline = time.monotonic() + 5
+        while pool.opening != [5] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.opening == [5]  # one being made, four waiting their turn
+        events = running.accept(tone(0.1))
+        with lock:
+            made_before = len(opened)
+        assert events == RecognizerStream(Counting(), "speaker").accept(tone(0.1))
+        assert made_before <= 1
+        for opener in openers:
+            opener.join(10)
+        assert len(opened) == 5 and pool.opening == [0]
+        for stream in [running, *opened]:
+            stream.close()
+        assert pool.loads == [0]
+
+
+def test_open_turns_send_one_open_at_a_time_in_order() -> None:
+    from engine.asr.pool import OpenTurns
+    from engine.asr.worker import Accept, Open
+
+    turns = OpenTurns()
+    opens = [Open(k, f"s{k}", None, 0, 0, 0.0) for k in range(3)]
+    assert turns.submit(0, opens[0])  # none in flight: sent
+    assert not turns.submit(1, opens[1]) and not turns.submit(2, opens[2])
+    assert turns.submit(3, Accept(9, b"\0\0"))  # audio never waits for opens
+    assert len(turns) == 3
+    assert turns.answered(3) is None  # an answer to audio turns nothing
+    assert turns.answered(0) == (1, opens[1])
+    assert turns.answered(1) == (2, opens[2])
+    assert turns.answered(2) is None and len(turns) == 0
 
 
 def test_workers_ignore_the_signals_a_terminal_or_service_manager_sends_the_group(

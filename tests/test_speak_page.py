@@ -176,7 +176,7 @@ async def test_the_speaker_page_speaks_into_a_stream_that_viewers_see_translated
         await speaker.click("#stop")
         assert await speaker.get_attribute("body", "data-state") == "stopped"
         assert "press Start to speak again" in (await speaker.text_content("#status") or "")
-        await wait_for(lambda: server.state.audio_streams == 0)
+        await wait_for(lambda: server.state.audio.held == 0)
         with anyio.fail_after(5):
             while writers(server):
                 await anyio.sleep(0.05)
@@ -229,4 +229,4 @@ async def test_the_speaker_page_starts_again_after_the_recognizer_fails(
             page, f"(want) => ({READ_SPEAK_LINES})().some(l => l[0] === want && l[2])", expected
         )
         assert await page.get_attribute("body", "data-state") == "listening"
-        assert server.state.audio_streams == 1
+        assert server.state.audio.held == 1

@@ -20,10 +20,12 @@ module again: a script that starts a pool needs the `if __name__ == "__main__":`
 How a stream goes: `open` pins it to the least-loaded live worker (the one with the
 fewest open streams), which makes the stream's recognizer and `RecognizerStream` there;
 the returned `PooledStream` is a `SpeechStream` whose calls are each sent down the
-worker's pipe and answered with the events or a typed failure. Calls block the calling
-thread, never the event loop: they are made from worker threads (`anyio.to_thread`), and
-a writer thread and a reader thread per worker move the messages, the reader resolving
-each call's future.
+worker's pipe and answered with the events or a typed failure. A worker answers in
+order, and making a recognizer takes it a while, so new streams take turns (`OpenTurns`):
+one is made at a time per worker, and a running stream's audio waits behind at most one.
+Calls block the calling thread, never the event loop: they are made from worker threads
+(`anyio.to_thread`), and a writer thread and a reader thread per worker move the
+messages, the reader resolving each call's future.
 
 A worker that dies (a crash in the recognizer's C code, `kill -9`, the OOM killer): its
 reader sees the pipe close, every call waiting on it ends at once, and each of its
@@ -45,6 +47,7 @@ import queue
 import signal
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
 from typing import Final
@@ -74,6 +77,50 @@ STOP_TIMEOUT_S = 5.0
 """How long `close` waits for workers to finish what they were sent before killing them."""
 
 
+class OpenTurns:
+    """Which of one worker's requests go down its pipe now, and which wait their turn.
+
+    A worker answers in order, and making a recognizer takes it a while (a model's data
+    is loaded for each): a burst of new streams sent at once would queue ahead of every
+    running stream's audio, and a client opening and ending streams in a loop would stall
+    every speaker on that worker. So one `Open` at a time is in flight per worker; the
+    others wait here, in order, and each is sent once the one before is answered, behind
+    whatever audio was sent meanwhile. A running stream's call thus waits behind at most
+    one recognizer being made, and every waiting `Open` gets its turn. Sans I/O: the
+    worker's threads carry out what it says, under the worker's lock.
+    """
+
+    def __init__(self) -> None:
+        self.in_flight: int | None = None  # the request id of the Open being answered
+        self.waiting: deque[tuple[int, Open]] = deque()
+
+    def submit(self, rid: int, message: Request) -> bool:
+        """Whether to send `message` now (else it waits for its turn)."""
+        if not isinstance(message, Open):
+            return True
+        if self.in_flight is None:
+            self.in_flight = rid
+            return True
+        self.waiting.append((rid, message))
+        return False
+
+    def answered(self, rid: int) -> tuple[int, Open] | None:
+        """Request `rid` is answered (or could not be sent): the waiting `Open` to send
+        now, if its turn came."""
+        if rid != self.in_flight:
+            return None
+        self.in_flight = None
+        if not self.waiting:
+            return None
+        turn = self.waiting.popleft()
+        self.in_flight = turn[0]
+        return turn
+
+    def __len__(self) -> int:
+        """Opens not answered yet: the one in flight and those waiting."""
+        return len(self.waiting) + (self.in_flight is not None)
+
+
 class _Worker:
     """One worker process and the two threads that talk to it."""
 
@@ -94,6 +141,7 @@ class _Worker:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._pending: dict[int, Future[Outcome]] = {}
+        self.turns = OpenTurns()
         self._outbox: queue.SimpleQueue[tuple[int | None, Request] | None] = queue.SimpleQueue()
         self._reader = threading.Thread(
             target=self._read, name=f"nmt-recognizer-{index}-reader", daemon=True
@@ -120,7 +168,8 @@ class _Worker:
                 raise WorkerDied(f"{self!r} {self.death}")
             rid = next(self._ids)
             self._pending[rid] = future
-            self._outbox.put((rid, message))
+            if self.turns.submit(rid, message):
+                self._outbox.put((rid, message))
         return future
 
     def tell(self, message: Request) -> None:
@@ -147,6 +196,8 @@ class _Worker:
                 rid = item[0]
                 with self._lock:
                     future = self._pending.pop(rid, None) if rid is not None else None
+                    if rid is not None:
+                        self._next_turn(rid)
                 if future is not None:
                     future.set_exception(exc)
 
@@ -159,6 +210,7 @@ class _Worker:
                 rid, outcome = self.conn.recv()
                 with self._lock:
                     future = self._pending.pop(rid, None)
+                    self._next_turn(rid)
                 if future is not None:
                     future.set_result(outcome)
         except (EOFError, OSError):
@@ -166,6 +218,13 @@ class _Worker:
         except Exception:  # it sent something that does not load: it cannot be trusted
             broken = True
         self._ended(broken)
+
+    def _next_turn(self, rid: int) -> None:
+        """Request `rid` is done with: send the `Open` whose turn it is now (under the
+        lock)."""
+        turn = self.turns.answered(rid)
+        if turn is not None and self.death is None:
+            self._outbox.put(turn)
 
     def _ended(self, broken: bool) -> None:
         """Reap the process (killed if it lingers: a worker that closed its pipe or sent
@@ -189,6 +248,7 @@ class _Worker:
             self.death = how
             pending = list(self._pending.values())
             self._pending.clear()
+            self.turns = OpenTurns()  # their futures are among `pending`
             self._outbox.put(None)  # the writer thread ends
         if not self.closing:
             log.error("%r %s; its streams failed", self, how)
@@ -270,6 +330,12 @@ class RecognizerPool:
         """Open streams per worker slot."""
         with self._lock:
             return [w.streams for w in self._workers]
+
+    @property
+    def opening(self) -> list[int]:
+        """Streams per worker slot whose recognizer is being made or waits its turn."""
+        with self._lock:
+            return [len(w.turns) for w in self._workers]
 
     @property
     def lost(self) -> int:

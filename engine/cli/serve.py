@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import anyio
@@ -41,7 +42,12 @@ from engine.server.admission import (
 )
 from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.audio import ASR_KINDS, AudioInput, pocketsphinx_input
-from engine.server.limits import Limits
+from engine.server.limits import (
+    AUDIO_STREAMS_PER_WORKER,
+    STARTS_PER_WORKER,
+    AudioLimits,
+    Limits,
+)
 from engine.server.recorder import RecordDirectoryError, check_directory, record
 from engine.streaming.bus import BusUnavailable, UpdateBus
 from engine.streaming.controller import IncrementalTranslator
@@ -262,10 +268,37 @@ def add_audio_arguments(p: argparse.ArgumentParser) -> None:
     audio.add_argument(
         "--max-audio-streams",
         type=positive_int,
-        default=32,
+        default=None,
         metavar="N",
-        help="audio streams recognized at once, on all connections (each holds a recognizer "
-        "and a worker thread; default %(default)s)",
+        help="audio streams at once, on all connections, each from its start_audio until its "
+        "recognizer is gone (default: what the recognition processes serve, "
+        f"{AUDIO_STREAMS_PER_WORKER} per --asr-workers, at least {AUDIO_STREAMS_PER_WORKER})",
+    )
+    audio.add_argument(
+        "--max-audio-streams-per-address",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="audio streams at once from one client address (0: no cap; default half of "
+        "--max-audio-streams)",
+    )
+    audio.add_argument(
+        "--max-audio-starting",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="audio streams whose recognizer is not made yet, at once; past it a start_audio "
+        "is refused for now (rate_limited: send it again shortly), since making one holds up "
+        "its process (default: "
+        f"{STARTS_PER_WORKER} per --asr-workers, at least {STARTS_PER_WORKER})",
+    )
+    audio.add_argument(
+        "--audio-idle-timeout",
+        type=non_negative_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="an audio stream that sends no audio for this long is ended with an error, its "
+        "slot freed (0: never; default %(default)s)",
     )
     audio.add_argument(
         "--asr-workers",
@@ -294,7 +327,15 @@ def audio_input(args: argparse.Namespace, stack: contextlib.ExitStack) -> AudioI
         return None
     options = sphinx_options(args, stack, log.warning)
     workers = default_asr_workers() if args.asr_workers is None else args.asr_workers
-    return pocketsphinx_input(options, max_streams=args.max_audio_streams, workers=workers)
+    chosen: dict[str, Any] = {"idle_timeout_s": args.audio_idle_timeout or None}
+    if args.max_audio_streams is not None:
+        chosen["max_streams"] = args.max_audio_streams
+    if args.max_audio_streams_per_address is not None:
+        chosen["max_streams_per_address"] = args.max_audio_streams_per_address
+    if args.max_audio_starting is not None:
+        chosen["max_starting"] = args.max_audio_starting
+    limits = AudioLimits.for_workers(workers, **chosen)
+    return pocketsphinx_input(options, workers=workers, limits=limits)
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
@@ -466,10 +507,15 @@ async def _serve_with(
         log.info("websocket: %s (writers send partial_transcript, viewers subscribe)", ws_url)
         if options.audio is not None:
             workers = options.audio.workers
+            limits = options.audio.limits
+            idle = limits.idle_timeout_s
             log.info(
-                "audio input: %s, at most %d streams at once, recognized in %s; speaker page: %s%s",
+                "audio input: %s, at most %d streams at once (%s per address; %s), "
+                "recognized in %s; speaker page: %s%s",
                 options.audio.description,
-                options.audio.limits.max_streams,
+                limits.max_streams,
+                limits.per_address or "no cap",
+                "no idle timeout" if idle is None else f"ended after {idle:g} s without audio",
                 f"{workers} worker process{'es' if workers > 1 else ''}"
                 if workers
                 else "threads of this process",

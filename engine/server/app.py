@@ -24,6 +24,7 @@ from engine.server.admission import (
     ConnectionCaps,
     ConnectionGate,
     accept_burst,
+    client_key,
     descriptor_limit,
 )
 from engine.server.audio import AudioInput, AudioService
@@ -255,6 +256,7 @@ class SubtitleServer:
             time.monotonic(),
             access,
             audio=self.audio.limits if self.audio is not None else None,
+            address=client_key(ws.remote_address[0] if ws.remote_address else None),
         )
         client = Client(
             ws,

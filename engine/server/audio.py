@@ -29,8 +29,10 @@ which need not pickle, and embedding callers) it runs in the feed's thread.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -46,7 +48,7 @@ from engine.asr.errors import RecognizerFailed
 from engine.asr.pool import PooledStream, RecognizerPool
 from engine.asr.recognizer import Numbering, RecognizerFactory, RecognizerStream, SpeechStream
 from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
-from engine.server.limits import AudioLimits
+from engine.server.limits import AudioLimits, AudioSlot
 from protocol import ErrorCode, ErrorMessage, PartialTranscript
 
 log = logging.getLogger(__name__)
@@ -83,20 +85,22 @@ class AudioInput:
 
 
 def pocketsphinx_input(
-    options: SphinxOptions, *, max_streams: int = 32, workers: int = 0
+    options: SphinxOptions, *, workers: int = 0, limits: AudioLimits | None = None
 ) -> AudioInput:
     """Audio input recognized by pocketsphinx with `options`, in `workers` processes (0:
-    in threads). One recognizer is made here, so that a missing extra or a bad model file
-    stops the server at start (`RecognizerUnavailable`), not at its first speaker. The
-    package's acoustic model hears English; with another one the spoken language is not
-    checked."""
+    in threads), held to `limits` (default: what `workers` serve,
+    `AudioLimits.for_workers`). One recognizer is made here, so that a missing extra or a
+    bad model file stops the server at start (`RecognizerUnavailable`), not at its first
+    speaker. The package's acoustic model hears English; with another one the spoken
+    language is not checked."""
     SphinxRecognizer(options)
     language = "en" if options.acoustic_model is None else None
     model = options.language_model or options.grammar
     what = f"pocketsphinx ({model.name if model is not None else 'general en-US model'})"
+    limits = limits or AudioLimits.for_workers(workers)
     return AudioInput(
         functools.partial(SphinxRecognizer, options),  # pickles, for the worker processes
-        AudioLimits(max_streams=max_streams, language=language),
+        dataclasses.replace(limits, language=language),
         description=what,
         workers=workers,
     )
@@ -117,6 +121,7 @@ class AudioStats:
     partials: int = 0
     finals: int = 0
     failures: int = 0
+    idle_timeouts: int = 0  # streams ended for sending no audio
     workers_lost: int = 0  # recognition processes that died (each replaced)
     dropped_fast_s: float = 0.0  # audio faster than the speed limit
     dropped_backlog_s: float = 0.0  # audio past the backlog (recognition behind)
@@ -136,6 +141,7 @@ class AudioStats:
             "partials": self.partials,
             "finals": self.finals,
             "recognizer_failures": self.failures,
+            "idle_timeouts": self.idle_timeouts,
             "recognizer_processes_lost": self.workers_lost,
         }
 
@@ -144,8 +150,8 @@ class AudioCollector(Collector):
     """`nmt_audio_streams` (open now), `nmt_audio_recognizer_processes` (live recognition
     processes), `nmt_audio_seconds_total{kind}` (heard, recognizing, recognizing_cpu,
     dropped_too_fast, dropped_backlog) and `nmt_audio_events_total{kind}` (streams,
-    partials, finals, recognizer_failures, recognizer_processes_lost), read at scrape
-    time."""
+    partials, finals, recognizer_failures, idle_timeouts, recognizer_processes_lost), read
+    at scrape time."""
 
     def __init__(self, stats: AudioStats, pool: RecognizerPool | None = None) -> None:
         self.stats = stats
@@ -177,7 +183,8 @@ class AudioCollector(Collector):
         events = CounterMetricFamily(
             "nmt_audio_events",
             "Audio streams started, the partials, finals and recognizer failures of their "
-            "recognition, and recognition processes that died (each was replaced).",
+            "recognition, streams ended for sending no audio, and recognition processes "
+            "that died (each was replaced).",
             labels=["kind"],
         )
         for kind, count in self.stats.counts().items():
@@ -204,11 +211,13 @@ class AudioFeed:
     `put` queues a chunk (never waits); `finish` says no more audio comes (the last
     utterance is then flushed). `run` is the stream's task: it makes the recognizer,
     recognizes what is queued and hands events to `deliver` in order, and returns after the
-    flush, or after a failure (`error`: the reply naming the stream; what the stream had
-    heard was made final and delivered first). `clock` afterwards says where a next
-    audio stream into the same stream goes on. `done` is set when `run` has returned.
-    With `pool` the stream's recognizer lives in one of its processes (a worker that
-    dies fails the stream as a raising recognizer does), else in this process.
+    flush, or after a failure or the idle timeout (`error`: the reply naming the stream;
+    what the stream had heard was made final and delivered first). `clock` afterwards
+    says where a next audio stream into the same stream goes on. `done` is set when `run`
+    has returned. With `pool` the stream's recognizer lives in one of its processes (a
+    worker that dies fails the stream as a raising recognizer does), else in this
+    process. `slot`: the stream's place among the server's audio streams, marked started
+    once the recognizer is made; whoever runs the feed `release`s it after `run`.
 
     `cut` ends the stream without waiting for its recognizer (a stopping server whose
     budget is running out, a writer gone too long): the call in flight is abandoned,
@@ -226,9 +235,11 @@ class AudioFeed:
         sample_rate: int,
         deliver: Deliver,
         pool: RecognizerPool | None = None,
+        slot: AudioSlot | None = None,
     ) -> None:
         self.audio = audio
         self.pool = pool
+        self.slot = slot
         self.stats = stats
         self.stream_id = stream_id
         self.sample_rate = sample_rate
@@ -332,6 +343,12 @@ class AudioFeed:
                     " (ended short)" if self.error is not None else "",
                 )
 
+    def release(self) -> None:
+        """Free the stream's slot: its recognizer is gone (`run` returned) or was never
+        made (`run` never started). Idempotent."""
+        if self.slot is not None:
+            self.slot.release()
+
     async def _run(self, clock: Clock) -> None:
         try:
             self.stream = await self._in_thread(lambda: self._made_by_thread(clock))
@@ -345,18 +362,20 @@ class AudioFeed:
             )
             self.stats.failures += 1
             return
+        finally:
+            if self.slot is not None:
+                self.slot.started()
         stream = self.stream
+        assert stream is not None
+        work: Callable[[], list[PartialTranscript]]
         while True:
-            while not self._backlog and not self.finishing:
-                self._wake = anyio.Event()
-                await self._wake.wait()
+            if not await self._audio_or_end():
+                self._idle()  # its last utterance is flushed, the error said after it
             if self._backlog:
                 chunk = self._backlog.take()
                 self._in_flight_s = self._backlog.seconds(chunk)
                 last = False
-                work: Callable[[], list[PartialTranscript]] = functools.partial(
-                    stream.accept, chunk
-                )
+                work = functools.partial(stream.accept, chunk)
             else:
                 last = True
                 work = stream.flush
@@ -413,6 +432,28 @@ class AudioFeed:
         if abandoned and isinstance(stream, PooledStream):
             stream.close()  # `run` may have ended already: it would not see this one
         return stream
+
+    async def _audio_or_end(self) -> bool:
+        """Wait until audio is queued or the stream is finishing; False when no audio came
+        for the idle timeout."""
+        with anyio.move_on_after(self.audio.limits.idle_timeout_s or math.inf):
+            while not self._backlog and not self.finishing:
+                self._wake = anyio.Event()
+                await self._wake.wait()
+            return True
+        return False
+
+    def _idle(self) -> None:
+        timeout = self.audio.limits.idle_timeout_s
+        self.stats.idle_timeouts += 1
+        log.info("stream %r: no audio for %g s, its audio stream ended", self.stream_id, timeout)
+        self.error = ErrorMessage(
+            ErrorCode.LIMIT_EXCEEDED,
+            f"stream {self.stream_id!r}: no audio for {timeout:g} s, so this audio stream "
+            "ended (what it had heard was finished) and its slot went to others: send "
+            "start_audio to go on",
+            stream_id=self.stream_id,
+        )
 
     def _make(self, clock: Clock) -> SpeechStream:
         if self.pool is not None:
@@ -492,5 +533,7 @@ class AudioService:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self.pool.close)
 
-    def feed(self, stream_id: str, sample_rate: int, deliver: Deliver) -> AudioFeed:
-        return AudioFeed(self.input, self.stats, stream_id, sample_rate, deliver, self.pool)
+    def feed(
+        self, stream_id: str, sample_rate: int, deliver: Deliver, slot: AudioSlot | None = None
+    ) -> AudioFeed:
+        return AudioFeed(self.input, self.stats, stream_id, sample_rate, deliver, self.pool, slot)

@@ -213,7 +213,7 @@ class Client:
 
     def _open_audio(self, action: OpenAudio) -> None:
         assert self.audio is not None and self.io is not None  # the core takes no audio else
-        feed = self.audio.feed(action.stream_id, action.sample_rate, self._heard)
+        feed = self.audio.feed(action.stream_id, action.sample_rate, self._heard, action.slot)
         previous, self.feed = self.feed, feed
         self.feeds.add(feed)
         self._subscribe_writes()
@@ -236,6 +236,7 @@ class Client:
             if self.feed is feed:
                 self.feed = None
             self.feeds.discard(feed)
+            feed.release()  # its recognizer is gone (or was never made)
             feed.done.set()
         if feed.error is not None:
             self._reply(feed.error)

@@ -20,7 +20,7 @@ from typing import TypeAlias
 import protocol
 from engine.languages import base_lang
 from engine.server.credentials import Access
-from engine.server.limits import AudioLimits, Limits, TokenBucket
+from engine.server.limits import AudioLimits, AudioSlot, Limits, Refused, TokenBucket
 from engine.server.state import ServerState
 from engine.streaming.lifecycle import Owner
 from engine.streaming.subscriptions import target_language
@@ -90,10 +90,13 @@ class Ignore:
 @dataclass(frozen=True)
 class OpenAudio:
     """Start recognizing an audio stream into `stream_id`: the binary frames that follow
-    are its PCM at `sample_rate` Hz (`FeedAudio`)."""
+    are its PCM at `sample_rate` Hz (`FeedAudio`). `slot`: its place among the server's
+    audio streams, which the I/O layer marks `started` once the recognizer is made and
+    `release`s once it is gone."""
 
     stream_id: str
     sample_rate: int
+    slot: AudioSlot | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,8 @@ class ConnectionCore:
     `receive` turns each incoming frame into one `Action`. `message_type` after a call
     names what the frame was (`partial_transcript`, ..., `audio` for a binary frame of
     an audio stream, or `invalid`), for metrics. `audio`: the rules of audio input (None:
-    the server takes none); `listening`: the audio stream this connection sends, if any.
+    the server takes none); `listening`: the audio stream this connection sends, if any;
+    `address`: the client's address as per-address caps count it.
     A binary frame is the audio stream's next chunk and is held to its speed limit
     instead of `Limits.rate_limit` (a client may send 10 ms frames).
     """
@@ -179,6 +183,7 @@ class ConnectionCore:
     listening: Listening | None = None
     dropped_audio_ms: float = 0.0  # audio dropped for arriving too fast, in all
     _stray_reported: bool = field(default=False, repr=False)
+    address: str = "local"
 
     def __post_init__(self) -> None:
         self.owner = Owner(
@@ -241,15 +246,15 @@ class ConnectionCore:
     # -- audio ----------------------------------------------------------------------------
 
     def audio_ended(self, stream_id: str) -> None:
-        """The I/O layer ended the audio stream on its own (its recognizer failed or could
-        not start, or the connection is gone): binary frames are stray from now on, and
-        the server's audio slot is free."""
+        """The I/O layer ended the audio stream on its own (its recognizer failed, could
+        not start or heard nothing for the idle timeout, or the connection is gone):
+        binary frames are stray from now on. (Its slot is the I/O layer's to release,
+        once the recognizer is gone.)"""
         if self.listening is not None and self.listening.stream_id == stream_id:
             self._stop_listening()
 
     def _stop_listening(self) -> None:
         self.listening = None
-        self.server.audio_streams = max(0, self.server.audio_streams - 1)
 
     def _start_audio(self, message: StartAudio, now: float) -> Action:
         sid = message.stream_id
@@ -293,20 +298,16 @@ class ConnectionCore:
                     context=message,
                 )
             )
-        if self.server.audio_streams >= audio.max_streams:
-            return Reply(
-                _error(
-                    ErrorCode.LIMIT_EXCEEDED,
-                    f"the server is recognizing {self.server.audio_streams} audio streams, "
-                    "its limit; try again later",
-                    context=message,
-                )
-            )
+        slot = self.server.audio.take(audio, self.address)
+        if isinstance(slot, Refused):
+            # The frames sent right behind the refused start are dropped without a word of
+            # their own: its refusal said why.
+            self._stray_reported = True
+            return Reply(_error(slot.code, slot.message, field="type", context=message))
         self.role = Role.WRITER
-        self.server.audio_streams += 1
         bucket = TokenBucket(audio.max_speed * 1000.0, audio.burst_s * 1000.0, now)
         self.listening = Listening(sid, message.sample_rate, bucket)
-        return OpenAudio(sid, message.sample_rate)
+        return OpenAudio(sid, message.sample_rate, slot)
 
     def _end_audio(self, message: EndAudio) -> Action:
         listening = self.listening

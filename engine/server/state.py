@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.server.handshake import Refusal
+from engine.server.limits import AudioSlots
 from protocol import ErrorCode, ErrorMessage, Message
 
 
@@ -39,8 +40,9 @@ class ServerState:
     # The close code a stopping server sends: 1001 (going away) alone, 1012 (service
     # restart: reconnect, to another node) when other nodes serve the same streams.
     close_code: int = 1001
-    # Audio streams open on all connections (`AudioLimits.max_streams` caps them).
-    audio_streams: int = 0
+    # Audio streams on all connections, from each start_audio until its recognizer is
+    # gone (`AudioLimits` caps them).
+    audio: AudioSlots = field(default_factory=AudioSlots)
 
     def attach(self, languages: Iterable[str]) -> None:
         """A model is loaded: ready, unless a shutdown began meanwhile."""

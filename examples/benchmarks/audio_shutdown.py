@@ -163,8 +163,7 @@ def main() -> int:
                 server = subprocess.Popen(command, cwd=ROOT, stdout=server_log, stderr=server_log)
                 base = f"http://127.0.0.1:{port}"
                 try:
-                    if not wait_ready(base, server):
-                        print(log_path.read_text(), file=sys.stderr)
+                    if not wait_ready(server, base, server_log):
                         return 1
                     row = asyncio.run(run(f"ws://127.0.0.1:{port}/ws", base, server, n, args))
                 finally:

@@ -275,6 +275,7 @@ def main() -> int:
         sys.executable, "-m", "engine.server", "--model", args.model, "--port", str(port),
         "--asr", "pocketsphinx", "--lm", str(SPEECH / "fixture.lm.gz"),
         "--dict", str(SPEECH / "fixture.dict"), "--max-audio-streams", str(max(counts) + 4),
+        "--max-audio-streams-per-address", "0", "--max-audio-starting", str(max(counts) + 4),
         "--max-streams", str(max(counts) * 2 + 8),
     ]  # fmt: skip
     if args.threads:

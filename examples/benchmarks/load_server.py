@@ -26,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -76,11 +77,14 @@ def http_get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
-def wait_ready(base: str, server: subprocess.Popen[bytes], timeout: float = 120.0) -> bool:
-    """Until `base`/readyz says 200; False when the server exits or `timeout` passes."""
-    deadline = time.monotonic() + timeout
+def wait_ready(server: subprocess.Popen[bytes], base: str, log: IO[str]) -> bool:
+    """Until the server at `base` answers /readyz (True), or it exits or 120 s pass
+    (False, its log printed)."""
+    deadline = time.monotonic() + 120
     while http_get(base + "/readyz")[0] != 200:
         if server.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            print(log.read(), file=sys.stderr)
             return False
         time.sleep(0.2)
     return True
@@ -148,13 +152,8 @@ def main() -> int:
         server = subprocess.Popen(command, cwd=ROOT, stdout=server_log, stderr=server_log)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
-            while http_get(base + "/readyz")[0] != 200:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    server_log.seek(0)
-                    print(server_log.read(), file=sys.stderr)
-                    return 1
-                time.sleep(0.2)
+            if not wait_ready(server, base, server_log):
+                return 1
             rows = []
             for n in counts:
                 before = http_get(base + "/metrics")[1]

@@ -269,7 +269,18 @@
   function onError(error) {
     const code = error.code;
     console.warn("speak: server:", code, error.message);
-    if (code === "rate_limited") {
+    if (code === "rate_limited" && error.field === "type") {
+      // start_audio was not taken for now (the server is starting others' audio): the
+      // frames stop until it is sent again, in a second or two.
+      streaming = false;
+      pass("The server is starting other speakers' audio; trying again\u2026");
+      const ws = socket;
+      window.setTimeout(() => {
+        if (wanted && socket === ws && ws.readyState === WebSocket.OPEN && !streaming) {
+          startAudio();
+        }
+      }, 1000 + Math.random() * 1000);
+    } else if (code === "rate_limited") {
       pass("Some audio was dropped: " + error.message);
     } else if (code === "internal" && error.seq === undefined) {
       // The recognizer failed: the audio stream ended (what it heard was finished). Start
