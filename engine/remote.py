@@ -23,15 +23,15 @@ do), finals wait for their turn and are never dropped. The server's limit is not
 each `rate_limited` answer halves the pace, and a final it did not take is sent again on a
 new connection like one answered `unavailable`.
 
-`Reconnector` is the connecting half alone (backoff over an outage, fatal answers raised),
-for a writer that keeps its own `FinalLedger`, like examples/replay_client.py.
+The connecting half (backoff over an outage, fatal answers raised) is
+`engine.reconnect.Reconnector`, which a writer keeping its own `FinalLedger` uses alone
+(examples/replay_client.py).
 
 An I/O adapter like `engine/server`, but it only needs `protocol`, `anyio` and `websockets`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections import deque
@@ -40,13 +40,14 @@ from types import TracebackType
 
 import anyio
 from anyio.abc import TaskGroup
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 import protocol
 
 # A new subscription starts, like the engine's own backlog, with RECENT_FINALS final updates
 # per stream and language, then the current segment's latest update.
+from engine.reconnect import GaveUp, Reconnector, why_lost
 from engine.replies import RECENT_FINALS, Reply, ReplyQueue
 from protocol import (
     Backoff,
@@ -64,19 +65,9 @@ from protocol import (
 )
 from protocol.codec import FROM_ENGINE_TYPES
 
-PING_INTERVAL = 5.0
-"""Seconds between pings, and how long a pong may take: a node that vanished without
-closing (its host gone, a partition) is noticed within about twice this, not the minute
-of a default keepalive, and its owed finals go elsewhere."""
-
 RATE = 40.0
 """Messages per second a writer keeps within by default: below the server's default limit
 (50 per second), so that a burst never meets it."""
-
-_FATAL_STATUS = frozenset(range(400, 500)) - {408, 429}
-"""Handshake answers that are mistakes (bad token, wrong path), not outages: retrying
-cannot help. 408 and 429 are a balancer's "try again later"."""
-
 
 @dataclass
 class RemoteStats:
@@ -95,91 +86,6 @@ class RemoteStats:
     dropped_partials: int = 0
     coalesced: int = 0
     rate_limited: int = 0
-
-
-class GaveUp(Exception):
-    """An outage outlasted the backoff's total; `__cause__` is the last failure."""
-
-
-class Reconnector:
-    """Connections to one URL, made again after each loss with backoff: the connecting half
-    of the writer's rule, for `RemoteTranslator` and for a writer that keeps its own
-    `FinalLedger` (examples/replay_client.py).
-
-    An outage spans the connections lost before one worked: the caller says whether the
-    lost one worked (`healthy`), and the next loss after a healthy connection starts a new
-    outage with the backoff's whole budget. A handshake answer that retrying cannot help
-    (bad token, wrong path) is raised at once.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        token: str | None = None,
-        *,
-        backoff: Backoff | None = None,
-        max_size: int = 2**22,
-        open_timeout: float = 10.0,
-    ) -> None:
-        self.url = url
-        self.backoff = backoff or Backoff()
-        self.max_size = max_size
-        self.open_timeout = open_timeout
-        self._headers = {"Authorization": f"Bearer {token}"} if token else None
-        self._outage: float | None = None  # when the current outage began
-        self._attempt = 0  # failed tries in it
-
-    async def connect(self) -> ClientConnection:
-        """The first connection, retried like a reconnect; when the backoff gives up, the
-        last failure itself is raised (`OSError`, `InvalidHandshake`, a timeout)."""
-        try:
-            ws, _ = await self._dial(time.monotonic(), 0, first=True)
-        except GaveUp as exc:
-            raise (exc.__cause__ or ConnectionError("could not connect")) from None
-        return ws
-
-    async def reconnect(self, healthy: bool) -> ClientConnection:
-        """A new connection after one was lost; `healthy`: the lost one worked (a new
-        outage begins), else the same outage goes on. Raises `GaveUp` when the outage
-        outlasts the backoff, `InvalidStatus` when the server refuses for good."""
-        if healthy or self._outage is None:
-            self._outage, self._attempt = time.monotonic(), 0
-        else:
-            self._attempt += 1  # that connection never worked
-        ws, self._attempt = await self._dial(self._outage, self._attempt)
-        return ws
-
-    async def _dial(
-        self, began: float, attempt: int, *, first: bool = False
-    ) -> tuple[ClientConnection, int]:
-        """A new connection, retried with backoff while the failure looks passing;
-        returns it with the outage's try count."""
-        while True:
-            if not first:
-                if self.backoff.gives_up(time.monotonic() - began, attempt):
-                    raise GaveUp
-                await anyio.sleep(self.backoff.jittered(attempt))
-            first = False
-            try:
-                ws = await connect(
-                    self.url,
-                    additional_headers=self._headers,
-                    max_size=self.max_size,
-                    open_timeout=self.open_timeout,
-                    ping_interval=PING_INTERVAL,
-                    ping_timeout=PING_INTERVAL,
-                    close_timeout=2.0,
-                )
-                return ws, attempt
-            except InvalidStatus as exc:
-                if exc.response.status_code in _FATAL_STATUS:
-                    raise
-                failure: Exception = exc
-            except (OSError, asyncio.TimeoutError, InvalidHandshake) as exc:  # refused, DNS...
-                failure = exc
-            attempt += 1
-            if self.backoff.gives_up(time.monotonic() - began, attempt):
-                raise GaveUp from failure
 
 
 class RemoteSubscription(ReplyQueue):
@@ -622,16 +528,3 @@ def _text(message: Reply) -> str:
 
 def _code(message: Reply) -> str:
     return str(message.code) if isinstance(message, ErrorMessage) else "update"
-
-
-def why_lost(ws: ClientConnection, closed: ConnectionClosed | None = None) -> str:
-    """Why a connection ended, for the disconnect log: the close frame received (code and
-    reason), else "connection dropped"; `closed`: what a read or a send raised."""
-    if closed is not None:
-        if closed.rcvd is None:
-            return "connection dropped"
-        return f"close {closed.rcvd.code} {closed.rcvd.reason}".rstrip()
-    code = ws.close_code
-    if code is None or code == 1006:
-        return "connection dropped"
-    return f"close {code} {ws.close_reason or ''}".rstrip()

@@ -36,7 +36,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 import protocol
-from engine.remote import GaveUp, Reconnector, why_lost
+from engine.reconnect import GaveUp, Reconnector, why_lost
 from protocol import (
     Backoff,
     CloseStream,

@@ -38,7 +38,7 @@ def loaded_after(statement: str) -> list[str]:
 
 
 def test_the_client_the_bridges_and_the_protocol_import_without_the_model() -> None:
-    assert loaded_after("import engine.remote, engine.bridges, protocol") == []
+    assert loaded_after("import engine.remote, engine.reconnect, engine.bridges, protocol") == []
 
 
 def test_import_engine_alone_loads_no_model() -> None:

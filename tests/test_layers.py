@@ -31,6 +31,7 @@ LAYER_OF: dict[str, str] = {
     "engine.cli": "io",
     "engine.replay": "io",
     "engine.remote": "io",
+    "engine.reconnect": "io",
     "engine.bridges": "io",
     "engine.subtitles": "io",
     "engine": "facade",  # engine/__init__.py: the public names, loaded on first use
