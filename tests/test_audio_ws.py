@@ -884,7 +884,7 @@ async def test_serve_asr_takes_speech(translator: Translator) -> None:
     import re
     import signal
 
-    from engine.cli.serve import default_asr_workers
+    from engine.cli.serve_audio import default_asr_workers
     from tests.conftest import serving as serve
 
     needs_speech()

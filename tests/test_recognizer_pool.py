@@ -67,7 +67,7 @@ def test_recognition_cores_come_off_the_models_share() -> None:
 
 
 def test_serve_gives_one_recognition_process_per_four_cores() -> None:
-    from engine.cli.serve import default_asr_workers
+    from engine.cli.serve_audio import default_asr_workers
 
     assert [default_asr_workers(n) for n in (1, 2, 4, 7, 8, 16, 32)] == [1, 1, 1, 1, 2, 4, 8]
     assert default_asr_workers() == max(1, (os.cpu_count() or 1) // 4)
@@ -81,7 +81,7 @@ def serve_args(*extra: str) -> argparse.Namespace:
 
 def test_asr_workers_reach_the_pool_and_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.cli.args
-    from engine.cli.serve import audio_input, default_asr_workers
+    from engine.cli.serve_audio import audio_input, default_asr_workers
 
     with contextlib.ExitStack() as stack:
         with pytest.raises(ValueError, match="--asr-workers is a recognizer option"):
