@@ -439,9 +439,12 @@ class DecodeScheduler:
         t1 = time.perf_counter()
         with self._cond:
             answers = self._policy.update(lane.index, ended)
+        # Answered before planning: a caller waiting on one of them may submit its next
+        # request in time to join this turn rather than the next.
+        self._answer(lane, answers)
+        with self._cond:
             plan = self._policy.schedule(lane.index)
             waiting = self._policy.waiting
-        self._answer(lane, answers)
         self._answer(lane, [Answer(r, DecodingCancelled()) for r in plan.leaving])
         e0 = time.perf_counter()
         self._run_encodes(lane, plan.encodes)
