@@ -161,7 +161,7 @@ async def test_speakers_get_every_utterance_translated_within_the_shutdown_timeo
                 text,
                 translation(translator, text),
             )
-    assert server.state.audio_streams == 0
+    assert server.state.audio.held == 0
 
 
 @pytest.mark.parametrize("slow_translation", [False, True])
