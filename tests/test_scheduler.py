@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -881,3 +881,49 @@ def test_an_abort_lets_a_row_that_confirmed_its_whole_draft_finish(draft_kind: s
         assert tr.scheduler.stats["rows_finished_on_abort"] == after_abort
         assert max(steps) <= len(draft) + 2  # it left at the step after the abort
     tr.close()
+
+
+def test_a_request_that_ends_in_its_prefill_is_answered_before_the_lanes_next_step() -> None:
+    """Most partials end in their prefill (their draft was the whole answer): their callers
+    get the answer before the lane steps its other rows, not a step later."""
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
+    if tr.scheduler.batching != "continuous":
+        pytest.skip("lockstep batching")
+    long_text, short_text = SOURCES[4], SOURCES[3]
+    whole = list(alone(tr, short_text, [], DecodeOptions()).token_ids)
+    lane = tr.scheduler._lanes[0]
+    short: list[Future[Hypothesis]] = []
+    seen: list[tuple[int, bool]] = []  # at each step: prefill calls so far, short answered
+    step = lane.batch.execute
+
+    def execute() -> None:
+        seen.append((lane.stats["prefill_calls"], bool(short) and short[0].done()))
+        step()
+
+    lane.batch.execute = execute  # type: ignore[method-assign]
+    held = threading.Event()
+    go = threading.Event()
+
+    def hold(rows: Sequence[Sequence[int]], scores: FloatArray) -> FloatArray:
+        if len(rows[0]) == 3:  # the long row runs: wait until the short one waits
+            held.set()
+            assert go.wait(30)
+            deadline = time.monotonic() + 5
+            while not tr.scheduler.waiting and time.monotonic() < deadline:
+                time.sleep(0.0005)
+        return scores
+
+    enc = tr.encode([tr.source_ids(long_text)])
+    short_enc = tr.encode([tr.source_ids(short_text)])  # the lane is held below
+    options = DecodeOptions(min_new_tokens=12, max_new_tokens=12)
+    (long,) = tr.scheduler.submit(enc, options, priority=Priority.FINAL, hook=hold)
+    assert held.wait(30)
+    prefills = lane.stats["prefill_calls"]
+    partial = Priority.PARTIAL
+    short.extend(tr.scheduler.submit(short_enc, DecodeOptions(), priority=partial, drafts=[whole]))
+    go.set()
+    assert list(short[0].result(30).token_ids) == whole
+    long.result(30)
+    joined = [done for calls, done in seen if calls == prefills + 1]
+    assert joined and joined[0], seen  # the step of the turn it joined came after its answer

@@ -459,6 +459,10 @@ class DecodeScheduler:
         if joining:
             lane.stats["prefill_calls"] += 1
             lane.stats["prefill_rows"] += len(joining)
+        if ended or failed:  # answered before the step: most partials end in their prefill
+            with self._cond:
+                answers = self._policy.update(lane.index, ended, failed)
+            self._answer(lane, answers)
         rows = batch.rows
         t2 = time.perf_counter()
         if rows:
@@ -469,10 +473,6 @@ class DecodeScheduler:
         if batch.stats:  # draft and lookahead tokens verified
             lane.stats.update(batch.stats)
             batch.stats.clear()
-        if ended or failed:
-            with self._cond:
-                answers = self._policy.update(lane.index, ended, failed)
-            self._answer(lane, answers)
         encode_rows = sum(job.batch_size for job in plan.encodes)
         return Step(
             lane.index,
