@@ -11,6 +11,7 @@ from engine.decoding.policy import (
     ABORTS_REMEMBERED,
     PREFILL_PADDING,
     Answer,
+    Plan,
     Priority,
     RequestId,
     SchedulingPolicy,
@@ -63,6 +64,13 @@ def partial(name: str, request_id: RequestId | None = None, **kw: int | bool) ->
     return Fake(name, Priority.PARTIAL, request_id, **kw)  # type: ignore[arg-type]
 
 
+def take_turn(p: Policy, lane: int) -> Plan[Fake, Job]:
+    """A lane's turn as the engine runs it: the plan, then its prefill (`joined`)."""
+    plan = p.schedule(lane)
+    p.joined(lane)
+    return plan
+
+
 # -- priorities -----------------------------------------------------------------------
 
 
@@ -72,7 +80,7 @@ def test_finals_join_before_partials_and_arrival_orders_each_priority() -> None:
     p.add([Fake("f1")])
     p.add([partial("p3")])
     p.add([Fake("f2")])
-    assert names(p.schedule(0).joining) == ["f1", "f2", "p1", "p2", "p3"]
+    assert names(take_turn(p, 0).joining) == ["f1", "f2", "p1", "p2", "p3"]
 
 
 def test_a_final_queued_behind_partials_takes_the_only_room() -> None:
@@ -80,13 +88,13 @@ def test_a_final_queued_behind_partials_takes_the_only_room() -> None:
     eight partials joins before every one of them."""
     p = policy(max_rows=2)
     p.add([Fake("blocker")])
-    assert names(p.schedule(0).joining) == ["blocker"]
+    assert names(take_turn(p, 0).joining) == ["blocker"]
     p.add([partial(f"p{i}") for i in range(8)])
     p.add([Fake("final")])
-    assert names(p.schedule(0).joining) == ["final"]
+    assert names(take_turn(p, 0).joining) == ["final"]
     assert p.waiting == 8
     p.update(0, ended=p.running(0))
-    assert names(p.schedule(0).joining) == ["p0", "p1"]
+    assert names(take_turn(p, 0).joining) == ["p0", "p1"]
 
 
 # -- aborts: latest wins ----------------------------------------------------------------
@@ -101,18 +109,18 @@ def test_an_abort_answers_waiting_requests_at_once() -> None:
     assert names([a.request for a in answers]) == ["a", "b"]
     assert all(isinstance(a.error, DecodingCancelled) for a in answers)
     assert p.waiting == 1 and p.counts["rows_cancelled"] == 2
-    assert names(p.schedule(0).joining) == ["c"]
+    assert names(take_turn(p, 0).joining) == ["c"]
 
 
 def test_an_aborted_running_request_leaves_at_its_lanes_next_turn() -> None:
     p = policy(2)
     stale = new_request_id()
     p.add([partial("stale", stale), Fake("kept")])
-    first = p.schedule(0)
+    first = take_turn(p, 0)
     assert names(first.joining) == ["kept", "stale"] and not first.leaving
     assert p.abort([stale]) == []  # running: not answered by the abort
-    assert not p.schedule(1).leaving  # only its own lane takes it out
-    turn = p.schedule(0)
+    assert not take_turn(p, 1).leaving  # only its own lane takes it out
+    turn = take_turn(p, 0)
     assert names(turn.leaving) == ["stale"] and names(p.running(0)) == ["kept"]
     assert p.counts["rows_cancelled"] == 1
     assert p.update(0, ended=turn.leaving) == []  # left already: not answered twice
@@ -123,9 +131,9 @@ def test_a_running_request_nearly_done_finishes_despite_an_abort() -> None:
     stale = new_request_id()
     request = partial("done-soon", stale, nearly_done=True)
     p.add([request])
-    p.schedule(0)
+    take_turn(p, 0)
     p.abort([stale])
-    assert not p.schedule(0).leaving
+    assert not take_turn(p, 0).leaving
     assert p.counts["rows_finished_on_abort"] == 1
     assert p.update(0, ended=[request]) == [Answer(request)]
 
@@ -155,9 +163,9 @@ def test_aborting_an_answered_request_changes_nothing() -> None:
     rid = new_request_id()
     request = partial("a", rid)
     p.add([request])
-    p.schedule(0)
+    take_turn(p, 0)
     assert p.update(0, ended=[request]) == [Answer(request)]
-    assert p.abort([rid]) == [] and not p.schedule(0).leaving
+    assert p.abort([rid]) == [] and not take_turn(p, 0).leaving
     assert p.counts["rows_cancelled"] == 0
 
 
@@ -170,7 +178,7 @@ def test_a_prefill_takes_at_most_its_position_budget() -> None:
     p = policy(prefill_positions=8)
     p.add([Fake(f"r{i}", length=7) for i in range(3)])
     p.add([Fake("long", length=20)])
-    turns = [names(p.schedule(0).joining) for _ in range(5)]
+    turns = [names(take_turn(p, 0).joining) for _ in range(5)]
     assert turns == [["r0"], ["r1"], ["r2"], ["long"], []]
 
 
@@ -180,8 +188,8 @@ def test_a_prefill_takes_newcomers_of_about_its_length() -> None:
     p = policy()
     assert 1 <= PREFILL_PADDING < 31 - 2
     p.add([Fake("short", length=2), Fake("long", length=31), Fake("close", length=3)])
-    assert names(p.schedule(0).joining) == ["short", "close"]
-    assert names(p.schedule(0).joining) == ["long"]
+    assert names(take_turn(p, 0).joining) == ["short", "close"]
+    assert names(take_turn(p, 0).joining) == ["long"]
 
 
 def test_padding_counts_every_row_it_pads() -> None:
@@ -190,7 +198,7 @@ def test_padding_counts_every_row_it_pads() -> None:
     p = policy()
     p.add([Fake("a", length=1), Fake("b", length=1), Fake("far", length=10)])
     p.add([Fake("near", length=9)])
-    assert names(p.schedule(0).joining) == ["a", "b", "near"]
+    assert names(take_turn(p, 0).joining) == ["a", "b", "near"]
 
 
 # -- rows and lanes ---------------------------------------------------------------------
@@ -199,39 +207,39 @@ def test_padding_counts_every_row_it_pads() -> None:
 def test_a_lane_takes_no_more_rows_than_max_rows() -> None:
     p = policy(max_rows=4)
     p.add([Fake(f"r{i}") for i in range(6)])
-    assert names(p.schedule(0).joining) == ["r0", "r1", "r2", "r3"]
-    assert p.rows(0) == 4 and names(p.schedule(0).joining) == []
+    assert names(take_turn(p, 0).joining) == ["r0", "r1", "r2", "r3"]
+    assert p.rows(0) == 4 and names(take_turn(p, 0).joining) == []
     p.update(0, ended=p.running(0)[:1])
-    assert names(p.schedule(0).joining) == ["r4"]
+    assert names(take_turn(p, 0).joining) == ["r4"]
 
 
 def test_an_empty_lane_takes_a_request_wider_than_max_rows() -> None:
     p = policy(max_rows=2)
     p.add([Fake("beam", width=4), Fake("next")])
-    assert names(p.schedule(0).joining) == ["beam"]
-    assert names(p.schedule(0).joining) == []  # full
+    assert names(take_turn(p, 0).joining) == ["beam"]
+    assert names(take_turn(p, 0).joining) == []  # full
 
 
 def test_a_lane_with_more_rows_leaves_the_waiting_to_the_other() -> None:
     p = policy(2)
     p.add([Fake("a"), Fake("b")])
-    p.schedule(0)  # lane 0: two rows, lane 1: none
+    take_turn(p, 0)  # lane 0: two rows, lane 1: none
     p.add([Fake("c")])
-    assert names(p.schedule(0).joining) == []
-    assert names(p.schedule(1).joining) == ["c"]
+    assert names(take_turn(p, 0).joining) == []
+    assert names(take_turn(p, 1).joining) == ["c"]
     p.add([Fake("d")])
-    assert names(p.schedule(0).joining) == ["d"]  # 2 rows against 1: even enough
+    assert names(take_turn(p, 0).joining) == ["d"]  # 2 rows against 1: even enough
 
 
 def test_lockstep_joins_only_an_empty_lane() -> None:
     p = policy(lockstep=True)
     stale = new_request_id()
     p.add([partial("first", stale)])
-    p.schedule(0)
+    take_turn(p, 0)
     p.add([Fake("second")])
-    assert names(p.schedule(0).joining) == []
+    assert names(take_turn(p, 0).joining) == []
     p.abort([stale])
-    turn = p.schedule(0)  # the aborted row leaves first: the lane is empty again
+    turn = take_turn(p, 0)  # the aborted row leaves first: the lane is empty again
     assert names(turn.leaving) == ["first"] and names(turn.joining) == ["second"]
 
 
@@ -244,10 +252,10 @@ def test_encoder_jobs_go_to_the_next_plan_and_a_shared_source_is_encoded_once() 
     p.add_encode(queued)
     assert p.has_work(0) and p.has_work(1)
     p.add([Fake("a", encoding=shared)])
-    first = p.schedule(0)
+    first = take_turn(p, 0)
     assert first.encodes == [queued, shared] and shared.claimed
     p.add([Fake("b", encoding=shared)])  # the same submission's other row, other lane
-    second = p.schedule(1)
+    second = take_turn(p, 1)
     assert names(second.joining) == ["b"] and second.encodes == []
 
 
@@ -255,7 +263,7 @@ def test_update_answers_what_ended_and_what_failed() -> None:
     p = policy()
     ok, broken = Fake("ok", request_id=new_request_id()), Fake("broken")
     p.add([ok, broken])
-    p.schedule(0)
+    take_turn(p, 0)
     error = RuntimeError("encoder failed")
     answers = p.update(0, ended=[ok], failed=[(broken, error)])
     assert answers == [Answer(ok), Answer(broken, error)]
@@ -266,7 +274,7 @@ def test_update_answers_what_ended_and_what_failed() -> None:
 def test_a_failed_lane_and_a_drain_answer_everything_with_the_error() -> None:
     p = policy(2)
     p.add([Fake("a"), Fake("b")])
-    p.schedule(0)
+    take_turn(p, 0)
     p.add([Fake("c")])
     p.add_encode(job := Job())
     error = RuntimeError("closed")
@@ -277,3 +285,22 @@ def test_a_failed_lane_and_a_drain_answer_everything_with_the_error() -> None:
     waiting, encodes = p.drain(error)
     assert names([a.request for a in waiting]) == ["c"] and encodes == [job]
     assert not any(p.has_work(lane) for lane in range(2))
+
+
+def test_rows_still_joining_do_not_count_until_their_prefill_ran() -> None:
+    """A lane's newcomers count as its rows once its prefill ran, as its batch counts
+    them: while it runs, the other lane judges the balance by what is stepping now and
+    does not grow its batch past the prefilling lane's (bigger steps for its rows,
+    while the newcomers are about to be spread anyway)."""
+    p = policy(2)
+    p.add([Fake("a"), Fake("b")])
+    take_turn(p, 0)  # lane 0 steps a and b
+    p.add([Fake("c"), Fake("d"), Fake("e")])
+    assert names(p.schedule(1).joining) == ["c", "d", "e"]  # lane 1's prefill runs...
+    assert p.rows(1) == 0
+    p.add([Fake("f")])
+    assert names(p.schedule(0).joining) == []  # ...so 2 rows against 0: left to lane 1
+    p.joined(0)
+    p.joined(1)
+    assert (p.rows(0), p.rows(1)) == (2, 3)
+    assert names(take_turn(p, 1).joining) == ["f"]  # 3 against 2: even enough

@@ -8,6 +8,8 @@ runs what it plans on the model:
   encoder jobs;
 - `schedule(lane)` plans a lane's turn (`Plan`): the encoder jobs to run, the running
   requests whose rows leave (aborted) and the waiting requests whose rows join;
+- `joined(lane)` says the lane's prefill ran: its newcomers count as its rows from then on
+  (the lane balance judges each lane by the batch it steps, as the batch counts it);
 - `update(lane, ended, failed)` takes what the lane's calls did and returns the answers;
 - `abort(ids)`: latest wins; the waiting requests dropped are answered at once.
 
@@ -150,6 +152,7 @@ class SchedulingPolicy(Generic[R, J]):
         self._encodes: list[J] = []
         self._running: list[dict[R, None]] = [{} for _ in range(lanes)]
         self._aborted_rows: set[R] = set()  # running, aborted: leave at the next turn
+        self._joining: list[set[R]] = [set() for _ in range(lanes)]  # planned, not prefilled
         self._live: dict[RequestId, list[R]] = {}  # not answered yet, by id
         self._aborted: OrderedDict[RequestId, None] = OrderedDict()
 
@@ -162,8 +165,14 @@ class SchedulingPolicy(Generic[R, J]):
         return len(self._waiting)
 
     def rows(self, lane: int) -> int:
-        """Rows the lane's running requests hold."""
-        return sum(request.rows for request in self._running[lane])
+        """Rows the lane's batch holds: its running requests but those still joining (the
+        lane's prefill has not run yet), as the batch counts them."""
+        joining = self._joining[lane]
+        return sum(request.rows for request in self._running[lane] if request not in joining)
+
+    def joined(self, lane: int) -> None:
+        """The lane's prefill ran: the requests its last plan had join are rows now."""
+        self._joining[lane].clear()
 
     def running(self, lane: int) -> list[R]:
         return list(self._running[lane])
@@ -231,6 +240,7 @@ class SchedulingPolicy(Generic[R, J]):
         self.counts["rows_cancelled"] += len(plan.leaving)
         if not (self.lockstep and running):
             plan.joining = self._admit(lane)
+        self._joining[lane] = set(plan.joining)
         for request in plan.joining:
             running[request] = None
             job = request.encoding
@@ -312,6 +322,7 @@ class SchedulingPolicy(Generic[R, J]):
 
     def _leave(self, lane: int, request: R) -> None:
         del self._running[lane][request]
+        self._joining[lane].discard(request)
         self._aborted_rows.discard(request)
         self._forget(request)
 

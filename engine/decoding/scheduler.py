@@ -456,6 +456,8 @@ class DecodeScheduler:
                 [(r.search, r.enc()) for r in joining], [r.search for r in plan.leaving]
             )
         ]
+        with self._cond:
+            self._policy.joined(lane.index)
         if joining:
             lane.stats["prefill_calls"] += 1
             lane.stats["prefill_rows"] += len(joining)
