@@ -18,7 +18,7 @@ from engine.replies import Reply
 from engine.streaming.bus import BusUnavailable
 from engine.streaming.controller import IncrementalTranslator
 from engine.streaming.lifecycle import Owner
-from engine.streaming.redis_bus import RedisBus
+from engine.streaming.redis_bus import RedisBus, redacted
 from engine.streaming.subscriptions import Subscription
 from protocol import ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
 from tests.redis_server import RedisServer, free_port, redis_server
@@ -196,6 +196,17 @@ async def test_a_node_that_cannot_reach_redis_says_so(translator: Translator) ->
     bus = RedisBus(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(BusUnavailable, match="cannot reach Redis"):
         await bus.start()
+
+
+async def test_the_bus_password_is_never_printed() -> None:
+    port = free_port()
+    bus = RedisBus(f"redis://:s3cret-pw@127.0.0.1:{port}/0")
+    with pytest.raises(BusUnavailable) as refused:
+        await bus.start()
+    assert "s3cret-pw" not in str(refused.value)
+    assert f"redis://:***@127.0.0.1:{port}/0" in str(refused.value)
+    assert redacted("redis://user:pw@[::1]:6379/2") == "redis://user:***@[::1]:6379/2"
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
 
 
 async def test_redis_dying_mid_talk_loses_no_accepted_final_silently(

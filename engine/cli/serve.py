@@ -46,7 +46,7 @@ from engine.server.limits import (
 from engine.server.recorder import RecordDirectoryError, check_directory, record
 from engine.streaming.bus import BusUnavailable, UpdateBus
 from engine.streaming.controller import IncrementalTranslator
-from engine.streaming.redis_bus import LEASE_MS, RedisBus
+from engine.streaming.redis_bus import LEASE_MS, RedisBus, redacted
 from engine.streaming.session import StreamingOptions
 
 log = logging.getLogger("engine.server")
@@ -370,7 +370,8 @@ async def _serve_until(
     bus: UpdateBus | None = None
     if args.bus:
         if not args.bus.startswith(("redis://", "rediss://", "unix://")):
-            print(f"error: --bus {args.bus!r}: expected redis://HOST:PORT/DB", file=sys.stderr)
+            shown = redacted(args.bus)
+            print(f"error: --bus {shown!r}: expected redis://HOST:PORT/DB", file=sys.stderr)
             return 2
         bus = RedisBus(args.bus, lease_ms=args.lease_ms, queue_size=options.queue_size)
         try:  # before listening: a node that cannot reach its bus serves nothing
@@ -378,7 +379,9 @@ async def _serve_until(
         except BusUnavailable as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        log.info("update bus: %s (node %s, lease %d ms)", args.bus, bus.node, args.lease_ms)
+        log.info(
+            "update bus: %s (node %s, lease %d ms)", redacted(args.bus), bus.node, args.lease_ms
+        )
     try:
         return await _serve_with(stop, args, options, streaming, bus)
     finally:

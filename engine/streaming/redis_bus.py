@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import urllib.parse
 import uuid
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -81,6 +82,16 @@ BACKOFF = (0.1, 2.0)
 
 SAMPLES = 2048
 """Latency samples kept for the metrics' quantiles."""
+
+
+def redacted(url: str) -> str:
+    """`url` with its password shown as `***`: what logs, errors and the startup line may
+    print of a bus URL (its secret opens the shared store to anyone who reads them)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 class RedisBus:
@@ -182,11 +193,13 @@ class RedisBus:
                 info = await self._redis.info("server")
         except failures as exc:
             await self._disconnect()
-            raise BusUnavailable(f"cannot reach Redis at {self.url}: {exc}") from None
+            raise BusUnavailable(f"cannot reach Redis at {redacted(self.url)}: {exc}") from None
         version = str(info.get("redis_version", "0"))
         if int(version.split(".")[0]) < 7:
             await self._disconnect()
-            raise BusUnavailable(f"Redis at {self.url} is {version}; the bus needs 7 or later")
+            raise BusUnavailable(
+                f"Redis at {redacted(self.url)} is {version}; the bus needs 7 or later"
+            )
         self._scripts = {
             name: self._redis.register_script(source)
             for name, source in (
