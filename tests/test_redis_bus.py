@@ -18,7 +18,8 @@ from engine.replies import Reply
 from engine.streaming.bus import BusUnavailable
 from engine.streaming.controller import IncrementalTranslator
 from engine.streaming.lifecycle import Owner
-from engine.streaming.redis_bus import RedisBus, redacted
+from engine.streaming.redis_bus import RedisBus
+from engine.streaming.redis_store import redacted
 from engine.streaming.subscriptions import Subscription
 from protocol import ErrorMessage, InvalidEvent, PartialTranscript, TranslationUpdate
 from tests.redis_server import RedisServer, free_port, redis_server

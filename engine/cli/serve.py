@@ -46,7 +46,8 @@ from engine.server.limits import (
 from engine.server.recorder import RecordDirectoryError, check_directory, record
 from engine.streaming.bus import BusUnavailable, UpdateBus
 from engine.streaming.controller import IncrementalTranslator
-from engine.streaming.redis_bus import LEASE_MS, RedisBus, redacted
+from engine.streaming.redis_bus import LEASE_MS, RedisBus
+from engine.streaming.redis_store import redacted
 from engine.streaming.session import StreamingOptions
 
 log = logging.getLogger("engine.server")

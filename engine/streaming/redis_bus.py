@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import urllib.parse
 import uuid
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -59,6 +58,7 @@ from engine.streaming.redis_store import (
     Keys,
     Watch,
     entry_of,
+    redacted,
     redis_errors,
     with_cursor,
 )
@@ -82,16 +82,6 @@ BACKOFF = (0.1, 2.0)
 
 SAMPLES = 2048
 """Latency samples kept for the metrics' quantiles."""
-
-
-def redacted(url: str) -> str:
-    """`url` with its password shown as `***`: what logs, errors and the startup line may
-    print of a bus URL (its secret opens the shared store to anyone who reads them)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 class RedisBus:

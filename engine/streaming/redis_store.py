@@ -4,6 +4,7 @@ fence cannot be passed between a check and a write), and how an entry is stored.
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass, replace
 
 import protocol
@@ -121,3 +122,13 @@ def entry_of(entry_id: str, fields: dict[str, str]) -> Entry:
 
 def with_cursor(update: TranslationUpdate, cursor: str) -> TranslationUpdate:
     return replace(update, cursor=cursor)
+
+
+def redacted(url: str) -> str:
+    """`url` with its password shown as `***`: what logs, errors and the startup line may
+    print of a bus URL (its secret opens the shared store to anyone who reads them)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
