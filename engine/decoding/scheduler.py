@@ -456,15 +456,13 @@ class DecodeScheduler:
                 [(r.search, r.enc()) for r in joining], [r.search for r in plan.leaving]
             )
         ]
-        with self._cond:
+        with self._cond:  # the prefill ran; what ended there is answered before the step
             self._policy.joined(lane.index)
+            answers = self._policy.update(lane.index, ended, failed)
+        self._answer(lane, answers)
         if joining:
             lane.stats["prefill_calls"] += 1
             lane.stats["prefill_rows"] += len(joining)
-        if ended or failed:  # answered before the step: most partials end in their prefill
-            with self._cond:
-                answers = self._policy.update(lane.index, ended, failed)
-            self._answer(lane, answers)
         rows = batch.rows
         t2 = time.perf_counter()
         if rows:
