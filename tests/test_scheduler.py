@@ -670,7 +670,7 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
     share steps with rows that take one, join at different steps, and each still gets what
     decoding it alone gives; rejected lookahead leaves holes in the cache that are
     squeezed out without changing anything."""
-    from engine.decoding.batch import ContinuousBatch, _Slots
+    from engine.decoding.batch import ContinuousBatch, Member, _Slots
     from engine.decoding.search import make_search
 
     model = translator.model
@@ -699,7 +699,9 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
     while step in joins or step < max(joins) or len(batch):
         batch.update()
         members = joins.get(step, [])
-        batch.schedule([(s, translator.encode([translator.source_ids(t)])) for _, s, t in members])
+        batch.schedule(
+            [Member(s, translator.encode([translator.source_ids(t)])) for _, s, t in members]
+        )
         batch.execute()
         step += 1
     for ref, s, text in todo:

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -31,8 +31,16 @@ from engine.decoding.search import Extension, Search
 from engine.model.layouts import DecoderCache, EncoderOutput, FloatArray, IntArray, MaskedDecoder
 from engine.model.marian import MarianOnnx
 
-Member = tuple[Search, EncoderOutput]
-"""A search joining a batch, with the encoder output of its one source."""
+
+class Member(NamedTuple):
+    """A search joining a batch, with the encoder output of its one source and, for a
+    batch that keeps rows in KV slots (`engine.decoding.slot_batch`), the slots its
+    request was given (one per row it may hold)."""
+
+    search: Search
+    enc: EncoderOutput
+    slots: tuple[int, ...] = ()
+
 
 LOOKAHEAD = 4
 """Draft tokens a greedy row may have verified in one cached step, after the draft was
@@ -219,13 +227,13 @@ class LockstepBatch(DecodeBatch):
             return []
         if self.searches:
             raise RuntimeError("a lockstep batch only takes searches when empty")
-        searches = [search for search, _ in joining]
+        searches = [member.search for member in joining]
         common = min(len(s.prefix) for s in searches)
         start = self.model.config.decoder_start_token_id
         for search in searches:
             search.start(common)
         ids = np.array([[start, *s.prefix[:common]] for s in searches], dtype=np.int64)
-        enc = stack_encoder_outputs([e for _, e in joining])
+        enc = stack_encoder_outputs([member.enc for member in joining])
         logits, cache = self.model.prefill(enc, ids)
         self.searches, self._enc, self._cache = searches, enc, cache
         self._logits = logits[:, -1:, :]
@@ -408,7 +416,7 @@ class ContinuousBatch(DecodeBatch):
         Each takes its first step there and goes on through its draft while the draft is
         confirmed. Returns those that ended, those that go on and their rows' state."""
         config = self.model.config
-        searches = [search for search, _ in joining]
+        searches = [member.search for member in joining]
         fed = [[config.decoder_start_token_id, *s.prefix, *s.draft] for s in searches]
         width = max(map(len, fed))
         ids = np.full((len(searches), width), config.pad_token_id, dtype=np.int64)
@@ -417,7 +425,7 @@ class ContinuousBatch(DecodeBatch):
             ids[r, : len(row_ids)] = row_ids
             mask[r, : len(row_ids)] = 1
             search.start(len(search.prefix))
-        enc = stack_encoder_outputs([e for _, e in joining])
+        enc = stack_encoder_outputs([member.enc for member in joining])
         needed = np.array([len(s.prefix) for s in searches], dtype=np.int64)
         logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed)
         steps = _Steps()

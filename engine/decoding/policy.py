@@ -120,6 +120,10 @@ class Plan(Generic[R, J]):
     leaving: list[R] = field(default_factory=list)
 
 
+class NotEnoughSlots(ValueError):
+    """A request needs more KV slots than the whole pool has: it could never run."""
+
+
 @dataclass(frozen=True)
 class Answer(Generic[R]):
     """A request that left the running set: `error` None when it finished (its result is
@@ -134,7 +138,10 @@ class SchedulingPolicy(Generic[R, J]):
 
     `max_rows`: decoder rows per step and lane. `prefill_positions`: positions one lane's
     prefill takes per turn (`PREFILL_POSITIONS`). `lockstep`: requests join only a lane
-    with no rows (the stock decoder graphs keep one length for the whole batch)."""
+    with no rows (the stock decoder graphs keep one length for the whole batch).
+    `slots`: the model's KV slots (None: its rows keep no slots). A request takes one per
+    row it may hold when it joins a lane and gives them back when it leaves; one that
+    finds too few free waits, as it does for a lane's room."""
 
     def __init__(
         self,
@@ -143,8 +150,13 @@ class SchedulingPolicy(Generic[R, J]):
         max_rows: int,
         prefill_positions: int = PREFILL_POSITIONS,
         lockstep: bool = False,
+        slots: int | None = None,
     ) -> None:
         self.max_rows = max_rows
+        self.slots = slots
+        # Free slots, the most recently freed last (taken first: its pages are warm).
+        self._free: list[int] = list(range(slots or 0))[::-1]
+        self._slots_of: dict[R, tuple[int, ...]] = {}
         self.prefill_positions = prefill_positions
         self.lockstep = lockstep
         self.counts: Counter[str] = Counter()  # rows_cancelled, rows_finished_on_abort
@@ -174,6 +186,15 @@ class SchedulingPolicy(Generic[R, J]):
         """The lane's prefill ran: the requests its last plan had join are rows now."""
         self._joining[lane].clear()
 
+    @property
+    def free_slots(self) -> int | None:
+        """KV slots no request holds (None: no pool)."""
+        return None if self.slots is None else len(self._free)
+
+    def slots_of(self, request: R) -> tuple[int, ...]:
+        """The KV slots a running request holds (none without a pool)."""
+        return self._slots_of.get(request, ())
+
     def running(self, lane: int) -> list[R]:
         return list(self._running[lane])
 
@@ -186,6 +207,13 @@ class SchedulingPolicy(Generic[R, J]):
     def add(self, requests: Sequence[R]) -> None:
         """Queue one submission's requests. Raises `DecodingCancelled` when their id was
         aborted before they came."""
+        if self.slots is not None:
+            widest = max((r.width for r in requests), default=0)
+            if widest > self.slots:
+                raise NotEnoughSlots(
+                    f"a request of {widest} rows needs {widest} KV slots; the pool has "
+                    f"{self.slots} (--kv-slots)"
+                )
         ids = {r.request_id for r in requests if r.request_id is not None}
         if any(request_id in self._aborted for request_id in ids):
             self.counts["rows_cancelled"] += len(requests)
@@ -237,12 +265,17 @@ class SchedulingPolicy(Generic[R, J]):
         for request in plan.leaving:
             del running[request]
             self._aborted_rows.discard(request)
+            self._give_back(request)
         self.counts["rows_cancelled"] += len(plan.leaving)
         if not (self.lockstep and running):
             plan.joining = self._admit(lane)
         self._joining[lane] = set(plan.joining)
         for request in plan.joining:
             running[request] = None
+            if self.slots is not None:
+                taken = self._free[-request.width :]
+                del self._free[-request.width :]
+                self._slots_of[request] = tuple(taken[::-1])
             job = request.encoding
             if job is not None and not job.claimed:  # a submission may join two lanes
                 job.claimed = True
@@ -291,6 +324,7 @@ class SchedulingPolicy(Generic[R, J]):
         if mine > min(self.rows(other) for other in range(self.lanes)) + 1:
             return []
         room = self.max_rows - mine
+        free = len(self._free) if self.slots is not None else None
         self._waiting.sort(key=lambda r: r.priority)  # stable: by arrival within a priority
         chosen: list[R] = []
         left: list[R] = []
@@ -300,6 +334,9 @@ class SchedulingPolicy(Generic[R, J]):
             if rows + width > room and (chosen or room < self.max_rows):
                 left.extend(self._waiting[index:])
                 break
+            if free is not None and rows + width > free:
+                left.extend(self._waiting[index:])
+                break  # the pool is full: it waits for a slot, in its turn
             if chosen and positions + request.positions > self.prefill_positions:
                 left.extend(self._waiting[index:])
                 break  # the rest: the other lane, or this one's next turn
@@ -320,7 +357,11 @@ class SchedulingPolicy(Generic[R, J]):
     def _is_running(self, request: R) -> bool:
         return any(request in running for running in self._running)
 
+    def _give_back(self, request: R) -> None:
+        self._free.extend(self._slots_of.pop(request, ())[::-1])
+
     def _leave(self, lane: int, request: R) -> None:
+        self._give_back(request)
         del self._running[lane][request]
         self._joining[lane].discard(request)
         self._aborted_rows.discard(request)

@@ -47,6 +47,7 @@ from engine.decoding.batch import (
     ContinuousBatch,
     DecodeBatch,
     LockstepBatch,
+    Member,
 )
 from engine.decoding.policy import (
     PREFILL_POSITIONS,
@@ -64,9 +65,11 @@ from engine.decoding.search import (
     StepHook,
     make_search,
 )
+from engine.decoding.slot_batch import SlotBatch
 from engine.decoding.timeline import Answered, Step, Timeline
 from engine.model.layouts import EncoderOutput, IntArray
 from engine.model.marian import MarianOnnx
+from engine.model.slots import KvSlots
 
 # The policy's names that `submit` and `abort` take are importable from here too.
 __all__ = [
@@ -113,10 +116,16 @@ class SchedulerOptions:
     # (default: the lane's own with several lanes, else all the cores): two lanes that
     # each spread it over every core oversubscribe them under load.
     head_threads: int | None = None
+    # KV slots: rows whose decoder state the model keeps in place (None: one per row the
+    # lanes may hold, lanes x max_rows; 0: none, the state is copied at every step).
+    # Requests beyond them wait; a request wider than all of them is refused.
+    kv_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
             raise ValueError("max_rows must be >= 1")
+        if self.kv_slots is not None and self.kv_slots < 0:
+            raise ValueError("kv_slots must be >= 0")
         for name in ("lanes", "threads_per_lane", "cores", "head_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -253,11 +262,13 @@ class DecodeScheduler:
         self.timeline = timeline
         self.lanes, self.threads_per_lane, _ = self.options.resolved()
         self._cond = threading.Condition()
+        self.kv = self._kv_slots()
         self._policy: SchedulingPolicy[_Request, Encoding] = SchedulingPolicy(
             self.lanes,
             max_rows=self.options.max_rows,
             prefill_positions=self.options.prefill_positions or PREFILL_POSITIONS,
             lockstep=model.masked is None,
+            slots=None if self.kv is None else self.kv.slots,
         )
         self._lanes = [_Lane(i, self._new_batch()) for i in range(self.lanes)]
         self._threads: list[threading.Thread] = []
@@ -295,10 +306,31 @@ class DecodeScheduler:
             total.update(lane.batch_sizes)
         return total
 
+    def _kv_slots(self) -> KvSlots | None:
+        """The model's KV slot pool, allocated now, so that its memory is known at start
+        (None: the model's graphs take no slots, or `kv_slots` is 0)."""
+        masked = self.model.masked
+        wanted = self.options.kv_slots
+        if masked is None or masked.slots is None or wanted == 0:
+            return None
+        count = wanted if wanted is not None else self.lanes * self.options.max_rows
+        pool = masked.slots.pool(count)
+        log.info(
+            "KV slots: %d x %.1f MiB = %.1f MiB (%d positions, %d source positions each)",
+            count,
+            pool.bytes / count / 2**20,
+            pool.bytes / 2**20,
+            pool.shape.capacity,
+            pool.shape.source_capacity,
+        )
+        return pool
+
     def _new_batch(self) -> DecodeBatch:
         masked = self.model.masked
         if masked is None:
             return LockstepBatch(self.model)
+        if self.kv is not None:
+            return SlotBatch(self.model, masked, self.kv, self.options.lookahead_positions)
         return ContinuousBatch(self.model, masked, self.options.lookahead_positions)
 
     # -- API (any thread) ---------------------------------------------------------------
@@ -445,6 +477,7 @@ class DecodeScheduler:
         with self._cond:
             plan = self._policy.schedule(lane.index)
             waiting = self._policy.waiting
+            slots = {request: self._policy.slots_of(request) for request in plan.joining}
         self._answer(lane, [Answer(r, DecodingCancelled()) for r in plan.leaving])
         e0 = time.perf_counter()
         self._run_encodes(lane, plan.encodes)
@@ -453,7 +486,8 @@ class DecodeScheduler:
         ended = [
             lane.requests[search]
             for search in batch.schedule(
-                [(r.search, r.enc()) for r in joining], [r.search for r in plan.leaving]
+                [Member(r.search, r.enc(), slots[r]) for r in joining],
+                [r.search for r in plan.leaving],
             )
         ]
         with self._cond:  # the prefill ran; what ended there is answered before the step

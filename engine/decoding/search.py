@@ -225,6 +225,11 @@ class Search(ABC):
     def scores(self, logits: FloatArray) -> FloatArray:
         return _scores(logits, self.rows(), self.config, self.options, self.hook)
 
+    @property
+    def needs_logits(self) -> bool:
+        """Whether its next step needs the whole logits (a beam ranks every token)."""
+        return True
+
     def take_lookahead(self, most: int) -> list[int]:
         """Up to `most` tokens expected after the next one fed (its last row's last
         token), for a batch that can verify them in the same cached step; the search
@@ -253,16 +258,30 @@ class GreedySearch(Search):
     def start(self, fed: int) -> None:
         self.tokens = self.prefix[:fed]
 
+    @property
+    def needs_logits(self) -> bool:
+        """Whether its next step needs the whole logits: a hook rewrites them, and eos is
+        banned while it has fewer than `min_new_tokens`; else the model's own argmax and
+        its log-probability (`take`) decide the same token."""
+        return self.hook is not None or len(self.tokens) < self.options.min_new_tokens
+
     def observe(self, logits: FloatArray) -> Extension | None:
         if len(self.tokens) < len(self.prefix):
-            token = self.prefix[len(self.tokens)]
-        elif self.hook is None:
+            return self.take(self.prefix[len(self.tokens)], 0.0)
+        if self.hook is None:
             token, score = _greedy_choice(logits[0], self.config, len(self.tokens), self.options)
-            self.score += score
-        else:
-            step = self.scores(logits)
-            token = int(step[0].argmax())
-            self.score += float(step[0, token])
+            return self.take(token, score)
+        step = self.scores(logits)
+        token = int(step[0].argmax())
+        return self.take(token, float(step[0, token]))
+
+    def take(self, token: int, score: float) -> Extension | None:
+        """Extend by `token` of log-probability `score` (chosen from the logits, or by the
+        model as `observe` would: `needs_logits` False); a forced token is taken as it
+        is, whatever is given."""
+        if len(self.tokens) < len(self.prefix):
+            token, score = self.prefix[len(self.tokens)], 0.0
+        self.score += score
         if token == self.config.eos_token_id and len(self.tokens) >= len(self.prefix):
             self.finished = True
             return None

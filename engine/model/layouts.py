@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +37,9 @@ from engine.model.names import (
     USE_CACHE_BRANCH,
     kv_names,
 )
+
+if TYPE_CHECKING:
+    from engine.model.slots import SlotGraphs
 
 FloatArray = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int64]
@@ -336,6 +339,8 @@ class MaskedDecoder:
         # A call of one token (one row, no lookahead) where that has a faster graph of its
         # own (int8 per token: the files' fused quantization gives the same values).
         self.one_token = one_token
+        # The step over KV slots, where the graphs allow it (`engine.model.slots`).
+        self.slots: SlotGraphs | None = None
         # Whether a step may take several tokens per row (`ContinuousBatch` lookahead).
         self.lookahead = lookahead
         self.max_difference = max_difference

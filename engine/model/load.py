@@ -68,6 +68,7 @@ from engine.model.passes.masks import rewrite_decoder
 from engine.model.passes.merged_split import split_merged
 from engine.model.passes.per_token import per_token_graph
 from engine.model.sessions import RuntimeOptions, open_session
+from engine.model.slots import open_slot_graphs
 
 log = logging.getLogger(__name__)
 
@@ -465,7 +466,12 @@ def load_masked(
         "" if lookahead else "; one token per row per step (no lookahead)",
         "; int8 activations quantized per token" if ones is not None else "",
     )
-    return MaskedDecoder(prefills, steps, config.decoder_layers, worst, calls, lookahead, ones)
+    masked = MaskedDecoder(prefills, steps, config.decoder_layers, worst, calls, lookahead, ones)
+    where, step_graph = str(model_dir), graph.with_past
+    masked.slots = open_slot_graphs(
+        step_graph, graph.one_token, masked, config, options, per_token=per_token, where=where
+    )
+    return masked
 
 
 def _cut(

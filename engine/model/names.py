@@ -83,3 +83,24 @@ CAUSAL_KEY = "nmt_incremental.causal_over_new_tokens"
 new tokens after a cache (so a step may verify lookahead tokens), "0" when not."""
 PER_TOKEN_KEY = "nmt_incremental.int8_per_token"
 """Metadata of a rewritten graph: "1" when every activation quantization is per token."""
+
+
+# -- KV slots (`engine.model.passes.slots`) ------------------------------------------------
+
+SLOT_ROWS = "kv_slot_ids"
+"""[rows] int64: the KV slot of each row of a slot-graph call."""
+COPY_TARGETS = "kv_slot_targets"
+"""[rows] int64: where the slot-copy graph copies each `SLOT_ROWS` slot's state."""
+COPY_POSITIONS = "kv_slot_positions"
+"""[positions] int64: the positions the slot-copy graph copies."""
+NEXT_IDS = "next_token_ids"
+"""[B, T] int64: the argmax of each position's logits, banned tokens excluded."""
+NEXT_SCORES = "next_token_scores"
+"""[B, T] float32: the log-probability of `NEXT_IDS`."""
+
+
+def slot_names(layers: int, side: str, *, out: bool = False) -> list[str]:
+    """The KV slot buffers of `side` ("decoder": self-attention, "encoder": cross), in
+    `kv_names` order; `out`: the names under which a graph returns them updated."""
+    prefix = "kv_slots_out" if out else "kv_slots"
+    return [name.replace(PAST, prefix, 1) for name in kv_names(layers, side)]

@@ -43,6 +43,7 @@ class RuntimeOptions:
     batchable: bool = True
     head_threads: int | None = None
     int8_per_token: bool = True
+    device_id: int = 0
 
     @property
     def per_token(self) -> bool:

@@ -1,0 +1,389 @@
+"""KV slots: rewrite the batchable decoder's step so that its keys and values stay in
+preallocated buffers, written in place, and only ids cross the call's boundary.
+
+The masks rewrite (`passes.masks`) gives a with-past graph that takes each row's past
+keys and values as inputs and returns them grown by the new positions (`Concat`): every
+step copies the whole batch's state out and back, allocates it anew, and returns the whole
+logits. `rewrite_step` replaces that with buffers of fixed size, one per layer and kind:
+
+- self-attention: `[slots * heads * capacity, head_dim]` (a slot's rows, head by head,
+  position by position). The step's new keys and values are written at each row's own
+  positions (`ScatterND`, whose output the caller binds to the input's own memory, so
+  ONNX Runtime writes in place), then the row's first `W` positions are read (`Gather`),
+  `W` being the width of `decoder_attention_mask`;
+- cross-attention: the same shape with the source capacity, written once per encode by
+  `writer_graph` and only read by the step;
+- the self-attention mask: a position is seen where the row's mask says it is real and it
+  is not after the query's own position (positions are absolute in a slot, so a row's new
+  tokens are not the buffer's last columns and the causal mask is rebuilt from positions);
+- outputs: the updated buffers, `logits` as before (for searches that need them), and
+  for greedy rows the argmax and its log-probability under the model's banned tokens
+  (`NEXT_IDS`, `NEXT_SCORES`), computed where the model runs.
+
+Found by input and output names and the masks rewrite's own nodes, never by node names
+of the exporter; a graph of another shape gives None and a logged reason (the model then
+batches with its state copied per step, as before).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from engine.model.names import (
+    COPY_POSITIONS,
+    COPY_TARGETS,
+    ENCODER_ATTENTION_MASK,
+    ENCODER_HIDDEN_STATES,
+    LOGITS,
+    MASK_INPUT,
+    NEXT_IDS,
+    NEXT_SCORES,
+    POSITIONS_INPUT,
+    SLOT_ROWS,
+    kv_names,
+    slot_names,
+)
+from engine.model.passes.graph import opset
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "kv_slots"
+
+
+class _Unsupported(Exception):
+    """The graph does not have the structure this pass knows (message says why)."""
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """The buffers' geometry: `capacity` decoder positions and `source_capacity` source
+    positions per slot, `heads` x `head_dim` per position, `layers` layers."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    capacity: int
+    source_capacity: int
+
+
+class _Builder:
+    """New nodes and initializers, named under one prefix."""
+
+    def __init__(self, graph: onnx.GraphProto, version: int) -> None:
+        self.graph = graph
+        self.version = version
+        self.nodes: list[onnx.NodeProto] = []
+        self._count = 0
+
+    def name(self, hint: str) -> str:
+        self._count += 1
+        return f"{_PREFIX}/{hint}_{self._count}"
+
+    def const(self, hint: str, value: Any) -> str:
+        name = self.name(hint)
+        self.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def op(self, op_type: str, inputs: Sequence[str], hint: str, **attrs: Any) -> str:
+        out = self.name(hint)
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
+        return out
+
+    def unsqueeze(self, source: str, axes: list[int]) -> str:
+        if self.version >= 13:
+            return self.op("Unsqueeze", [source, self.const("axes", np.array(axes))], "unsq")
+        return self.op("Unsqueeze", [source], "unsq", axes=axes)
+
+    def reduce(self, op_type: str, source: str, hint: str) -> str:
+        """`op_type` over the last axis, that axis dropped."""
+        if (op_type == "ReduceSum" and self.version >= 13) or self.version >= 18:
+            axes = self.const("axes", np.array([-1]))
+            return self.op(op_type, [source, axes], hint, keepdims=0)
+        return self.op(op_type, [source], hint, axes=[-1], keepdims=0)
+
+
+def _range(b: _Builder, size: str) -> str:
+    zero, one = b.const("zero", np.array(0)), b.const("one", np.array(1))
+    return b.op("Range", [zero, size, one], "range")
+
+
+def _width(b: _Builder, tensor: str) -> str:
+    """The size of `tensor`'s axis 1, as a scalar."""
+    shape = b.op("Shape", [tensor], "shape")
+    return b.op("Gather", [shape, b.const("one", np.array(1))], "width", axis=0)
+
+
+def _bases(b: _Builder, shape: SlotShape) -> tuple[str, str]:
+    """Each row's first buffer row per head, [B, H]: self and cross buffers."""
+    heads = b.const("heads", np.array(shape.heads))
+    per_head = b.op(
+        "Add",
+        [b.op("Mul", [b.unsqueeze(SLOT_ROWS, [1]), heads], "slot_heads"), _range(b, heads)],
+        "row_heads",
+    )
+    own = b.op("Mul", [per_head, b.const("capacity", np.array(shape.capacity))], "self_base")
+    source = b.const("source_capacity", np.array(shape.source_capacity))
+    return own, b.op("Mul", [per_head, source], "cross_base")
+
+
+def _reads(b: _Builder, base: str, width_of: str) -> str:
+    """Buffer rows [B, H, W] of positions 0..W-1, W the width of `width_of`."""
+    return b.op("Add", [b.unsqueeze(base, [2]), _range(b, _width(b, width_of))], "read_rows")
+
+
+def _self_mask(b: _Builder, negative: onnx.TensorProto) -> str:
+    """[B, 1, T, W]: NEG where the mask marks padding or the column is after the query's
+    own position, else 0."""
+    columns = _range(b, _width(b, MASK_INPUT))
+    padding = b.unsqueeze(b.op("Equal", [MASK_INPUT, b.const("zero", np.array(0))], "pad"), [1])
+    future = b.op(
+        "Greater", [b.unsqueeze(columns, [0, 1]), b.unsqueeze(POSITIONS_INPUT, [2])], "future"
+    )
+    blocked = b.unsqueeze(b.op("Or", [padding, future], "blocked"), [1])
+    value = numpy_helper.to_array(negative)
+    zero = b.const("zero_float", np.zeros((), value.dtype))
+    return b.op("Where", [blocked, negative.name, zero], "self_mask")
+
+
+def _greedy_outputs(b: _Builder, logits: str, vocab: int, bans: Sequence[int]) -> None:
+    """`NEXT_IDS` [B, T] and `NEXT_SCORES` [B, T]: the argmax of the logits with banned
+    tokens at -inf, and its log-probability, in the float32 operations of
+    `engine.decoding.search._greedy_choice` (first index on ties, as numpy's argmax)."""
+    bias = np.zeros(vocab, dtype=np.float32)
+    bias[list(bans)] = -np.inf
+    as_float = b.op("Cast", [logits], "logits_f32", to=TensorProto.FLOAT)
+    allowed = b.op("Add", [as_float, b.const("bans", bias)], "allowed")
+    b.nodes.append(helper.make_node("ArgMax", [allowed], [NEXT_IDS], axis=-1, keepdims=0))
+    top = b.unsqueeze(b.reduce("ReduceMax", allowed, "top"), [-1])
+    total = b.reduce("ReduceSum", b.op("Exp", [b.op("Sub", [allowed, top], "shift")], "exp"), "sum")
+    b.nodes.append(helper.make_node("Neg", [b.op("Log", [total], "log")], [NEXT_SCORES]))
+
+
+def _sorted(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto]:
+    """`nodes` in an order where each comes after the producers of its inputs (those in
+    `known` are there from the start); raises when one reads a tensor nothing makes."""
+    made = set(known)
+    left = list(nodes)
+    out: list[onnx.NodeProto] = []
+    while left:
+        ready = [n for n in left if all(not i or i in made for i in n.input)]
+        if not ready:
+            missing = sorted({i for n in left for i in n.input if i and i not in made})
+            raise _Unsupported(f"nodes read tensors nothing makes: {missing[:3]}")
+        taken = {id(n) for n in ready}
+        out.extend(ready)
+        made.update(o for n in ready for o in n.output)
+        left = [n for n in left if id(n) not in taken]
+    return out
+
+
+def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """The nodes that some graph output depends on (the others' results are unused)."""
+    producer = {o: n for n in nodes for o in n.output}
+    todo, seen = list(outputs), set(outputs)
+    keep: set[int] = set()
+    while todo:
+        node = producer.get(todo.pop())
+        if node is None or id(node) in keep:
+            continue
+        keep.add(id(node))
+        for name in node.input:
+            if name and name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return [n for n in nodes if id(n) in keep]
+
+
+def _rewrite(model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequence[int]) -> bytes:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    declared = {i.name for i in graph.input}
+    if MASK_INPUT not in declared or POSITIONS_INPUT not in declared:
+        raise _Unsupported("not a masks-rewritten decoder")
+    past_self = kv_names(shape.layers, "decoder")
+    past_cross = kv_names(shape.layers, "encoder")
+    if not set(past_self + past_cross) <= declared:
+        raise _Unsupported("no self and cross KV inputs")
+    b = _Builder(graph, opset(out))
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    wheres = [n for n in graph.node if n.op_type == "Where" and "/self_mask_" in n.name]
+    if len(wheres) != shape.layers:
+        raise _Unsupported(f"{len(wheres)} self-attention masks for {shape.layers} layers")
+    initializers = {i.name: i for i in graph.initializer}
+    negative = initializers.get(wheres[0].input[1])
+    if negative is None:
+        raise _Unsupported("the mask's negative value is not a constant")
+
+    self_base, cross_base = _bases(b, shape)
+    self_rows = _reads(b, self_base, MASK_INPUT)
+    cross_rows = _reads(b, cross_base, ENCODER_ATTENTION_MASK)
+    writes = b.unsqueeze(
+        b.op("Add", [b.unsqueeze(self_base, [2]), b.unsqueeze(POSITIONS_INPUT, [1])], "write"),
+        [3],
+    )
+    mask = _self_mask(b, negative)
+    renamed: dict[str, str] = {where.output[0]: mask for where in wheres}
+    new_outputs: list[onnx.ValueInfoProto] = []
+    buffers_in, buffers_out = (
+        slot_names(shape.layers, "decoder"),
+        slot_names(shape.layers, "decoder", out=True),
+    )
+    for past, buffer, updated in zip(past_self, buffers_in, buffers_out, strict=True):
+        concat = [n for n in consumers.get(past, []) if n.op_type == "Concat"]
+        if len(concat) != 1 or concat[0].input[0] != past:
+            raise _Unsupported(f"{past} is not concatenated with the new positions")
+        new = concat[0].input[1]
+        b.nodes.append(helper.make_node("ScatterND", [buffer, writes, new], [updated]))
+        renamed[concat[0].output[0]] = b.op("Gather", [updated, self_rows], "self_kv", axis=0)
+        graph.node.remove(concat[0])
+        new_outputs.append(helper.make_tensor_value_info(updated, _float(negative), None))
+    for past, buffer in zip(past_cross, slot_names(shape.layers, "encoder"), strict=True):
+        renamed[past] = b.op("Gather", [buffer, cross_rows], "cross_kv", axis=0)
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name in renamed:
+                node.input[index] = renamed[name]
+    logits = next((o for o in graph.output if o.name == LOGITS), None)
+    if logits is None:
+        raise _Unsupported("no logits output")
+    _greedy_outputs(b, LOGITS, vocab, bans)
+    kept_outputs = [o for o in graph.output if o.name == LOGITS]
+    del graph.output[:]
+    graph.output.extend(kept_outputs)
+    graph.output.extend(new_outputs)
+    graph.output.extend(
+        [
+            helper.make_tensor_value_info(NEXT_IDS, TensorProto.INT64, None),
+            helper.make_tensor_value_info(NEXT_SCORES, TensorProto.FLOAT, None),
+        ]
+    )
+    dims: list[str | int] = ["slot_rows", shape.head_dim]
+    inputs = [i for i in graph.input if i.name not in set(past_self + past_cross)]
+    inputs.append(helper.make_tensor_value_info(SLOT_ROWS, TensorProto.INT64, ["batch_size"]))
+    for name in (*buffers_in, *slot_names(shape.layers, "encoder")):
+        inputs.append(helper.make_tensor_value_info(name, _float(negative), dims))
+    del graph.input[:]
+    graph.input.extend(inputs)
+    known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    nodes = _sorted(_live([*graph.node, *b.nodes], {o.name for o in graph.output}), known)
+    if any(name in {*past_self, *past_cross} for n in nodes for name in n.input):
+        raise _Unsupported("the past KV is read other than by its concatenation")
+    if ENCODER_HIDDEN_STATES in {name for n in nodes for name in n.input}:
+        raise _Unsupported("the step reads the encoder states, not only their KV")
+    del graph.node[:]
+    graph.node.extend(nodes)
+    inputs_used = {name for n in nodes for name in n.input}
+    kept = [i for i in graph.input if i.name in inputs_used]
+    del graph.input[:]
+    graph.input.extend(kept)
+    used = {name for n in nodes for name in n.input}
+    live_init = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(live_init)
+    return out.SerializeToString()
+
+
+def _float(negative: onnx.TensorProto) -> int:
+    """The graph's float type (its mask constant's)."""
+    return int(negative.data_type)
+
+
+def rewrite_step(
+    data: bytes, shape: SlotShape, vocab: int, bans: Sequence[int], name: str = "decoder"
+) -> bytes | None:
+    """The masks-rewritten with-past graph `data` reading and writing KV slots, or None
+    (the reason logged) when its graph lacks the structure this module knows."""
+    try:
+        return _rewrite(onnx.load_from_string(data), shape, vocab, bans)
+    except _Unsupported as exc:
+        reason = str(exc)
+    except Exception as exc:  # a malformed graph: falling back is always safe
+        reason = f"unexpected graph: {exc!r}"
+    log.warning("%s: no KV-slot rewrite (%s): the state is copied per step", name, reason)
+    return None
+
+
+def _io_graph(
+    nodes: list[onnx.NodeProto],
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    initializers: list[onnx.TensorProto],
+    name: str,
+) -> bytes:
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def writer_graph(shape: SlotShape, float_type: int) -> bytes:
+    """Writes a prefill's self KV [B, H, T, Dh] and cross KV [B, H, S, Dh] into the slots
+    `SLOT_ROWS` [B] at positions 0..T-1 and 0..S-1 (the buffers bound in place)."""
+    graph = helper.make_graph([], "slot_writer", [], [])
+    b = _Builder(graph, 17)
+    self_base, cross_base = _bases(b, shape)
+    inputs = [helper.make_tensor_value_info(SLOT_ROWS, TensorProto.INT64, ["rows"])]
+    outputs = []
+    for side, base in (("decoder", self_base), ("encoder", cross_base)):
+        news = kv_names(shape.layers, side)
+        first = news[0]
+        length = b.op(
+            "Gather", [b.op("Shape", [first], "shape"), b.const("two", np.array(2))], "len", axis=0
+        )
+        rows = b.unsqueeze(b.op("Add", [b.unsqueeze(base, [2]), _range(b, length)], "rows"), [3])
+        for new, buffer, updated in zip(
+            news,
+            slot_names(shape.layers, side),
+            slot_names(shape.layers, side, out=True),
+            strict=True,
+        ):
+            b.nodes.append(helper.make_node("ScatterND", [buffer, rows, new], [updated]))
+            inputs.append(helper.make_tensor_value_info(new, float_type, None))
+            inputs.append(helper.make_tensor_value_info(buffer, float_type, None))
+            outputs.append(helper.make_tensor_value_info(updated, float_type, None))
+    return _io_graph(b.nodes, inputs, outputs, list(graph.initializer), "slot_writer")
+
+
+def copy_graph(shape: SlotShape, float_type: int) -> bytes:
+    """Copies the self KV of slots `SLOT_ROWS` [K] to slots `COPY_TARGETS` [K] (a beam's
+    rows reordered), positions 0..W-1, W the length of `COPY_POSITIONS`."""
+    graph = helper.make_graph([], "slot_copy", [], [])
+    b = _Builder(graph, 17)
+    heads = b.const("heads", np.array(shape.heads))
+    capacity = b.const("capacity", np.array(shape.capacity))
+
+    def rows(slots: str) -> str:
+        per_head = b.op(
+            "Add", [b.op("Mul", [b.unsqueeze(slots, [1]), heads], "sh"), _range(b, heads)], "rh"
+        )
+        base = b.op("Mul", [per_head, capacity], "base")
+        return b.op("Add", [b.unsqueeze(base, [2]), COPY_POSITIONS], "rows")
+
+    source, target = rows(SLOT_ROWS), b.unsqueeze(rows(COPY_TARGETS), [3])
+    inputs = [
+        helper.make_tensor_value_info(SLOT_ROWS, TensorProto.INT64, ["rows"]),
+        helper.make_tensor_value_info(COPY_TARGETS, TensorProto.INT64, ["rows"]),
+        helper.make_tensor_value_info(COPY_POSITIONS, TensorProto.INT64, ["positions"]),
+    ]
+    outputs = []
+    for buffer, updated in zip(
+        slot_names(shape.layers, "decoder"),
+        slot_names(shape.layers, "decoder", out=True),
+        strict=True,
+    ):
+        moved = b.op("Gather", [buffer, source], "moved", axis=0)
+        b.nodes.append(helper.make_node("ScatterND", [buffer, target, moved], [updated]))
+        inputs.append(helper.make_tensor_value_info(buffer, float_type, None))
+        outputs.append(helper.make_tensor_value_info(updated, float_type, None))
+    return _io_graph(b.nodes, inputs, outputs, list(graph.initializer), "slot_copy")
