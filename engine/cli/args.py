@@ -126,6 +126,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
         help="decoder rows per batched step, all streams together (default: %(default)s)",
     )
     parser.add_argument(
+        "--kv-slots",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="decoder rows whose keys and values are kept in place, allocated at start "
+        "(default: one per row the batches may hold; 0: copy them at every step); "
+        "requests wait for a free one",
+    )
+    parser.add_argument(
         "--lockstep",
         action="store_true",
         help="do not rewrite the decoder for continuous batching: batch only requests that "
@@ -227,7 +236,7 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         "allow_spinning": args.spin,
         "batchable": not args.lockstep,
         "int8_per_token": not args.int8_per_call,
-        "scheduler": SchedulerOptions(max_rows=args.max_batch_rows),
+        "scheduler": SchedulerOptions(max_rows=args.max_batch_rows, kv_slots=args.kv_slots),
     }
 
 

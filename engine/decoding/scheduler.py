@@ -299,6 +299,16 @@ class DecodeScheduler:
         return total
 
     @property
+    def kv_slots(self) -> dict[str, int] | None:
+        """The KV slot pool: its slots (`total`), those no request holds (`free`) and its
+        `bytes`; None without one."""
+        if self.kv is None:
+            return None
+        with self._cond:
+            free = self._policy.free_slots or 0
+        return {"total": self.kv.slots, "free": free, "bytes": self.kv.bytes}
+
+    @property
     def batch_sizes(self) -> Counter[int]:
         """How many decoder steps ran with each number of rows, over the lanes."""
         total: Counter[int] = Counter()

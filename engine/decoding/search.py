@@ -260,10 +260,10 @@ class GreedySearch(Search):
 
     @property
     def needs_logits(self) -> bool:
-        """Whether its next step needs the whole logits: a hook rewrites them, and eos is
-        banned while it has fewer than `min_new_tokens`; else the model's own argmax and
-        its log-probability (`take`) decide the same token."""
-        return self.hook is not None or len(self.tokens) < self.options.min_new_tokens
+        """Whether its next step needs the whole logits: a hook rewrites them; else the
+        model's own argmax and its log-probability, eos banned below `min_new_tokens`,
+        decide the same token (`take`)."""
+        return self.hook is not None
 
     def observe(self, logits: FloatArray) -> Extension | None:
         if len(self.tokens) < len(self.prefix):

@@ -15,6 +15,7 @@ position is written again by the row's next token.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,6 +48,27 @@ def _confirm(
         confirmed += 1
 
 
+@dataclass
+class _Rows:
+    """The batch's rows, as arrays: each row's slot, positions written (the next one's
+    index), next token, source length and minimum length (`min_new_tokens`)."""
+
+    slot: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    length: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    next: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    source: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    minimum: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def take(self, select: Sequence[int]) -> None:
+        """Keep these rows, in this order."""
+        for name in ("slot", "length", "next", "source", "minimum"):
+            setattr(self, name, getattr(self, name)[list(select)])
+
+    def extend(self, other: _Rows) -> None:
+        for name in ("slot", "length", "next", "source", "minimum"):
+            setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
+
+
 class SlotBatch(DecodeBatch):
     """Searches that join and leave at any step, each row in its own KV slot (module
     docstring). `slots` of a joining `Member` are its request's, one per row it may
@@ -65,12 +87,7 @@ class SlotBatch(DecodeBatch):
         self.pool = pool
         self.lookahead_positions = lookahead_positions if decoder.lookahead else 0
         self._owned: dict[Search, tuple[int, ...]] = {}  # each search's slots
-        # Row by row: its slot, positions written (the next one's index), next token and
-        # its source's length.
-        self._slot: IntArray = np.zeros(0, dtype=np.int64)
-        self._length: IntArray = np.zeros(0, dtype=np.int64)
-        self._next: IntArray = np.zeros(0, dtype=np.int64)
-        self._source: IntArray = np.zeros(0, dtype=np.int64)
+        self._rows = _Rows()
         self._out: StepOutput | None = None  # the last step's, until `update` takes it
 
     @property
@@ -98,44 +115,38 @@ class SlotBatch(DecodeBatch):
             row += width
         if ahead:
             for r, taken in steps.confirmed:
-                self._length[r] += taken
+                self._rows.length[r] += taken
             self.stats["lookahead_offered"] += sum(map(len, ahead))
             self.stats["lookahead_accepted"] += sum(taken for _, taken in steps.confirmed)
         self._ahead = []
         self.searches = steps.kept
+        for search in steps.ended:
+            del self._owned[search]
         self._arrange(steps)
         return steps.ended
 
     def _arrange(self, steps: _Steps) -> None:
         """The rows of the searches kept, in their new order: a beam's row continues a
         parent row, whose state is copied into the row's own slot when it is another."""
-        select = steps.select
-        length, source = self._length[select], self._source[select]
-        slots: list[int] = []
-        sources: list[int] = []
-        targets: list[int] = []
-        for search in self.searches:
-            own = self._owned[search]
-            mine = own[: search.width]
-            parents = self._slot[select[len(slots) : len(slots) + len(mine)]]
-            for slot, parent in zip(mine, parents, strict=True):
-                if slot != parent:
-                    sources.append(int(parent))
-                    targets.append(slot)
-            slots.extend(mine)
-        if targets:
-            self.pool.copy(sources, targets, int(length.max()))
-        self._slot = np.array(slots, dtype=np.int64)
-        self._length, self._source = length, source
-        self._next = np.array(steps.tokens, dtype=np.int64)
+        rows = self._rows
+        parents = rows.slot[steps.select]
+        rows.take(steps.select)
+        rows.next = np.array(steps.tokens, dtype=np.int64)
+        rows.slot = np.array(
+            [slot for search in self.searches for slot in self._owned[search][: search.width]],
+            dtype=np.int64,
+        )
+        moved = np.flatnonzero(rows.slot != parents)
+        if moved.size:
+            positions = int(rows.length[moved].max())
+            self.pool.copy(parents[moved].tolist(), rows.slot[moved].tolist(), positions)
 
     def schedule(self, joining: Sequence[Member], leaving: Collection[Search] = ()) -> list[Search]:
         if self._out is not None:
             raise RuntimeError("schedule between execute and update")
         kept = self._without(leaving)
         if kept is not None:
-            self._slot, self._length = self._slot[kept], self._length[kept]
-            self._next, self._source = self._next[kept], self._source[kept]
+            self._rows.take(kept)
         for search in leaving:
             self._owned.pop(search, None)
         if not joining:
@@ -179,28 +190,32 @@ class SlotBatch(DecodeBatch):
                 lengths.extend([1 + start + accepted] * len(step.tokens))
         sources = enc.attention_mask.sum(axis=1)
         kept = set(steps.kept)
-        new_slots: list[int] = []
-        new_sources: list[int] = []
-        for r, (search, own) in enumerate(zip(searches, owned, strict=True)):
+        new = _Rows(
+            length=np.array(lengths, dtype=np.int64),
+            next=np.array(steps.tokens, dtype=np.int64),
+        )
+        slots: list[int] = []
+        for search, own in zip(searches, owned, strict=True):
             if search in kept:
                 self._owned[search] = own
-                new_slots.extend(own[: search.width])
-                new_sources.extend([int(sources[r])] * search.width)
+                slots.extend(own[: search.width])
+        new.slot = np.array(slots, dtype=np.int64)
+        new.source = sources[steps.select].astype(np.int64)
+        minimum = [s.options.min_new_tokens for s in searches]
+        new.minimum = np.array(minimum, dtype=np.int64)[steps.select]
         self.searches = [*self.searches, *steps.kept]
-        self._slot = np.concatenate([self._slot, np.array(new_slots, dtype=np.int64)])
-        self._length = np.concatenate([self._length, np.array(lengths, dtype=np.int64)])
-        self._next = np.concatenate([self._next, np.array(steps.tokens, dtype=np.int64)])
-        self._source = np.concatenate([self._source, np.array(new_sources, dtype=np.int64)])
+        self._rows.extend(new)
         return steps.ended
 
     def execute(self) -> None:
         if not self.searches:
             self._ahead = []
             return
-        rows = len(self._slot)
+        state = self._rows
+        rows = len(state.slot)
         capacity = self.pool.shape.capacity
         most = min(LOOKAHEAD, self.lookahead_positions // rows)
-        most = min(most, capacity - 1 - int(self._length.max()))
+        most = min(most, capacity - 1 - int(state.length.max()))
         self._ahead = []
         if most > 0:
             self._ahead = [[] for _ in range(rows)]
@@ -209,14 +224,14 @@ class SlotBatch(DecodeBatch):
                 self._ahead[row] = search.take_lookahead(most)  # a beam's: none
                 row += search.width
         fed = 1 + max(map(len, self._ahead), default=0)
-        length = self._length
+        length = state.length
         if fed == 1:
-            ids = self._next[:, None]
+            ids = state.next[:, None]
             positions = length[:, None]
             new = np.ones((rows, 1), dtype=bool)
         else:
             ids = np.full((rows, fed), self.model.config.pad_token_id, dtype=np.int64)
-            ids[:, 0] = self._next
+            ids[:, 0] = state.next
             new = np.zeros((rows, fed), dtype=bool)
             new[:, 0] = True
             for r, looked in enumerate(self._ahead):
@@ -230,15 +245,19 @@ class SlotBatch(DecodeBatch):
         mask = columns < length[:, None]
         ends = length + new.sum(axis=1)
         mask |= (columns >= length[:, None]) & (columns < ends[:, None])
-        source = self._source
+        source = state.source
         encoder_mask = (np.arange(int(source.max()))[None, :] < source[:, None]).astype(np.int64)
         logits = any(search.needs_logits for search in self.searches)
+        # Tokens each row has at each fed position (its next token included): eos is
+        # banned where that is short of its minimum.
+        ban = length[:, None] + np.arange(fed)[None, :] < state.minimum[:, None]
         self._out = self.pool.step(
             np.ascontiguousarray(ids, dtype=np.int64),
             np.ascontiguousarray(positions, dtype=np.int64),
             mask.astype(np.int64),
             encoder_mask,
-            self._slot,
+            state.slot,
+            ban,
             logits=logits,
         )
-        self._length = length + 1
+        state.length = length + 1

@@ -27,6 +27,7 @@ from engine.model.checks import REWRITE_TOLERANCE
 from engine.model.config import ModelConfig
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray, MaskedDecoder
 from engine.model.names import (
+    BAN_EOS,
     COPY_POSITIONS,
     COPY_TARGETS,
     ENCODER_ATTENTION_MASK,
@@ -161,13 +162,18 @@ class KvSlots:
         mask: IntArray,
         encoder_mask: IntArray,
         rows: IntArray,
+        ban_eos: npt.NDArray[np.bool_] | None = None,
         *,
         logits: bool = False,
     ) -> StepOutput:
         """One cached step of the rows in slots `rows` [B]: `input_ids` [B, T] at
         `positions` [B, T] (written there), seeing the slot positions `mask` [B, W]
-        marks; cross-attention over the first `encoder_mask` [B, S] positions."""
+        marks; cross-attention over the first `encoder_mask` [B, S] positions; eos not
+        chosen where `ban_eos` [B, T] says."""
+        if ban_eos is None:
+            ban_eos = np.zeros(input_ids.shape, dtype=np.bool_)
         inputs = {
+            BAN_EOS: ban_eos,
             INPUT_IDS: input_ids,
             POSITIONS_INPUT: positions,
             MASK_INPUT: mask,
@@ -281,11 +287,11 @@ def open_slot_graphs(
     shape = SlotShape(
         config.decoder_layers, config.decoder_attention_heads, config.head_dim, positions, positions
     )
-    bans = config.bad_token_ids
-    graph = rewrite_step(step, shape, config.vocab_size, bans, f"{where} (step)")
+    facts = (config.vocab_size, config.bad_token_ids, config.eos_token_id)
+    graph = rewrite_step(step, shape, *facts, f"{where} (step)")
     if graph is None:
         return None
-    one = None if one_token is None else rewrite_step(one_token, shape, config.vocab_size, bans)
+    one = None if one_token is None else rewrite_step(one_token, shape, *facts, where)
     element = TensorProto.FLOAT16 if float16 else TensorProto.FLOAT
     try:
         graphs = SlotGraphs(

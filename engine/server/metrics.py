@@ -67,6 +67,35 @@ class _SchedulerStats(Collector):
         yield family
 
 
+class _KvSlotStats(Collector):
+    """Each model's KV slot pool, by target language: its slots, those free, and the
+    bytes it holds (allocated at start: the decoder's state does not grow with load)."""
+
+    def __init__(self, engine: Callable[[], IncrementalTranslator | None]) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        slots = GaugeMetricFamily(
+            "nmt_kv_slots",
+            "KV slots per model (state: total, free): rows whose decoder state is kept "
+            "in place; a request waits while none is free.",
+            labels=["state", "lang"],
+        )
+        size = GaugeMetricFamily(
+            "nmt_kv_slot_bytes", "Memory of each model's KV slot pool.", labels=["lang"]
+        )
+        nmt = self._engine()
+        for lang, target in sorted(nmt.targets.items() if nmt is not None else []):
+            pool = target.scheduler.kv_slots
+            if pool is None:
+                continue
+            slots.add_metric(["total", lang], pool["total"])
+            slots.add_metric(["free", lang], pool["free"])
+            size.add_metric([lang], pool["bytes"])
+        yield slots
+        yield size
+
+
 class _ModelInfo(Collector):
     """One series per loaded model (value 1): its target and source language, directory,
     batching and whether its language is the default, so a dashboard can tell what a
@@ -263,6 +292,7 @@ class ServerMetrics:
 
         metrics = cls(open_streams, engine_stats, scheduler_stats, models)
         metrics.registry.register(_BusStats(engine))
+        metrics.registry.register(_KvSlotStats(engine))
         return metrics
 
     def render(self, accept: str | None) -> tuple[bytes, str]:

@@ -37,6 +37,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from engine.model.names import (
+    BAN_EOS,
     COPY_POSITIONS,
     COPY_TARGETS,
     ENCODER_ATTENTION_MASK,
@@ -152,14 +153,23 @@ def _self_mask(b: _Builder, negative: onnx.TensorProto) -> str:
     return b.op("Where", [blocked, negative.name, zero], "self_mask")
 
 
-def _greedy_outputs(b: _Builder, logits: str, vocab: int, bans: Sequence[int]) -> None:
+def _greedy_outputs(b: _Builder, logits: str, vocab: int, bans: Sequence[int], eos: int) -> None:
     """`NEXT_IDS` [B, T] and `NEXT_SCORES` [B, T]: the argmax of the logits with banned
-    tokens at -inf, and its log-probability, in the float32 operations of
-    `engine.decoding.search._greedy_choice` (first index on ties, as numpy's argmax)."""
+    tokens at -inf, and eos too where `BAN_EOS` [B, T] says (a row short of its minimum
+    length), and its log-probability, in the float32 operations of
+    `engine.decoding.search._greedy_choice` (first index on ties, as numpy's argmax).
+    Eos gets a finite -1e30 rather than -inf (0 x -inf is NaN): its exponential is 0 all
+    the same."""
     bias = np.zeros(vocab, dtype=np.float32)
     bias[list(bans)] = -np.inf
+    no_eos = np.zeros(vocab, dtype=np.float32)
+    no_eos[eos] = -1e30
     as_float = b.op("Cast", [logits], "logits_f32", to=TensorProto.FLOAT)
-    allowed = b.op("Add", [as_float, b.const("bans", bias)], "allowed")
+    banned = b.unsqueeze(b.op("Cast", [BAN_EOS], "ban_f32", to=TensorProto.FLOAT), [2])
+    short = b.op("Mul", [banned, b.const("no_eos", no_eos)], "eos_bias")
+    allowed = b.op(
+        "Add", [b.op("Add", [as_float, b.const("bans", bias)], "banned"), short], "allowed"
+    )
     b.nodes.append(helper.make_node("ArgMax", [allowed], [NEXT_IDS], axis=-1, keepdims=0))
     top = b.unsqueeze(b.reduce("ReduceMax", allowed, "top"), [-1])
     total = b.reduce("ReduceSum", b.op("Exp", [b.op("Sub", [allowed, top], "shift")], "exp"), "sum")
@@ -201,7 +211,9 @@ def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto
     return [n for n in nodes if id(n) in keep]
 
 
-def _rewrite(model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequence[int]) -> bytes:
+def _rewrite(
+    model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequence[int], eos: int
+) -> bytes:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -257,7 +269,7 @@ def _rewrite(model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequenc
     logits = next((o for o in graph.output if o.name == LOGITS), None)
     if logits is None:
         raise _Unsupported("no logits output")
-    _greedy_outputs(b, LOGITS, vocab, bans)
+    _greedy_outputs(b, LOGITS, vocab, bans, eos)
     kept_outputs = [o for o in graph.output if o.name == LOGITS]
     del graph.output[:]
     graph.output.extend(kept_outputs)
@@ -271,6 +283,7 @@ def _rewrite(model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequenc
     dims: list[str | int] = ["slot_rows", shape.head_dim]
     inputs = [i for i in graph.input if i.name not in set(past_self + past_cross)]
     inputs.append(helper.make_tensor_value_info(SLOT_ROWS, TensorProto.INT64, ["batch_size"]))
+    inputs.append(helper.make_tensor_value_info(BAN_EOS, TensorProto.BOOL, ["batch_size", "new"]))
     for name in (*buffers_in, *slot_names(shape.layers, "encoder")):
         inputs.append(helper.make_tensor_value_info(name, _float(negative), dims))
     del graph.input[:]
@@ -300,12 +313,18 @@ def _float(negative: onnx.TensorProto) -> int:
 
 
 def rewrite_step(
-    data: bytes, shape: SlotShape, vocab: int, bans: Sequence[int], name: str = "decoder"
+    data: bytes,
+    shape: SlotShape,
+    vocab: int,
+    bans: Sequence[int],
+    eos: int,
+    name: str = "decoder",
 ) -> bytes | None:
     """The masks-rewritten with-past graph `data` reading and writing KV slots, or None
-    (the reason logged) when its graph lacks the structure this module knows."""
+    (the reason logged) when its graph lacks the structure this module knows. `bans`:
+    tokens never chosen; `eos`: the token `BAN_EOS` bans per row."""
     try:
-        return _rewrite(onnx.load_from_string(data), shape, vocab, bans)
+        return _rewrite(onnx.load_from_string(data), shape, vocab, bans, eos)
     except _Unsupported as exc:
         reason = str(exc)
     except Exception as exc:  # a malformed graph: falling back is always safe

@@ -1,0 +1,218 @@
+"""KV slots: every batchable layout steps with its decoder state in preallocated slots
+written in place (`engine.model.slots`, `engine.decoding.slot_batch`), rows still equal
+decoding alone, slots go back to the pool after finals and aborts, a full pool queues and
+a request wider than the whole pool is refused with a clear error.
+
+Rows equal to decoding alone over every layout, beams included, are also what
+tests/test_scheduler.py checks: its schedulers step over slots by default."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from engine import DecodeOptions, Translator
+from engine.decoding.batch import LOOKAHEAD_POSITIONS, Member
+from engine.decoding.policy import NotEnoughSlots, Priority, new_request_id
+from engine.decoding.scheduler import SchedulerOptions
+from engine.decoding.search import DecodingCancelled, Hypothesis, make_search
+from engine.decoding.slot_batch import SlotBatch
+from engine.model.config import ModelConfig
+from engine.model.passes.slots import SlotShape, rewrite_step
+from engine.model.slots import slot_bytes
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+from tests.test_scheduler import SCORE_TOLERANCE, SOURCES, _drafts, alone, layouts, requests
+
+
+@pytest.fixture(scope="module", params=layouts(), ids=[name for name, _ in layouts()])
+def translator(request: pytest.FixtureRequest) -> Translator:
+    needs_fixture()
+    options = dict(request.param[1])
+    scheduler = options.pop("scheduler", SchedulerOptions(lanes=1))
+    assert isinstance(scheduler, SchedulerOptions)
+    return Translator.from_dir(FIXTURE_MODEL, scheduler=scheduler, **options)  # type: ignore[arg-type]
+
+
+def small_pool(slots: int, **options: object) -> Translator:
+    needs_fixture()
+    scheduler = SchedulerOptions(lanes=1, kv_slots=slots)
+    return Translator.from_dir(FIXTURE_MODEL, scheduler=scheduler, **options)  # type: ignore[arg-type]
+
+
+def free(tr: Translator) -> int:
+    pool = tr.scheduler.kv_slots
+    assert pool is not None
+    return pool["free"]
+
+
+def test_every_batchable_layout_steps_over_kv_slots(translator: Translator) -> None:
+    scheduler = translator.scheduler
+    pool = scheduler.kv
+    assert pool is not None, "the step was not rewritten over KV slots"
+    assert isinstance(scheduler._lanes[0].batch, SlotBatch)
+    config = translator.config
+    # Sized at start: one slot per row the lanes may hold, its size known.
+    assert pool.slots == scheduler.lanes * scheduler.options.max_rows
+    assert pool.bytes == pool.slots * slot_bytes(pool.shape, 4)
+    assert pool.shape.capacity == config.max_position_embeddings
+    assert scheduler.kv_slots == {"total": pool.slots, "free": pool.slots, "bytes": pool.bytes}
+
+
+def test_kv_slots_off_copies_the_state_and_gives_the_same_answers() -> None:
+    needs_fixture()
+    off = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=0))
+    on = small_pool(4)
+    assert off.scheduler.kv is None and off.scheduler.kv_slots is None
+    for text in SOURCES:
+        got, expected = on.translate([text])[0], off.translate([text])[0]
+        assert (got.text, got.token_ids) == (expected.text, expected.token_ids)
+        assert got.score == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
+
+
+def test_slots_go_back_after_finals_and_aborts() -> None:
+    """Many more requests than slots, some aborted while they wait or run: every answer
+    equals decoding alone, and every slot is free again at the end."""
+    tr = small_pool(3)
+    options = DecodeOptions()
+    todo = requests(tr) * 3
+    expected = {(t, tuple(p)): alone(tr, t, p, options) for t, p in todo[:12]}
+    aborted = 0
+
+    def one(index: int) -> Hypothesis | None:
+        text, prefix = todo[index]
+        enc = tr.encode([tr.source_ids(text)])
+        request_id = new_request_id()
+        futures = tr.scheduler.submit(
+            enc, options, priority=Priority.PARTIAL, request_id=request_id, prefixes=[prefix]
+        )
+        if index % 4 == 3:
+            tr.scheduler.abort([request_id])
+        try:
+            return futures[0].result()
+        except DecodingCancelled:
+            return None
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, range(len(todo))))
+    for (text, prefix), hyp in zip(todo, got, strict=True):
+        if hyp is None:
+            aborted += 1
+            continue
+        ref = expected[(text, tuple(prefix))]
+        assert hyp.token_ids == ref.token_ids, (text, prefix)
+        assert hyp.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
+    assert free(tr) == 3
+    assert not tr.scheduler._policy._slots_of
+
+
+def test_thousands_of_joins_and_leaves_keep_the_pool_as_it_was() -> None:
+    tr = small_pool(4)
+    pool = tr.scheduler.kv
+    assert pool is not None
+    buffers = {name: id(value) for name, value in pool.buffers.items()}
+    options = DecodeOptions(max_new_tokens=2)
+    enc = tr.encode([tr.source_ids(SOURCES[0])])
+    stop = threading.Event()
+
+    def churn(worker: int) -> int:
+        done = 0
+        for i in range(250):
+            request_id = new_request_id()
+            futures = tr.scheduler.submit(
+                enc, options, priority=Priority.PARTIAL, request_id=request_id
+            )
+            if (i + worker) % 3 == 0:
+                tr.scheduler.abort([request_id])
+            try:
+                futures[0].result()
+                done += 1
+            except DecodingCancelled:
+                pass
+        return done
+
+    with ThreadPoolExecutor(8) as workers:
+        answered = sum(workers.map(churn, range(8)))
+    stop.set()
+    assert answered > 0
+    assert free(tr) == 4
+    assert {name: id(value) for name, value in pool.buffers.items()} == buffers
+    assert pool.bytes == 4 * slot_bytes(pool.shape, 4)
+
+
+def test_a_full_pool_queues_and_a_request_wider_than_the_pool_is_refused() -> None:
+    tr = small_pool(1)
+    todo = SOURCES[:5]
+    expected = [alone(tr, text, [], DecodeOptions()) for text in todo]
+    gate = threading.Barrier(len(todo))
+
+    def one(text: str) -> Hypothesis:
+        enc = tr.encode([tr.source_ids(text)])
+        gate.wait()
+        return tr.decode(enc, DecodeOptions())[0]
+
+    with ThreadPoolExecutor(len(todo)) as pool:
+        got = list(pool.map(one, todo))
+    assert [h.token_ids for h in got] == [r.token_ids for r in expected]
+    assert tr.scheduler.batch_sizes.keys() == {1}  # one row at a time: one slot
+    enc = tr.encode([tr.source_ids(SOURCES[0])])
+    with pytest.raises(NotEnoughSlots, match=r"needs 3 KV slots; the pool has 1 \(--kv-slots\)"):
+        tr.decode(enc, DecodeOptions(beam_size=3))
+    assert tr.translate([SOURCES[1]])[0].token_ids == expected[1].token_ids  # it goes on
+
+
+def test_slot_rows_with_lookahead_and_minimum_lengths_equal_decoding_alone(
+    translator: Translator,
+) -> None:
+    """Rows joining at different steps with drafts verified several tokens per step, and
+    eos banned in the graph below their minimum length, each equal decoding alone."""
+    model = translator.model
+    pool = translator.scheduler.kv
+    if model.masked is None or pool is None or not model.masked.lookahead:
+        pytest.skip("no lookahead over slots for this layout")
+    options = DecodeOptions(min_new_tokens=12, max_new_tokens=16)
+    todo = []
+    for i, (text, prefix) in enumerate(requests(translator)[:8]):
+        ref = alone(translator, text, prefix, options)
+        tail = list(ref.token_ids[len(prefix) :])
+        kinds = _drafts(tail, model.config.vocab_size)
+        draft = list(kinds.values())[i % len(kinds)]
+        todo.append((ref, make_search(model.config, prefix, options, None, draft), text))
+    batch = SlotBatch(model, model.masked, pool, LOOKAHEAD_POSITIONS)
+    joins = {0: todo[:2], 1: todo[2:3], 3: todo[3:6], 6: todo[6:]}
+    slots = iter(range(pool.slots))
+    step = 0
+    while step in joins or step < max(joins) or len(batch):
+        batch.update()
+        members = [
+            Member(s, translator.encode([translator.source_ids(t)]), (next(slots),))
+            for _, s, t in joins.get(step, [])
+        ]
+        batch.schedule(members)
+        batch.execute()
+        step += 1
+    for ref, s, text in todo:
+        got = s.result()
+        assert got.token_ids == ref.token_ids, (text, s.draft)
+        assert got.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
+    assert 0 < batch.stats["lookahead_accepted"] < batch.stats["lookahead_offered"]
+
+
+def test_a_graph_of_another_shape_is_not_rewritten(caplog: pytest.LogCaptureFixture) -> None:
+    """The original with-past graph (no masks rewrite): refused with a reason, so the
+    model copies its state per step rather than run a wrong graph."""
+    needs_fixture()
+    config = ModelConfig.from_dir(FIXTURE_MODEL)
+    shape = SlotShape(config.decoder_layers, config.decoder_attention_heads, config.head_dim, 8, 8)
+    data = (FIXTURE_MODEL / "decoder_with_past_model.onnx").read_bytes()
+    facts = (config.vocab_size, config.bad_token_ids, config.eos_token_id)
+    assert rewrite_step(data, shape, *facts) is None
+    assert "not a masks-rewritten decoder" in caplog.text
+
+
+def test_slot_bytes_counts_self_and_cross_keys_and_values() -> None:
+    shape = SlotShape(layers=6, heads=8, head_dim=64, capacity=512, source_capacity=256)
+    assert slot_bytes(shape, 2) == 6 * 2 * 8 * 64 * (512 + 256) * 2
+    assert np.float16(0).itemsize == 2
