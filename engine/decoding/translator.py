@@ -23,7 +23,7 @@ from engine.languages import word_joiner
 from engine.model.config import ModelConfig
 from engine.model.layouts import EncoderOutput
 from engine.model.marian import MarianOnnx
-from engine.model.sessions import RuntimeOptions, threads_from_env
+from engine.model.sessions import RuntimeOptions, device_options, threads_from_env
 from engine.model.tokenizer import MarianTokenizer
 
 _SENTENCE_END = re.compile(r"(?<=[.!?。！？；;])\s*")
@@ -75,8 +75,12 @@ class Translator:
         batchable: bool = True,
         scheduler: SchedulerOptions | None = None,
         int8_per_token: bool = True,
+        device: str = "cpu",
     ) -> Translator:
-        """Load a model directory in the Optimum layout (ONNX files at the top or in `onnx/`)."""
+        """Load a model directory in the Optimum layout (ONNX files at the top or in `onnx/`).
+
+        `device`: "cpu", or "cuda" / "cuda:N" with the `[gpu]` extra (raises
+        `DeviceUnavailable` where it cannot run)."""
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelLoadError(f"{path}: not a model directory")
@@ -100,6 +104,7 @@ class Translator:
             batchable=batchable,
             head_threads=threads.head,
             int8_per_token=int8_per_token,
+            **device_options(device),
         )
         return cls(MarianOnnx(path, config, options), tokenizer, scheduler)
 

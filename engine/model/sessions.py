@@ -3,8 +3,10 @@ reader of `NMT_INTRA_OP_THREADS`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import onnxruntime as ort
 
@@ -51,6 +53,36 @@ class RuntimeOptions:
         return self.quantized and self.int8_per_token
 
 
+class DeviceUnavailable(RuntimeError):
+    """The device asked for cannot run the model here (the message says what is missing)."""
+
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+def device_options(device: str) -> dict[str, Any]:
+    """`RuntimeOptions` fields for `device`: "cpu", or "cuda" / "cuda:N" (the CUDA
+    provider on GPU N, the CPU provider for what it does not run). Raises
+    `DeviceUnavailable` when this onnxruntime has no CUDA provider (the `[gpu]` extra,
+    onnxruntime-gpu, is not installed) or `ValueError` for a device it does not know."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu" and not index:
+        return {"providers": (CPU,), "device_id": 0}
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N")
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:  # CUDA and cuDNN from an installed PyTorch or nvidia wheels
+        with contextlib.suppress(Exception):  # the provider check below says what is missing
+            preload()
+    if CUDA not in ort.get_available_providers():
+        raise DeviceUnavailable(
+            f"--device {device}: this onnxruntime ({ort.__version__}) has no CUDA provider; "
+            "install the [gpu] extra (onnxruntime-gpu) in place of onnxruntime"
+        )
+    return {"providers": (CUDA, CPU), "device_id": int(index or 0)}
+
+
 def threads_from_env() -> int | None:
     """The intra-op threads `NMT_INTRA_OP_THREADS` asks for, or None when it is unset or
     empty: what a session gets when `RuntimeOptions.intra_op_threads` is None."""
@@ -87,6 +119,14 @@ kernels multiply by their product: values one float step apart from the files' f
 one-token call, so a row stepped alone (on the files' graph) and in a batch would differ."""
 
 
+def providers(options: RuntimeOptions) -> list[Any]:
+    """The providers a session is opened with, the CUDA one on `device_id`."""
+    return [
+        (name, {"device_id": options.device_id}) if name == CUDA else name
+        for name in options.providers
+    ]
+
+
 def open_session(
     graph: str | bytes,
     options: RuntimeOptions,
@@ -99,6 +139,6 @@ def open_session(
     return ort.InferenceSession(
         graph,
         session_options(options, threads),
-        providers=list(options.providers),
+        providers=providers(options),
         **({"disabled_optimizers": list(PER_TOKEN_FUSIONS_OFF)} if per_token else {}),
     )
