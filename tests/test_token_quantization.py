@@ -219,6 +219,7 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
     kernels, same values), every other step the per-token graph. `int8_per_token=False`
     runs the files as they are."""
     from engine import DecodeOptions, Translator
+    from engine.decoding.scheduler import SchedulerOptions
 
     needs_fixture()
     texts = ["I will meet Tom at three", "we eat noodles"]
@@ -235,18 +236,30 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
         )
     assert moved[True] == 0.0 and moved[False] > 1e-3
 
-    tr = Translator.from_dir(FIXTURE_MODEL, quantized=True)
-    masked = tr.model.masked
-    assert masked is not None and masked.one_token is not None
-    runs = {"one": 0, "tokens": 0}
-    for name, graph in (("one", masked.one_token), ("tokens", masked.steps)):
-        original = graph.session.run
+    for kv_slots in (None, 0):  # steps over KV slots, and with the state copied
+        tr = Translator.from_dir(
+            FIXTURE_MODEL, quantized=True, scheduler=SchedulerOptions(kv_slots=kv_slots)
+        )
+        masked = tr.model.masked
+        assert masked is not None and masked.one_token is not None
+        pool = tr.scheduler.kv
+        assert (pool is not None) == (kv_slots is None)
+        runs = {"one": 0, "tokens": 0}
+        if pool is not None:
+            sessions = {"one": pool.sessions["one_token"], "tokens": pool.sessions["step"]}
+            method = "run_with_iobinding"
+        else:
+            assert masked.one_token is not None
+            sessions = {"one": masked.one_token.session, "tokens": masked.steps.session}
+            method = "run"
+        for name, session in sessions.items():
+            original = getattr(session, method)
 
-        def counted(*args: Any, _name: str = name, _run: Any = original) -> Any:
-            runs[_name] += 1
-            return _run(*args)
+            def counted(*args: Any, _name: str = name, _run: Any = original) -> Any:
+                runs[_name] += 1
+                return _run(*args)
 
-        monkeypatch.setattr(graph.session, "run", counted)
-    enc = tr.encode([tr.source_ids(texts[0])])
-    tr.decode(enc, DecodeOptions(), prefixes=[[]])
-    assert runs["one"] > 0 and runs["tokens"] == 0
+            monkeypatch.setattr(session, method, counted)
+        enc = tr.encode([tr.source_ids(texts[0])])
+        tr.decode(enc, DecodeOptions(), prefixes=[[]])
+        assert runs["one"] > 0 and runs["tokens"] == 0, kv_slots
