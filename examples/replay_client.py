@@ -381,7 +381,7 @@ def format_message(message: TranslationUpdate | ErrorMessage, *, color: bool) ->
     if color:
         tail = f"\x1b[2;3m{tail}\x1b[0m" if tail else ""
         source = f"\x1b[2m{source}\x1b[0m" if source else ""
-    else:
+    elif tail or not message.is_final:  # a final has no tentative tail
         tail = f"[{tail}]"
     lang = f"{message.lang:<3}" if message.lang else "-  "
     heard = f"  <- {source}" if source else ""
