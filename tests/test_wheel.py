@@ -94,27 +94,28 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     base = tmp_path_factory.mktemp("wheel")
     wheel = _build_wheel(base)
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    # Nothing of the checkout on the path, from the install on: with PYTHONPATH naming it,
+    # pip would take its metadata for the wheel's, already installed.
+    unset = ("PYTHONPATH", "VIRTUAL_ENV", "NMT_INCREMENTAL_CATALOG")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(HF_HUB_OFFLINE="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120, env=env)
     python = venv / "bin" / "python"
-    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    purelib = Path(subprocess.check_output([python, "-c", where], text=True).strip())
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-         "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
         check=True,
         timeout=120,
-        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
-    )  # fmt: skip
-    # After the install: pip would take this interpreter's (editable) nmt-incremental for
-    # the wheel's, already installed.
+        env=env,
+    )
+    # After the install, for the same reason: this interpreter's packages, the project's
+    # own (editable) metadata among them.
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = Path(subprocess.check_output([python, "-c", where], text=True, env=env).strip())
     ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (purelib / "_nmt_test_dependencies.pth").write_text("\n".join(sorted(ours)) + "\n")
     cwd = base / "elsewhere"
     cwd.mkdir()
-    unset = ("PYTHONPATH", "VIRTUAL_ENV", "NMT_INCREMENTAL_CATALOG")
-    env = {k: v for k, v in os.environ.items() if k not in unset}
-    env["HF_HUB_OFFLINE"] = "1"
-    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     return Installed(venv, cwd, env)
 
 
