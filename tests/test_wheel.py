@@ -16,7 +16,6 @@ import importlib.metadata
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.redis_server import free_port
 
 FIXTURE_MODEL = ROOT / "models" / "fixture" / "model"
 STATIC = ROOT / "engine" / "server" / "static"
@@ -149,13 +149,6 @@ def test_serve_without_a_model_says_so_in_a_line_and_exits_2(installed: Installe
     assert "--model" in done.stderr and "Traceback" not in done.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _get(url: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -165,7 +158,7 @@ def _get(url: str) -> tuple[int, bytes]:
 
 
 def test_serve_answers_with_the_installed_pages_and_assets(installed: Installed) -> None:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [installed.command, "serve", "--model", str(FIXTURE_MODEL), "--port", str(port)],
         cwd=installed.cwd,
