@@ -460,7 +460,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the server's --viewer-token, for the page URL printed (never the writer's)",
     )
     parser.add_argument("--speed", type=float, default=1.0, help="2 = twice real time")
-    parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only the summary (and, when no server answers yet, that it waits)",
+    )
     parser.add_argument(
         "--reconnect-for",
         type=float,
@@ -480,7 +484,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for stream in sorted({line.event.stream_id for line in lines}):
         print(f"subtitle page: {page_url(args.url, stream, args.viewer_token)}", file=sys.stderr)
     notices = None if args.quiet else (lambda line: print(line, file=sys.stderr))
-    color = sys.stdout.isatty()
+    color = sys.stdout.isatty()  # a file or a pipe gets plain text
+
+    def show(message: TranslationUpdate | ErrorMessage) -> None:
+        print(format_message(message, color=color), flush=True)
+
     began = time.monotonic()
     try:
         result = asyncio.run(
@@ -489,9 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lines,
                 speed=args.speed,
                 token=args.token,
-                on_message=None
-                if args.quiet
-                else lambda message: print(format_message(message, color=color), flush=True),
+                on_message=None if args.quiet else show,
                 reconnect_for=args.reconnect_for,
                 on_event=notices,
                 on_wait=lambda line: print(line, file=sys.stderr, flush=True),
