@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import anyio
 from websockets.asyncio.client import ClientConnection, connect
@@ -40,7 +41,9 @@ class Reconnector:
     An outage spans the connections lost before one worked: the caller says whether the
     lost one worked (`healthy`), and the next loss after a healthy connection starts a new
     outage with the backoff's whole budget. A handshake answer that retrying cannot help
-    (bad token, wrong path) is raised at once.
+    (bad token, wrong path) is raised at once. `on_retry` hears of each failed try that
+    will be tried again (the outage's try count so far, and the failure), so that a client
+    can say at once that it is waiting rather than stay silent through the backoff.
     """
 
     def __init__(
@@ -51,8 +54,10 @@ class Reconnector:
         backoff: Backoff | None = None,
         max_size: int = 2**22,
         open_timeout: float = 10.0,
+        on_retry: Callable[[int, Exception], None] | None = None,
     ) -> None:
         self.url = url
+        self.on_retry = on_retry
         self.backoff = backoff or Backoff()
         self.max_size = max_size
         self.open_timeout = open_timeout
@@ -111,6 +116,8 @@ class Reconnector:
             attempt += 1
             if self.backoff.gives_up(time.monotonic() - began, attempt):
                 raise GaveUp from failure
+            if self.on_retry is not None:
+                self.on_retry(attempt, failure)
 
 
 def why_lost(ws: ClientConnection, closed: ConnectionClosed | None = None) -> str:

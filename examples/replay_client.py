@@ -3,13 +3,16 @@
 A log is JSON Lines of `partial_transcript` messages with an extra `emit_ms` (when the
 recogniser emitted it; see `engine/logs/format.py`). Each line is sent at its
 `emit_ms` (divided by `--speed`) without `emit_ms`, and the updates are printed as they
-come. Needs the client side of the checkout only (`protocol`, `engine.remote`'s
-`Reconnector`, `websockets`), not the model:
+come, one line each: its target language, the translation with its tentative tail, and the
+source it translates (plain text, the tail in brackets, when stdout is not a terminal).
+Needs the client side of the checkout only (`protocol`, `engine.reconnect`'s `Reconnector`,
+`websockets`), not the model:
 
     python examples/replay_client.py examples/logs/fixture_en_zh.jsonl --stream-id mic-1
     python examples/replay_client.py LOG --url ws://host:8765/ws --token SECRET --quiet
 
-It prints the subtitle page of each stream first (open it to watch the subtitles live).
+It prints the subtitle page of each stream first (open it to watch the subtitles live), and
+says at once when no server answers yet, and for how long it waits for one.
 
 `--url` may name a load balancer in front of several server nodes. When the connection is
 lost (a node dies or drains, or answers a final `unavailable`), the client reconnects to
@@ -137,6 +140,7 @@ async def replay(
     reconnect_for: float = 30.0,
     backoff: Backoff | None = None,
     on_event: Callable[[str], None] | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> ReplayResult:
     """Send `lines` on their schedule, then close their streams and wait (up to
     `final_timeout` s) until every final has its final update.
@@ -148,7 +152,8 @@ async def replay(
     final not yet answered, in order, with its ids, then goes on with the log. Partials
     that fell due while it was away are skipped when a later line of their stream is due
     too (a live recogniser's newer partial supersedes them); finals never are. `on_event`
-    hears a line about each disconnect and reconnect."""
+    hears a line about each disconnect and reconnect; `on_wait`, at once, that the first
+    connection failed and for how long the replay waits for a server (`waiting_note`)."""
     run = _Replay(
         url,
         lines,
@@ -156,6 +161,7 @@ async def replay(
         token=token,
         on_message=on_message,
         on_event=on_event or (lambda _: None),
+        on_wait=on_wait or (lambda _: None),
         final_timeout=final_timeout,
         backoff=backoff or Backoff(total=reconnect_for),
     )
@@ -174,12 +180,16 @@ class _Replay:
         token: str | None,
         on_message: Callable[[TranslationUpdate | ErrorMessage], None] | None,
         on_event: Callable[[str], None],
+        on_wait: Callable[[str], None],
         final_timeout: float,
         backoff: Backoff,
     ) -> None:
         self.lines = lines
         self.speed = speed
-        self.dialer = Reconnector(url, token, backoff=backoff)
+        self.url = url
+        self.on_wait = on_wait
+        self.connected = False  # a first connection was made (later losses: on_event)
+        self.dialer = Reconnector(url, token, backoff=backoff, on_retry=self._retrying)
         self.on_message = on_message
         self.on_event = on_event
         self.final_timeout = final_timeout
@@ -202,12 +212,17 @@ class _Replay:
             self.next_of[i] = last.get(sid)
             last[sid] = i
 
+    def _retrying(self, attempt: int, failure: Exception) -> None:
+        if not self.connected and attempt == 1:
+            self.on_wait(waiting_note(self.url, failure, self.backoff.total))
+
     def due(self, index: int) -> float:
         return self.start + (self.lines[index].emit_ms - self.origin) / 1000.0 / self.speed
 
     async def run(self) -> ReplayResult:
         self.start = time.perf_counter()
         ws = await self.dialer.connect()  # never connected: the error itself is raised
+        self.connected = True
         while True:
             self.healthy = self.ledger.pending == 0
             async with ws:
@@ -353,15 +368,34 @@ def percentile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
-def _print_message(message: TranslationUpdate | ErrorMessage) -> None:
+def format_message(message: TranslationUpdate | ErrorMessage, *, color: bool) -> str:
+    """One update as a line: final or not, stream and segment, seq, latency, the target
+    language, the translation, and the source it translates (after `<-`). The tentative
+    tail is dim on a terminal (`color`), in brackets elsewhere: a file gets plain text."""
     if isinstance(message, ErrorMessage):
-        print(f"error {message.code}: {message.message} ({message.stream_id} {message.seq})")
-        return
+        lang = f" [{message.lang}]" if message.lang else ""
+        return f"error {message.code}: {message.message} ({message.stream_id} {message.seq}){lang}"
     mark = "FINAL" if message.is_final else "     "
-    tail = f"\x1b[2;3m{message.unstable_text}\x1b[0m" if message.unstable_text else ""
-    print(
+    tail = message.unstable_text
+    source = message.source_text or ""
+    if color:
+        tail = f"\x1b[2;3m{tail}\x1b[0m" if tail else ""
+        source = f"\x1b[2m{source}\x1b[0m" if source else ""
+    elif tail or not message.is_final:  # a final has no tentative tail
+        tail = f"[{tail}]"
+    lang = f"{message.lang:<3}" if message.lang else "-  "
+    heard = f"  <- {source}" if source else ""
+    return (
         f"{mark} {message.stream_id}#{message.segment_id} seq {message.seq:>4} "
-        f"{message.latency_ms:6.0f} ms  {message.stable_text}{tail}"
+        f"{message.latency_ms:6.0f} ms  {lang} {message.stable_text}{tail}{heard}"
+    )
+
+
+def waiting_note(url: str, failure: Exception, wait: float) -> str:
+    """What the replay says at once when no server answers its first connection."""
+    return (
+        f"no server answers at {url} yet ({failure}); waiting up to {wait:g} s for one "
+        "(start it: nmt-incremental serve --model models/fixture/model)"
     )
 
 
@@ -426,7 +460,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the server's --viewer-token, for the page URL printed (never the writer's)",
     )
     parser.add_argument("--speed", type=float, default=1.0, help="2 = twice real time")
-    parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only the summary (and, when no server answers yet, that it waits)",
+    )
     parser.add_argument(
         "--reconnect-for",
         type=float,
@@ -446,6 +484,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for stream in sorted({line.event.stream_id for line in lines}):
         print(f"subtitle page: {page_url(args.url, stream, args.viewer_token)}", file=sys.stderr)
     notices = None if args.quiet else (lambda line: print(line, file=sys.stderr))
+    color = sys.stdout.isatty()  # a file or a pipe gets plain text
+
+    def show(message: TranslationUpdate | ErrorMessage) -> None:
+        print(format_message(message, color=color), flush=True)
+
+    began = time.monotonic()
     try:
         result = asyncio.run(
             replay(
@@ -453,13 +497,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lines,
                 speed=args.speed,
                 token=args.token,
-                on_message=None if args.quiet else _print_message,
+                on_message=None if args.quiet else show,
                 reconnect_for=args.reconnect_for,
                 on_event=notices,
+                on_wait=lambda line: print(line, file=sys.stderr, flush=True),
             )
         )
     except (OSError, InvalidHandshake) as exc:
-        print(f"cannot connect to {args.url}: {exc}", file=sys.stderr)
+        tried = time.monotonic() - began
+        waited = f" (tried for {tried:.0f} s)" if args.reconnect_for else ""
+        print(f"cannot connect to {args.url}: {exc}{waited}", file=sys.stderr)
         return 2
     print(summary(result), file=sys.stderr)
     return 0 if not result.lost_finals else 1

@@ -4,12 +4,17 @@ final, and reconnecting (resending unanswered finals) against tiny fake servers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
@@ -211,3 +216,95 @@ async def test_replay_nothing_listening_raises_the_connection_error() -> None:
         port = s.getsockname()[1]
     with pytest.raises(OSError):
         await replay(f"ws://127.0.0.1:{port}/ws", [], backoff=Backoff(0.01, 0.02, 0.1))
+
+
+# --- what the client prints ----------------------------------------------------------------
+
+CLIENT = ROOT / "examples" / "replay_client.py"
+
+
+def _client(log: Path, url: str, *args: str) -> list[str]:
+    return [sys.executable, str(CLIENT), str(log), "--url", url, *args]
+
+
+def _client_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def test_an_update_is_a_line_with_its_language_and_source_plain_off_a_terminal() -> None:
+    from replay_client import format_message
+
+    heard = "i will meet tom at three"
+    partial = TranslationUpdate(
+        "demo", 2, 7, "我三点", "见汤姆", False, 120.0, 80.0, source_text=heard, lang="zh"
+    )
+    plain = format_message(partial, color=False)
+    assert "\x1b" not in plain
+    assert plain.endswith(f"zh  我三点[见汤姆]  <- {heard}")
+    final = dataclasses.replace(
+        partial, stable_text="我三点见汤姆", unstable_text="", is_final=True
+    )
+    assert format_message(final, color=False).endswith(f"zh  我三点见汤姆  <- {heard}")
+    colored = format_message(partial, color=True)
+    assert "\x1b[2;3m见汤姆\x1b[0m" in colored and "[见汤姆]" not in colored
+    german = dataclasses.replace(final, stable_text="Ich treffe Tom um drei", lang="de")
+    assert "de  Ich treffe Tom um drei" in format_message(german, color=False)
+
+
+@pytest.mark.anyio
+async def test_the_client_writes_plain_lines_into_a_file(tmp_path: Path) -> None:
+    """stdout not a terminal: every update on its line, no escape codes, languages named."""
+    log = tmp_path / "log.jsonl"
+    log.write_text(
+        '{"type": "partial_transcript", "stream_id": "s", "segment_id": 0, "seq": 0, '
+        '"text": "I will", "is_final": false, "emit_ms": 0}\n'
+        '{"type": "partial_transcript", "stream_id": "s", "segment_id": 0, "seq": 1, '
+        '"text": "I will meet Tom", "is_final": true, "emit_ms": 50}\n'
+    )
+
+    async def handler(ws: ServerConnection) -> None:
+        async for data in ws:
+            event = protocol.parse(data)
+            if isinstance(event, PartialTranscript):
+                for lang in ("zh", "de"):
+                    tail = "" if event.is_final else "…"
+                    update = TranslationUpdate(
+                        event.stream_id, 0, event.seq, lang.upper(), tail, event.is_final,
+                        1.0, 1.0, source_text=event.text, lang=lang,
+                    )  # fmt: skip
+                    await ws.send(protocol.serialize(update))
+
+    async with serve(handler, "127.0.0.1", 0) as server:
+        url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}/ws"
+        done = await anyio.run_process(_client(log, url), env=_client_env(), check=False)
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()
+    assert "\x1b" not in out
+    lines = out.splitlines()
+    assert len(lines) == 4
+    assert lines[0].endswith("zh  ZH[…]  <- I will") and lines[1].endswith("de  DE[…]  <- I will")
+    assert lines[3].startswith("FINAL") and lines[3].endswith("de  DE  <- I will meet Tom")
+
+
+def test_the_client_says_at_once_that_it_waits_for_a_server_and_for_how_long() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"ws://127.0.0.1:{s.getsockname()[1]}/ws"
+    log = LOGS / "fixture_en_zh.jsonl"
+    with subprocess.Popen(
+        _client(log, url, "--reconnect-for", "4"),
+        env=_client_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as client:
+        assert client.stderr is not None
+        said = [client.stderr.readline() for _ in range(2)]  # the page URL, then the wait
+        still_waiting = client.poll() is None
+        rest = client.stderr.read()
+    assert said[0].startswith("subtitle page: ")
+    assert f"no server answers at {url} yet" in said[1] and "waiting up to 4 s" in said[1]
+    assert "nmt-incremental serve --model" in said[1]
+    assert still_waiting  # said before giving up, not after
+    assert client.returncode == 2
+    assert rest.startswith(f"cannot connect to {url}: ") and "(tried for" in rest

@@ -11,6 +11,7 @@ from engine.cli.main import build_parser
 from tests.conftest import ROOT
 
 CLI_REFERENCE = ROOT / "docs" / "cli.md"
+README = ROOT / "README.md"
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
@@ -72,3 +73,10 @@ def test_every_option_the_docs_show_exists() -> None:
     for path in DOCUMENTS:
         shown = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", path.read_text(encoding="utf-8")))
         assert not sorted(shown - known - others), path.relative_to(ROOT)
+
+
+def test_the_readmes_command_list_names_every_subcommand() -> None:
+    listed = sections(README.read_text(encoding="utf-8"))["Command line"]
+    names = {name.split()[0] for name in commands(build_parser())}
+    missing = sorted(name for name in names if f"`{name}`" not in listed)
+    assert not missing, f"README.md, section Command line, lacks {missing}"

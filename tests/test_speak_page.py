@@ -10,6 +10,7 @@ it, pocketsphinx, espeak-ng or the fixture model. Screenshots go to /tmp/speak/.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import wave
 from collections.abc import AsyncIterator
@@ -22,8 +23,9 @@ import pytest
 from engine.decoding.translator import Translator
 from engine.server.app import SubtitleServer
 from engine.server.audio import AudioInput
+from engine.server.connection import AUDIO_OFF
 from tests.conftest import ROOT, wait_for
-from tests.live_server import STREAMING, serving
+from tests.live_server import STREAMING, http_get, serving
 from tests.test_audio_ws import RATE, SENTENCE, needs_speech, silence, spoken
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -132,6 +134,7 @@ async def test_the_speaker_page_speaks_into_a_stream_that_viewers_see_translated
         errors: list[str] = []
         speaker.on("pageerror", lambda error: errors.append(str(error)))
         await speaker.goto(f"{server.url}speak?stream=demo&token=wr1te")
+        await speaker.wait_for_selector("#start:not([disabled])")  # /info: it takes audio
         assert "Press Start and speak" in (await speaker.text_content("#status") or "")
         assert await speaker.is_disabled("#stop")
         await speaker.click("#start")
@@ -140,7 +143,7 @@ async def test_the_speaker_page_speaks_into_a_stream_that_viewers_see_translated
         # The level meter moves with the speech.
         level = "() => parseFloat(document.getElementById('level').style.width) > 20"
         await wait_until(speaker, level)
-        # What was heard, under its translation; the viewer shows the same translation.
+        # What was heard, with its translation; the viewer shows the same translation.
         await wait_until(
             speaker,
             f"(want) => ({READ_SPEAK_LINES})()"
@@ -184,18 +187,45 @@ async def test_the_speaker_page_speaks_into_a_stream_that_viewers_see_translated
 
 
 @pytest.mark.anyio
-async def test_the_speaker_page_says_when_a_server_takes_no_audio(
+async def test_info_says_whether_the_server_takes_audio(translator: Translator) -> None:
+    from tests.test_audio_ws import meeting_tom, scripted_input
+
+    async with serving(translator) as server:
+        answer = await http_get(server, "/info")
+    assert answer.status == 200 and answer.headers["Content-Type"] == "application/json"
+    info = json.loads(answer.body)
+    assert info["audio"] is False and info["languages"] == ["zh"]
+    assert info["no_audio"] == AUDIO_OFF  # what start_audio would be answered
+    async with serving(translator, audio=scripted_input(meeting_tom())) as server:
+        info = json.loads((await http_get(server, "/info")).body)
+    assert info == {"languages": ["zh"], "audio": True}
+
+
+@pytest.mark.anyio
+async def test_the_speaker_page_says_before_start_when_a_server_takes_no_audio(
     translator: Translator, microphone: Path, tmp_path: Path
 ) -> None:
     async with serving(translator) as server, chromium(microphone) as browser:
         page = await browser.new_page(viewport={"width": 1100, "height": 300})
+        sockets: list[str] = []
+        page.on("websocket", lambda ws: sockets.append(ws.url))
         await page.goto(f"{server.url}speak?stream=demo")
+        await page.wait_for_selector("body[data-state=refused]", timeout=15_000)
+        status = await page.text_content("#status") or ""
+        assert status.count("takes no audio") == 1 and "--asr pocketsphinx" in status
+        assert await page.is_disabled("#start") and await page.is_disabled("#stop")
+        assert sockets == []  # nothing asked of the microphone nor of the WebSocket
+        await screenshot(page, "speak-refused.png", tmp_path)
+        # A server that does not answer /info (a proxy in between): start_audio's refusal
+        # says the same, once.
+        await page.route("**/info", lambda route: route.fulfill(status=404, body="no"))
+        await page.reload()
         await page.click("#start")
         await page.wait_for_selector("body[data-state=refused]", timeout=15_000)
         status = await page.text_content("#status") or ""
-        assert "this server takes no audio" in status and "--asr pocketsphinx" in status
+        assert status.count("takes no audio") == 1 and "--asr pocketsphinx" in status
         assert not await page.is_disabled("#start") and await page.is_disabled("#stop")
-        await screenshot(page, "speak-refused.png", tmp_path)
+        await page.unroute("**/info")
         # A stream id the server would refuse is named before anything is sent.
         await page.goto(f"{server.url}speak?stream=" + "x" * 129)
         status = await page.text_content("#status") or ""
@@ -230,3 +260,10 @@ async def test_the_speaker_page_starts_again_after_the_recognizer_fails(
         )
         assert await page.get_attribute("body", "data-state") == "listening"
         assert server.state.audio.held == 1
+        # What was heard above its translation, as the subtitle page's ?source=1 has it.
+        above = await page.evaluate(
+            """() => [...document.querySelectorAll('#lines .line')].map(line =>
+                line.querySelector('.source').getBoundingClientRect().bottom
+                <= line.querySelector('.translation').getBoundingClientRect().top + 1)"""
+        )
+        assert above and all(above), above

@@ -5,8 +5,8 @@ files under `onnx/`) and the original Helsinki-NLP repo with the sentencepiece m
 configs. Multi-target models also need a target-language token (`>>cmn_Hans<<` for en->zh)
 that no repo file records, so the catalog carries it.
 
-The catalog is `models/catalog.json` in the source tree; `NMT_INCREMENTAL_CATALOG` points at
-another file (tests, private mirrors with other repo names).
+The catalog is `engine/hub/catalog.json`, part of the package (an installed wheel has it);
+`NMT_INCREMENTAL_CATALOG` points at another file (tests, private mirrors with other repo names).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from engine.model.names import VARIANT_SUFFIX
 
 CATALOG_ENV = "NMT_INCREMENTAL_CATALOG"
 _PACKAGED = Path(__file__).resolve().parent / "catalog.json"
-_SOURCE_TREE = Path(__file__).resolve().parents[2] / "models" / "catalog.json"
 
 # ONNX files per variant (`--quantized` selects int8) of a catalog entry (merged decoder).
 ONNX_FILES: Mapping[str, tuple[str, ...]] = {v: onnx_files(v) for v in VARIANT_SUFFIX}
@@ -111,15 +110,14 @@ class Catalog:
 
 
 def catalog_path() -> Path:
-    """The catalog in use: $NMT_INCREMENTAL_CATALOG, a packaged copy, or the source tree's."""
+    """The catalog in use: $NMT_INCREMENTAL_CATALOG, else the package's."""
     override = os.environ.get(CATALOG_ENV)
     if override:
         return Path(override).expanduser()
-    for candidate in (_PACKAGED, _SOURCE_TREE):
-        if candidate.is_file():
-            return candidate
+    if _PACKAGED.is_file():
+        return _PACKAGED
     raise CatalogError(
-        f"model catalog not found (looked at {_PACKAGED} and {_SOURCE_TREE}); "
+        f"model catalog not found (looked at {_PACKAGED}); "
         f"set {CATALOG_ENV} to the path of a catalog.json"
     )
 

@@ -23,7 +23,7 @@ class HubError(EngineError):
 
 
 class CatalogError(HubError):
-    """`models/catalog.json` is missing or malformed."""
+    """`engine/hub/catalog.json` is missing or malformed."""
 
 
 class UnknownModelError(HubError, LookupError):
@@ -64,7 +64,7 @@ class MissingFileError(HubError, FileNotFoundError):
     def __init__(self, repo: str, path: str, revision: str, endpoint: str) -> None:
         super().__init__(
             f"repository {repo} (revision {revision}) on {endpoint} has no file {path!r}, "
-            "which the model needs; check the repo id and revision in models/catalog.json"
+            "which the model needs; check the repo id and revision in engine/hub/catalog.json"
         )
         self.repo = repo
         self.path = path

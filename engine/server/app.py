@@ -2,7 +2,7 @@
 
 One port serves the WebSocket endpoint `/ws` (partials in, translation updates out; with
 audio input, speech in too), the subtitle page `/`, the transcript `/transcript`, the
-speaker page `/speak` and `/healthz`, `/readyz`, `/metrics` (plain HTTP through the
+speaker page `/speak`, `/info` and `/healthz`, `/readyz`, `/metrics` (plain HTTP through the
 `websockets` handshake hook). `SubtitleServer` only puts the pieces together: the rules
 are in `connection` (sans I/O; the server's state in `state`), plain HTTP in `routes`, each
 connection's I/O in `client` and the order of a shutdown in `shutdown`.
@@ -133,6 +133,7 @@ class SubtitleServer:
             credentials=self.options.credentials,
             allowed_origins=self.options.allowed_origins,
             doors=self._doors,
+            takes_audio=self.audio is not None,
         )
         self._ids = itertools.count(1)
         self._clients: set[Client] = set()

@@ -22,6 +22,7 @@ class Route(Enum):
     PAGE = "page"
     TRANSCRIPT = "transcript"
     SPEAK = "speak"
+    INFO = "info"
     STATIC = "static"
     HEALTHZ = "healthz"
     READYZ = "readyz"
@@ -35,6 +36,7 @@ _ROUTES = {
     "/index.html": Route.PAGE,
     "/transcript": Route.TRANSCRIPT,
     "/speak": Route.SPEAK,
+    "/info": Route.INFO,
     "/healthz": Route.HEALTHZ,
     "/readyz": Route.READYZ,
     "/metrics": Route.METRICS,

@@ -1,5 +1,6 @@
 """Plain HTTP on the server's port: the subtitle, transcript and speaker pages and their
-assets, health, readiness, metrics, and the gate in front of a WebSocket handshake.
+assets, what the server offers (`/info`), health, readiness, metrics, and the gate in front
+of a WebSocket handshake.
 
 Everything here answers from the request alone (and the server's state and metrics); it
 runs inside the `websockets` handshake hook, so a request is answered before any
@@ -9,6 +10,7 @@ WebSocket exists and a refused handshake never reaches the connection code.
 from __future__ import annotations
 
 import http
+import json
 from collections.abc import Iterable
 from importlib.resources import files
 
@@ -16,6 +18,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from engine.server.connection import AUDIO_OFF
 from engine.server.credentials import UNAUTHORIZED, Access, Credentials, authorize, presented_token
 from engine.server.doors import Doors
 from engine.server.handshake import (
@@ -73,7 +76,8 @@ class HttpRoutes:
 
     `credentials`: who may write, watch and read `/metrics`; `allowed_origins`: browser
     origins allowed to open `/ws` (None: any); `doors`: the caps on connections that a
-    WebSocket handshake passes last (None: none).
+    WebSocket handshake passes last (None: none); `takes_audio`: the server recognizes
+    audio (`/info` says so, for the speaker page to know before it asks for a microphone).
     """
 
     def __init__(
@@ -84,8 +88,10 @@ class HttpRoutes:
         credentials: Credentials,
         allowed_origins: Iterable[str] | None,
         doors: Doors | None = None,
+        takes_audio: bool = False,
     ) -> None:
         self.state = state
+        self.takes_audio = takes_audio
         self.metrics = metrics
         self.credentials = credentials
         self.doors = doors
@@ -110,6 +116,8 @@ class HttpRoutes:
         if kind is Route.STATIC:
             path = request_path(request.path)
             return _response(200, self._assets[path], STATIC_FILES[path], _PAGE_HEADERS)
+        if kind is Route.INFO:
+            return _response(200, self.info(), "application/json", (("Cache-Control", "no-cache"),))
         if kind is Route.HEALTHZ:
             return _text(200, "ok\n")
         if kind is Route.READYZ:
@@ -121,6 +129,19 @@ class HttpRoutes:
             body, content_type = self.metrics.render(request.headers.get("Accept"))
             return _response(200, body, content_type)
         return _text(404, "Not found.\n")
+
+    def info(self) -> bytes:
+        """`/info`: what a client may ask of this server before it connects: the target
+        languages (the default first; empty while loading) and whether it takes audio,
+        with what to do instead when it does not (`no_audio`, the reply `start_audio`
+        would get). Nothing in it is secret: it needs no token."""
+        body: dict[str, object] = {
+            "languages": list(self.state.languages),
+            "audio": self.takes_audio,
+        }
+        if not self.takes_audio:
+            body["no_audio"] = AUDIO_OFF
+        return json.dumps(body).encode("utf-8")
 
     def access(self, request: Request) -> Access | None:
         """What the connection of an accepted handshake may do (its credential's rights)."""

@@ -2,8 +2,10 @@
 // audio stream (start_audio, then binary frames of 16-bit mono PCM at 16 kHz, ~100 ms
 // each, made by pcm-worklet.js), and what comes back: the server echoes what it heard as
 // partial_transcript messages and sends the translation as translation_update messages,
-// shown as lines: the translation, and what was heard under it. Needs `nmtViewer` from
-// subtitles.js (loaded first) for the stream-id rules and the default stream.
+// shown as lines: what was heard, and its translation under it (as the subtitle page shows
+// them with ?source=1). Before Start it asks the server (/info) whether it takes audio at
+// all. Needs `nmtViewer` from subtitles.js (loaded first) for the stream-id rules and the
+// default stream.
 //
 // Plain browser JavaScript with no dependency and no build step: the server serves its
 // pages under a Content-Security-Policy that lets them load nothing from elsewhere, and
@@ -47,6 +49,8 @@
   let note = "";
   let passing = null; // a short-lived note shown while listening: {text, until}
   let wanted = false; // Start pressed, Stop not (yet)
+  let asking = true; // waiting for /info: Start waits too
+  let noAudio = false; // /info said the server takes no audio
   let socket = null;
   let streaming = false; // start_audio sent on `socket`
   let attempt = 0;
@@ -79,8 +83,8 @@
         : `listening: speak now (what you say goes to stream ${stream})`;
     }
     status.textContent = text;
-    startButton.disabled = wanted || state === "starting" || Boolean(config.problem) ||
-      !window.isSecureContext;
+    startButton.disabled = wanted || asking || noAudio || state === "starting" ||
+      Boolean(config.problem) || !window.isSecureContext;
     stopButton.disabled = !wanted;
   }
 
@@ -310,7 +314,7 @@
         `operator gives speakers. (The server says: ${error.message})`;
     }
     if (error.field === "type" && error.code === "invalid_message") {
-      return `${lead}: this server takes no audio. (The server says: ${error.message})`;
+      return `${lead}: ${error.message}.`; // "this server takes no audio: start it with ..."
     }
     if (error.code === "limit_exceeded") {
       return `${lead}: the server cannot take it now. (It says: ${error.message})`;
@@ -342,9 +346,12 @@
     const tentative = document.createElement("span");
     tentative.className = "tentative";
     text.append(stable, tentative);
+    // What was heard, above its translation, as the subtitle page's ?source=1 places it;
+    // lang="" because the page does not know the source language.
     const source = document.createElement("div");
     source.className = "source";
-    el.append(text, source);
+    source.lang = "";
+    el.append(source, text);
     view.append(el);
     line = { key, el, stable, tentative, source };
     lines.push(line);
@@ -384,12 +391,38 @@
     setState("stopped", "stopped; press Start to speak again");
   });
 
+  // Whether the server takes audio, asked before anyone presses Start: a server without a
+  // recognizer is said so once, and the microphone is never asked for. A server that
+  // cannot answer (an older one, a proxy in between) is tried: start_audio's reply says.
+  async function askServer() {
+    try {
+      const response = await fetch("info", { cache: "no-store" });
+      if (response.ok) {
+        const info = await response.json();
+        if (info.audio === false) {
+          noAudio = true;
+          return `Cannot speak into stream ${quoted(config.stream)}: ${info.no_audio}.`;
+        }
+      }
+    } catch (error) {
+      console.warn("speak: /info:", error);
+    }
+    return null;
+  }
+
   if (config.problem) {
+    asking = false;
     setState("refused", "Cannot speak into this stream: " + config.problem);
   } else if (!window.isSecureContext || !navigator.mediaDevices) {
+    asking = false;
     setState("refused", "Browsers give the microphone only to secure pages: open this page " +
       "as https://\u2026, or as http://localhost\u2026 on the computer that runs the server.");
   } else {
-    setState("idle", idleNote());
+    setState("idle", "asking the server whether it takes audio\u2026");
+    askServer().then((refusal) => {
+      asking = false;
+      if (refusal) setState("refused", refusal);
+      else setState("idle", idleNote());
+    });
   }
 })();
