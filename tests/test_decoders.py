@@ -1,0 +1,126 @@
+"""A process's pocketsphinx decoders (`engine.asr.sphinx.Decoders`): shared and reused
+across audio streams, so that the memory a recognition process holds follows its open
+streams, and a decoder reused or sharing its language model hears what a fresh one
+hears."""
+
+from __future__ import annotations
+
+import wave
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.asr import worker
+from engine.asr.recognizer import RecognizerStream, SpeechHypothesis
+from engine.asr.worker import Accept, Drop, Flush, Open
+
+ROOT = Path(__file__).resolve().parents[1]
+WAVS = sorted((ROOT / "examples" / "speech" / "wav").glob("*.wav"))
+
+
+def pcm(index: int, seconds: float | None = None) -> bytes:
+    with wave.open(str(WAVS[index])) as w:
+        data = w.readframes(w.getnframes())
+    return data if seconds is None else data[: int(seconds * 16000) * 2]
+
+
+def heard(recognizer: Any, audio: bytes) -> list[tuple[str, bool]]:
+    """Every hypothesis, fed in 100 ms chunks, then the flush's."""
+    out: list[SpeechHypothesis] = []
+    for at in range(0, len(audio), 3200):
+        out += recognizer.accept(audio[at : at + 3200])
+    out += recognizer.flush()
+    return [(h.text, h.is_final) for h in out]
+
+
+def rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except OSError:
+        pytest.skip("no /proc here")
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_decoders_sharing_a_model_or_reused_hear_what_fresh_ones_hear() -> None:
+    pytest.importorskip("pocketsphinx")
+    from engine.asr.sphinx import Decoders, SphinxOptions, SphinxRecognizer
+
+    options = SphinxOptions()  # the general en-US model: its language model is shared
+    first, second = pcm(0), pcm(2)
+    fresh = [heard(SphinxRecognizer(options, Decoders()), audio) for audio in (first, second)]
+    assert all(any(final for _, final in h) for h in fresh)
+
+    decoders = Decoders()
+    a, b = SphinxRecognizer(options, decoders), SphinxRecognizer(options, decoders)
+    assert decoders.made == 2
+    got: dict[int, list[SpeechHypothesis]] = {0: [], 1: []}
+    for at in range(0, max(len(first), len(second)), 3200):  # in turns, as a worker serves
+        got[0] += a.accept(first[at : at + 3200])
+        got[1] += b.accept(second[at : at + 3200])
+    got[0] += a.flush()
+    got[1] += b.flush()
+    assert [[(h.text, h.is_final) for h in got[i]] for i in (0, 1)] == fresh
+
+    a.close()  # its decoder, having heard a speaker, goes to the next stream
+    again = SphinxRecognizer(options, decoders)
+    assert decoders.made == 2 and decoders.idle() == 0
+    assert heard(again, second) == fresh[1]
+
+
+def test_ended_streams_give_their_memory_back() -> None:
+    pytest.importorskip("pocketsphinx")
+    from engine.asr.sphinx import Decoders, SphinxOptions, SphinxRecognizer, release_memory
+
+    options = SphinxOptions()
+    decoders = Decoders(keep_idle=1)
+    SphinxRecognizer(options, decoders).close()  # the shared model loaded, one idle
+    release_memory()
+    before = rss_mb()
+    recognizers = [SphinxRecognizer(options, decoders) for _ in range(5)]
+    for recognizer in recognizers:
+        recognizer.accept(pcm(1, 1.0))
+    during = rss_mb() - before
+    assert decoders.made == 5  # four new, one reused
+    for recognizer in recognizers:
+        recognizer.close()  # mid-utterance or not: it leaves it
+    after = rss_mb() - before
+    assert decoders.idle() == 1
+    assert during > 4 * 30  # tens of MB per decoder
+    assert after < during / 4, (during, after)  # four decoders' memory went back
+
+
+class Closing:
+    """A recognizer that says when it is closed."""
+
+    sample_rate = 16_000
+    closed = 0
+
+    def accept(self, pcm: bytes) -> list[SpeechHypothesis]:
+        return [SpeechHypothesis("hello", False, 0.0, 100.0)]
+
+    def flush(self) -> list[SpeechHypothesis]:
+        return []
+
+    def close(self) -> None:
+        Closing.closed += 1
+
+
+def test_a_worker_closes_the_recognizer_of_a_stream_flushed_or_dropped() -> None:
+    Closing.closed = 0
+    streams: dict[int, RecognizerStream] = {}
+    for key in (1, 2):
+        worker.handle(streams, Closing, Open(key, f"s{key}", None, 0, 0, 0.0))
+        worker.handle(streams, Closing, Accept(key, b"\0" * 3200))
+    assert Closing.closed == 0
+    worker.handle(streams, Closing, Flush(1))
+    assert Closing.closed == 1
+    worker.handle(streams, Closing, Drop(2))
+    assert Closing.closed == 2 and not streams
+    stream = RecognizerStream(Closing(), "s")
+    stream.close()
+    stream.close()
+    assert Closing.closed == 3  # once
