@@ -21,7 +21,7 @@ WAVS = sorted((ROOT / "examples" / "speech" / "wav").glob("*.wav"))
 
 def pcm(index: int, seconds: float | None = None) -> bytes:
     with wave.open(str(WAVS[index])) as w:
-        data = w.readframes(w.getnframes())
+        data: bytes = w.readframes(w.getnframes())
     return data if seconds is None else data[: int(seconds * 16000) * 2]
 
 
@@ -73,7 +73,8 @@ def test_decoders_sharing_a_model_or_reused_hear_what_fresh_ones_hear() -> None:
 
 def test_ended_streams_give_their_memory_back() -> None:
     pytest.importorskip("pocketsphinx")
-    from engine.asr.sphinx import Decoders, SphinxOptions, SphinxRecognizer, release_memory
+    from engine.asr.memory import release_memory
+    from engine.asr.sphinx import Decoders, SphinxOptions, SphinxRecognizer
 
     options = SphinxOptions()
     decoders = Decoders(keep_idle=1)
@@ -124,3 +125,62 @@ def test_a_worker_closes_the_recognizer_of_a_stream_flushed_or_dropped() -> None
     stream.close()
     stream.close()
     assert Closing.closed == 3  # once
+
+
+class Hog:
+    """A recognizer that holds 40 MB (touched) while its stream is open; module-level:
+    it pickles, for `measure`'s process."""
+
+    sample_rate = 16_000
+
+    def __init__(self) -> None:
+        self.held = bytearray(b"x" * (40 * 2**20))
+
+    def accept(self, pcm: bytes) -> list[SpeechHypothesis]:
+        return []
+
+    def flush(self) -> list[SpeechHypothesis]:
+        return []
+
+
+def test_a_recognizers_memory_is_measured_and_caps_a_process_streams() -> None:
+    from engine.asr.memory import StreamMemory, measure
+
+    cost = measure(Hog)
+    if cost is None:
+        pytest.skip("no /proc here")
+    assert 38 <= cost.per_stream <= 44, cost
+    assert cost.base < 200 and cost.shared < 10, cost
+    made_up = StreamMemory(base=60.0, shared=40.0, per_stream=80.0)
+    assert made_up.streams_within(1000) == 11  # (1000 - 100) / 80
+    assert made_up.streams_within(1000, idle=2) == 9
+    assert made_up.streams_within(150) == 0
+    assert made_up.needs(1, idle=2) == 340.0
+
+
+def test_asr_memory_caps_the_audio_streams_per_process() -> None:
+    import argparse
+    import contextlib
+
+    from engine.cli.main import build_parser
+    from engine.cli.serve_audio import audio_input
+    from engine.server.limits import AUDIO_STREAMS_PER_WORKER
+
+    def args(*extra: str) -> argparse.Namespace:
+        return build_parser().parse_args(["serve", "--model", "models/fixture/model", *extra])
+
+    with contextlib.ExitStack() as stack:
+        with pytest.raises(ValueError, match="--asr-memory is a recognizer option"):
+            audio_input(args("--asr-memory", "500"), stack)
+        pytest.importorskip("pocketsphinx")
+        general = ["--asr", "pocketsphinx", "--asr-workers", "2"]
+        with pytest.raises(ValueError, match=r"one audio stream needs [0-9]+ MB"):
+            audio_input(args(*general, "--asr-memory", "100"), stack)
+        # About 80 MB a stream with the general model: 600 MB hold a few, not 12.
+        capped = audio_input(args(*general, "--asr-memory", "600"), stack)
+        assert capped is not None
+        assert 2 * 2 <= capped.limits.max_streams <= 2 * 6, capped.limits
+        speech = ROOT / "examples" / "speech"
+        domain = ["--lm", str(speech / "fixture.lm.gz"), "--dict", str(speech / "fixture.dict")]
+        small = audio_input(args(*general, *domain, "--asr-memory", "600"), stack)
+        assert small is not None and small.limits.max_streams == 2 * AUDIO_STREAMS_PER_WORKER

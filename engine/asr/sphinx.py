@@ -16,9 +16,6 @@ stability hint (a partial's words may all change), so `stable_chars` stays None.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import math
 import threading
 from collections.abc import Mapping
@@ -27,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.asr.errors import RecognizerUnavailable, import_extra
+from engine.asr.memory import release_memory
 from engine.asr.recognizer import SpeechHypothesis
 
 SAMPLE_RATE = 16_000  # the rate of pocketsphinx's en-US acoustic model
@@ -107,25 +105,6 @@ KEEP_IDLE = 2
 
 _OTHER_SEARCHES = ("jsgf", "fsg", "kws", "keyphrase", "allphone")
 """Decoder options that replace the n-gram search (whose language model is shared)."""
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's `malloc_trim`, or None (another C library)."""
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        return None
-
-
-def release_memory() -> None:
-    """Give the memory freed by the C heap back to the system. A decoder is many small
-    allocations among others; freed, they stay in the process's heap (its RSS does not
-    fall) until trimmed."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 class Decoders:
