@@ -3,10 +3,10 @@
 Names. One file per stream life (and target language when the engine translates into
 several): `<stream>.<run>.<epoch>[.<lang>].vtt`. `<stream>` is the id percent-encoded
 (a leading "." too), so that any id is a safe file name and none is hidden, cut to
-`PREFIX_CHARS` and followed by `~` and a hash of the whole id when it is longer (a name stays far below the 255 bytes file systems allow,
-whatever the id). `<run>` is when recording started, with the server (UTC, to the
-second: `20261124T101503Z`): epochs start at 1 in every run, so without it a restart
-would write over the last run's files.
+`PREFIX_CHARS` and followed by `~` and a hash of the whole id when it is longer (a name
+stays far below the 255 bytes file systems allow, whatever the id). `<run>` is when
+recording started, with the server (UTC, to the second: `20261124T101503Z`): epochs start
+at 1 in every run, so without it a restart would write over the last run's files.
 A file is only ever created new (a name already taken, e.g. by a run that started in the
 same second, gets `-2`, `-3`, ... after the run).
 
