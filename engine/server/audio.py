@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.asr.audio import Backlog
-from engine.asr.errors import RecognizerFailed
+from engine.asr.errors import RecognizerFailed, WorkerDied
 from engine.asr.pool import PooledStream, RecognizerPool
 from engine.asr.recognizer import Numbering, RecognizerFactory, RecognizerStream, SpeechStream
 from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
@@ -356,7 +356,10 @@ class AudioFeed:
         try:
             stream = await self._in_thread(lambda: self._made_by_thread(clock))
         except Exception as exc:
-            log.exception("stream %r: the recognizer could not start", self.stream_id)
+            if isinstance(exc, WorkerDied):  # the pool logged the death: one line each
+                log.error("stream %r: the recognizer could not start: %s", self.stream_id, exc)
+            else:
+                log.exception("stream %r: the recognizer could not start", self.stream_id)
             self.error = ErrorMessage(
                 ErrorCode.INTERNAL,
                 f"stream {self.stream_id!r}: the recognizer could not start ({exc}); "
