@@ -371,7 +371,8 @@ def test_a_closed_pool_ends_calls_in_flight_and_leaves_no_process() -> None:
 def read_wav(name: str) -> bytes:
     with wave.open(str(SPEECH / "wav" / name)) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, RATE)
-        return w.readframes(w.getnframes())
+        pcm: bytes = w.readframes(w.getnframes())
+        return pcm
 
 
 def sphinx_factory() -> Any:
