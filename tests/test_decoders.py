@@ -184,3 +184,66 @@ def test_asr_memory_caps_the_audio_streams_per_process() -> None:
         domain = ["--lm", str(speech / "fixture.lm.gz"), "--dict", str(speech / "fixture.dict")]
         small = audio_input(args(*general, *domain, "--asr-memory", "600"), stack)
         assert small is not None and small.limits.max_streams == 2 * AUDIO_STREAMS_PER_WORKER
+
+
+class Tracked:
+    """A recognizer that notes whether it is closed, and whether a call was running then."""
+
+    sample_rate = 16_000
+
+    def __init__(self, call_s: float = 0.0) -> None:
+        self.call_s = call_s
+        self.calling = False
+        self.closed = False
+        self.closed_mid_call = False
+
+    def accept(self, pcm: bytes) -> list[SpeechHypothesis]:
+        import time
+
+        self.calling = True
+        time.sleep(self.call_s)
+        self.calling = False
+        return [SpeechHypothesis("hello", False, 0.0, 100.0)]
+
+    def flush(self) -> list[SpeechHypothesis]:
+        return [SpeechHypothesis("hello there", True, 0.0, 200.0)]
+
+    def close(self) -> None:
+        self.closed = True
+        self.closed_mid_call = self.calling
+
+
+@pytest.mark.anyio
+async def test_a_feed_closes_its_recognizer_when_done_but_never_under_a_running_call() -> None:
+    import anyio
+
+    from engine.server.audio import AudioInput, AudioService, Clock
+    from protocol import PartialTranscript
+
+    made: list[Tracked] = []
+
+    def make() -> Tracked:
+        made.append(Tracked(call_s=0.0 if not made else 0.5))
+        return made[-1]
+
+    service = AudioService(AudioInput(make))
+
+    async def deliver(events: list[PartialTranscript]) -> None:
+        pass
+
+    ended = service.feed("a", 16_000, deliver)
+    ended.put(bytes(3200))
+    ended.finish()
+    await ended.run(Clock())
+    assert made[0].closed and not made[0].closed_mid_call
+
+    cut = service.feed("b", 16_000, deliver)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cut.run, Clock())
+        cut.put(bytes(3200))
+        while not (len(made) == 2 and made[1].calling):
+            await anyio.sleep(0.01)
+        cut.cut()  # the call is abandoned: its recognizer is left to it
+    assert not made[1].closed
+    await anyio.sleep(0.7)
+    assert not made[1].closed_mid_call and not made[1].closed
