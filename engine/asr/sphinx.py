@@ -114,7 +114,8 @@ class Decoders:
     a few tenths of a second for the general en-US model), and pocketsphinx does not share
     them between decoders, except the n-gram language model: decoders of one
     configuration share the first one's (`add_lm`), the largest part of the general
-    model. A stream's decoder comes back when its stream ends (`give_back`), its
+    model (pocketsphinx holds the GIL in its calls, so decoders in threads never use it
+    at once). A stream's decoder comes back when its stream ends (`give_back`), its
     cepstral mean reset to the model's, and the next stream takes it instead of loading
     one; up to `keep_idle` wait per configuration, the rest are freed and their memory
     given back to the system (`release_memory`), so a process holds what its open

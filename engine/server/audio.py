@@ -47,7 +47,7 @@ from engine.asr.audio import Backlog
 from engine.asr.errors import RecognizerFailed, WorkerDied
 from engine.asr.pool import PooledStream, RecognizerPool
 from engine.asr.recognizer import Numbering, RecognizerFactory, RecognizerStream, SpeechStream
-from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
+from engine.asr.sphinx import Decoders, SphinxOptions, SphinxRecognizer
 from engine.server.limits import AudioLimits, AudioSlot
 from protocol import ErrorCode, ErrorMessage, PartialTranscript
 
@@ -93,7 +93,7 @@ def pocketsphinx_input(
     bad model file stops the server at start (`RecognizerUnavailable`), not at its first
     speaker. The package's acoustic model hears English; with another one the spoken
     language is not checked."""
-    SphinxRecognizer(options)
+    SphinxRecognizer(options, Decoders())  # its own: this process keeps none of it
     language = "en" if options.acoustic_model is None else None
     model = options.language_model or options.grammar
     what = f"pocketsphinx ({model.name if model is not None else 'general en-US model'})"
