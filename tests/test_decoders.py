@@ -247,3 +247,36 @@ async def test_a_feed_closes_its_recognizer_when_done_but_never_under_a_running_
     assert not made[1].closed
     await anyio.sleep(0.7)
     assert not made[1].closed_mid_call and not made[1].closed
+
+
+class Exploding:
+    """A decoder that raises while it decodes (the rest is the real one's)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def process_raw(self, *args: Any) -> None:
+        raise RuntimeError("decoder exploded")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def test_a_decoder_that_raised_is_not_given_to_another_stream() -> None:
+    pytest.importorskip("pocketsphinx")
+    from engine.asr.sphinx import Decoders, SphinxOptions, SphinxRecognizer
+
+    speech = ROOT / "examples" / "speech"
+    options = SphinxOptions(
+        language_model=speech / "fixture.lm.gz", dictionary=speech / "fixture.dict"
+    )
+    decoders = Decoders()
+    healthy, broken = SphinxRecognizer(options, decoders), SphinxRecognizer(options, decoders)
+    broken._decoder = Exploding(broken._decoder)
+    with pytest.raises(RuntimeError, match="exploded"):
+        broken.accept(pcm(0))
+    healthy.accept(pcm(0, 1.0))
+    broken.close()
+    assert decoders.idle() == 0
+    healthy.close()
+    assert decoders.idle() == 1

@@ -228,6 +228,7 @@ class SphinxRecognizer:
         self._frame_bytes = int(self._endpointer.frame_bytes)
         self._pending = bytearray()
         self._in_utterance = False
+        self._failed = False  # the decoder raised once (see `close`)
         self._utterance_start_ms = 0.0
         self._utterance_samples = 0  # speech given to the decoder in this utterance
         self._partial_at = 0  # `_utterance_samples` at the last partial
@@ -309,17 +310,18 @@ class SphinxRecognizer:
 
     def close(self) -> None:
         """The stream is done: its decoder goes back to `decoders` (out of the utterance
-        it was in; one that cannot leave it is freed). Idempotent; the recognizer is not
-        called again."""
+        it was in; one that cannot leave it, or that raised, is freed). Idempotent; the
+        recognizer is not called again."""
         decoder, self._decoder = self._decoder, None
         if decoder is None:
             return
         kept = False
         try:
-            if self._in_utterance:
+            if not self._failed and self._in_utterance:
                 self._in_utterance = False
                 decoder.end_utt()
-            kept = self._decoders.give_back(self._config, decoder, self._cmn)
+            if not self._failed:
+                kept = self._decoders.give_back(self._config, decoder, self._cmn)
         except Exception:
             kept = False
         finally:
@@ -329,6 +331,7 @@ class SphinxRecognizer:
 
     def _recover(self) -> None:
         """After an error: leave the utterance, so that the next audio starts afresh."""
+        self._failed = True  # its decoder is not given to another stream
         if self._in_utterance:
             self._in_utterance = False
             # A decoder past helping says so at the next start_utt.
