@@ -629,6 +629,33 @@ async def test_starting_and_ending_audio_without_audio_never_exceeds_the_caps(
 
 
 @pytest.mark.anyio
+async def test_audio_into_another_connections_stream_is_refused_before_a_recognizer_is_made(
+    translator: Translator,
+) -> None:
+    census = Census(0.0)
+    audio = AudioInput(census.make, AudioLimits(), description="census")
+    async with (
+        serving(translator, audio=audio) as server,
+        connect(ws_url(server)) as owner,
+        connect(ws_url(server)) as other,
+    ):
+        text = {"type": "partial_transcript", "stream_id": "mic", "segment_id": 0, "seq": 0}
+        await owner.send(json.dumps({**text, "text": "hello", "is_final": False}))
+        await receive_until(owner, lambda m: m["type"] == "translation_update")
+        await other.send(start("mic"))
+        refused = await receive_until(other, lambda m: m["type"] == "error")
+        assert (refused[-1]["code"], refused[-1]["field"]) == ("forbidden", "stream_id")
+        assert "belongs to another connection" in refused[-1]["message"]
+        await other.send(silence(0.1))  # no audio stream: a stray frame
+        stray = await receive_until(other, lambda m: m["type"] == "error")
+        assert "no audio stream" in stray[-1]["message"]
+        assert census.made == 0 and server.state.audio.held == 0
+        await other.send(start("own"))  # a stream of its own is taken as usual
+        await other.send(end("own"))
+        await wait_for(lambda: census.made == 1 and server.state.audio.held == 0)
+
+
+@pytest.mark.anyio
 async def test_an_audio_stream_that_sends_nothing_is_ended_and_its_slot_freed(
     translator: Translator,
 ) -> None:
@@ -907,9 +934,10 @@ async def test_serve_asr_takes_speech(translator: Translator) -> None:
             async with connect(url) as ws:
                 messages = await speak_into(ws, pcm, RATE, frame_bytes=3200)
             assert messages[-1]["source_text"] == "i will meet tom at three"
-            assert messages[-1]["stable_text"] == translator.translate(
-                [SENTENCE], STREAMING.decode
-            )[0].text
+            assert (
+                messages[-1]["stable_text"]
+                == translator.translate([SENTENCE], STREAMING.decode)[0].text
+            )
             assert "s3cret" not in served.text
             served.proc.send_signal(signal.SIGTERM)
             assert served.proc.wait(timeout=30) == 0

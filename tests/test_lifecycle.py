@@ -192,6 +192,17 @@ def test_owner_left_closes_only_its_streams() -> None:
     admit(t, ev("c", 1), None)
 
 
+def test_whether_another_owner_holds_a_stream_is_asked_as_admit_would_refuse() -> None:
+    t = table()
+    admit(t, ev("a", 0), A)
+    assert t.held_by_another("a", A) is None and t.held_by_another("free", B) is None
+    error = t.held_by_another("a", B)
+    assert error is not None and (error.code, error.field) == ("forbidden", "stream_id")
+    assert error.message == "stream 'a' belongs to another connection"
+    t.owner_left(A)  # handed over: its next writer may wait for it
+    assert t.held_by_another("a", B) is None
+
+
 def test_shutdown_and_abort() -> None:
     t = table()
     admit(t, ev("a", 0, final=True), A)

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import functools
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -370,7 +371,8 @@ def test_a_closed_pool_ends_calls_in_flight_and_leaves_no_process() -> None:
 def read_wav(name: str) -> bytes:
     with wave.open(str(SPEECH / "wav" / name)) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, RATE)
-        return w.readframes(w.getnframes())
+        pcm: bytes = w.readframes(w.getnframes())
+        return pcm
 
 
 def sphinx_factory() -> Any:
@@ -476,6 +478,48 @@ def test_a_killed_worker_fails_its_stream_clearly_and_the_others_carry_on() -> N
     everyone = {*first, *pool.pids}
     pool.close()
     assert all(gone(pid) for pid in everyone)
+
+
+@pytest.mark.anyio
+async def test_a_dead_workers_streams_log_one_line_each(caplog: pytest.LogCaptureFixture) -> None:
+    """Streams running and streams still starting on a worker that is killed: its death
+    is logged once, then one line per stream, none with a traceback (each would show the
+    same wait on the pipe)."""
+    from engine.server.audio import AudioInput, AudioService, Clock
+    from engine.server.limits import AudioLimits
+
+    service = AudioService(
+        AudioInput(SlowToMake, AudioLimits(max_streams=8, max_starting=8), workers=1)
+    )
+    await service.start()
+    assert service.pool is not None
+
+    async def deliver(events: list[PartialTranscript]) -> None:
+        pass
+
+    feeds = [service.feed(f"s{i}", RATE, deliver) for i in range(6)]
+    try:
+        async with anyio.create_task_group() as tg:
+            for feed in feeds:
+                tg.start_soon(feed.run, Clock())
+                feed.put(bytes(3200))
+            await wait(lambda: service.pool is not None and service.pool.loads == [6])
+            await wait(lambda: service.pool is not None and service.pool.opening[0] <= 4)
+            caplog.clear()
+            os.kill(service.pool.pids[0], signal.SIGKILL)
+            for feed in feeds:
+                feed.put(bytes(3200))  # the running ones call their dead worker
+    finally:
+        await service.aclose()
+    assert all(feed.error is not None and feed.error.code == "internal" for feed in feeds)
+    records = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    died = [r for r in records if r.name == "engine.asr.pool"]
+    assert len(died) == 1 and "killed by SIGKILL" in died[0].getMessage()
+    per_stream = [r for r in records if r.name == "engine.server.audio"]
+    assert sorted(r.getMessage().split("'")[1] for r in per_stream) == [f"s{i}" for i in range(6)]
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
+    started = [r for r in per_stream if "could not start" in r.getMessage()]
+    assert started  # some were still waiting for their recognizer
 
 
 # --- a server recognizing in worker processes ---------------------------------------------

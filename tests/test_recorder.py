@@ -466,6 +466,23 @@ async def test_long_stream_ids_are_recorded_under_bounded_names(tmp_path: Path) 
 
 
 @pytest.mark.anyio
+async def test_stream_ids_starting_with_a_dot_are_recorded_in_files_that_are_not_hidden(
+    tmp_path: Path,
+) -> None:
+    ids = [".hidden", "..", ".", "." * 128]
+
+    async def feed(engine: FakeEngine) -> None:
+        for n, stream in enumerate(ids):
+            engine.say(final(stream, 0, f"said on stream {n}", 0.0, 1500.0))
+
+    assert await recording(tmp_path, feed) == len(ids)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == len(ids) and not any(name.startswith(".") for name in names), names
+    assert any(name.startswith("%2Ehidden.") for name in names), names
+    assert recorder_module.file_stem(".x") == "%2Ex" and recorder_module.file_stem("a.b") == "a.b"
+
+
+@pytest.mark.anyio
 async def test_a_failure_to_record_is_logged_once_and_caught_up(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

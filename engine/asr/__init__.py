@@ -9,6 +9,8 @@ audio route, the bridges) uses one seam and the translation layers know nothing 
 - `engine.asr.transcriber`: one stream's recognition off the event loop, into a
   translator;
 - `engine.asr.pool` (with `engine.asr.worker`): recognition in worker processes;
+- `engine.asr.memory`: what a recognizer's streams cost in memory (measured in a process
+  like a worker), and freed memory given back to the system;
 - `engine.asr.errors`: the errors of all of these.
 
 Each adapter wraps one recognition library as a sans-I/O `Recognizer` and does nothing

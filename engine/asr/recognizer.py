@@ -26,7 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -71,6 +71,14 @@ class Recognizer(Protocol):
     def accept(self, pcm: bytes) -> list[SpeechHypothesis]: ...
 
     def flush(self) -> list[SpeechHypothesis]: ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """A recognizer that holds what another stream could use (a loaded model): `close`,
+    once its stream is done (flushed or dropped), hands it back. Called once, last."""
+
+    def close(self) -> None: ...
 
 
 RecognizerFactory = Callable[[], Recognizer]
@@ -175,6 +183,11 @@ class SpeechStream(ABC):
     def flush(self) -> list[PartialTranscript]:
         """End of the audio: the last utterance's final."""
 
+    @abstractmethod
+    def close(self) -> None:
+        """Done with the stream (flushed or not): what its recognizer holds is freed or
+        goes to the next stream. Never blocks for long; idempotent."""
+
     def _take(self, pcm: object) -> bytes:
         """A chunk this stream may take, as bytes, counted on its clock."""
         if self.finished:
@@ -234,6 +247,7 @@ class RecognizerStream(SpeechStream):
         )
         self._carry = b""  # a dangling byte: the first half of a sample
         self.dropped_bytes = 0  # a dangling byte left at `flush`
+        self._closed = False
 
     def accept(self, pcm: bytes | bytearray | memoryview) -> list[PartialTranscript]:
         """Recognize the next chunk of audio; the events it completes."""
@@ -276,6 +290,18 @@ class RecognizerStream(SpeechStream):
             self.cpu_s += time.thread_time() - cpu
         # The recognizer ended without the final it owed: the words shown last stay.
         return events + self._numbering.finalize()
+
+    def close(self) -> None:
+        """Done with the stream: the recognizer is closed if it can be (`Closable`)."""
+        recognizer = self.recognizer
+        if self._closed or not isinstance(recognizer, Closable):
+            self._closed = True
+            return
+        self._closed = True
+        try:
+            recognizer.close()
+        except Exception:
+            log.exception("stream %r: the recognizer did not close", self.stream_id)
 
     def _convert(self, data: bytes) -> bytes:
         if self._resampler is None:

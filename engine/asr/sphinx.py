@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.asr.errors import RecognizerUnavailable, import_extra
+from engine.asr.memory import release_memory
 from engine.asr.recognizer import SpeechHypothesis
 
 SAMPLE_RATE = 16_000  # the rate of pocketsphinx's en-US acoustic model
@@ -98,25 +100,120 @@ class SphinxOptions:
         return out
 
 
-class SphinxRecognizer:
-    """pocketsphinx behind the `Recognizer` protocol (16 kHz 16-bit mono PCM).
+KEEP_IDLE = 2
+"""Idle decoders a process keeps per configuration for the next streams (`Decoders`)."""
 
-    Loading the general en-US model takes a few tenths of a second, a domain model far
-    less; make one recognizer per stream (they share nothing and are not thread-safe).
+_OTHER_SEARCHES = ("jsgf", "fsg", "kws", "keyphrase", "allphone")
+"""Decoder options that replace the n-gram search (whose language model is shared)."""
+
+
+class Decoders:
+    """A process's pocketsphinx decoders, kept across streams (thread-safe).
+
+    A decoder loads its acoustic model, dictionary and search on its own (tens of MB,
+    a few tenths of a second for the general en-US model), and pocketsphinx does not share
+    them between decoders, except the n-gram language model: decoders of one
+    configuration share the first one's (`add_lm`), the largest part of the general
+    model (pocketsphinx holds the GIL in its calls, so decoders in threads never use it
+    at once). A stream's decoder comes back when its stream ends (`give_back`), its
+    cepstral mean reset to the model's, and the next stream takes it instead of loading
+    one; up to `keep_idle` wait per configuration, the rest are freed and their memory
+    given back to the system (`release_memory`), so a process holds what its open
+    streams need plus a few, not what its busiest moment needed.
     """
 
-    sample_rate: int = SAMPLE_RATE
+    def __init__(self, keep_idle: int = KEEP_IDLE) -> None:
+        self.keep_idle = keep_idle
+        self.made = 0  # decoders loaded (not taken from the idle ones)
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[tuple[Any, str]]] = {}
+        self._models: dict[str, Any] = {}  # the shared language model per configuration
 
-    def __init__(self, options: SphinxOptions | None = None) -> None:
-        self.options = options or SphinxOptions()
+    def take(self, config: Mapping[str, Any]) -> tuple[Any, str]:
+        """A decoder for `config` (`SphinxOptions.decoder_config`) and its initial
+        cepstral mean: an idle one, else a new one (`RecognizerUnavailable`)."""
+        key = repr(sorted(config.items()))
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop()
+            shared = self._models.get(key)
         ps = pocketsphinx()
         try:
-            self._decoder: Any = ps.Decoder(**self.options.decoder_config())
+            if shared is not None:
+                decoder: Any = ps.Decoder(**{**config, "lm": None})
+                decoder.add_lm("shared", shared)
+                decoder.activate_search("shared")
+            else:
+                decoder = ps.Decoder(**config)
+                lm = None if any(k in config for k in _OTHER_SEARCHES) else decoder.get_lm()
+                if lm is not None:
+                    with self._lock:
+                        self._models.setdefault(key, lm)
         except (RuntimeError, ValueError, OSError) as exc:
             raise RecognizerUnavailable(
                 f"pocketsphinx could not load its model ({exc}): check the language "
                 "model, grammar, dictionary and acoustic model files"
             ) from exc
+        with self._lock:
+            self.made += 1
+        return decoder, str(decoder.get_cmn(False))
+
+    def give_back(self, config: Mapping[str, Any], decoder: Any, cmn: str) -> bool:
+        """A stream is done with `decoder` (out of any utterance): kept for the next
+        one, reset, if fewer than `keep_idle` wait; False: the caller lets it go (then
+        `release_memory`)."""
+        key = repr(sorted(config.items()))
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if len(idle) >= self.keep_idle:
+                return False
+        try:
+            decoder.set_cmn(cmn)  # a new speaker starts from the model's mean
+        except Exception:
+            return False
+        with self._lock:
+            if len(idle) >= self.keep_idle:
+                return False
+            idle.append((decoder, cmn))
+        return True
+
+    def idle(self) -> int:
+        """Decoders waiting for a stream."""
+        with self._lock:
+            return sum(len(idle) for idle in self._idle.values())
+
+    def clear(self) -> None:
+        """Free the idle decoders and the shared language models (the process will make
+        no more recognizers, or a test starts afresh)."""
+        with self._lock:
+            self._idle.clear()
+            self._models.clear()
+        release_memory()
+
+
+DECODERS = Decoders()
+"""This process's decoders: in a recognition worker, those of its streams."""
+
+
+class SphinxRecognizer:
+    """pocketsphinx behind the `Recognizer` protocol (16 kHz 16-bit mono PCM).
+
+    Its decoder comes from `decoders` (default the process's `DECODERS`): loading the
+    general en-US model takes a few tenths of a second, a domain model far less, and a
+    decoder given back by an ended stream is taken at once. `close` gives it back. Not
+    thread-safe: one recognizer per stream.
+    """
+
+    sample_rate: int = SAMPLE_RATE
+
+    def __init__(
+        self, options: SphinxOptions | None = None, decoders: Decoders | None = None
+    ) -> None:
+        self.options = options or SphinxOptions()
+        self._decoders = DECODERS if decoders is None else decoders
+        self._config = self.options.decoder_config()
+        ps = pocketsphinx()
         try:
             self._endpointer: Any = ps.Endpointer(
                 window=self.options.silence_s,
@@ -126,9 +223,12 @@ class SphinxRecognizer:
             )
         except ValueError as exc:
             raise ValueError(f"pocketsphinx's endpointer refused its options: {exc}") from exc
+        self._decoder: Any
+        self._decoder, self._cmn = self._decoders.take(self._config)
         self._frame_bytes = int(self._endpointer.frame_bytes)
         self._pending = bytearray()
         self._in_utterance = False
+        self._failed = False  # the decoder raised once (see `close`)
         self._utterance_start_ms = 0.0
         self._utterance_samples = 0  # speech given to the decoder in this utterance
         self._partial_at = 0  # `_utterance_samples` at the last partial
@@ -208,8 +308,30 @@ class SphinxRecognizer:
         hyp = self._decoder.hyp()
         return "" if hyp is None else str(hyp.hypstr)
 
+    def close(self) -> None:
+        """The stream is done: its decoder goes back to `decoders` (out of the utterance
+        it was in; one that cannot leave it, or that raised, is freed). Idempotent; the
+        recognizer is not called again."""
+        decoder, self._decoder = self._decoder, None
+        if decoder is None:
+            return
+        kept = False
+        try:
+            if not self._failed and self._in_utterance:
+                self._in_utterance = False
+                decoder.end_utt()
+            if not self._failed:
+                kept = self._decoders.give_back(self._config, decoder, self._cmn)
+        except Exception:
+            kept = False
+        finally:
+            del decoder
+        if not kept:
+            release_memory()
+
     def _recover(self) -> None:
         """After an error: leave the utterance, so that the next audio starts afresh."""
+        self._failed = True  # its decoder is not given to another stream
         if self._in_utterance:
             self._in_utterance = False
             # A decoder past helping says so at the next start_utt.

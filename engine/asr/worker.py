@@ -163,7 +163,9 @@ def handle(
         streams[message.key] = made
         return Opened(made.rate_in)
     if isinstance(message, Drop):
-        streams.pop(message.key, None)
+        dropped = streams.pop(message.key, None)
+        if dropped is not None:
+            dropped.close()
         return None
     assert isinstance(message, (Accept, Flush))
     stream = streams.get(message.key)
@@ -180,4 +182,5 @@ def handle(
     finally:
         if stream.finished:  # flushed: nothing more can be asked of it
             streams.pop(message.key, None)
+            stream.close()
     return Heard(events, stream.busy_s - busy, stream.cpu_s - cpu)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 from typing import Any
 
+from engine.asr.memory import measure
+from engine.asr.sphinx import KEEP_IDLE, SphinxOptions, SphinxRecognizer
 from engine.cli.args import non_negative_float, non_negative_int, positive_int
 from engine.cli.recognizer import RECOGNIZER_OPTIONS, add_recognizer_arguments, sphinx_options
 from engine.server.audio import ASR_KINDS, AudioInput, pocketsphinx_input
@@ -79,6 +82,15 @@ def add_audio_arguments(p: argparse.ArgumentParser) -> None:
         "slot freed (0: never; default %(default)s)",
     )
     audio.add_argument(
+        "--asr-memory",
+        type=positive_int,
+        default=None,
+        metavar="MB",
+        help="memory each recognition process may hold: its audio streams are capped at "
+        "what fits, from the recognizer's cost per stream measured at start (the general "
+        "en-US model: about 80 MB a stream; a domain model far less); default: no memory cap",
+    )
+    audio.add_argument(
         "--asr-workers",
         type=non_negative_int,
         default=None,
@@ -100,8 +112,10 @@ def audio_input(args: argparse.Namespace, stack: contextlib.ExitStack) -> AudioI
         if given:
             flag = "--" + given[0].replace("_", "-")
             raise ValueError(f"{flag} is a recognizer option: it needs --asr pocketsphinx")
-        if args.asr_workers is not None:
-            raise ValueError("--asr-workers is a recognizer option: it needs --asr pocketsphinx")
+        for flag in ("asr_workers", "asr_memory"):
+            if getattr(args, flag) is not None:
+                name = "--" + flag.replace("_", "-")
+                raise ValueError(f"{name} is a recognizer option: it needs --asr pocketsphinx")
         return None
     options = sphinx_options(args, stack, log.warning)
     workers = default_asr_workers() if args.asr_workers is None else args.asr_workers
@@ -112,5 +126,31 @@ def audio_input(args: argparse.Namespace, stack: contextlib.ExitStack) -> AudioI
         chosen["max_streams_per_address"] = args.max_audio_streams_per_address
     if args.max_audio_starting is not None:
         chosen["max_starting"] = args.max_audio_starting
+    if args.asr_memory is not None:
+        chosen["streams_per_worker"] = streams_within_memory(options, args.asr_memory)
     limits = AudioLimits.for_workers(workers, **chosen)
     return pocketsphinx_input(options, workers=workers, limits=limits)
+
+
+def streams_within_memory(options: SphinxOptions, budget_mb: int) -> int:
+    """Audio streams one recognition process holds within `budget_mb`, its recognizer's
+    cost measured in a process like it (with the idle decoders it keeps for the next
+    streams); `ValueError` when not one fits, saying how much one needs."""
+    cost = measure(functools.partial(SphinxRecognizer, options))
+    if cost is None:
+        raise ValueError("--asr-memory needs /proc to measure a recognizer's memory (Linux)")
+    streams = cost.streams_within(budget_mb, KEEP_IDLE)
+    if streams < 1:
+        raise ValueError(
+            f"--asr-memory {budget_mb}: one audio stream needs {cost.needs(1, KEEP_IDLE):.0f} "
+            "MB in a recognition process with this recognizer"
+        )
+    log.info(
+        "audio: %.0f MB per stream in a recognition process (%.0f MB before the first): "
+        "%d streams within --asr-memory %d",
+        cost.per_stream,
+        cost.base + cost.shared,
+        streams,
+        budget_mb,
+    )
+    return streams

@@ -44,10 +44,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.asr.audio import Backlog
-from engine.asr.errors import RecognizerFailed
+from engine.asr.errors import RecognizerFailed, WorkerDied
 from engine.asr.pool import PooledStream, RecognizerPool
 from engine.asr.recognizer import Numbering, RecognizerFactory, RecognizerStream, SpeechStream
-from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
+from engine.asr.sphinx import Decoders, SphinxOptions, SphinxRecognizer
 from engine.server.limits import AudioLimits, AudioSlot
 from protocol import ErrorCode, ErrorMessage, PartialTranscript
 
@@ -93,7 +93,7 @@ def pocketsphinx_input(
     bad model file stops the server at start (`RecognizerUnavailable`), not at its first
     speaker. The package's acoustic model hears English; with another one the spoken
     language is not checked."""
-    SphinxRecognizer(options)
+    SphinxRecognizer(options, Decoders())  # its own: this process keeps none of it
     language = "en" if options.acoustic_model is None else None
     model = options.language_model or options.grammar
     what = f"pocketsphinx ({model.name if model is not None else 'general en-US model'})"
@@ -259,10 +259,10 @@ class AudioFeed:
         self._cut = False
         self._scope: anyio.CancelScope | None = None  # cancelled by `cut`
         self._in_flight_s = 0.0  # audio in the recognizer call under way
-        # A recognizer made in a thread that `cut` abandoned is closed by whichever side
-        # sees it last: the thread that made it, or `run` ending.
+        self._calling = False  # a call is in the stream's thread (or was abandoned there)
+        # `stream` is set by the thread that makes it, which `cut` may abandon: under this
+        # lock, so that a stream made after `run` ended is closed by that thread.
         self._made_lock = threading.Lock()
-        self._made: SpeechStream | None = None
 
     # -- from the receive loop ----------------------------------------------------------
 
@@ -324,12 +324,15 @@ class AudioFeed:
                 await self._cut_short()
         finally:
             self.stats.active -= 1
-            self._stopped = True
             self._backlog.clear()
             with self._made_lock:
-                stream = self.stream = self._made
-            if isinstance(stream, PooledStream):
-                stream.close()  # its worker forgets it, and takes new streams in its place
+                self._stopped = True
+                stream = self.stream
+            # Its recognizer is freed or goes to the next stream. A call abandoned by `cut`
+            # may still run in this process's thread: that recognizer is left to it (a
+            # pooled stream's close is a message its worker answers after that call).
+            if stream is not None and (isinstance(stream, PooledStream) or not self._calling):
+                stream.close()
             if stream is not None:
                 numbering = self._delivered
                 self.clock = Clock(numbering.segment, numbering.seq, stream.heard_ms)
@@ -351,9 +354,12 @@ class AudioFeed:
 
     async def _run(self, clock: Clock) -> None:
         try:
-            self.stream = await self._in_thread(lambda: self._made_by_thread(clock))
+            stream = await self._in_thread(lambda: self._made_by_thread(clock))
         except Exception as exc:
-            log.exception("stream %r: the recognizer could not start", self.stream_id)
+            if isinstance(exc, WorkerDied):  # the pool logged the death: one line each
+                log.error("stream %r: the recognizer could not start: %s", self.stream_id, exc)
+            else:
+                log.exception("stream %r: the recognizer could not start", self.stream_id)
             self.error = ErrorMessage(
                 ErrorCode.INTERNAL,
                 f"stream {self.stream_id!r}: the recognizer could not start ({exc}); "
@@ -365,8 +371,6 @@ class AudioFeed:
         finally:
             if self.slot is not None:
                 self.slot.started()
-        stream = self.stream
-        assert stream is not None
         work: Callable[[], list[PartialTranscript]]
         while True:
             if not await self._audio_or_end():
@@ -427,9 +431,10 @@ class AudioFeed:
     def _made_by_thread(self, clock: Clock) -> SpeechStream:
         stream = self._make(clock)
         with self._made_lock:
-            self._made = stream
+            if not self._stopped:
+                self.stream = stream
             abandoned = self._cut
-        if abandoned and isinstance(stream, PooledStream):
+        if abandoned:
             stream.close()  # `run` may have ended already: it would not see this one
         return stream
 
@@ -476,7 +481,18 @@ class AudioFeed:
     async def _in_thread(self, work: Callable[[], T]) -> T:
         """Run `work` in this stream's worker thread: the recognizer itself, or the wait
         for its process's answer. A `cut` abandons the call (its answer is dropped)."""
-        return await anyio.to_thread.run_sync(work, limiter=self._limiter, abandon_on_cancel=True)
+        self._calling = True
+        try:
+            result = await anyio.to_thread.run_sync(
+                work, limiter=self._limiter, abandon_on_cancel=True
+            )
+        except anyio.get_cancelled_exc_class():
+            raise  # abandoned: the call may still be running in the thread
+        except BaseException:
+            self._calling = False
+            raise
+        self._calling = False
+        return result
 
     def _count(
         self,

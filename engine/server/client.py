@@ -213,6 +213,13 @@ class Client:
 
     def _open_audio(self, action: OpenAudio) -> None:
         assert self.audio is not None and self.io is not None  # the core takes no audio else
+        refused = self.engine.held_by_another(action.stream_id, self.core.owner)
+        if refused is not None:  # its events would all be refused: no recognizer for them
+            self.core.audio_ended(action.stream_id)
+            if action.slot is not None:
+                action.slot.release()
+            self._reply(refused)
+            return
         feed = self.audio.feed(action.stream_id, action.sample_rate, self._heard, action.slot)
         previous, self.feed = self.feed, feed
         self.feeds.add(feed)

@@ -105,11 +105,21 @@ class AudioLimits:
             raise ValueError("idle_timeout_s must be a positive number of seconds (None: never)")
 
     @classmethod
-    def for_workers(cls, workers: int, **given: Any) -> AudioLimits:
+    def for_workers(
+        cls, workers: int, *, streams_per_worker: int | None = None, **given: Any
+    ) -> AudioLimits:
         """The limits for `workers` recognition processes (0: threads, which share one
-        core): as many streams and starts as they serve, unless `given`."""
+        core): as many streams and starts as they serve, unless `given`.
+        `streams_per_worker`: what one process's memory holds (`StreamMemory`), when
+        fewer than `AUDIO_STREAMS_PER_WORKER`. Streams go to the least-loaded process, so
+        a cap of N per process times the processes holds each of them to N."""
         share = max(1, workers)
-        given.setdefault("max_streams", AUDIO_STREAMS_PER_WORKER * share)
+        per_worker = AUDIO_STREAMS_PER_WORKER
+        if streams_per_worker is not None:
+            if streams_per_worker < 1:
+                raise ValueError("streams_per_worker must be >= 1")
+            per_worker = min(per_worker, streams_per_worker)
+        given.setdefault("max_streams", per_worker * share)
         given.setdefault("max_starting", STARTS_PER_WORKER * share)
         return cls(**given)
 

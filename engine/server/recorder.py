@@ -1,12 +1,12 @@
 """`serve --record DIR`: every stream's finals written to subtitle files as they arrive.
 
 Names. One file per stream life (and target language when the engine translates into
-several): `<stream>.<run>.<epoch>[.<lang>].vtt`. `<stream>` is the id percent-encoded, so
-that any id is a safe file name, cut to `PREFIX_CHARS` and followed by `~` and a hash of
-the whole id when it is longer (a name stays far below the 255 bytes file systems allow,
-whatever the id). `<run>` is when recording started, with the server (UTC, to the
-second: `20261124T101503Z`): epochs start at 1 in every run, so without it a restart
-would write over the last run's files.
+several): `<stream>.<run>.<epoch>[.<lang>].vtt`. `<stream>` is the id percent-encoded
+(a leading "." too), so that any id is a safe file name and none is hidden, cut to
+`PREFIX_CHARS` and followed by `~` and a hash of the whole id when it is longer (a name
+stays far below the 255 bytes file systems allow, whatever the id). `<run>` is when
+recording started, with the server (UTC, to the second: `20261124T101503Z`): epochs start
+at 1 in every run, so without it a restart would write over the last run's files.
 A file is only ever created new (a name already taken, e.g. by a run that started in the
 same second, gets `-2`, `-3`, ... after the run).
 
@@ -116,8 +116,11 @@ def check_directory(directory: Path) -> Path:
 
 def file_stem(stream_id: str) -> str:
     """The stream id as the start of a file name: percent-encoded, and when that passes
-    `PREFIX_CHARS`, a readable prefix, `~` and a short hash of the whole id."""
+    `PREFIX_CHARS`, a readable prefix, `~` and a short hash of the whole id. A leading
+    "." is encoded too (`%2E`): a file named by the id is never hidden."""
     name = urllib.parse.quote(stream_id, safe="")
+    if name.startswith("."):
+        name = "%2E" + name[1:]
     if len(name) <= PREFIX_CHARS:
         return name
     cut = name[:PREFIX_CHARS]

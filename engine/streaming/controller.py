@@ -256,6 +256,11 @@ class IncrementalTranslator:
         stream = self._table.get(stream_id)
         return stream.life.epoch if stream is not None else None
 
+    def held_by_another(self, stream_id: str, owner: Owner | None) -> ErrorMessage | None:
+        """Why `owner` may not write to `stream_id` (another owner holds it), or None;
+        the same refusal its events would get."""
+        return self._table.held_by_another(stream_id, owner)
+
     def updates(
         self,
         stream_id: str | None = None,

@@ -376,19 +376,20 @@ class StreamTable(Generic[S]):
         if stream.life.owner != owner:
             if handover and stream.life.handed_over:
                 return Decision(Verdict.HANDOVER, stream)
-            raise InvalidEvent(
-                ErrorMessage(
-                    ErrorCode.FORBIDDEN,
-                    f"stream {event.stream_id!r} belongs to another connection",
-                    "stream_id",
-                    event.stream_id,
-                    event.seq,
-                )
-            )
+            raise InvalidEvent(_not_yours(event.stream_id, event.seq))
         error = stream.life.refusal(event, self.max_pending_finals)
         if error is not None:
             raise InvalidEvent(error)
         return Decision(Verdict.ACCEPT, stream)
+
+    def held_by_another(self, stream_id: str, owner: Owner | None) -> ErrorMessage | None:
+        """The refusal `admit` would give `owner`'s events for a stream another owner
+        holds (and did not hand over), or None: asked before work that would only feed
+        events to be refused (a recognizer for audio into that stream)."""
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.life.owner == owner or stream.life.handed_over:
+            return None
+        return _not_yours(stream_id, None)
 
     def _check_room(self, event: PartialTranscript, owner: Owner | None) -> None:
         """Refuse a new stream past the engine's or the owner's limit."""
@@ -440,7 +441,7 @@ class StreamTable(Generic[S]):
         if stream is None:
             raise refuse(ErrorCode.UNKNOWN_STREAM, f"no open stream {stream_id!r}")
         if stream.life.owner != owner:
-            raise refuse(ErrorCode.FORBIDDEN, f"stream {stream_id!r} belongs to another connection")
+            raise InvalidEvent(_not_yours(stream_id, None))
         if not stream.life.taking_events:
             raise refuse(ErrorCode.UNKNOWN_STREAM, f"stream {stream_id!r} is already closing")
         stream.life.fire(Trigger.CLOSE)
@@ -492,3 +493,14 @@ class StreamTable(Generic[S]):
             stream.life.fire(Trigger.DRAINED)
         if self._streams.get(stream.life.stream_id) is stream:
             del self._streams[stream.life.stream_id]
+
+
+def _not_yours(stream_id: str, seq: int | None) -> ErrorMessage:
+    """The refusal of a stream that another owner holds."""
+    return ErrorMessage(
+        ErrorCode.FORBIDDEN,
+        f"stream {stream_id!r} belongs to another connection",
+        "stream_id",
+        stream_id,
+        seq,
+    )
