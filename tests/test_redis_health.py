@@ -112,7 +112,7 @@ async def test_a_stream_refused_after_its_claim_leaves_no_epoch_and_epochs_expir
         await raw.aclose()
     assert refused == 49
     assert keys == [f"nmt:epoch:{opened}"]
-    assert 0 < ttl  # it expires (with its histories) once nobody holds the stream
+    assert ttl > 0  # it expires (with its histories) once nobody holds the stream
 
 
 async def test_redis_out_of_memory_is_said_counted_logged_and_not_ready(
@@ -154,3 +154,24 @@ async def test_redis_out_of_memory_is_said_counted_logged_and_not_ready(
     assert any("out of memory" in line and "refused" in line for line in logged)
     assert any("updates_dropped 1" in line for line in logged)
     assert any("finals_refused 1" in line for line in logged)
+
+
+def test_viewer_metrics_are_totals_whatever_the_stream_ids() -> None:
+    """Stream ids are chosen by viewers: `/metrics` must not grow a series per id."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine.server.metrics import _BusStats
+
+    bus = RedisBus("redis://127.0.0.1:1/0")  # never started: its hub is all that is read
+    for n in range(300):
+        for _ in range(2 if n < 10 else 1):
+            bus.hub.join(bus.hub.viewer(f"chosen-by-a-viewer-{n}", "zh"), [])
+    registry = CollectorRegistry()
+    registry.register(_BusStats(lambda: SimpleNamespace(bus=bus, stats=Counter())))  # type: ignore[arg-type,return-value]
+    lines = generate_latest(registry).decode().splitlines()
+    series = [line for line in lines if line.startswith("nmt_bus_view")]
+    assert series == ["nmt_bus_viewers 310.0", "nmt_bus_viewed_streams 300.0"]
+    assert not any("chosen-by-a-viewer" in line for line in lines)
