@@ -69,6 +69,7 @@ RATE = 40.0
 """Messages per second a writer keeps within by default: below the server's default limit
 (50 per second), so that a burst never meets it."""
 
+
 @dataclass
 class RemoteStats:
     """What the connection went through: `disconnects` says why each connection was lost,
