@@ -320,7 +320,8 @@ class ConnectionCore:
             return Reply(
                 _error(
                     ErrorCode.UNKNOWN_STREAM,
-                    f"end_audio: this connection streams no audio to {message.stream_id!r} ({now})",
+                    f"end_audio: this connection streams no audio to {message.stream_id!r} "
+                    f"({now})",
                     field="stream_id",
                     context=message,
                 )
