@@ -38,7 +38,11 @@ BACKOFF = (0.1, 2.0)
 """Seconds between tries while Redis cannot be reached: first, and at most (doubling)."""
 
 JOINS_PER_TURN = 64
-"""Viewers the join loop starts per turn, sharing their history reads."""
+"""Viewers the join loop starts per turn (it yields between viewers, and between turns)."""
+
+READ_KEYS = 256
+"""Histories a burst of joins keeps to share among its viewers (dropped when the burst
+ends or grows past this): one read per key, however many viewers join it."""
 
 
 class RedisViewers:
@@ -95,11 +99,13 @@ class RedisViewers:
 
     async def _join_loop(self) -> None:
         delay = BACKOFF[0]
+        read: dict[str, list[Entry]] = {}  # this burst's history reads, by key
         while True:
+            if not self._joining or len(read) > READ_KEYS:
+                read = {}
             if not self._joining:
                 self._has_join = anyio.Event()
                 await self._has_join.wait()
-            read: dict[str, list[Entry]] = {}  # this turn's history reads, by key
             try:
                 for _ in range(min(len(self._joining), JOINS_PER_TURN)):
                     sub, after = self._joining[0]
@@ -124,8 +130,10 @@ class RedisViewers:
         for lang, key in keys.items():
             if key not in read:
                 read[key] = await self.entries(sid, lang)
-        # The read loop may have read further meanwhile: what it handed out before this
-        # viewer is the hub's comes from Redis here (no wait after the last check).
+        # The read loop may have read further since (a history read for an earlier viewer
+        # too): what it handed out before this viewer is the hub's comes from Redis here
+        # (no wait after the last check). A key nobody reads yet is read from the end
+        # of what was read here, so nothing appended since is missed either.
         while behind := [lang for lang, key in keys.items() if self._behind(key, read[key])]:
             for lang in behind:
                 have = read[keys[lang]]
