@@ -458,15 +458,15 @@ class RedisBus:
         writer (which sends the final again), a partial's is dropped (counted)."""
         reply = item.reply
         if reply is None:
-            self.health.lost("close_marks_lost")
+            self.health.lost("close_marks_lost", why)
             return
         final = reply.seq if isinstance(reply, ErrorMessage) else None
         if isinstance(reply, TranslationUpdate):
             final = reply.seq if reply.is_final else None
         if final is None:
-            self.health.lost("updates_dropped")
+            self.health.lost("updates_dropped", why)
             return
-        self.health.lost("finals_refused")
+        self.health.lost("finals_refused", why)
         error = ErrorMessage(
             ErrorCode.UNAVAILABLE,
             f"{why}: send this final transcript again (reconnect first)",

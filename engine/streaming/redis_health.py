@@ -56,7 +56,7 @@ class Health:
         self.reachable = False
         self.refusing: str | None = None
         self.closing = False  # the bus is closing: its failures are its own doing
-        self._lost: Counter[str] = Counter()  # since the last summary
+        self._lost: Counter[tuple[str, str]] = Counter()  # (why, kind): since the summary
         self._logged = 0.0
 
     @property
@@ -101,11 +101,12 @@ class Health:
             log.info("Redis bus: writes are taken again")
         self.refusing = None
 
-    def lost(self, kind: str, count: int = 1) -> None:
-        """Replies lost with a failed write (`finals_refused`, `updates_dropped`,
-        `close_marks_lost`): counted at once, logged in the next summary."""
-        self.stats[kind] += count
-        self._lost[kind] += count
+    def lost(self, kind: str, why: str) -> None:
+        """A reply lost with a failed write (`kind`: `finals_refused`, `updates_dropped`,
+        `close_marks_lost`; `why`: what failed): counted at once, logged in the next
+        summary."""
+        self.stats[kind] += 1
+        self._lost[why, kind] += 1
         self.flush()
 
     def flush(self, force: bool = False) -> None:
@@ -116,8 +117,7 @@ class Health:
         now = time.monotonic()
         if not force and now - self._logged < self.log_every:
             return
-        counts = ", ".join(f"{kind} {n}" for kind, n in sorted(self._lost.items()))
-        why = self.refusing or UNREACHABLE
-        log.warning("Redis bus: replies not published (%s): %s", why, counts)
+        counts = "; ".join(f"{why}: {kind} {n}" for (why, kind), n in sorted(self._lost.items()))
+        log.warning("Redis bus: replies not published: %s", counts)
         self._lost.clear()
         self._logged = now
