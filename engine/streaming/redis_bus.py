@@ -50,7 +50,7 @@ from engine.streaming.bus import BusUnavailable, Claim
 from engine.streaming.fanout import Hub
 from engine.streaming.history import HISTORY, Entry, answered_through
 from engine.streaming.lifecycle import Owner
-from engine.streaming.redis_health import UNREACHABLE, Health, describe, refusal
+from engine.streaming.redis_health import BACKOFF, UNREACHABLE, Health, describe, refusal
 from engine.streaming.redis_store import (
     APPEND,
     CLAIM,
@@ -65,7 +65,7 @@ from engine.streaming.redis_store import (
     redis_errors,
     with_cursor,
 )
-from engine.streaming.redis_viewers import BACKOFF, BLOCK_MS, RedisViewers
+from engine.streaming.redis_viewers import BLOCK_MS, RedisViewers
 from engine.streaming.subscriptions import Subscription
 from protocol import ErrorCode, ErrorMessage, InvalidEvent, TranslationUpdate
 
@@ -334,9 +334,7 @@ class RedisBus:
                     await self._redis.ping()
                     results = []
             except redis_errors() as exc:
-                self.health.failed("renewing leases", exc)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, BACKOFF[1])
+                delay = await self.health.back_off("renewing leases", exc, delay)
                 continue
             delay = BACKOFF[0]
             self.health.succeeded()

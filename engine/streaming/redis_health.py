@@ -12,10 +12,15 @@ import logging
 import time
 from collections import Counter
 
+import anyio
+
 log = logging.getLogger("engine.streaming.redis_bus")
 
 LOG_EVERY = 10.0
 """Seconds between two summaries of refused writes and lost replies."""
+
+BACKOFF = (0.1, 2.0)
+"""Seconds between a loop's tries while Redis fails: first, and at most (doubling)."""
 
 UNREACHABLE = "the update bus (Redis) is unreachable"
 OUT_OF_MEMORY = "the update bus (Redis) is out of memory"
@@ -74,6 +79,13 @@ class Health:
             self.stats["redis_errors"] += 1
         self.reachable = False
         return UNREACHABLE
+
+    async def back_off(self, what: str, exc: BaseException, delay: float) -> float:
+        """A loop's call failed: say so (`failed`), wait `delay` seconds, and return how
+        long to wait after the next failure."""
+        self.failed(what, exc)
+        await anyio.sleep(delay)
+        return min(delay * 2, BACKOFF[1])
 
     def succeeded(self) -> None:
         """A call went through: Redis is reachable (again)."""

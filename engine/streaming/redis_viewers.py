@@ -27,15 +27,12 @@ import anyio.lowlevel
 
 from engine.streaming.fanout import Hub
 from engine.streaming.history import Entry, position
-from engine.streaming.redis_health import Health
+from engine.streaming.redis_health import BACKOFF, Health
 from engine.streaming.redis_store import Keys, Watch, entry_of, redis_errors
 from engine.streaming.subscriptions import Subscription
 
 BLOCK_MS = 5000
 """How long one blocking read waits before it looks again (a new key wakes it at once)."""
-
-BACKOFF = (0.1, 2.0)
-"""Seconds between tries while Redis cannot be reached: first, and at most (doubling)."""
 
 JOINS_PER_TURN = 64
 """Viewers the join loop starts per turn (it yields between viewers, and between turns)."""
@@ -114,9 +111,7 @@ class RedisViewers:
                     self._joining.popleft()
                     await anyio.lowlevel.checkpoint()  # the read loop's deliveries first
             except redis_errors() as exc:
-                self.health.failed("reading a history", exc)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, BACKOFF[1])
+                delay = await self.health.back_off("reading a history", exc, delay)
                 continue
             delay = BACKOFF[0]
 
@@ -200,10 +195,8 @@ class RedisViewers:
                 finally:
                     self._reading = False
             except redis_errors() as exc:
-                self.health.failed("reading histories", exc)
                 self._reader_id = None
-                await anyio.sleep(delay)
-                delay = min(delay * 2, BACKOFF[1])
+                delay = await self.health.back_off("reading histories", exc, delay)
                 continue
             delay = BACKOFF[0]
             self.health.succeeded()
