@@ -126,6 +126,8 @@ class RedisBus:
         self._held: dict[str, int] = {}  # stream -> epoch of the life this node holds
         self._lost: set[str] = set()  # held streams whose lease went to another life
         self._fresh: dict[str, int] = {}  # claimed streams whose epoch counter the claim made
+        self._renewing = anyio.Event()  # set while no renewal is in flight
+        self._renewing.set()
         self._hub = Hub(queue_size)
         self._viewers = RedisViewers(self._hub, self.keys, history, self.health, self.read_seconds)
 
@@ -304,6 +306,8 @@ class RedisBus:
         self._lost.discard(stream_id)
         fresh = self._fresh.pop(stream_id, None)
         made = str(fresh) if unused and fresh is not None else ""
+        # A renewal in flight would take the lease (and the epoch) back after this.
+        await self._renewing.wait()
         try:
             await self._scripts["release"](
                 keys=[self.keys.lease(stream_id), self.keys.epoch(stream_id)],
@@ -318,6 +322,7 @@ class RedisBus:
             await anyio.sleep(self.lease_ms / 3000)
             self.health.flush()
             held = dict(self._held)
+            renewing = self._renewing = anyio.Event()
             try:
                 if self.health.refusing is not None:
                     await self._probe_write()
@@ -334,8 +339,11 @@ class RedisBus:
                     await self._redis.ping()
                     results = []
             except redis_errors() as exc:
+                renewing.set()
                 delay = await self.health.back_off("renewing leases", exc, delay)
                 continue
+            finally:
+                renewing.set()
             delay = BACKOFF[0]
             self.health.succeeded()
             for (stream_id, epoch), ok in zip(held.items(), results, strict=True):
