@@ -137,7 +137,8 @@ async def test_a_stream_moves_only_when_its_node_lets_go_and_its_old_life_is_fen
         assert isinstance(bus_a, RedisBus)
         bus_a._held.clear()  # renews nothing from now on, as a paused process
         viewer = b.updates("s1", lang="zh")
-        await b.push(PartialTranscript("s1", 0, 0, "Tom reads a book", True), y)
+        # The writer on b goes on numbering (a seq names one event in a stream's life).
+        await b.push(PartialTranscript("s1", 0, 1, "Tom reads a book", True), y)
         taken = await read_until(viewer, 1)
         # a wakes up and publishes for the life it had: Redis refuses it.
         stale = a.updates(owner=x)
@@ -150,7 +151,7 @@ async def test_a_stream_moves_only_when_its_node_lets_go_and_its_old_life_is_fen
     assert "taken over" in error.message
     # The viewer saw a's line (its backlog), then b's life; nothing of a's late life.
     shown = [r for r in [*taken, *viewer._items] if isinstance(r, TranslationUpdate)]
-    assert [r.seq for r in shown] == [0, 0] and shown[-1].is_final
+    assert [r.seq for r in shown] == [0, 1] and shown[-1].is_final
     assert shown[0].epoch is not None and shown[1].epoch is not None
     assert shown[0].epoch < shown[1].epoch
 

@@ -255,3 +255,62 @@ async def test_resent_finals_answered_before_are_answered_from_the_history_in_an
     ]
     finals = [r.seq for r in seen if isinstance(r, TranslationUpdate) and r.is_final]
     assert finals == [2, 1]  # the viewer saw seq 2 when it was first answered, once
+
+
+async def hand_over(nmt: IncrementalTranslator, writer: Owner) -> None:
+    """The writer's connection drops: its stream is handed over, not closed."""
+    await nmt.wait_idle("s1")
+    nmt.owner_left(writer)
+    with anyio.fail_after(10):
+        while "s1" in nmt.streams:
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_a_final_resent_after_its_history_was_trimmed_is_not_shown_again(
+    translator: Translator,
+) -> None:
+    x, y = Owner("x"), Owner("y")
+    first = PartialTranscript("s1", 0, 0, "I will meet Tom at three", True)
+    async with IncrementalTranslator(translator, bus=InProcessBus(history=4)) as nmt:
+        viewer = nmt.updates("s1")
+        await nmt.push(first, x)
+        for seq, words in enumerate(["Tom", "Tom reads", "Tom reads a", "Tom reads a book"], 1):
+            await nmt.push(PartialTranscript("s1", 1, seq, words, seq == 4), x)
+            await nmt.wait_idle("s1")
+        await hand_over(nmt, x)
+        following = nmt.updates("s1", after=viewer.cursor)
+        mine = nmt.updates(owner=y)
+        await nmt.push(first, y)  # its reply was lost with x; the history kept 4 entries
+        await nmt.push(PartialTranscript("s1", 2, 5, "we will see the film", True), y)
+        await nmt.wait_idle("s1")
+        await nmt.close_stream("s1", y)
+        answers = [r for r in mine._items if isinstance(r, TranslationUpdate)]
+        seen = [r async for r in viewer] + [r async for r in following]
+    assert [(r.seq, r.is_final) for r in answers] == [(0, True), (5, True)]
+    finals = [r.seq for r in seen if isinstance(r, TranslationUpdate) and r.is_final]
+    assert finals == [0, 4, 5]  # seq 0 once, when it was first answered
+    assert nmt.stats["resent_unshown"] == 1
+
+
+@pytest.mark.anyio
+async def test_a_resend_with_the_same_seq_and_other_text_is_refused_not_shown(
+    translator: Translator,
+) -> None:
+    x, y = Owner("x"), Owner("y")
+    async with IncrementalTranslator(translator) as nmt:
+        viewer = nmt.updates("s1")
+        await nmt.push(PartialTranscript("s1", 0, 0, "I will meet Tom at three", True), x)
+        await hand_over(nmt, x)
+        following = nmt.updates("s1", after=viewer.cursor)
+        mine = nmt.updates(owner=y)
+        await nmt.push(PartialTranscript("s1", 0, 0, "Tom reads a book", True), y)
+        await nmt.wait_idle("s1")
+        await nmt.close_stream("s1", y)
+        answers = list(mine._items)
+        seen = [r async for r in viewer] + [r async for r in following]
+    (refused,) = answers
+    assert isinstance(refused, ErrorMessage) and refused.code == "out_of_order"
+    assert refused.seq == 0 and "other text" in refused.message
+    assert [r.seq for r in seen if isinstance(r, TranslationUpdate) and r.is_final] == [0]
+    assert nmt.stats["resent_refused"] == 1

@@ -118,7 +118,7 @@ class _BusStats(Collector):
     """The update bus's counters (a shared bus: appends, leases renewed and lost,
     takeovers, finals refused while Redis was down, reconnects, ...), its latencies
     (append: publish to Redis's acknowledgement; read: an entry's time in Redis until a
-    node reads it) as quantiles of recent samples, and local viewers per stream."""
+    node reads it) as quantiles of recent samples, and local viewers (totals)."""
 
     def __init__(self, engine: Callable[[], IncrementalTranslator | None]) -> None:
         self._engine = engine
@@ -129,8 +129,8 @@ class _BusStats(Collector):
         events = CounterMetricFamily(
             "nmt_bus_events",
             "Update bus work by kind (appended, entries_read, lease_renewals, lease_losses, "
-            "takeovers, stale_refused, finals_refused, updates_dropped, resume_gaps, "
-            "redis_errors, redis_reconnects).",
+            "takeovers, stale_refused, finals_refused, updates_dropped, close_marks_lost, "
+            "resume_gaps, redis_errors, redis_reconnects, redis_oom, redis_refused).",
             labels=["kind"],
         )
         for kind, count in sorted((bus.stats if bus is not None else {}).items()):
@@ -150,13 +150,17 @@ class _BusStats(Collector):
                     value = samples[min(len(samples) - 1, int(q * len(samples)))]
                     latency.add_metric([step, str(q)], value)
         yield latency
-        viewers = GaugeMetricFamily(
-            "nmt_bus_viewers", "Viewer subscriptions on this node, by stream.", labels=["stream"]
-        )
-        counts = getattr(bus, "viewers", None)
-        for stream, count in sorted((counts() if callable(counts) else {}).items()):
-            viewers.add_metric([stream], count)
+        # Totals only: a stream id is chosen by whoever subscribes, and one series per
+        # id would let any viewer grow the scrape (and Prometheus) without bound.
+        counts = nmt.bus.hub.viewers() if nmt is not None else {}
+        viewers = GaugeMetricFamily("nmt_bus_viewers", "Viewer subscriptions on this node.")
+        viewers.add_metric([], sum(counts.values()))
         yield viewers
+        watched = GaugeMetricFamily(
+            "nmt_bus_viewed_streams", "Streams with at least one viewer on this node."
+        )
+        watched.add_metric([], len(counts))
+        yield watched
         up = GaugeMetricFamily("nmt_bus_ready", "1 while the update bus publishes, else 0.")
         up.add_metric([], 1.0 if bus is None or bus.ready else 0.0)
         yield up

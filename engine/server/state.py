@@ -82,7 +82,7 @@ class ServerState:
             return 404, "not ready: draining (shutting down)\n"
         why = "model loading"
         if self.phase is ServerPhase.READY:
-            why = "the update bus (Redis) is unreachable"
+            why = "the update bus (Redis) cannot take updates (unreachable, or out of memory)"
         return 503, f"not ready: {why}\n"
 
     def handshake_refusal(self) -> Refusal | None:

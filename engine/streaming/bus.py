@@ -89,6 +89,12 @@ class UpdateBus(Protocol):
         """What the bus did, by kind (for the metrics)."""
         ...
 
+    @property
+    def history_size(self) -> int:
+        """Entries a (stream, language) history keeps at most: one that `history` gives
+        this many of may have lost older ones."""
+        ...
+
     async def start(self, languages: Sequence[str] = ()) -> None:
         """Connect (a shared bus); raises `BusUnavailable` when that fails. `languages`:
         what the engine translates into (an error about every language is recorded in
@@ -176,8 +182,9 @@ class InProcessBus:
     """The `UpdateBus` of one process: histories in bounded deques, epochs a counter,
     replies handed to the hub at once."""
 
-    def __init__(self, queue_size: int = 256) -> None:
+    def __init__(self, queue_size: int = 256, history: int = HISTORY) -> None:
         self.queue_size = queue_size
+        self.history_size = history
         self._hub = Hub(queue_size)
         # stream -> language -> entries; open streams, then handed-over ones (LRU).
         self._history: dict[str, dict[str, deque[Entry]]] = {}
@@ -230,7 +237,7 @@ class InProcessBus:
         by_lang = self._history.setdefault(reply.stream_id or "", {})
         langs = [reply.lang] if reply.lang is not None else list(by_lang) or [""]
         for lang in langs:
-            by_lang.setdefault(lang or "", deque(maxlen=HISTORY)).append(
+            by_lang.setdefault(lang or "", deque(maxlen=self.history_size)).append(
                 Entry(cursor, reply, epoch)
             )
         self._hub.publish(reply, owner, cursor)

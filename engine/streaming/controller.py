@@ -43,7 +43,7 @@ from engine.errors import InputTooLongError
 from engine.languages import in_other_script
 from engine.replies import Reply
 from engine.streaming.bus import InProcessBus, UpdateBus, subscribe
-from engine.streaming.history import find_final
+from engine.streaming.history import Resent, resent_final, seq_reused
 from engine.streaming.lifecycle import (
     Owner,
     StreamLifecycle,
@@ -476,27 +476,29 @@ class IncrementalTranslator:
     async def _answer_from_history(
         self, stream: Stream, admission: Admission
     ) -> dict[str, StreamSession]:
-        """A final sent again by a writer that lost its connection: the languages that
-        answered it before (its update is in the stream's history) answer it from there,
-        to the writer only (viewers had it); returns the sessions still to translate it.
-        Only finals at or below the seq the earlier life answered up to are looked up."""
+        """A final sent again by a writer that lost its connection, decided per language
+        by the stream's history (`resent_final`), answered to the writer only (viewers had
+        it); returns the sessions still to translate it (`stream.unshown`: for the writer)."""
         event = admission.event
-        found: dict[str, TranslationUpdate] = {}
+        found: dict[str, tuple[Resent, TranslationUpdate | None]] = {}
         try:
             for lang in stream.sessions:
                 entries = await self._bus.history(event.stream_id, lang)
-                update = find_final(entries, event.segment_id, event.seq, admission.source)
-                if update is not None:
-                    found[lang] = update
+                trimmed = len(entries) >= self._bus.history_size
+                found[lang] = resent_final(
+                    entries, event.segment_id, event.seq, admission.source, trimmed
+                )
         except InvalidEvent:  # the bus cannot say: translate it (a duplicate, not a loss)
             found = {}
         if stream.closed:
             return {}
-        for lang, update in found.items():
-            stream.answered.add(lang)
-            self.stats["answered_from_history"] += 1
-            self._bus.hub.to_owner(update, stream.life.owner)
-        return {lang: s for lang, s in stream.sessions.items() if lang not in found}
+        stream.unshown = {lang for lang, (v, _) in found.items() if v is Resent.UNKNOWN}
+        for lang, (verdict, update) in found.items():
+            if verdict is Resent.ANSWERED or verdict is Resent.CONFLICT:
+                stream.answered.add(lang)
+                self.stats[verdict.value] += 1
+                self._bus.hub.to_owner(update or seq_reused(event, lang), stream.life.owner)
+        return {lang: s for lang, s in stream.sessions.items() if lang not in stream.answered}
 
     async def _translate(self, stream: Stream, admission: Admission, received: float) -> None:
         """Translate one admitted event into every language at once; publish each
@@ -559,10 +561,15 @@ class IncrementalTranslator:
             if update is None:
                 self.stats["unchanged"] += 1
                 return
+            if lang in stream.unshown:  # it may have been shown: the writer's only
+                self.stats[Resent.UNKNOWN.value] += 1
+                update = dataclasses.replace(update, epoch=stream.life.epoch, lang=lang)
+                self._bus.hub.to_owner(update, stream.life.owner)
+                return
             self._publish(stream, lang, update)
 
         stream.current = event
-        stream.answered = set()
+        stream.answered, stream.unshown = set(), set()
         sessions = stream.sessions
         through = stream.life.answered_through
         if event.is_final and through is not None and event.seq <= through:

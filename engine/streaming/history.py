@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import TypeAlias
 
 from engine.replies import RECENT_FINALS, Reply
-from protocol import TranslationUpdate
+from protocol import ErrorCode, ErrorMessage, PartialTranscript, TranslationUpdate
 
 HISTORY = 512
 """Entries of a (stream, language) history kept for viewers that resume and writers that
@@ -78,24 +79,54 @@ def backlog_lines(entries: Sequence[Entry]) -> list[TranslationUpdate]:
     return [*finals, *current]
 
 
-def find_final(
-    entries: Sequence[Entry], segment_id: int, seq: int, source: str
-) -> TranslationUpdate | None:
-    """The final update of (`segment_id`, `seq`) with this source text, if the history's
-    current life (`current_life`) published one; the newest wins. The text is compared
-    too: a writer that restarted without closing its stream numbers from 0 again, and
-    only the same words may be answered with the same translation."""
-    for entry in reversed(current_life(entries)):
+class Resent(Enum):
+    """What a history says of a final that a writer sends again after a handover (at or
+    below the seq the earlier life answered up to)."""
+
+    # Each value is the engine counter (`IncrementalTranslator.stats`) it is counted in.
+    ANSWERED = "answered_from_history"  # its update is here: the writer gets it again
+    CONFLICT = "resent_refused"  # its seq was answered with other words: refused
+    UNKNOWN = "resent_unshown"  # older than what is kept: shown maybe; the writer's only
+    NEW = "resent_new"  # never answered: translated and shown like any final
+
+
+def resent_final(
+    entries: Sequence[Entry], segment_id: int, seq: int, source: str, trimmed: bool
+) -> tuple[Resent, TranslationUpdate | None]:
+    """Decide on a resent final from its history (`trimmed`: it may have lost older
+    entries). Only the current life (`current_life`) is searched: the same seq with the
+    same segment and words is the update to answer with (the newest wins); the same seq
+    with anything else was another event, which a seq cannot name twice in a life (a
+    writer that starts numbering again closes its stream first). A seq older than all a
+    trimmed history keeps cannot be placed: it may have been shown already."""
+    life = current_life(entries)
+    conflict = False
+    for entry in reversed(life):
         reply = entry.reply
-        if (
-            isinstance(reply, TranslationUpdate)
-            and reply.is_final
-            and reply.seq == seq
-            and reply.segment_id == segment_id
-            and reply.source_text == source
-        ):
-            return reply
-    return None
+        if isinstance(reply, TranslationUpdate) and reply.seq == seq:
+            if reply.is_final and reply.segment_id == segment_id and reply.source_text == source:
+                return Resent.ANSWERED, reply
+            conflict = True
+    if conflict:
+        return Resent.CONFLICT, None
+    if trimmed and len(life) == len(entries):  # no close mark: where the life began is gone
+        kept = [e.reply.seq for e in life if e.reply is not None and e.reply.seq is not None]
+        if not kept or seq < min(kept):
+            return Resent.UNKNOWN, None
+    return Resent.NEW, None
+
+
+def seq_reused(event: PartialTranscript, lang: str) -> ErrorMessage:
+    """The answer to a resent final whose seq the stream answered with other words."""
+    return ErrorMessage(
+        ErrorCode.OUT_OF_ORDER,
+        f"seq {event.seq} was answered before with other text: send a final again "
+        "unchanged, number new events after it, or close the stream to start again from 0",
+        "seq",
+        event.stream_id,
+        event.seq,
+        lang,
+    )
 
 
 def resume_from(entries: Sequence[Entry], after: str) -> list[Entry] | None:

@@ -17,12 +17,15 @@ and a fencing token for ownership:
 - **Viewers.** Each node reads, with one blocking `XREAD` on one connection, the keys its
   local viewers watch, each once whatever the number of viewers, and fans out locally.
   A new viewer starts from the history (its backlog, or what came after its `after`
-  cursor), in the same task that reads, so nothing is missed or doubled in between.
-- **Faults.** Redis unreachable at start: `BusUnavailable` (the server exits 2). Lost
-  later: `ready` is False (`/readyz` says so), replies that cannot be appended are not
-  dropped silently (a final's becomes an `unavailable` error to its writer, which sends
-  it again), and every loop reconnects with backoff and resumes from the ids it had:
-  redis-py reconnects a connection, not a blocking read or a lease.
+  cursor), read by a task apart from the live reads, so a crowd joining never holds up
+  the viewers already watching (`engine.streaming.redis_viewers`).
+- **Faults** (`engine.streaming.redis_health`). Redis unreachable at start:
+  `BusUnavailable` (the server exits 2). Lost later, or refusing writes (out of memory):
+  `ready` is False (`/readyz` says so) until a write goes through; replies that cannot be
+  appended are not dropped silently (a final's becomes an `unavailable` error to its
+  writer saying why, which sends it again; a partial's is counted), and every loop
+  reconnects with backoff and resumes from the ids it had: redis-py reconnects a
+  connection, not a blocking read or a lease.
 
 Nothing here knows about sockets or HTTP: the server reads `ready` and `stats`.
 """
@@ -47,6 +50,7 @@ from engine.streaming.bus import BusUnavailable, Claim
 from engine.streaming.fanout import Hub
 from engine.streaming.history import HISTORY, Entry, answered_through
 from engine.streaming.lifecycle import Owner
+from engine.streaming.redis_health import BACKOFF, UNREACHABLE, Health, describe, refusal
 from engine.streaming.redis_store import (
     APPEND,
     CLAIM,
@@ -56,12 +60,12 @@ from engine.streaming.redis_store import (
     RENEW,
     Append,
     Keys,
-    Watch,
     entry_of,
     redacted,
     redis_errors,
     with_cursor,
 )
+from engine.streaming.redis_viewers import BLOCK_MS, RedisViewers
 from engine.streaming.subscriptions import Subscription
 from protocol import ErrorCode, ErrorMessage, InvalidEvent, TranslationUpdate
 
@@ -72,13 +76,8 @@ LEASE_MS = 3000
 streams this long at most: the writer, reconnecting elsewhere, waits for it."""
 
 HISTORY_TTL_MS = 6 * 3600 * 1000
-"""A (stream, language) history that nobody appends to expires after this."""
-
-BLOCK_MS = 5000
-"""How long one blocking read waits before it looks again (a new viewer wakes it at once)."""
-
-BACKOFF = (0.1, 2.0)
-"""Seconds between tries while Redis cannot be reached: first, and at most (doubling)."""
+"""A (stream, language) history that nobody appends to expires after this, and the
+stream's epoch with it (renewed while a node holds the stream)."""
 
 SAMPLES = 2048
 """Latency samples kept for the metrics' quantiles."""
@@ -114,10 +113,9 @@ class RedisBus:
         self._stats: Counter[str] = Counter()
         self.publish_seconds: deque[float] = deque(maxlen=SAMPLES)
         self.read_seconds: deque[float] = deque(maxlen=SAMPLES)
-        self._healthy = False
+        self.health = Health(self._stats)
         self._redis: Any = None
         self._reader: Any = None
-        self._reader_id: int | None = None
         self._scripts: dict[str, Any] = {}
         self._group: anyio.abc.TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -127,13 +125,11 @@ class RedisBus:
         self._has_outgoing = anyio.Event()
         self._held: dict[str, int] = {}  # stream -> epoch of the life this node holds
         self._lost: set[str] = set()  # held streams whose lease went to another life
+        self._fresh: dict[str, int] = {}  # claimed streams whose epoch counter the claim made
+        self._renewing = anyio.Event()  # set while no renewal is in flight
+        self._renewing.set()
         self._hub = Hub(queue_size)
-        self._watches: dict[str, Watch] = {}  # history key -> watch
-        self._joining: deque[tuple[Subscription, str | None]] = deque()
-        self._has_watch = anyio.Event()
-        self._reading = False
-
-    # -- keys ---------------------------------------------------------------------------
+        self._viewers = RedisViewers(self._hub, self.keys, history, self.health, self.read_seconds)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -143,7 +139,7 @@ class RedisBus:
 
     @property
     def ready(self) -> bool:
-        return self._healthy and not self._closing
+        return self.health.ok
 
     @property
     def shared(self) -> bool:
@@ -159,6 +155,7 @@ class RedisBus:
         (every node the same), the keys an error about every language is appended to."""
         if languages:
             self.languages = list(languages)
+            self._viewers.languages = self.languages
         if self._runner is not None:
             return
         try:
@@ -199,7 +196,7 @@ class RedisBus:
                 ("release", RELEASE),
             )
         }
-        self._healthy = True
+        self.health.reachable = True
         # The loops live in a task of their own (redis-py's client is asyncio's), so the
         # bus may be started before the engine that uses it and closed by that engine
         # without crossing the engine's task group.
@@ -211,8 +208,8 @@ class RedisBus:
         async with anyio.create_task_group() as group:
             self._group = group
             group.start_soon(self._append_loop)
-            group.start_soon(self._read_loop)
             group.start_soon(self._renew_loop)
+            await self._viewers.run(self._redis, self._reader, group)
             started.set()
 
     async def aclose(self) -> None:
@@ -222,7 +219,8 @@ class RedisBus:
         with anyio.move_on_after(1.0):
             while self._outgoing or self._in_flight:
                 await anyio.sleep(0.005)
-        self._closing = True
+        self._closing = self.health.closing = True
+        self.health.flush(force=True)
         with anyio.move_on_after(1.0):
             for stream_id in list(self._held):
                 await self._release_now(stream_id)
@@ -238,18 +236,6 @@ class RedisBus:
                 with anyio.move_on_after(1.0):
                     await client.aclose()
 
-    def _failed(self, what: str, exc: BaseException) -> None:
-        if self._healthy:
-            log.warning("Redis bus: %s failed (%s); retrying", what, exc)
-            self._stats["redis_errors"] += 1
-        self._healthy = False
-
-    def _succeeded(self) -> None:
-        if not self._healthy and not self._closing:
-            log.info("Redis bus: reachable again")
-            self._stats["redis_reconnects"] += 1
-        self._healthy = True
-
     def _unavailable(self, stream_id: str, message: str) -> InvalidEvent:
         return InvalidEvent(ErrorMessage(ErrorCode.UNAVAILABLE, message, None, stream_id))
 
@@ -260,21 +246,23 @@ class RedisBus:
         waited = False
         while True:
             try:
-                granted, value = await self._scripts["claim"](
+                granted, value, *created = await self._scripts["claim"](
                     keys=[self.keys.lease(stream_id), self.keys.epoch(stream_id)],
-                    args=[self.node, self.lease_ms, int(time.time() * 1000)],
+                    args=[self.node, self.lease_ms, int(time.time() * 1000), HISTORY_TTL_MS],
                 )
                 through = await self._answered_through(stream_id) if granted else None
             except redis_errors() as exc:
-                self._failed("claiming a stream", exc)
-                raise self._unavailable(
-                    stream_id, "the update bus (Redis) is unreachable: try again shortly"
-                ) from None
-            self._succeeded()
+                why = self.health.failed("claiming a stream", exc)
+                raise self._unavailable(stream_id, f"{why}: try again shortly") from None
+            self.health.succeeded()
             if granted:
                 epoch = int(value)
                 self._held[stream_id] = epoch
                 self._lost.discard(stream_id)
+                if created and int(created[0]):
+                    self._fresh[stream_id] = epoch
+                else:
+                    self._fresh.pop(stream_id, None)
                 if waited or through is not None:
                     self._stats["takeovers"] += 1
                 return Claim(epoch, through)
@@ -309,28 +297,41 @@ class RedisBus:
 
     def release(self, stream_id: str) -> None:
         if stream_id in self._held and self._group is not None:
-            self._group.start_soon(self._release_now, stream_id)
+            self._group.start_soon(self._release_now, stream_id, True)
 
-    async def _release_now(self, stream_id: str) -> None:
+    async def _release_now(self, stream_id: str, unused: bool = False) -> None:
+        """Let the lease go; `unused`: the claim opened nothing, so an epoch counter it
+        made goes too (nothing is left of a stream refused after its claim)."""
         self._held.pop(stream_id, None)
         self._lost.discard(stream_id)
+        fresh = self._fresh.pop(stream_id, None)
+        made = str(fresh) if unused and fresh is not None else ""
+        # A renewal in flight would take the lease (and the epoch) back after this.
+        await self._renewing.wait()
         try:
-            await self._scripts["release"](keys=[self.keys.lease(stream_id)], args=[self.node])
+            await self._scripts["release"](
+                keys=[self.keys.lease(stream_id), self.keys.epoch(stream_id)],
+                args=[self.node, made],
+            )
         except redis_errors() as exc:  # it expires by itself
-            self._failed("releasing a lease", exc)
+            self.health.failed("releasing a lease", exc)
 
     async def _renew_loop(self) -> None:
         delay = BACKOFF[0]
         while True:
             await anyio.sleep(self.lease_ms / 3000)
+            self.health.flush()
             held = dict(self._held)
+            renewing = self._renewing = anyio.Event()
             try:
+                if self.health.refusing is not None:
+                    await self._probe_write()
                 if held:
                     async with self._redis.pipeline(transaction=False) as pipe:
                         for stream_id, epoch in held.items():
                             await self._scripts["renew"](
                                 keys=[self.keys.lease(stream_id), self.keys.epoch(stream_id)],
-                                args=[self.node, self.lease_ms, epoch],
+                                args=[self.node, self.lease_ms, epoch, HISTORY_TTL_MS],
                                 client=pipe,
                             )
                         results = await pipe.execute()
@@ -338,12 +339,13 @@ class RedisBus:
                     await self._redis.ping()
                     results = []
             except redis_errors() as exc:
-                self._failed("renewing leases", exc)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, BACKOFF[1])
+                renewing.set()
+                delay = await self.health.back_off("renewing leases", exc, delay)
                 continue
+            finally:
+                renewing.set()
             delay = BACKOFF[0]
-            self._succeeded()
+            self.health.succeeded()
             for (stream_id, epoch), ok in zip(held.items(), results, strict=True):
                 if self._held.get(stream_id) != epoch:
                     continue  # released or claimed anew meanwhile
@@ -354,14 +356,26 @@ class RedisBus:
                     self._stats["lease_losses"] += 1
                     log.warning("Redis bus: stream %r was taken over elsewhere", stream_id)
 
+    async def _probe_write(self) -> None:
+        """While Redis refuses writes, whether it takes one again (a key that expires
+        at once): the node is ready again without waiting for a reply to append."""
+        try:
+            await self._redis.set(f"{self.prefix}:probe:{self.node}", "1", px=1000)
+        except redis_errors() as exc:
+            if not refusal(exc):
+                raise
+            self.health.write_refused("a test write", exc)
+        else:
+            self.health.wrote()
+
     # -- appending ------------------------------------------------------------------------
 
     async def history(self, stream_id: str, lang: str) -> list[Entry]:
         try:
-            return await self._entries(stream_id, lang)
+            return await self._viewers.entries(stream_id, lang)
         except redis_errors() as exc:
-            self._failed("reading a history", exc)
-            raise self._unavailable(stream_id, "the update bus (Redis) is unreachable") from None
+            why = self.health.failed("reading a history", exc)
+            raise self._unavailable(stream_id, why) from None
 
     def publish(self, reply: Reply, owner: Owner | None, epoch: int | None = None) -> None:
         stream_id = reply.stream_id or ""
@@ -413,14 +427,19 @@ class RedisBus:
                         )
                     results = await pipe.execute(raise_on_error=False)
             except redis_errors() as exc:
-                self._failed("appending replies", exc)
+                self.health.failed("appending replies", exc)
                 results = [exc] * len(batch)
             else:
-                self._succeeded()
+                self.health.succeeded()
+            refused = [r for r in results if isinstance(r, BaseException) and refusal(r)]
+            if refused:
+                self.health.write_refused("appending replies", refused[0])
+            elif not any(isinstance(r, BaseException) for r in results):
+                self.health.wrote()
             now = time.perf_counter()
             for item, result in zip(batch, results, strict=True):
                 if isinstance(result, BaseException):
-                    self._not_appended(item, "the update bus (Redis) is unreachable")
+                    self._not_appended(item, describe(result) if refusal(result) else UNREACHABLE)
                 elif not result:
                     self._stats["stale_refused"] += 1
                     self._not_appended(item, "this stream was taken over by another server node")
@@ -445,15 +464,15 @@ class RedisBus:
         writer (which sends the final again), a partial's is dropped (counted)."""
         reply = item.reply
         if reply is None:
-            self._stats["close_marks_lost"] += 1
+            self.health.lost("close_marks_lost", why)
             return
         final = reply.seq if isinstance(reply, ErrorMessage) else None
         if isinstance(reply, TranslationUpdate):
             final = reply.seq if reply.is_final else None
         if final is None:
-            self._stats["updates_dropped"] += 1
+            self.health.lost("updates_dropped", why)
             return
-        self._stats["finals_refused"] += 1
+        self.health.lost("finals_refused", why)
         error = ErrorMessage(
             ErrorCode.UNAVAILABLE,
             f"{why}: send this final transcript again (reconnect first)",
@@ -497,103 +516,4 @@ class RedisBus:
             # Every stream: those written on this node (the nodes keep no list of all).
             self._hub.join(sub, [])
             return
-        self._joining.append((sub, after))
-        self._wake_reader()
-
-    def viewers(self) -> dict[str, int]:
-        """Local viewer subscriptions per stream (for the metrics)."""
-        return self._hub.viewers()
-
-    def _wake_reader(self) -> None:
-        self._has_watch.set()
-        if self._reading and self._reader_id is not None and self._group is not None:
-            self._group.start_soon(self._unblock)
-
-    async def _unblock(self) -> None:
-        try:
-            await self._redis.client_unblock(self._reader_id)
-        except redis_errors():
-            pass  # the read ends by itself within BLOCK_MS
-
-    async def _entries(self, stream_id: str, lang: str, after: str | None = None) -> list[Entry]:
-        """A history from Redis, oldest first (all that is kept, or what follows `after`)."""
-        key = self.keys.history(stream_id, lang)
-        if after is None:
-            raw = await self._redis.xrevrange(key, "+", "-", count=self.history_size)
-            raw.reverse()
-        else:
-            raw = await self._redis.xrange(key, f"({after}", "+", count=self.history_size)
-        return [entry_of(entry_id, fields) for entry_id, fields in raw]
-
-    async def _join(self, sub: Subscription, after: str | None) -> None:
-        """Start a viewer: the hub replays it its history, then it takes live entries
-        (a key already read goes on from where it was: entries it had are skipped by
-        cursor)."""
-        assert sub.stream_id is not None
-        histories: list[tuple[str, Sequence[Entry]]] = []
-        for lang in [sub.lang] if sub.lang is not None else list(self.languages):
-            entries = await self._entries(sub.stream_id, lang)
-            head = entries[-1].cursor if entries else "0-0"
-            key = self.keys.history(sub.stream_id, lang)
-            self._watches.setdefault(key, Watch(sub.stream_id, lang, head))
-            histories.append((lang, entries))
-        if self._hub.join(sub, histories, after):
-            self._stats["resume_gaps"] += 1
-
-    def _reads(self) -> dict[str, str]:
-        """The keys this node's viewers watch, each with the id read up to; keys no
-        viewer watches any more are forgotten."""
-        keys = {
-            self.keys.history(sid, lang)
-            for sid, langs in self._hub.watched().items()
-            for lang in (self.languages if None in langs else langs)
-            if lang is not None
-        }
-        self._watches = {key: w for key, w in self._watches.items() if key in keys}
-        return {key: watch.last for key, watch in self._watches.items()}
-
-    async def _read_loop(self) -> None:
-        delay = BACKOFF[0]
-        while True:
-            try:
-                if self._reader_id is None:
-                    self._reader_id = int(await self._reader.client_id())
-                while self._joining:
-                    sub, after = self._joining[0]
-                    if not sub.ended:
-                        await self._join(sub, after)
-                    self._joining.popleft()
-                streams = self._reads()
-                if not streams:
-                    self._has_watch = anyio.Event()
-                    if not self._joining:
-                        await self._has_watch.wait()
-                    continue
-                self._reading = True
-                try:
-                    got = await self._reader.xread(streams, count=512, block=BLOCK_MS)
-                finally:
-                    self._reading = False
-            except redis_errors() as exc:
-                self._failed("reading histories", exc)
-                self._reader_id = None
-                await anyio.sleep(delay)
-                delay = min(delay * 2, BACKOFF[1])
-                continue
-            delay = BACKOFF[0]
-            self._succeeded()
-            self._deliver(got)
-
-    def _deliver(self, got: Any) -> None:
-        items = got.items() if isinstance(got, dict) else (got or [])
-        now_ms = time.time() * 1000
-        for key, raw in items:
-            watch = self._watches.get(key)
-            if watch is None:
-                continue
-            for entry_id, fields in raw:
-                watch.last = entry_id
-                entry = entry_of(entry_id, fields)
-                self._stats["entries_read"] += 1
-                self.read_seconds.append(max(0.0, now_ms - entry.at[0]) / 1000)
-                self._hub.deliver(watch.stream_id, watch.lang, entry)
+        self._viewers.watch(sub, after)

@@ -17,11 +17,19 @@ CLAIM = """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return {0, redis.call('PTTL', KEYS[1])} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('SET', KEYS[2], ARGV[3]) end
-return {1, redis.call('INCR', KEYS[2])}
+local created = 0
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('SET', KEYS[2], ARGV[3])
+  created = 1
+end
+local epoch = redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return {1, epoch, created}
 """
 # The epoch counter starts from the clock (ms) when missing, so that a Redis restarted
-# without its data never hands out an epoch that an older life already had.
+# without its data, or an epoch that expired with its history, never hands out an epoch
+# that an older life already had. `created`: this claim made the counter, which `RELEASE`
+# may then delete (a claim that opened nothing leaves nothing behind).
 
 APPEND = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
@@ -31,10 +39,12 @@ for i = 2, #KEYS do
                              'k', ARGV[4], 'e', ARGV[1], 'm', ARGV[5])
   redis.call('PEXPIRE', KEYS[i], ARGV[3])
 end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return ids
 """
 # KEYS[1]: the stream's epoch; the rest: its history keys. An append of an older life
-# (a node that lost the stream without knowing it yet) is refused here.
+# (a node that lost the stream without knowing it yet) is refused here. The epoch expires
+# with the histories it fences.
 
 RENEW = """
 local holder = redis.call('GET', KEYS[1])
@@ -48,15 +58,20 @@ else
   return 0
 end
 if not current then redis.call('SET', KEYS[2], ARGV[3]) end
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
 return 1
 """
 # A lease that expired while nobody took the stream over (or a Redis restarted without
 # its data) is taken back with the same epoch; one that another life holds is lost.
 
 RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+local released = 0
+if redis.call('GET', KEYS[1]) == ARGV[1] then released = redis.call('DEL', KEYS[1]) end
+if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) == ARGV[2] then redis.call('DEL', KEYS[2]) end
+return released
 """
+# ARGV[2]: the epoch of a claim that made the counter and opened no stream (else ''):
+# deleted while still that claim's, as nothing was ever stamped with it.
 
 KIND_REPLY = "r"
 KIND_CLOSED = "c"

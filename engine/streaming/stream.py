@@ -42,6 +42,7 @@ class Stream:
         self.busy = False
         self.current: PartialTranscript | None = None  # the event being translated
         self.answered: set[str] = set()  # languages that answered `current` already
+        self.unshown: set[str] = set()  # languages answering `current` to its writer only
         self.cancelled_in_row = 0
         # The id of the current partial's decodes while a newer event may abort them.
         self.abortable: RequestId | None = None
