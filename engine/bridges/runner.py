@@ -120,6 +120,7 @@ class Bridge:
                 options.audio,
                 rate=None if options.kind is Kind.VOSK else 16000,
                 speed=options.speed,
+                raw_rate=options.audio_rate,
             )
             if options.audio is not None
             else None

@@ -1,0 +1,104 @@
+"""The argument parser every `nmt-incremental` command is built with, and the one place
+the command line turns an exception into a user's `error: ...` line.
+
+argparse, left alone, checks required options before it looks at unknown ones (so a
+misspelt `--modle` is reported as a missing `--model`) and hands a subcommand's unknown
+arguments up to the top-level parser (so `serve --prot 9000` shows the usage of
+`nmt-incremental` rather than of `serve`). `Parser` checks a subcommand's arguments for
+unknown options first, names each with its nearest known option, and reports them with
+the subcommand's own usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from typing import NoReturn
+
+if sys.version_info < (3, 11):  # pragma: no cover (anyio brings the backport there)
+    from exceptiongroup import BaseExceptionGroup
+
+MODEL_HINT = (
+    "a model directory, a catalog name such as en-zh (`nmt-incremental models list`) or a "
+    "hub repo id OWNER/NAME"
+)
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+class Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose leaf commands (those without subcommands of their own)
+    refuse unknown options and stray arguments themselves, before anything else is
+    checked, with a close match where there is one."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        leaf = not any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
+        if leaf and args is not None:
+            unknown = self.unknown_options(args)
+            if unknown:
+                self.error("; ".join(self._describe(option) for option in unknown))
+        parsed, extras = super().parse_known_args(args, namespace)
+        if leaf and extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+    def unknown_options(self, args: Sequence[str]) -> list[str]:
+        """The arguments that look like options this parser does not have."""
+        unknown = []
+        for arg in args:
+            if arg == "--":
+                break
+            if not arg.startswith("-") or arg == "-" or _NUMBER.match(arg):
+                continue
+            if not self._known(arg.split("=", 1)[0] if arg.startswith("--") else arg):
+                unknown.append(arg.split("=", 1)[0])
+        return unknown
+
+    def _known(self, option: str) -> bool:
+        strings = self._option_string_actions
+        if option in strings:
+            return True
+        if option.startswith("--"):  # an abbreviation argparse accepts: one match only
+            return self.allow_abbrev and sum(s.startswith(option) for s in strings) == 1
+        return option[:2] in strings  # a short option with its value attached (-n5)
+
+    def _describe(self, option: str) -> str:
+        longs = [s for s in self._option_string_actions if s.startswith("--")]
+        near = difflib.get_close_matches(option, longs, n=1, cutoff=0.6)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        return f"unrecognized option {option}{hint}"
+
+    def error(self, message: str) -> NoReturn:
+        """argparse's usage and `error:` line, exit status 2; a missing `--model` (no
+        checkout fixture to default to) says what it takes."""
+        if message.startswith("the following arguments are required") and "--model" in message:
+            message += f" ({MODEL_HINT})"
+        super().error(message)
+
+
+def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """Every exception inside a (nested) exception group."""
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found += leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return found
+
+
+@contextlib.contextmanager
+def unwrapped() -> Iterator[None]:
+    """Task groups wrap what their body raises in an exception group; a command fails for
+    one reason at a time, which is raised as itself, so that a user's mistake inside an
+    async command (a server not running, a file it cannot read) is reported by its type
+    like any other, in one line."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        found = leaves(group)
+        if len(found) == 1:
+            raise found[0] from None
+        raise
