@@ -282,6 +282,7 @@ def run_bridge(
             tg.cancel_scope.cancel()
         return result
 
+    notice(f"connecting to {options.to} (retrying for up to {options.reconnect_for:g} s)")
     try:
         with unwrapped():  # a task group's one failure, as itself
             result = anyio.run(main)

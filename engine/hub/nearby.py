@@ -25,9 +25,9 @@ SKIPPED = frozenset({"node_modules", "__pycache__", "site-packages", "venv"})
 
 def model_dirs(root: Path) -> list[str]:
     """Model directories (a config.json and an ONNX file) under `root`, as relative POSIX
-    paths, nearest first."""
+    paths, nearest first (linked folders followed: the depth bounds the walk)."""
     found: list[str] = []
-    for seen, (folder, subdirs, files) in enumerate(os.walk(root), 1):
+    for seen, (folder, subdirs, files) in enumerate(os.walk(root, followlinks=True), 1):
         depth = len(Path(folder).relative_to(root).parts)
         subdirs[:] = sorted(
             d for d in subdirs if not d.startswith(".") and d not in SKIPPED and depth < MAX_DEPTH
