@@ -39,7 +39,7 @@ from engine.cli.args import (
     positive_int,
     probability,
 )
-from engine.cli.parser import unwrapped
+from engine.errors import unwrapped
 from engine.remote import RATE
 from protocol import ErrorMessage, TranslationUpdate
 

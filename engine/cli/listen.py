@@ -30,10 +30,9 @@ from engine.cli.args import (
     streaming_options,
 )
 from engine.cli.listen_session import PROGRESS_MIN_S, ListenSession
-from engine.cli.parser import unwrapped
 from engine.cli.recognizer import add_recognizer_arguments, sphinx_options
 from engine.cli.serve import DEFAULT_STREAM
-from engine.errors import EngineError
+from engine.errors import EngineError, unwrapped
 
 SERVE_DEFAULT = "127.0.0.1:8765"
 

@@ -18,11 +18,11 @@ from engine.cli.bridge import add_bridge_parser, run_bridge
 from engine.cli.listen import add_listen_parser, run_listen
 from engine.cli.logs import add_logs_parser, run_logs
 from engine.cli.models import add_models_parser, run_models
-from engine.cli.parser import Parser, unwrapped
+from engine.cli.parser import Parser
 from engine.cli.replay import add_replay_parser, run_replay
 from engine.cli.serve import add_serve_parser, run_serve
 from engine.cli.translate import add_translate_parser, run_translate
-from engine.errors import EngineError
+from engine.errors import EngineError, unwrapped
 from engine.logs.format import TranscriptLogError
 
 

@@ -1,5 +1,4 @@
-"""The argument parser every `nmt-incremental` command is built with, and the one place
-the command line turns an exception into a user's `error: ...` line.
+"""The argument parser every `nmt-incremental` command is built with.
 
 argparse, left alone, checks required options before it looks at unknown ones (so a
 misspelt `--modle` is reported as a missing `--model`) and hands a subcommand's unknown
@@ -12,15 +11,10 @@ the subcommand's own usage.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import re
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
-
-if sys.version_info < (3, 11):  # pragma: no cover (anyio brings the backport there)
-    from exceptiongroup import BaseExceptionGroup
 
 MODEL_HINT = (
     "a model directory, a catalog name such as en-zh (`nmt-incremental models list`) or a "
@@ -79,26 +73,3 @@ class Parser(argparse.ArgumentParser):
         if message.startswith("the following arguments are required") and "--model" in message:
             message += f" ({MODEL_HINT})"
         super().error(message)
-
-
-def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    """Every exception inside a (nested) exception group."""
-    found: list[BaseException] = []
-    for exc in group.exceptions:
-        found += leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
-    return found
-
-
-@contextlib.contextmanager
-def unwrapped() -> Iterator[None]:
-    """Task groups wrap what their body raises in an exception group; a command fails for
-    one reason at a time, which is raised as itself, so that a user's mistake inside an
-    async command (a server not running, a file it cannot read) is reported by its type
-    like any other, in one line."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        found = leaves(group)
-        if len(found) == 1:
-            raise found[0] from None
-        raise
