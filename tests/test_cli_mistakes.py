@@ -127,18 +127,31 @@ def test_a_mistake_gets_one_error_line_and_exit_2(
 
 
 @pytest.mark.parametrize(
-    ("argv", "usage"),
+    ("argv", "usage", "unknown"),
     [
-        (["serve", "--prot", "9000"], "usage: nmt-incremental serve "),
-        (["translate", "--modle", "x"], "usage: nmt-incremental translate "),
-        (["logs", "hint", "x", "--out", "y", "--lagg", "2"], "usage: nmt-incremental logs hint "),
+        (["serve", "--prot", "9000"], "usage: nmt-incremental serve ", "--prot"),
+        (["translate", "--modle", "x"], "usage: nmt-incremental translate ", "--modle"),
+        (
+            ["logs", "hint", "x", "--out", "y", "--lagg", "2"],
+            "usage: nmt-incremental logs hint ",
+            "--lagg",
+        ),
+        (["--verison"], "usage: nmt-incremental [-h]", "--verison"),
     ],
 )
-def test_an_unknown_option_shows_the_subcommands_usage(
-    argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+def test_an_unknown_option_shows_the_usage_of_the_command_it_was_given_to(
+    argv: list[str], usage: str, unknown: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     status, err = run(argv, capsys)
-    assert status == 2 and err.startswith(usage), err
+    assert err.startswith(usage), err
+    assert_one_error(status, err, f"unrecognized option {unknown} (did you mean")
+
+
+def test_an_unknown_option_without_a_close_one_gets_no_guess(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, err = run(["logs", "make", "a", "--lang", "en", "--out", "b", "--bogus"], capsys)
+    assert assert_one_error(status, err, "unrecognized option --bogus").endswith("--bogus")
 
 
 def test_version_is_the_packages(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
 import re
+import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -24,18 +26,20 @@ _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
 class Parser(argparse.ArgumentParser):
-    """An `ArgumentParser` whose leaf commands (those without subcommands of their own)
-    refuse unknown options and stray arguments themselves, before anything else is
-    checked, with a close match where there is one."""
+    """An `ArgumentParser` that refuses unknown options before anything else is checked,
+    with a close match where there is one; a leaf command (one without subcommands of its
+    own) refuses stray arguments itself too, so its usage is the one shown."""
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         leaf = not any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
-        if leaf and args is not None:
-            unknown = self.unknown_options(args)
-            if unknown:
-                self.error("; ".join(self._describe(option) for option in unknown))
+        given = list(sys.argv[1:] if args is None else args)
+        # A parser with subcommands owns only what comes before the subcommand.
+        own = given if leaf else list(itertools.takewhile(lambda a: a.startswith("-"), given))
+        unknown = self.unknown_options(own)
+        if unknown:
+            self.error("; ".join(self._describe(option) for option in unknown))
         parsed, extras = super().parse_known_args(args, namespace)
         if leaf and extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
@@ -63,7 +67,7 @@ class Parser(argparse.ArgumentParser):
 
     def _describe(self, option: str) -> str:
         longs = [s for s in self._option_string_actions if s.startswith("--")]
-        near = difflib.get_close_matches(option, longs, n=1, cutoff=0.6)
+        near = difflib.get_close_matches(option, longs, n=1, cutoff=0.7)
         hint = f" (did you mean {near[0]}?)" if near else ""
         return f"unrecognized option {option}{hint}"
 
