@@ -61,8 +61,8 @@ class Parser(argparse.ArgumentParser):
         strings = self._option_string_actions
         if option in strings:
             return True
-        if option.startswith("--"):  # an abbreviation argparse accepts: one match only
-            return self.allow_abbrev and sum(s.startswith(option) for s in strings) == 1
+        if option.startswith("--"):  # an abbreviation (argparse says when it is ambiguous)
+            return self.allow_abbrev and any(s.startswith(option) for s in strings)
         return option[:2] in strings  # a short option with its value attached (-n5)
 
     def _describe(self, option: str) -> str:
