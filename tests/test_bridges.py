@@ -31,6 +31,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 import protocol
+from engine.bridges.audio import AudioSource
 from engine.bridges.cloud import Dialect
 from engine.bridges.errors import BridgeError
 from engine.bridges.events import EventWriter, Interrupted
@@ -800,12 +801,20 @@ async def test_an_unreachable_recogniser_is_an_error(
 
 
 @pytest.mark.anyio
-async def test_a_wav_the_recogniser_cannot_take(translator: Translator, tmp_path: Path) -> None:
-    sine_wav(tmp_path / "8k.wav", 0.5, rate=8000)
+async def test_a_wav_the_bridge_cannot_read(translator: Translator, tmp_path: Path) -> None:
+    text = tmp_path / "text.wav"
+    text.write_text("not audio")
     async with serving(translator) as server:
-        opts = options(Kind.WHISPERLIVE, "ws://127.0.0.1:9", server, audio=str(tmp_path / "8k.wav"))
-        with pytest.raises(BridgeError, match="16000 Hz 16-bit mono"):
+        opts = options(Kind.WHISPERLIVE, "ws://127.0.0.1:9", server, audio=str(text))
+        with pytest.raises(BridgeError, match="not a WAV file"):
             await Bridge(opts).run()
+
+
+def test_a_wav_at_another_rate_is_resampled_for_the_recogniser(tmp_path: Path) -> None:
+    sine_wav(tmp_path / "8k.wav", 0.5, rate=8000)
+    audio = AudioSource(str(tmp_path / "8k.wav"), rate=16000)
+    assert audio.sample_rate == 16000
+    audio.close()
 
 
 @contextlib.contextmanager

@@ -106,6 +106,28 @@ def test_listen_writes_json_lines_subtitles_and_a_transcript_log(
     assert all(line["emit_ms"] >= line["end_ms"] for line in lines)
 
 
+def test_the_readme_command_hears_the_fixtures_sentences(
+    spoken: tuple[Path, bytes], tmp_path: Path
+) -> None:
+    """`nmt-incremental listen talk.wav` as the README writes it, from another working
+    directory: the checkout's fixture by default, the language model its directory names,
+    one final per sentence at the pause."""
+    wav, _ = spoken
+    talk = tmp_path / "talk.wav"
+    shutil.copy(wav, talk)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "listen", "talk.wav"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    finals = [u for u in updates_of(done.stdout) if u.is_final]
+    assert [u.source_text for u in finals] == [text.lower() for text, _ in SENTENCES]
+
+
 def run(argv: list[str], stdin: bytes = b"", terminal: bool | None = None) -> tuple[int, str, str]:
     from engine.cli.listen import run_listen
 

@@ -63,7 +63,9 @@ def test_every_subcommand_has_its_section() -> None:
 
 
 def test_every_option_the_docs_show_exists() -> None:
-    known = set().union(*commands(build_parser()).values(), {"--help"})
+    parser = build_parser()
+    top = {flag for action in parser._actions for flag in action.option_strings}
+    known = set().union(*commands(parser).values(), top)
     # Options of other programs the docs show (Optimum, SimulEval, OmniSTEval, the example
     # client).
     others = {

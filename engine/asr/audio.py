@@ -1,6 +1,6 @@
 """Audio input, read and cut one way for every entry: 16-bit mono PCM from a WAV file, a
 pipe or stdin (`PcmSource`: `WavSource`, `RawSource`), or frames pushed over the WebSocket
-(`Backlog`); rates checked (`check_rate`) and converted (`Resampler`).
+(`Backlog`); rates checked (`check_rate`) and converted (`Resampler`, `ResampledSource`).
 
 `listen`, the server's audio route and the bridges all read audio here, so a rate one of
 them takes, or a WAV one of them can read, is taken and read by all.
@@ -237,6 +237,38 @@ class RawSource:
 
     def close(self) -> None:
         pass
+
+
+class ResampledSource:
+    """Another source's audio at `rate` (a recogniser that takes one rate only, fed a WAV
+    at another): read through a `Resampler`, so that every rate `listen` takes is taken
+    wherever audio is sent on."""
+
+    def __init__(self, source: PcmSource, rate: int) -> None:
+        self.source = source
+        self.rate = check_rate(rate)
+        self.blocking = source.blocking
+        self.duration_s = source.duration_s
+        self._resampler = Resampler(source.rate, self.rate)
+        self._ended = False
+
+    def read(self, frames: int) -> bytes:
+        """About `frames` samples at `rate` (b"" at the end)."""
+        wanted = max(1, math.ceil(frames * self.source.rate / self.rate))
+        while not self._ended:
+            raw = self.source.read(wanted)
+            raw = raw[: len(raw) - len(raw) % SAMPLE_BYTES]
+            if raw:
+                out = self._resampler.process(np.frombuffer(raw, dtype="<i2").astype(np.int16))
+            else:
+                self._ended = True
+                out = self._resampler.flush()
+            if len(out):
+                return out.astype("<i2").tobytes()
+        return b""
+
+    def close(self) -> None:
+        self.source.close()
 
 
 async def read_chunk(source: PcmSource, frames: int, stop: anyio.Event | None = None) -> bytes:

@@ -42,6 +42,7 @@ class BridgeOptions:
     token: str | None = None
     lang: str | None = None
     audio: str | None = None
+    audio_rate: int = 16000
     listen: tuple[str, int] | None = None
     speed: float = 1.0
     dialect: Dialect = Dialect.GOOGLE

@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 from anyio.abc import SocketAttribute, SocketStream
@@ -58,11 +57,9 @@ from engine.bridges.transport import (
     open_ws,
     tcp_address,
 )
+from engine.errors import unwrapped
 from engine.remote import RemoteTranslator
 from protocol import EngineClosed, PartialTranscript
-
-if sys.version_info < (3, 11):  # pragma: no cover (anyio brings the backport there)
-    from exceptiongroup import BaseExceptionGroup
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +117,13 @@ class Bridge:
                 options.audio,
                 rate=None if options.kind is Kind.VOSK else 16000,
                 speed=options.speed,
+                raw_rate=options.audio_rate,
             )
             if options.audio is not None
             else None
         )
         try:
-            with _unwrapped():
+            with unwrapped():
                 await self._run(audio, stop)
         finally:
             self._nmt = None
@@ -143,7 +141,7 @@ class Bridge:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._collect, sub)
                 try:
-                    with _unwrapped():
+                    with unwrapped():
                         await self._bridge(audio, stop)
                     await self._push(self.mapper.end_session())
                 except _OurServerGone:
@@ -434,26 +432,5 @@ class Bridge:
 async def _ended_by_our_server() -> AsyncIterator[None]:
     """A relayed session's handler runs in its server's task, not the bridge's: when our
     server is given up it just ends (`Bridge._gone` stops the bridge)."""
-    with contextlib.suppress(_OurServerGone), _unwrapped():
+    with contextlib.suppress(_OurServerGone), unwrapped():
         yield
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    found: list[BaseException] = []
-    for exc in group.exceptions:
-        found += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
-    return found
-
-
-@contextlib.contextmanager
-def _unwrapped() -> Iterator[None]:
-    """Task groups wrap what their body raises in an exception group; a bridge fails for
-    one reason at a time, which is raised as itself (`BridgeError` is printed, not a
-    group's traceback)."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        leaves = _leaves(group)
-        if len(leaves) == 1:
-            raise leaves[0] from None
-        raise

@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from engine.asr.audio import check_rate
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodeOptions
 from engine.decoding.targets import Targets
@@ -25,6 +28,33 @@ POLICY_HELP = (
     "first-word[:n] (default: local-agreement:2 for a model trained on marked prefixes, "
     "first-word:2 for an ordinary one)"
 )
+
+
+CHECKOUT_FIXTURE = Path(__file__).resolve().parents[2] / "models" / "fixture" / "model"
+"""The committed fixture model of the checkout this package runs from (an editable
+install); an installed wheel has none."""
+
+
+def default_model() -> str | None:
+    """`--model`'s default, the same for every command: the checkout's fixture where the
+    package runs from a checkout that has it, else none (`--model` is then required)."""
+    return str(CHECKOUT_FIXTURE) if (CHECKOUT_FIXTURE / "config.json").is_file() else None
+
+
+class _Repeated(argparse.Action):
+    """`append`, except that the first value given replaces the default instead of
+    joining it (argparse's `append` keeps a default list's items)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        items = [] if current is None or current is self.default else list(current)
+        setattr(namespace, self.dest, [*items, values])
 
 
 def positive_int(value: str) -> int:
@@ -69,6 +99,14 @@ def probability(value: str) -> float:
     return number
 
 
+def audio_rate(value: str) -> int:
+    """A sample rate the audio sources take (`engine.asr.audio`), checked while parsing."""
+    try:
+        return check_rate(int(value))
+    except ValueError as exc:  # AudioFormatError is one, and int("x") raises one
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def policy_spec(value: str) -> str:
     """Check a policy spec while parsing, so a typo fails before the model loads."""
     try:
@@ -81,20 +119,25 @@ def policy_spec(value: str) -> str:
 def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     """The model options of every model-using command; `several`: `--model` may be
     repeated, one model per target language (fan-out; `args.model` is then a list)."""
+    fixture = default_model()
     what = (
-        "model directory, a catalog name such as en-zh, or a hub repo id (downloaded on first use)"
+        "model directory, a catalog name such as en-zh, or a hub repo id (downloaded on first "
+        "use); "
+        + (f"default: the checkout's fixture, {fixture}" if fixture else "required (no checkout)")
     )
     if several:
         parser.add_argument(
             "--model",
-            required=True,
-            action="append",
+            required=fixture is None,
+            default=[fixture] if fixture else None,
+            action=_Repeated,
+            metavar="MODEL",
             help=what + "; repeat it to translate into several languages at once, one model "
             "per target language, all from the same source language (the first is the "
             "default language)",
         )
     else:
-        parser.add_argument("--model", required=True, help=what)
+        parser.add_argument("--model", required=fixture is None, default=fixture, help=what)
     parser.add_argument("--quantized", action="store_true", help="use the *_quantized ONNX files")
     parser.add_argument(
         "--int8-per-call",

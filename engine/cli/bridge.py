@@ -10,7 +10,7 @@ waited for.
 
 Exit status: 0 when every final was translated, 1 when one was refused or left
 unanswered or a connection was given up, 2 for what a person must fix (a bad option, an
-audio file that is not 16-bit mono PCM, a server that cannot be reached at all).
+audio file it cannot read, a server that cannot be reached at all).
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ from engine.bridges.kinds import Kind
 from engine.bridges.options import DEFAULT_TO, BridgeOptions, BridgeResult, Reply
 from engine.bridges.runner import Bridge
 from engine.bridges.whisper_streaming import Segmentation
-from engine.cli.args import non_negative_float, positive_float, positive_int, probability
+from engine.cli.args import (
+    audio_rate,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    probability,
+)
+from engine.errors import unwrapped
 from engine.remote import RATE
 from protocol import ErrorMessage, TranslationUpdate
 
@@ -81,8 +88,17 @@ def add_bridge_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     bridge.add_argument(
         "--audio",
         metavar="FILE.wav|-",
-        help="stream this audio to the recogniser at real time: a 16 kHz 16-bit mono WAV "
-        "(any rate for vosk), or - for raw s16le 16 kHz mono PCM on stdin",
+        help="stream this audio to the recogniser at real time: a WAV file (any rate, "
+        "8-32 bit, channels mixed down; resampled to the 16 kHz the recognisers take, "
+        "vosk takes it as it is), or - for raw s16le mono PCM on stdin at --audio-rate",
+    )
+    bridge.add_argument(
+        "--audio-rate",
+        type=audio_rate,
+        default=16000,
+        metavar="HZ",
+        help="the sample rate of raw audio on stdin (default: %(default)s; a WAV file says "
+        "its own)",
     )
     bridge.add_argument(
         "--listen",
@@ -181,6 +197,7 @@ def bridge_options(args: argparse.Namespace) -> BridgeOptions:
         token=args.token,
         lang=args.lang,
         audio=args.audio,
+        audio_rate=args.audio_rate,
         listen=args.listen,
         speed=args.speed,
         dialect=Dialect(args.dialect),
@@ -265,13 +282,20 @@ def run_bridge(
             tg.cancel_scope.cancel()
         return result
 
+    notice(f"connecting to {options.to} (retrying for up to {options.reconnect_for:g} s)")
     try:
-        result = anyio.run(main)
+        with unwrapped():  # a task group's one failure, as itself
+            result = anyio.run(main)
     except BridgeError as exc:
         print(f"error: {exc}", file=err)
         return 2
     except (OSError, InvalidHandshake) as exc:
-        print(f"error: cannot reach nmt-incremental at {options.to}: {exc}", file=err)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(
+            f"error: cannot reach nmt-incremental at {options.to} ({why}): is "
+            "`nmt-incremental serve` running there?",
+            file=err,
+        )
         return 2
     if result is None:
         return 130

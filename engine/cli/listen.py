@@ -14,30 +14,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from typing import IO, BinaryIO, TextIO
 
 import anyio
 
-from engine.asr.audio import PcmSource, RawSource, WavSource, check_rate
+from engine.asr.audio import PcmSource, RawSource, WavSource
 from engine.asr.errors import AudioFileError
 from engine.asr.sphinx import SphinxRecognizer
 from engine.cli.args import (
     add_decode_arguments,
     add_model_arguments,
     add_policy_argument,
+    audio_rate,
     load_translator,
     streaming_options,
 )
 from engine.cli.listen_session import PROGRESS_MIN_S, ListenSession
 from engine.cli.recognizer import add_recognizer_arguments, sphinx_options
 from engine.cli.serve import DEFAULT_STREAM
-from engine.errors import EngineError
+from engine.errors import EngineError, unwrapped
 
-if sys.version_info < (3, 11):  # pragma: no cover (anyio brings the backport there)
-    from exceptiongroup import BaseExceptionGroup
-
-DEFAULT_MODEL = "models/fixture/model"
 SERVE_DEFAULT = "127.0.0.1:8765"
 
 
@@ -60,11 +56,6 @@ def add_listen_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         ),
     )
     add_model_arguments(p)
-    for action in p._actions:  # the fixture by default, as in the README's first steps
-        if action.dest == "model":
-            action.required = False
-            action.default = DEFAULT_MODEL
-            action.help = f"{action.help} (default: {DEFAULT_MODEL})"
     add_decode_arguments(p)
     add_policy_argument(p)
     p.add_argument("audio", help="a WAV file, or - for raw 16-bit mono PCM on stdin")
@@ -108,14 +99,6 @@ def add_listen_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "when stderr is a terminal and stdout is not)",
     )
     add_recognizer_arguments(p.add_argument_group("recognizer (pocketsphinx)"))
-
-
-def audio_rate(value: str) -> int:
-    """A sample rate the recognizer seam takes, checked while parsing."""
-    try:
-        return check_rate(int(value))
-    except ValueError as exc:  # AudioFormatError is one, and int("x") raises one
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_serve(value: str) -> tuple[str, int]:
@@ -182,22 +165,6 @@ def _run_listen(
         translator = load_translator(args)
         view = not args.out and (stdout.isatty() if terminal is None else terminal)
         session = ListenSession(args, stdout, stderr, view=view, duration_s=source.duration_s)
-        try:
+        with unwrapped():  # e.g. the port `--serve` asked for is taken: one OSError
             return anyio.run(session.run, translator, streaming, recognizer, source, serve)
-        except BaseExceptionGroup as group:
-            raise _sole(group) from None
     return 2  # unreachable: the `with` returns (mypy cannot tell)
-
-
-def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The one exception inside task groups' wrappers (e.g. the port `--serve` asked for
-    is taken: an `OSError` that `main` reports in one line), else the group itself."""
-    leaves: list[BaseException] = []
-    pending: list[BaseException] = [group]
-    while pending:
-        exc = pending.pop()
-        if isinstance(exc, BaseExceptionGroup):
-            pending.extend(exc.exceptions)
-        else:
-            leaves.append(exc)
-    return leaves[0] if len(leaves) == 1 else group

@@ -1,11 +1,16 @@
 """The recognizer's options, shared by `listen` and `serve --asr`: one definition of the
 arguments, one way to turn them into `SphinxOptions` (a `--domain-text` model built into a
-directory the caller's stack removes), so the two commands cannot drift apart."""
+directory the caller's stack removes), so the two commands cannot drift apart.
+
+A model directory may name the recognizer data of its domain in `recognizer.json` (the
+committed fixtures do: a language model of their small grammar, which pocketsphinx's
+general English one mishears); it is used when no recognizer option is given."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +21,33 @@ from engine.cli.args import positive_float
 
 RECOGNIZER_OPTIONS = ("lm", "dict", "jsgf", "domain_text", "acoustic_model")
 """The recognizer options that have no default (given: the user asked for a recognizer)."""
+
+MODEL_RECOGNIZER = "recognizer.json"
+"""The file in a model directory that names its domain's recognizer data: an object of
+`RECOGNIZER_OPTIONS` keys whose values are paths relative to the directory."""
+
+
+def model_recognizer(model: str | list[str] | None) -> dict[str, str]:
+    """The recognizer options the model directory `model` (the first of several) names in
+    its `recognizer.json`, as absolute paths; {} when it names none or is no directory.
+    `ValueError` for a file that is not what it should be."""
+    first = model[0] if isinstance(model, list) else model
+    if not first:
+        return {}
+    folder = Path(first).expanduser()
+    path = folder / MODEL_RECOGNIZER
+    if not path.is_file():
+        return {}
+    try:
+        named = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(named, dict) or not all(
+        key in RECOGNIZER_OPTIONS and isinstance(value, str) for key, value in named.items()
+    ):
+        keys = ", ".join(RECOGNIZER_OPTIONS)
+        raise ValueError(f"{path}: expected an object of paths, with keys among {keys}")
+    return {key: str((folder / value).resolve()) for key, value in named.items()}
 
 
 def add_recognizer_arguments(group: argparse._ArgumentGroup) -> None:
@@ -57,7 +89,12 @@ def sphinx_options(
     """The recognizer options the arguments ask for; raises `ValueError` for a
     contradiction. A `--domain-text` language model and dictionary are built into a
     temporary directory that `stack` removes; words without a pronunciation are reported
-    through `warn`."""
+    through `warn`. With no recognizer option given, the model's own `recognizer.json`
+    fills them in."""
+    if not any(getattr(args, name, None) for name in RECOGNIZER_OPTIONS):
+        named = model_recognizer(getattr(args, "model", None))
+        if named:
+            args = argparse.Namespace(**{**vars(args), **named})
     if args.domain_text and (args.lm or args.jsgf):
         raise ValueError("--domain-text makes the language model: give it without --lm/--jsgf")
     if args.lm and args.jsgf:

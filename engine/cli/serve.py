@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import cast
 from urllib.parse import quote
 
 import anyio
@@ -29,6 +30,7 @@ from engine.cli.args import (
     positive_int,
     streaming_options,
 )
+from engine.cli.parser import Parser
 from engine.cli.serve_audio import add_audio_arguments, audio_input
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
@@ -542,7 +544,8 @@ async def _watch_signals(stop: anyio.Event) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m engine.server ARGS` (the same options as `nmt-incremental serve`)."""
-    parser = argparse.ArgumentParser(prog="python -m engine.server")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    parser = Parser(prog="python -m engine.server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(cast("argparse._SubParsersAction[argparse.ArgumentParser]", commands))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     return run_serve(args)

@@ -41,6 +41,7 @@ from engine.hub.errors import (
     UnknownModelError,
 )
 from engine.hub.files import HubFile, model_files, pull_argument, repo_model_name
+from engine.hub.nearby import near_model_dirs, no_such_directory
 from engine.hub.repo import repo_entry
 from engine.hub.settings import HubSettings
 from engine.hub.transfer import check_reachable, download_file, metadata
@@ -204,16 +205,21 @@ def resolve_model(
     catalog = catalog or load_catalog()
     entry = catalog.find(spec)
     settings = settings or HubSettings.from_env()
-    if entry is None and _is_repo_id(spec) and not path.exists():
-        # A repo the catalog does not know: its directory if an earlier pull made it,
-        # otherwise list the repo and pull it.
-        model_dir = settings.models_root / repo_model_name(spec)
-        if is_complete(model_dir, quantized):
-            return model_dir
-        if download:
+    if entry is None and not path.exists():
+        repo = _is_repo_id(spec)
+        if repo:  # a repo the catalog does not know: its directory if a pull made it
+            model_dir = settings.models_root / repo_model_name(spec)
+            if is_complete(model_dir, quantized):
+                return model_dir
+        # A path that is not there, or a repo id that is the end of a local model
+        # directory's path (`fixture/model`): the directory meant, before any request.
+        near = near_model_dirs(spec, close=not repo)
+        if near or _looks_like_path(spec):
+            raise ModelLoadError(no_such_directory(spec, near))
+        if repo and download:  # otherwise list the repo and pull it
             entry = repo_entry(spec, quantized=quantized, settings=settings)
     if entry is None:
-        if _looks_like_path(spec) or path.exists():
+        if path.exists():
             raise ModelLoadError(f"{spec}: not a model directory")
         raise UnknownModelError(spec, catalog.names())
     model_dir = model_dir_for(entry, settings)
