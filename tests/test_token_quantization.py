@@ -255,8 +255,10 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
         for name, session in sessions.items():
             original = getattr(session, method)
 
-            def counted(*args: Any, _name: str = name, _run: Any = original) -> Any:
-                runs[_name] += 1
+            def counted(
+                *args: Any, _name: str = name, _run: Any = original, _runs: Any = runs
+            ) -> Any:
+                _runs[_name] += 1
                 return _run(*args)
 
             monkeypatch.setattr(session, method, counted)

@@ -169,6 +169,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
         help="decoder rows per batched step, all streams together (default: %(default)s)",
     )
     parser.add_argument(
+        "--device",
+        default="cpu",
+        metavar="D",
+        help="where the model runs: cpu, or cuda / cuda:N with the [gpu] extra "
+        "(onnxruntime-gpu; default: %(default)s)",
+    )
+    parser.add_argument(
         "--kv-slots",
         type=non_negative_int,
         default=None,
@@ -280,6 +287,7 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         "batchable": not args.lockstep,
         "int8_per_token": not args.int8_per_call,
         "scheduler": SchedulerOptions(max_rows=args.max_batch_rows, kv_slots=args.kv_slots),
+        "device": args.device,
     }
 
 

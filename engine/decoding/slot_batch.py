@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.decoding.batch import LOOKAHEAD, DecodeBatch, Member, _Steps, stack_encoder_outputs
 from engine.decoding.batch import _confirm as confirm_logits
-from engine.decoding.search import Extension, Search
+from engine.decoding.search import Extension, GreedySearch, Search
 from engine.model.layouts import IntArray, MaskedDecoder
 from engine.model.marian import MarianOnnx
 from engine.model.slots import KvSlots, StepOutput
@@ -29,9 +29,10 @@ from engine.model.slots import KvSlots, StepOutput
 
 def _take(search: Search, out: StepOutput, row: int, position: int) -> Extension | None:
     """A one-row search's step from the model's choice at `position` of `row`."""
-    if out.logits is not None and search.needs_logits:
-        return search.observe(out.logits[row : row + 1, position])
-    return search.take(int(out.ids[row, position]), float(out.scores[row, position]))
+    if isinstance(search, GreedySearch) and not search.needs_logits:
+        return search.take(int(out.ids[row, position]), float(out.scores[row, position]))
+    assert out.logits is not None
+    return search.observe(out.logits[row : row + 1, position])
 
 
 def _confirm(

@@ -10,6 +10,8 @@ from typing import Any
 
 import onnxruntime as ort
 
+from engine.errors import ModelLoadError
+
 THREADS_ENV = "NMT_INTRA_OP_THREADS"
 
 
@@ -53,7 +55,7 @@ class RuntimeOptions:
         return self.quantized and self.int8_per_token
 
 
-class DeviceUnavailable(RuntimeError):
+class DeviceUnavailable(ModelLoadError):
     """The device asked for cannot run the model here (the message says what is missing)."""
 
 

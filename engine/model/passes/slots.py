@@ -304,7 +304,7 @@ def _rewrite(
     live_init = [i for i in graph.initializer if i.name in used]
     del graph.initializer[:]
     graph.initializer.extend(live_init)
-    return out.SerializeToString()
+    return bytes(out.SerializeToString())
 
 
 def _float(negative: onnx.TensorProto) -> int:
@@ -343,7 +343,7 @@ def _io_graph(
     graph = helper.make_graph(nodes, name, inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    return model.SerializeToString()
+    return bytes(model.SerializeToString())
 
 
 def writer_graph(shape: SlotShape, float_type: int) -> bytes:
