@@ -158,7 +158,7 @@ def test_a_recognizers_memory_is_measured_and_caps_a_process_streams() -> None:
     assert made_up.needs(1, idle=2) == 340.0
 
 
-def test_asr_memory_caps_the_audio_streams_per_process() -> None:
+def test_asr_memory_caps_the_audio_streams_per_process(tmp_path: Path) -> None:
     import argparse
     import contextlib
 
@@ -167,7 +167,9 @@ def test_asr_memory_caps_the_audio_streams_per_process() -> None:
     from engine.server.limits import AUDIO_STREAMS_PER_WORKER
 
     def args(*extra: str) -> argparse.Namespace:
-        return build_parser().parse_args(["serve", "--model", "models/fixture/model", *extra])
+        # A model directory that names no recognizer data of its own (the fixture's
+        # recognizer.json names its small domain model): the general model is measured.
+        return build_parser().parse_args(["serve", "--model", str(tmp_path), *extra])
 
     with contextlib.ExitStack() as stack:
         with pytest.raises(ValueError, match="--asr-memory is a recognizer option"):

@@ -301,16 +301,43 @@ async def test_a_resend_with_the_same_seq_and_other_text_is_refused_not_shown(
     async with IncrementalTranslator(translator) as nmt:
         viewer = nmt.updates("s1")
         await nmt.push(PartialTranscript("s1", 0, 0, "I will meet Tom at three", True), x)
+        await nmt.push(PartialTranscript("s1", 1, 1, "we eat noodles", True), x)
         await hand_over(nmt, x)
         following = nmt.updates("s1", after=viewer.cursor)
         mine = nmt.updates(owner=y)
-        await nmt.push(PartialTranscript("s1", 0, 0, "Tom reads a book", True), y)
+        await nmt.push(PartialTranscript("s1", 1, 1, "Tom reads a book", True), y)
         await nmt.wait_idle("s1")
         await nmt.close_stream("s1", y)
         answers = list(mine._items)
         seen = [r async for r in viewer] + [r async for r in following]
     (refused,) = answers
     assert isinstance(refused, ErrorMessage) and refused.code == "out_of_order"
-    assert refused.seq == 0 and "other text" in refused.message
-    assert [r.seq for r in seen if isinstance(r, TranslationUpdate) and r.is_final] == [0]
+    assert refused.seq == 1 and "other text" in refused.message
+    finals = [r.seq for r in seen if isinstance(r, TranslationUpdate) and r.is_final]
+    assert finals == [0, 1]
     assert nmt.stats["resent_refused"] == 1
+
+
+@pytest.mark.anyio
+async def test_a_writer_that_numbers_from_0_again_starts_a_new_stream(
+    translator: Translator,
+) -> None:
+    """Seq 0 with other words after the writer left: a restarted client, whose stream is
+    a new one (another epoch), shown as such; not a resend."""
+    x, y = Owner("x"), Owner("y")
+    async with IncrementalTranslator(translator) as nmt:
+        viewer = nmt.updates("s1")
+        await nmt.push(PartialTranscript("s1", 0, 0, "I will meet Tom at three", True), x)
+        await hand_over(nmt, x)
+        following = nmt.updates("s1", after=viewer.cursor)
+        mine = nmt.updates(owner=y)
+        await nmt.push(PartialTranscript("s1", 0, 0, "Tom reads a book", True), y)
+        await nmt.wait_idle("s1")
+        await nmt.close_stream("s1", y)
+        answers = [r for r in mine._items if isinstance(r, TranslationUpdate)]
+        seen = [r async for r in viewer] + [r async for r in following]
+    assert [(r.seq, r.is_final) for r in answers] == [(0, True)]
+    finals = [r for r in seen if isinstance(r, TranslationUpdate) and r.is_final]
+    assert [r.seq for r in finals] == [0, 0]
+    assert finals[0].epoch != finals[1].epoch
+    assert nmt.stats["resent_refused"] == 0

@@ -62,8 +62,9 @@ class _Rows:
 
     def take(self, select: Sequence[int]) -> None:
         """Keep these rows, in this order."""
+        rows = np.asarray(select, dtype=np.int64)
         for name in ("slot", "length", "next", "source", "minimum"):
-            setattr(self, name, getattr(self, name)[list(select)])
+            setattr(self, name, getattr(self, name)[rows])
 
     def extend(self, other: _Rows) -> None:
         for name in ("slot", "length", "next", "source", "minimum"):
@@ -88,6 +89,7 @@ class SlotBatch(DecodeBatch):
         self.pool = pool
         self.lookahead_positions = lookahead_positions if decoder.lookahead else 0
         self._owned: dict[Search, tuple[int, ...]] = {}  # each search's slots
+        self._wide = 0  # searches that are not greedy (beams): rows that may reorder
         self._rows = _Rows()
         self._out: StepOutput | None = None  # the last step's, until `update` takes it
 
@@ -99,6 +101,8 @@ class SlotBatch(DecodeBatch):
         out, self._out = self._out, None
         if out is None:
             return []
+        if not self._ahead and out.logits is None and not self._wide:
+            return self._take_choices(out)
         steps = _Steps()
         row = 0
         ahead = self._ahead
@@ -122,9 +126,40 @@ class SlotBatch(DecodeBatch):
         self._ahead = []
         self.searches = steps.kept
         for search in steps.ended:
-            del self._owned[search]
+            self._leave(search)
         self._arrange(steps)
         return steps.ended
+
+    def _take_choices(self, out: StepOutput) -> list[Search]:
+        """The common step, kept lean (it runs once per token, for every row): each row a
+        greedy search that takes the model's own choice, one position per row, the rows
+        in place but those that ended."""
+        ended: list[Search] = []
+        gone: list[int] = []
+        tokens: list[int] = []
+        rows = zip(self.searches, out.ids[:, 0].tolist(), out.scores[:, 0].tolist(), strict=True)
+        for row, (search, token, score) in enumerate(rows):
+            assert isinstance(search, GreedySearch)
+            step = search.take(token, score)
+            if step is None:
+                ended.append(search)
+                gone.append(row)
+            else:
+                tokens.append(step.tokens[0])
+        if gone:
+            kept = np.ones(len(self.searches), dtype=bool)
+            kept[gone] = False
+            self.searches = [s for s, keep in zip(self.searches, kept, strict=True) if keep]
+            for search in ended:
+                self._leave(search)
+            self._rows.take(np.flatnonzero(kept).tolist())
+        self._rows.next = np.array(tokens, dtype=np.int64)
+        return ended
+
+    def _leave(self, search: Search) -> None:
+        del self._owned[search]
+        if not isinstance(search, GreedySearch):
+            self._wide -= 1
 
     def _arrange(self, steps: _Steps) -> None:
         """The rows of the searches kept, in their new order: a beam's row continues a
@@ -149,7 +184,8 @@ class SlotBatch(DecodeBatch):
         if kept is not None:
             self._rows.take(kept)
         for search in leaving:
-            self._owned.pop(search, None)
+            if search in self._owned:
+                self._leave(search)
         if not joining:
             return []
         return self._prefill(joining)
@@ -199,6 +235,7 @@ class SlotBatch(DecodeBatch):
         for search, own in zip(searches, owned, strict=True):
             if search in kept:
                 self._owned[search] = own
+                self._wide += not isinstance(search, GreedySearch)
                 slots.extend(own[: search.width])
         new.slot = np.array(slots, dtype=np.int64)
         new.source = sources[steps.select].astype(np.int64)

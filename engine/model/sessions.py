@@ -48,6 +48,8 @@ class RuntimeOptions:
     head_threads: int | None = None
     int8_per_token: bool = True
     device_id: int = 0
+    # Where ONNX Runtime writes each session's profile (a file prefix; None: no profile).
+    profile: str | None = None
 
     @property
     def per_token(self) -> bool:
@@ -106,6 +108,9 @@ def session_options(options: RuntimeOptions, threads: int | None = None) -> ort.
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
+    if options.profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = options.profile
     if not options.allow_spinning:
         # Busy-waiting worker threads only pay off on otherwise idle cores; on a shared box
         # or with several streams decoding at once they fight for the CPU.

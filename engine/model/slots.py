@@ -54,7 +54,9 @@ class SlotsExhausted(RuntimeError):
 @dataclass(frozen=True)
 class StepOutput:
     """What a slot step returns: the argmax [B, T] and its log-probability [B, T] under
-    the model's banned tokens, and the logits [B, T, V] when they were asked for."""
+    the model's banned tokens, and the logits [B, T, V] when they were asked for. (On the
+    CPU too the choice is the graph's: it costs less there than returning the logits
+    and choosing in numpy.)"""
 
     ids: IntArray
     scores: FloatArray

@@ -96,9 +96,11 @@ def resent_final(
     """Decide on a resent final from its history (`trimmed`: it may have lost older
     entries). Only the current life (`current_life`) is searched: the same seq with the
     same segment and words is the update to answer with (the newest wins); the same seq
-    with anything else was another event, which a seq cannot name twice in a life (a
-    writer that starts numbering again closes its stream first). A seq older than all a
-    trimmed history keeps cannot be placed: it may have been shown already."""
+    with anything else was another event, which a seq cannot name twice in a life, except
+    seq 0: a writer that numbers from 0 again with other words is a writer that started
+    over (a restarted client), whose stream is a new one (its own epoch), not a resend. A
+    seq older than all a trimmed history keeps cannot be placed: it may have been shown
+    already."""
     life = current_life(entries)
     conflict = False
     for entry in reversed(life):
@@ -107,7 +109,7 @@ def resent_final(
             if reply.is_final and reply.segment_id == segment_id and reply.source_text == source:
                 return Resent.ANSWERED, reply
             conflict = True
-    if conflict:
+    if conflict and seq > 0:
         return Resent.CONFLICT, None
     if trimmed and len(life) == len(entries):  # no close mark: where the life began is gone
         kept = [e.reply.seq for e in life if e.reply is not None and e.reply.seq is not None]

@@ -30,6 +30,11 @@ import numpy as np
 
 from engine import DecodeOptions, Translator
 from engine.decoding.scheduler import SchedulerOptions
+from engine.decoding.timeline import Timeline
+from engine.model.config import ModelConfig
+from engine.model.marian import MarianOnnx
+from engine.model.sessions import RuntimeOptions, device_options
+from engine.model.tokenizer import MarianTokenizer
 
 SOURCE = "我们明天下午三点在图书馆见面，然后一起去吃饭。"
 
@@ -37,14 +42,25 @@ Timer = Callable[[int, int], float]
 """decode(tokens, rows) -> seconds"""
 
 
-def engine_timer(model: Path, device: str, rows: int, kv_slots: int | None) -> Timer:
-    tr = Translator.from_dir(
-        model,
-        scheduler=SchedulerOptions(
-            lanes=1, max_rows=rows, kv_slots=kv_slots, prefill_positions=1 << 20
-        ),
-        device=device,
+TIMELINES: dict[str, Timeline] = {}
+
+
+def engine_timer(
+    model: Path, device: str, rows: int, kv_slots: int | None, profile: str | None = None
+) -> tuple[Timer, Translator]:
+    scheduler = SchedulerOptions(
+        lanes=1, max_rows=rows, kv_slots=kv_slots, prefill_positions=1 << 20
     )
+    threads = scheduler.resolved()
+    options = RuntimeOptions(
+        intra_op_threads=threads.per_lane,
+        head_threads=threads.head,
+        profile=profile,
+        **device_options(device),
+    )
+    config = ModelConfig.from_dir(model)
+    tr = Translator(MarianOnnx(model, config, options), MarianTokenizer.from_dir(model), scheduler)
+    tr.scheduler.timeline = Timeline()
     enc = tr.encode([tr.source_ids(SOURCE)])
 
     def decode(tokens: int, b: int) -> float:
@@ -56,7 +72,40 @@ def engine_timer(model: Path, device: str, rows: int, kv_slots: int | None) -> T
         assert all(len(h.token_ids) == tokens for h in hyps), [len(h.token_ids) for h in hyps]
         return elapsed
 
-    return decode
+    return decode, tr
+
+
+def step_parts(timeline: Timeline, rows: int) -> str:
+    """Median ms per step of a turn's parts, steps of `rows` rows that no row joined."""
+    steps = [s for s in timeline.steps() if s.rows == rows and not s.joined and not s.encode_rows]
+    if not steps:
+        return "-"
+    parts = {
+        name: 1000 * statistics.median(getattr(s, name) for s in steps)
+        for name in ("update", "schedule", "execute")
+    }
+    return " ".join(f"{k} {v:.2f}" for k, v in parts.items()) + f" ({len(steps)} steps)"
+
+
+def profile_summary(tr: Translator, top: int = 14) -> None:
+    """The slot step session's ONNX Runtime profile, by operator: ms per step."""
+    pool = tr.scheduler.kv
+    if pool is None:
+        return
+    path = pool.sessions["step"].end_profiling()
+    events = json.loads(Path(path).read_text())
+    runs = sum(1 for e in events if e.get("name") == "model_run")
+    by_op: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time"):
+            op = e.get("args", {}).get("op_name", "?")
+            provider = e.get("args", {}).get("provider", "")
+            key = f"{op} ({provider.replace('ExecutionProvider', '')})"
+            by_op[key] = by_op.get(key, 0.0) + float(e.get("dur", 0))
+    total = sum(by_op.values())
+    print(f"profile: {runs} runs, kernels {total / max(runs, 1) / 1000:.3f} ms per run")
+    for key, us in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {key:40s} {us / max(runs, 1) / 1000:.3f} ms per run")
 
 
 def transformers_timer(checkpoint: Path, device: str, half: bool) -> Timer:
@@ -108,21 +157,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--fp16-model", type=Path, help="an fp16 ONNX model to run as well")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--profile-rows", type=int, default=0, help="profile the fp32 slot step at these rows"
+    )
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     copied = {int(r) for r in args.copied_rows.split(",") if r}
     most = max(rows)
     sides: dict[str, Timer] = {}
+    engines: dict[str, Translator] = {}
     loaded: dict[str, float] = {}
-    t0 = time.perf_counter()
-    sides["engine fp32 (slots)"] = engine_timer(args.model, args.device, most, None)
-    loaded["engine fp32"] = time.perf_counter() - t0
+    variants = [("engine fp32 (slots)", args.model, None)]
     if args.fp16_model is not None:
-        t0 = time.perf_counter()
-        sides["engine fp16 (slots)"] = engine_timer(args.fp16_model, args.device, most, None)
-        loaded["engine fp16"] = time.perf_counter() - t0
+        variants.append(("engine fp16 (slots)", args.fp16_model, None))
     if copied:
-        sides["engine fp32 (copied)"] = engine_timer(args.model, args.device, most, 0)
+        variants.append(("engine fp32 (copied)", args.model, 0))
+    for name, path, kv_slots in variants:
+        t0 = time.perf_counter()
+        sides[name], engines[name] = engine_timer(path, args.device, most, kv_slots)
+        loaded[name] = time.perf_counter() - t0
     if args.checkpoint is not None:
         torch_device = "cuda" if args.device.startswith("cuda") else "cpu"
         sides["transformers fp32"] = transformers_timer(args.checkpoint, torch_device, False)
@@ -146,6 +199,14 @@ def main(argv: list[str] | None = None) -> int:
                 results[name][b] = statistics.median(values)
         line = "  ".join(f"{n}: {results[n][b]:.4f}" for n in sides if b in results[n])
         print(f"rows {b:5d}  ms per row-token  {line}", flush=True)
+        for name, tr in engines.items():
+            assert tr.scheduler.timeline is not None
+            print(f"    {name} per step: {step_parts(tr.scheduler.timeline, b)}", flush=True)
+    if args.profile_rows:
+        timer, tr = engine_timer(args.model, args.device, args.profile_rows, None, "slot_step")
+        timer(args.tokens, args.profile_rows)
+        print(f"rows {args.profile_rows}, {args.tokens} tokens:")
+        profile_summary(tr)
     print()
     print("| rows | " + " | ".join(sides) + " |")
     print("| ---: |" + " ---: |" * len(sides))

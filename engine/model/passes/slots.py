@@ -77,19 +77,29 @@ class SlotShape:
 class _Builder:
     """New nodes and initializers, named under one prefix."""
 
-    def __init__(self, graph: onnx.GraphProto, version: int) -> None:
+    def __init__(
+        self,
+        graph: onnx.GraphProto,
+        version: int,
+        constants: onnx.GraphProto | None = None,
+        float_type: int = TensorProto.FLOAT,
+        prefix: str = _PREFIX,
+    ) -> None:
+        self.prefix = prefix
         self.graph = graph
         self.version = version
+        self.float_type = float_type
+        self._constants = constants if constants is not None else graph  # initializers
         self.nodes: list[onnx.NodeProto] = []
         self._count = 0
 
     def name(self, hint: str) -> str:
         self._count += 1
-        return f"{_PREFIX}/{hint}_{self._count}"
+        return f"{self.prefix}/{hint}_{self._count}"
 
     def const(self, hint: str, value: Any) -> str:
         name = self.name(hint)
-        self.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+        self._constants.initializer.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
     def op(self, op_type: str, inputs: Sequence[str], hint: str, **attrs: Any) -> str:
@@ -101,6 +111,11 @@ class _Builder:
         if self.version >= 13:
             return self.op("Unsqueeze", [source, self.const("axes", np.array(axes))], "unsq")
         return self.op("Unsqueeze", [source], "unsq", axes=axes)
+
+    def squeeze_last(self, source: str, hint: str) -> str:
+        if self.version >= 13:
+            return self.op("Squeeze", [source, self.const("axes", np.array([-1]))], hint)
+        return self.op("Squeeze", [source], hint, axes=[-1])
 
     def reduce(self, op_type: str, source: str, hint: str) -> str:
         """`op_type` over the last axis, that axis dropped."""
@@ -153,27 +168,75 @@ def _self_mask(b: _Builder, negative: onnx.TensorProto) -> str:
     return b.op("Where", [blocked, negative.name, zero], "self_mask")
 
 
+def _choose(b: _Builder, scores: str, ids: str, best: str) -> None:
+    """`ids` and `best` [B, T]: the argmax of `scores` [B, T, V] (the first on ties, as
+    numpy's) and its log-probability, in the float32 operations of
+    `engine.decoding.search._greedy_choice`."""
+    b.nodes.append(helper.make_node("ArgMax", [scores], [ids], axis=-1, keepdims=0))
+    top = b.unsqueeze(b.reduce("ReduceMax", scores, "top"), [-1])
+    total = b.reduce("ReduceSum", b.op("Exp", [b.op("Sub", [scores, top], "shift")], "exp"), "sum")
+    b.nodes.append(helper.make_node("Neg", [b.op("Log", [total], "log")], [best]))
+
+
 def _greedy_outputs(b: _Builder, logits: str, vocab: int, bans: Sequence[int], eos: int) -> None:
-    """`NEXT_IDS` [B, T] and `NEXT_SCORES` [B, T]: the argmax of the logits with banned
-    tokens at -inf, and eos too where `BAN_EOS` [B, T] says (a row short of its minimum
-    length), and its log-probability, in the float32 operations of
-    `engine.decoding.search._greedy_choice` (first index on ties, as numpy's argmax).
-    Eos gets a finite -1e30 rather than -inf (0 x -inf is NaN): its exponential is 0 all
-    the same."""
+    """`NEXT_IDS` [B, T] and `NEXT_SCORES` [B, T]: the greedy choice (`_choose`) with the
+    model's banned tokens at -inf, and eos too where `BAN_EOS` [B, T] says (a row short of
+    its minimum length). The eos penalty is a branch of its own (`If`), taken only when
+    some row is short: each pass over the vocabulary counts at many rows. It is a finite
+    -1e30 rather than -inf (0 x -inf is NaN); its exponential is 0 all the same."""
     bias = np.zeros(vocab, dtype=np.float32)
     bias[list(bans)] = -np.inf
+    source = logits
+    if b.float_type != TensorProto.FLOAT:
+        source = b.op("Cast", [logits], "logits_f32", to=TensorProto.FLOAT)
+    allowed = b.op("Add", [source, b.const("bans", bias)], "allowed")
     no_eos = np.zeros(vocab, dtype=np.float32)
     no_eos[eos] = -1e30
-    as_float = b.op("Cast", [logits], "logits_f32", to=TensorProto.FLOAT)
-    banned = b.unsqueeze(b.op("Cast", [BAN_EOS], "ban_f32", to=TensorProto.FLOAT), [2])
-    short = b.op("Mul", [banned, b.const("no_eos", no_eos)], "eos_bias")
-    allowed = b.op(
-        "Add", [b.op("Add", [as_float, b.const("bans", bias)], "banned"), short], "allowed"
+    as_int = b.op("Cast", [BAN_EOS], "ban_i32", to=TensorProto.INT32)
+    any_short = b.op("ReduceMax", [as_int], "any_ban", keepdims=0)
+    short = b.op("Cast", [any_short], "short", to=TensorProto.BOOL)
+    branches = {}
+    for branch, penalised in (("then_branch", True), ("else_branch", False)):
+        inner = _Builder(
+            helper.make_graph([], branch, [], []),
+            b.version,
+            b.graph,
+            prefix=f"{_PREFIX}/{branch}",
+        )
+        scores = allowed
+        if penalised:
+            banned = inner.unsqueeze(
+                inner.op("Cast", [BAN_EOS], "ban_f32", to=TensorProto.FLOAT), [2]
+            )
+            penalty = inner.op("Mul", [banned, b.const("no_eos", no_eos)], "eos_penalty")
+            scores = inner.op("Add", [allowed, penalty], "eos_banned")
+        ids, best = f"{inner.prefix}/ids", f"{inner.prefix}/scores"
+        _choose(inner, scores, ids, best)
+        branches[branch] = helper.make_graph(
+            inner.nodes,
+            branch,
+            [],
+            [
+                helper.make_tensor_value_info(ids, TensorProto.INT64, None),
+                helper.make_tensor_value_info(best, TensorProto.FLOAT, None),
+            ],
+        )
+    b.nodes.append(
+        helper.make_node(
+            "If", [short], [NEXT_IDS, NEXT_SCORES], name=f"{_PREFIX}/greedy", **branches
+        )
     )
-    b.nodes.append(helper.make_node("ArgMax", [allowed], [NEXT_IDS], axis=-1, keepdims=0))
-    top = b.unsqueeze(b.reduce("ReduceMax", allowed, "top"), [-1])
-    total = b.reduce("ReduceSum", b.op("Exp", [b.op("Sub", [allowed, top], "shift")], "exp"), "sum")
-    b.nodes.append(helper.make_node("Neg", [b.op("Log", [total], "log")], [NEXT_SCORES]))
+
+
+def reads(node: onnx.NodeProto) -> list[str]:
+    """What a node reads: its inputs, and for a node with subgraphs (`If`) the outer
+    values its subgraphs use."""
+    names = [name for name in node.input if name]
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            made = {o for n in attr.g.node for o in n.output} | {i.name for i in attr.g.initializer}
+            names += [name for n in attr.g.node for name in reads(n) if name not in made]
+    return names
 
 
 def _sorted(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto]:
@@ -183,9 +246,9 @@ def _sorted(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto
     left = list(nodes)
     out: list[onnx.NodeProto] = []
     while left:
-        ready = [n for n in left if all(not i or i in made for i in n.input)]
+        ready = [n for n in left if all(i in made for i in reads(n))]
         if not ready:
-            missing = sorted({i for n in left for i in n.input if i and i not in made})
+            missing = sorted({i for n in left for i in reads(n) if i not in made})
             raise _Unsupported(f"nodes read tensors nothing makes: {missing[:3]}")
         taken = {id(n) for n in ready}
         out.extend(ready)
@@ -204,8 +267,8 @@ def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto
         if node is None or id(node) in keep:
             continue
         keep.add(id(node))
-        for name in node.input:
-            if name and name not in seen:
+        for name in reads(node):
+            if name not in seen:
                 seen.add(name)
                 todo.append(name)
     return [n for n in nodes if id(n) in keep]
@@ -236,6 +299,7 @@ def _rewrite(
     negative = initializers.get(wheres[0].input[1])
     if negative is None:
         raise _Unsupported("the mask's negative value is not a constant")
+    b.float_type = _float(negative)
 
     self_base, cross_base = _bases(b, shape)
     self_rows = _reads(b, self_base, MASK_INPUT)
@@ -290,17 +354,17 @@ def _rewrite(
     graph.input.extend(inputs)
     known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
     nodes = _sorted(_live([*graph.node, *b.nodes], {o.name for o in graph.output}), known)
-    if any(name in {*past_self, *past_cross} for n in nodes for name in n.input):
+    if any(name in {*past_self, *past_cross} for n in nodes for name in reads(n)):
         raise _Unsupported("the past KV is read other than by its concatenation")
-    if ENCODER_HIDDEN_STATES in {name for n in nodes for name in n.input}:
+    if ENCODER_HIDDEN_STATES in {name for n in nodes for name in reads(n)}:
         raise _Unsupported("the step reads the encoder states, not only their KV")
     del graph.node[:]
     graph.node.extend(nodes)
-    inputs_used = {name for n in nodes for name in n.input}
+    inputs_used = {name for n in nodes for name in reads(n)}
     kept = [i for i in graph.input if i.name in inputs_used]
     del graph.input[:]
     graph.input.extend(kept)
-    used = {name for n in nodes for name in n.input}
+    used = {name for n in nodes for name in reads(n)}
     live_init = [i for i in graph.initializer if i.name in used]
     del graph.initializer[:]
     graph.initializer.extend(live_init)
