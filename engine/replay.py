@@ -72,12 +72,19 @@ class ReplayOptions:
 
     ``progress``: ``None`` shows a bar on stderr only for long logs and when stderr is a
     terminal, so pipelines and CI logs stay clean; ``True``/``False`` force it.
+    ``max_streams`` and ``decode_slots``: the engine's (`IncrementalTranslator`), for logs
+    of more streams than a server takes by default. ``check_finals``: compare every
+    final with the offline translation of its transcript afterwards (one at a time: a
+    capacity run of thousands of streams leaves it out).
     """
 
     streaming: StreamingOptions = field(default_factory=StreamingOptions)
     realtime: bool = False
     speed: float = 1.0
     progress: bool | None = None
+    max_streams: int = 256
+    decode_slots: int | None = None
+    check_finals: bool = True
 
     def __post_init__(self) -> None:
         if not self.speed > 0 or self.speed == float("inf"):
@@ -326,7 +333,12 @@ async def _drive(
     show = _show_progress(options.progress, len(lines))
     bar = tqdm(total=len(lines), disable=not show, file=sys.stderr, unit="ev", leave=False)
     try:
-        async with IncrementalTranslator(translator, options.streaming) as nmt:
+        async with IncrementalTranslator(
+            translator,
+            options.streaming,
+            max_streams=options.max_streams,
+            decode_slots=options.decode_slots,
+        ) as nmt:
             sub = nmt.updates()  # subscribe before the first push so nothing is missed
 
             async def collect() -> None:
@@ -492,9 +504,11 @@ async def replay_async(
         for timed in updates:
             on_update(timed)
     show = _show_progress(options.progress, len(lines))
-    checked, mismatches = await anyio.to_thread.run_sync(
-        _check_finals, translator, run, updates, options, show
-    )
+    checked, mismatches = 0, list[FinalMismatch]()
+    if options.check_finals:
+        checked, mismatches = await anyio.to_thread.run_sync(
+            _check_finals, translator, run, updates, options, show
+        )
     traces = _traces(lines, updates, translator)
     report = build_report(traces, references, target_lang=translator.config.target_lang)
     counts = {"events": len(lines), "accepted": run.stats["events"], "refused": len(run.refused)}

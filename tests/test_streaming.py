@@ -156,8 +156,9 @@ def test_committed_prefix_is_forced_in_one_decoder_call(translator: Translator) 
     seg = session.segment
     assert seg is not None and seg.committed, "nothing was committed"
     seen: list[int] = []
-    # The prefill call: the rewritten decoder's under continuous batching, else the layout's.
-    owner: Any = translator.model.masked or translator.model
+    # The prefill call: over KV slots where the model keeps them, else the rewritten
+    # decoder's under continuous batching, else the layout's.
+    owner: Any = translator.scheduler.kv or translator.model.masked or translator.model
     name = "prefill"
     original = getattr(owner, name)
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.decoding.batch import LOOKAHEAD, DecodeBatch, Member, _Steps, stack_encoder_outputs
-from engine.decoding.batch import _confirm as confirm_logits
 from engine.decoding.search import Extension, GreedySearch, Search
 from engine.model.layouts import IntArray, MaskedDecoder
 from engine.model.marian import MarianOnnx
@@ -205,20 +204,39 @@ class SlotBatch(DecodeBatch):
             mask[r, : len(row_ids)] = 1
             search.start(len(search.prefix))
         enc = stack_encoder_outputs([member.enc for member in joining])
-        needed = np.array([len(s.prefix) for s in searches], dtype=np.int64)
-        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed)
         owned = [tuple(member.slots) for member in joining]
-        copies = np.repeat(np.arange(len(searches)), [len(o) for o in owned])
-        self.pool.write(
+        # What each row reads: its positions from its first free choice (after its forced
+        # prefix) to its last fed token, flat over rows x width, eos banned below its minimum.
+        reads: list[int] = []
+        ban: list[bool] = []
+        spans: list[tuple[int, int]] = []
+        for r, (search, row_ids) in enumerate(zip(searches, fed, strict=True)):
+            first = len(reads)
+            for t in range(len(search.prefix), len(row_ids)):
+                reads.append(r * width + t)
+                ban.append(t < search.options.min_new_tokens)
+            spans.append((first, len(reads)))
+        out = self.pool.prefill(
+            enc,
+            ids,
+            mask,
             np.array([slot for own in owned for slot in own], dtype=np.int64),
-            [a[copies] for a in self_kv],
-            [a[copies] for a in cross_kv],
+            np.repeat(np.arange(len(searches)), [len(own) for own in owned]),
+            np.array(reads, dtype=np.int64),
+            np.array(ban, dtype=np.bool_),
+            logits=any(search.needs_logits for search in searches),
         )
         steps = _Steps()
         lengths: list[int] = []
         for r, search in enumerate(searches):
             start, draft = len(search.prefix), search.draft
-            step, accepted = confirm_logits(search, logits[r, start:], draft)
+            k0, k1 = spans[r]
+            mine = StepOutput(
+                out.ids[:, k0:k1],
+                out.scores[:, k0:k1],
+                None if out.logits is None else out.logits[:, k0:k1],
+            )
+            step, accepted = _confirm(search, mine, 0, 0, draft)
             steps.add(search, r, step)
             search.accepted = accepted
             self.stats["draft_offered"] += len(draft)

@@ -469,7 +469,14 @@ def load_masked(
     masked = MaskedDecoder(prefills, steps, config.decoder_layers, worst, calls, lookahead, ones)
     where, step_graph = str(model_dir), graph.with_past
     masked.slots = open_slot_graphs(
-        step_graph, graph.one_token, masked, config, options, per_token=per_token, where=where
+        graph.no_past,
+        step_graph,
+        graph.one_token,
+        masked,
+        config,
+        options,
+        per_token=per_token,
+        where=where,
     )
     return masked
 

@@ -31,17 +31,19 @@ from engine.model.names import (
     COPY_POSITIONS,
     COPY_TARGETS,
     ENCODER_ATTENTION_MASK,
+    ENCODER_HIDDEN_STATES,
     INPUT_IDS,
     LOGITS,
     MASK_INPUT,
     NEXT_IDS,
     NEXT_SCORES,
     POSITIONS_INPUT,
+    PREFILL_READS,
     SLOT_ROWS,
-    kv_names,
+    SLOT_SOURCES,
     slot_names,
 )
-from engine.model.passes.slots import SlotShape, copy_graph, rewrite_step, writer_graph
+from engine.model.passes.slots import SlotShape, copy_graph, rewrite_prefill, rewrite_step
 from engine.model.sessions import RuntimeOptions, open_session
 
 log = logging.getLogger(__name__)
@@ -72,9 +74,10 @@ def slot_bytes(shape: SlotShape, itemsize: int) -> int:
 class KvSlots:
     """`slots` KV slots of `shape` and the graphs that use them in place.
 
-    `step`: the slot-rewritten with-past graph (`passes.slots.rewrite_step`); `one_token`:
+    `prefill`: the slot-rewritten no-past graph (`passes.slots.rewrite_prefill`); `step`:
+    the slot-rewritten with-past graph (`passes.slots.rewrite_step`); `one_token`:
     the same for one-token calls where the model has a faster graph for them (int8 per
-    token); `writer` and `copier`: `passes.slots.writer_graph` and `copy_graph`.
+    token); `copier`: `passes.slots.copy_graph`.
     `device`: ("cpu", 0) or ("cuda", N)."""
 
     def __init__(
@@ -82,8 +85,8 @@ class KvSlots:
         shape: SlotShape,
         slots: int,
         float_type: type[np.floating[Any]],
+        prefill: ort.InferenceSession,
         step: ort.InferenceSession,
-        writer: ort.InferenceSession,
         copier: ort.InferenceSession,
         one_token: ort.InferenceSession | None = None,
         device: tuple[str, int] = ("cpu", 0),
@@ -94,7 +97,7 @@ class KvSlots:
         self.slots = slots
         self.float_type = float_type
         self.device = device
-        self.sessions = {"step": step, "writer": writer, "copier": copier}
+        self.sessions = {"prefill": prefill, "step": step, "copier": copier}
         if one_token is not None:
             self.sessions["one_token"] = one_token
         self.bytes = slots * slot_bytes(shape, np.dtype(float_type).itemsize)
@@ -105,6 +108,9 @@ class KvSlots:
             for name in slot_names(shape.layers, side):
                 self.buffers[name] = self._allocate((rows, shape.head_dim))
         self._local = threading.local()  # per lane thread: its bindings
+        self._declared = {
+            role: {i.name for i in session.get_inputs()} for role, session in self.sessions.items()
+        }
 
     def _allocate(self, dims: tuple[int, int]) -> ort.OrtValue:
         kind, index = self.device
@@ -187,18 +193,38 @@ class KvSlots:
         out = self._run(role, inputs, wanted)
         return StepOutput(out[0], out[1], out[2] if logits else None)
 
-    def write(
+    def prefill(
         self,
-        rows: IntArray,
-        self_kv: Sequence[FloatArray],
-        cross_kv: Sequence[FloatArray],
-    ) -> None:
-        """A prefill's keys and values [B, H, T, Dh] and [B, H, S, Dh] into slots `rows`."""
-        layers = self.shape.layers
-        inputs: dict[str, npt.NDArray[Any]] = {SLOT_ROWS: rows}
-        inputs.update(zip(kv_names(layers, "decoder"), self_kv, strict=True))
-        inputs.update(zip(kv_names(layers, "encoder"), cross_kv, strict=True))
-        self._run("writer", inputs)
+        enc: EncoderOutput,
+        input_ids: IntArray,
+        mask: IntArray,
+        slots: IntArray,
+        sources: IntArray,
+        reads: IntArray,
+        ban_eos: npt.NDArray[np.bool_],
+        *,
+        logits: bool = False,
+    ) -> StepOutput:
+        """Start token, forced prefix and draft of new rows, right-padded (`mask`), in one
+        call: each row's keys and values go into the slots `slots` [R] whose `sources`
+        [R] name it; the flat positions `reads` [K] (row x width + position) are projected
+        and chosen from (eos not where `ban_eos` [K] says). Returns [1, K] choices."""
+        batch, length = input_ids.shape
+        inputs: dict[str, npt.NDArray[Any]] = {
+            ENCODER_ATTENTION_MASK: enc.attention_mask,
+            INPUT_IDS: input_ids,
+            ENCODER_HIDDEN_STATES: enc.hidden_states,
+            MASK_INPUT: mask,
+            POSITIONS_INPUT: np.tile(np.arange(length, dtype=np.int64), (batch, 1)),
+            SLOT_ROWS: slots,
+            SLOT_SOURCES: sources,
+            PREFILL_READS: reads,
+            BAN_EOS: ban_eos.reshape(1, -1),
+        }
+        declared = self._declared["prefill"]
+        wanted = (NEXT_IDS, NEXT_SCORES, *((LOGITS,) if logits else ()))
+        out = self._run("prefill", {k: v for k, v in inputs.items() if k in declared}, wanted)
+        return StepOutput(out[0], out[1], out[2] if logits else None)
 
     def copy(self, sources: Sequence[int], targets: Sequence[int], positions: int) -> None:
         """Slot `targets[k]`'s first `positions` self-attention positions become those of
@@ -217,8 +243,8 @@ class SlotGraphs:
 
     shape: SlotShape
     float_type: type[np.floating[Any]]
+    prefill: ort.InferenceSession
     step: ort.InferenceSession
-    writer: ort.InferenceSession
     copier: ort.InferenceSession
     one_token: ort.InferenceSession | None = None
     device: tuple[str, int] = ("cpu", 0)
@@ -232,8 +258,8 @@ class SlotGraphs:
             self.shape,
             slots,
             self.float_type,
+            self.prefill,
             self.step,
-            self.writer,
             self.copier,
             self.one_token,
             self.device,
@@ -241,9 +267,10 @@ class SlotGraphs:
 
 
 def check_slots(masked: MaskedDecoder, graphs: SlotGraphs, config: ModelConfig) -> float:
-    """The largest logit difference between a cached step over slots and the same step
-    of the masked decoder, for two rows of different source lengths in swapped slots, the
-    slot step seeing a wider mask than its rows need (padding)."""
+    """The largest logit difference between the slot graphs and the masked decoder they
+    came from, on a prefill and a cached step of two rows of different lengths and source
+    lengths, in swapped slots, the step seeing a wider mask than its rows need; inf when
+    a greedy choice differs from the logits' argmax."""
     pool = graphs.pool(3)
     rng = np.random.default_rng(0)
     rows, source, past = 2, 5, 4
@@ -253,22 +280,40 @@ def check_slots(masked: MaskedDecoder, graphs: SlotGraphs, config: ModelConfig) 
     enc = EncoderOutput(hidden, encoder_mask)
     ids = rng.integers(1, config.vocab_size - 1, (rows, past)).astype(np.int64)
     ids[:, 0] = config.decoder_start_token_id
-    _, self_kv, cross_kv = masked.prefill(enc, ids, np.ones((rows, past), dtype=np.int64))
+    fed = np.ones((rows, past), dtype=np.int64)
+    fed[1, past - 1] = 0  # the second row one token shorter: right-padded
+    before, self_kv, cross_kv = masked.prefill(enc, ids, fed)
     slots = np.array([2, 0], dtype=np.int64)
-    pool.write(slots, self_kv, cross_kv)
+    reads = np.array([1, past - 1, past + 1, 2 * past - 2], dtype=np.int64)  # (row, position)
+    ban = np.zeros(len(reads), dtype=np.bool_)
+    first = pool.prefill(enc, ids, fed, slots, np.arange(rows), reads, ban, logits=True)
+    expected_first = before.reshape(rows * past, -1)[reads]
     token = rng.integers(1, config.vocab_size - 1, (rows, 1)).astype(np.int64)
-    at = np.full((rows, 1), past, dtype=np.int64)
+    at = np.array([[past], [past - 1]], dtype=np.int64)
     mask = np.ones((rows, past + 1), dtype=np.int64)
-    expected, _ = masked.step(enc, token, at, mask, self_kv, cross_kv)
+    mask[1, past - 1 :] = [1, 0]  # the second row's new token at its own position
+    step_mask = np.ones((rows, past + 1), dtype=np.int64)
+    step_mask[1, past - 1] = 0  # the masked decoder's cache keeps the padding slot
+    expected, _ = masked.step(enc, token, at, step_mask, self_kv, cross_kv)
     wide = np.concatenate([mask, np.zeros((rows, 2), dtype=np.int64)], axis=1)
     out = pool.step(token, at, wide, encoder_mask, slots, logits=True)
-    assert out.logits is not None
-    same_choice = bool((out.ids[:, 0] == expected.argmax(axis=-1)).all())
-    difference = float(np.abs(out.logits[:, 0].astype(np.float32) - expected).max())
-    return difference if same_choice else float("inf")
+    assert out.logits is not None and first.logits is not None
+    worst = 0.0
+    for got, want, chosen in (
+        (first.logits[0], expected_first, first.ids[0]),
+        (out.logits[:, 0], expected, out.ids[:, 0]),
+    ):
+        allowed = np.ones(want.shape[-1], dtype=bool)
+        allowed[list(config.bad_token_ids)] = False
+        difference = np.abs(got.astype(np.float32) - want)[:, allowed]
+        if not (chosen == np.where(allowed, want, -np.inf).argmax(axis=-1)).all():
+            return float("inf")
+        worst = max(worst, float(difference.max()))
+    return worst
 
 
 def open_slot_graphs(
+    prefill: bytes,
     step: bytes,
     one_token: bytes | None,
     masked: MaskedDecoder,
@@ -278,11 +323,13 @@ def open_slot_graphs(
     per_token: bool,
     where: str,
 ) -> SlotGraphs | None:
-    """The batchable step rewritten over KV slots (`passes.slots`) and checked against
+    """The batchable prefill and step rewritten over KV slots (`passes.slots`) and checked
+    against
     `masked`, or None (logged why): the model then copies its state per step.
 
-    `step` and `one_token`: the masked with-past graphs as the model runs them (int8 per
-    token where it does, and the files' own quantization for one-token calls)."""
+    `prefill`, `step` and `one_token`: the masked no-past and with-past graphs as the
+    model runs them (int8 per token where it does, and the files' own quantization for
+    one-token calls)."""
     float16 = any(i.type == "tensor(float16)" for i in masked.prefills.session.get_inputs())
     float_type: type[np.floating[Any]] = np.float16 if float16 else np.float32
     positions = config.max_position_embeddings
@@ -291,7 +338,8 @@ def open_slot_graphs(
     )
     facts = (config.vocab_size, config.bad_token_ids, config.eos_token_id)
     graph = rewrite_step(step, shape, *facts, f"{where} (step)")
-    if graph is None:
+    first = rewrite_prefill(prefill, shape, *facts, f"{where} (prefill)")
+    if graph is None or first is None:
         return None
     one = None if one_token is None else rewrite_step(one_token, shape, *facts, where)
     element = TensorProto.FLOAT16 if float16 else TensorProto.FLOAT
@@ -299,8 +347,8 @@ def open_slot_graphs(
         graphs = SlotGraphs(
             shape,
             float_type,
+            open_session(first, options, per_token=per_token),
             open_session(graph, options, per_token=per_token),
-            open_session(writer_graph(shape, element), options),
             open_session(copy_graph(shape, element), options),
             None if one is None else open_session(one, options),
             device_of(options),

@@ -45,6 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / ".cache" / "benchmark-model" / "onnx"
 FLORES_ZH = ROOT.parent / "shared" / "flores200-devtest" / "zho_Hans.devtest"
+SOURCES = [FLORES_ZH]  # the sentences the streams say (`--sources`)
 P95_MAX_MS = 300.0
 ANSWERED_MIN = 0.80
 
@@ -109,7 +110,7 @@ def make_lines(n: int, sentences: int, seed: int) -> list[dict[str, Any]]:
     from engine.logs.make import generate_log
     from engine.logs.merge import interleave_logs
 
-    pool = [line.strip() for line in FLORES_ZH.read_text(encoding="utf-8").splitlines()]
+    pool = [line.strip() for line in SOURCES[0].read_text(encoding="utf-8").splitlines()]
     rng = random.Random(seed)
     logs = []
     for i in range(n):
@@ -139,6 +140,9 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
         streaming=StreamingOptions(forced_length_ratio=args.ratio, **drafts),
         realtime=True,
         progress=False,
+        max_streams=max(256, n),
+        decode_slots=max(64, n) if args.device != "cpu" else None,
+        check_finals=not args.no_final_check,
     )
     timeline = None
     if args.timeline is not None and scheduler is not None:
@@ -285,6 +289,16 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler's; 0: drafts in the prefill only)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda[:N] with the [gpu] extra (fp32/fp16)"
+    )
+    parser.add_argument("--sources", type=Path, default=FLORES_ZH, help="zh sentences, one a line")
+    parser.add_argument(
+        "--no-final-check",
+        action="store_true",
+        help="leave out the check of every final against offline translate afterwards "
+        "(one final at a time: minutes for thousands of streams)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
         "--timeline",
@@ -294,13 +308,16 @@ def main(argv: list[str] | None = None) -> int:
         "(turns) and PREFIX.N.requests.jsonl",
     )
     args = parser.parse_args(argv)
-    if not FLORES_ZH.is_file():
-        print(f"needs {FLORES_ZH}", file=sys.stderr)
+    if not args.sources.is_file():
+        print(f"needs {args.sources}", file=sys.stderr)
         return 2
+    SOURCES[0] = args.sources
 
     from engine import Translator
 
     kwargs: dict[str, Any] = {"quantized": not args.fp32}
+    if args.device != "cpu":
+        kwargs["device"] = args.device
     if args.int8_per_call:
         kwargs["int8_per_token"] = False
     try:

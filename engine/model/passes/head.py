@@ -42,6 +42,17 @@ def split_output_projection(data: bytes, vocab: int, logits: str = LOGITS) -> He
     if any(attr.type in (attr.GRAPH, attr.GRAPHS) for n in graph.node for attr in n.attribute):
         return None  # an `If` (merged decoder): its branches read names this cut cannot see
     view = GraphView(graph, {})
+    hidden = projection_input(view, vocab, logits)
+    if hidden is None:
+        return None
+    return _split(model, view, hidden, logits)
+
+
+def projection_input(view: GraphView, vocab: int, logits: str = LOGITS) -> str | None:
+    """The hidden states [B, T, d] the graph's one vocabulary projection reads (for an
+    int8 projection, the float activations before their quantization), or None when the
+    graph has no such single projection feeding `logits`."""
+    graph = view.graph
 
     def projects(weight: str) -> bool:
         """[hidden, vocab], or a Transpose of a [vocab, hidden] one (tied embeddings)."""
@@ -63,12 +74,18 @@ def split_output_projection(data: bytes, vocab: int, logits: str = LOGITS) -> He
     ]
     if len(projections) != 1 or logits not in {o.name for o in graph.output}:
         return None
-    hidden = projections[0].input[0]
-    if projections[0].op_type == "MatMulInteger":
+    projection = projections[0]
+    hidden = projection.input[0]
+    if projection.op_type == "MatMulInteger":
         source = activation_source(view.producer, hidden)
         if source is None:
             return None  # int8 activations from something this cut does not know
         hidden = source
+    return str(hidden)
+
+
+def _split(model: onnx.ModelProto, view: GraphView, hidden: str, logits: str) -> HeadSplit | None:
+    graph = model.graph
     # The head: every node between `hidden` and `logits`.
     nodes, leaves = view.ancestry(logits, leaves_at=frozenset({hidden}))
     if leaves - {hidden} - view.initializers.keys():
@@ -77,7 +94,7 @@ def split_output_projection(data: bytes, vocab: int, logits: str = LOGITS) -> He
         return None  # a shape read from the body, which the walk does not follow
     head_ids = {id(node) for node in nodes}
     head_nodes = [n for n in graph.node if id(n) in head_ids]
-    if projections[0] not in head_nodes:
+    if not any(n.op_type in ("MatMul", "MatMulInteger") for n in head_nodes):
         return None
     for node in head_nodes:
         for out in node.output:

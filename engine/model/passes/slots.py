@@ -47,11 +47,15 @@ from engine.model.names import (
     NEXT_IDS,
     NEXT_SCORES,
     POSITIONS_INPUT,
+    PREFILL_READS,
+    PRESENT,
     SLOT_ROWS,
+    SLOT_SOURCES,
     kv_names,
     slot_names,
 )
-from engine.model.passes.graph import opset
+from engine.model.passes.graph import GraphView, opset
+from engine.model.passes.head import projection_input
 
 log = logging.getLogger(__name__)
 
@@ -274,20 +278,31 @@ def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto
     return [n for n in nodes if id(n) in keep]
 
 
-def _rewrite(
-    model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequence[int], eos: int
-) -> bytes:
+@dataclass
+class _Edit:
+    """One graph being rewritten: the copy, its builder, consumers of each tensor and its
+    float type (that of the masks rewrite's negative constant)."""
+
+    model: onnx.ModelProto
+    b: _Builder
+    consumers: dict[str, list[onnx.NodeProto]]
+    wheres: list[onnx.NodeProto]
+    negative: onnx.TensorProto
+
+    @property
+    def graph(self) -> onnx.GraphProto:
+        return self.model.graph
+
+
+def _edit(model: onnx.ModelProto, shape: SlotShape) -> _Edit:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
     declared = {i.name for i in graph.input}
     if MASK_INPUT not in declared or POSITIONS_INPUT not in declared:
         raise _Unsupported("not a masks-rewritten decoder")
-    past_self = kv_names(shape.layers, "decoder")
-    past_cross = kv_names(shape.layers, "encoder")
-    if not set(past_self + past_cross) <= declared:
-        raise _Unsupported("no self and cross KV inputs")
-    b = _Builder(graph, opset(out))
+    if LOGITS not in {o.name for o in graph.output}:
+        raise _Unsupported("no logits output")
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
@@ -299,8 +314,66 @@ def _rewrite(
     negative = initializers.get(wheres[0].input[1])
     if negative is None:
         raise _Unsupported("the mask's negative value is not a constant")
-    b.float_type = _float(negative)
+    b = _Builder(graph, opset(out), float_type=int(negative.data_type))
+    return _Edit(out, b, consumers, wheres, negative)
 
+
+def _finish(
+    edit: _Edit,
+    shape: SlotShape,
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    gone: set[str],
+) -> bytes:
+    """The graph with the builder's nodes, `inputs` added and `gone` inputs dropped, only
+    `outputs`, sorted, and without what no output needs."""
+    graph, b = edit.graph, edit.b
+    dims: list[str | int] = ["slot_rows", shape.head_dim]
+    kept = [o for o in graph.output if o.name == LOGITS]
+    del graph.output[:]
+    graph.output.extend([*kept, *outputs])
+    graph.output.extend(
+        [
+            helper.make_tensor_value_info(NEXT_IDS, TensorProto.INT64, None),
+            helper.make_tensor_value_info(NEXT_SCORES, TensorProto.FLOAT, None),
+        ]
+    )
+    declared = [i for i in graph.input if i.name not in gone]
+    declared.append(helper.make_tensor_value_info(SLOT_ROWS, TensorProto.INT64, ["slots"]))
+    declared.append(helper.make_tensor_value_info(BAN_EOS, TensorProto.BOOL, ["rows", "new"]))
+    declared.extend(inputs)
+    for side in ("decoder", "encoder"):
+        for name in slot_names(shape.layers, side):
+            declared.append(helper.make_tensor_value_info(name, b.float_type, dims))
+    del graph.input[:]
+    graph.input.extend(declared)
+    known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    nodes = _sorted(_live([*graph.node, *b.nodes], {o.name for o in graph.output}), known)
+    used = {name for n in nodes for name in reads(n)}
+    if used & gone:
+        raise _Unsupported(f"{sorted(used & gone)[0]} is read other than as rewritten")
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept_inputs = [i for i in graph.input if i.name in used]
+    del graph.input[:]
+    graph.input.extend(kept_inputs)
+    live = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(live)
+    return bytes(edit.model.SerializeToString())
+
+
+def _rewrite(
+    model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequence[int], eos: int
+) -> bytes:
+    edit = _edit(model, shape)
+    graph, b = edit.graph, edit.b
+    past_self = kv_names(shape.layers, "decoder")
+    past_cross = kv_names(shape.layers, "encoder")
+    if not set(past_self + past_cross) <= {i.name for i in graph.input}:
+        raise _Unsupported("no self and cross KV inputs")
+    if ENCODER_HIDDEN_STATES in edit.consumers:
+        raise _Unsupported("the step reads the encoder states, not only their KV")
     self_base, cross_base = _bases(b, shape)
     self_rows = _reads(b, self_base, MASK_INPUT)
     cross_rows = _reads(b, cross_base, ENCODER_ATTENTION_MASK)
@@ -308,72 +381,102 @@ def _rewrite(
         b.op("Add", [b.unsqueeze(self_base, [2]), b.unsqueeze(POSITIONS_INPUT, [1])], "write"),
         [3],
     )
-    mask = _self_mask(b, negative)
-    renamed: dict[str, str] = {where.output[0]: mask for where in wheres}
-    new_outputs: list[onnx.ValueInfoProto] = []
-    buffers_in, buffers_out = (
+    mask = _self_mask(b, edit.negative)
+    renamed: dict[str, str] = {where.output[0]: mask for where in edit.wheres}
+    outputs: list[onnx.ValueInfoProto] = []
+    buffers = zip(
+        past_self,
         slot_names(shape.layers, "decoder"),
         slot_names(shape.layers, "decoder", out=True),
+        strict=True,
     )
-    for past, buffer, updated in zip(past_self, buffers_in, buffers_out, strict=True):
-        concat = [n for n in consumers.get(past, []) if n.op_type == "Concat"]
+    for past, buffer, updated in buffers:
+        concat = [n for n in edit.consumers.get(past, []) if n.op_type == "Concat"]
         if len(concat) != 1 or concat[0].input[0] != past:
             raise _Unsupported(f"{past} is not concatenated with the new positions")
         new = concat[0].input[1]
         b.nodes.append(helper.make_node("ScatterND", [buffer, writes, new], [updated]))
         renamed[concat[0].output[0]] = b.op("Gather", [updated, self_rows], "self_kv", axis=0)
         graph.node.remove(concat[0])
-        new_outputs.append(helper.make_tensor_value_info(updated, _float(negative), None))
+        outputs.append(helper.make_tensor_value_info(updated, b.float_type, None))
     for past, buffer in zip(past_cross, slot_names(shape.layers, "encoder"), strict=True):
         renamed[past] = b.op("Gather", [buffer, cross_rows], "cross_kv", axis=0)
     for node in graph.node:
         for index, name in enumerate(node.input):
             if name in renamed:
                 node.input[index] = renamed[name]
-    logits = next((o for o in graph.output if o.name == LOGITS), None)
-    if logits is None:
-        raise _Unsupported("no logits output")
     _greedy_outputs(b, LOGITS, vocab, bans, eos)
-    kept_outputs = [o for o in graph.output if o.name == LOGITS]
-    del graph.output[:]
-    graph.output.extend(kept_outputs)
-    graph.output.extend(new_outputs)
-    graph.output.extend(
-        [
-            helper.make_tensor_value_info(NEXT_IDS, TensorProto.INT64, None),
-            helper.make_tensor_value_info(NEXT_SCORES, TensorProto.FLOAT, None),
-        ]
+    return _finish(edit, shape, [], outputs, set(past_self + past_cross))
+
+
+def _rewrite_prefill(
+    model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequence[int], eos: int
+) -> bytes:
+    edit = _edit(model, shape)
+    graph, b = edit.graph, edit.b
+    presents = {o.name for o in graph.output}
+    self_kv = kv_names(shape.layers, "decoder", PRESENT)
+    cross_kv = kv_names(shape.layers, "encoder", PRESENT)
+    if not set(self_kv + cross_kv) <= presents:
+        raise _Unsupported("no self and cross KV outputs")
+    hidden = projection_input(GraphView(graph, {}), vocab)
+    if hidden is None:
+        raise _Unsupported("no single vocabulary projection")
+    # Only the positions a search reads are projected (`PREFILL_READS`, flat over B x T):
+    # a forced prefix is often longer than what follows it, and the projection is most of
+    # a position's cost.
+    flat = b.op(
+        "Reshape",
+        [hidden, b.const("rows_by_d", np.array([-1, shape.heads * shape.head_dim]))],
+        "flat",
     )
-    dims: list[str | int] = ["slot_rows", shape.head_dim]
-    inputs = [i for i in graph.input if i.name not in set(past_self + past_cross)]
-    inputs.append(helper.make_tensor_value_info(SLOT_ROWS, TensorProto.INT64, ["batch_size"]))
-    inputs.append(helper.make_tensor_value_info(BAN_EOS, TensorProto.BOOL, ["batch_size", "new"]))
-    for name in (*buffers_in, *slot_names(shape.layers, "encoder")):
-        inputs.append(helper.make_tensor_value_info(name, _float(negative), dims))
-    del graph.input[:]
-    graph.input.extend(inputs)
-    known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    nodes = _sorted(_live([*graph.node, *b.nodes], {o.name for o in graph.output}), known)
-    if any(name in {*past_self, *past_cross} for n in nodes for name in reads(n)):
-        raise _Unsupported("the past KV is read other than by its concatenation")
-    if ENCODER_HIDDEN_STATES in {name for n in nodes for name in reads(n)}:
-        raise _Unsupported("the step reads the encoder states, not only their KV")
-    del graph.node[:]
-    graph.node.extend(nodes)
-    inputs_used = {name for n in nodes for name in reads(n)}
-    kept = [i for i in graph.input if i.name in inputs_used]
-    del graph.input[:]
-    graph.input.extend(kept)
-    used = {name for n in nodes for name in reads(n)}
-    live_init = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(live_init)
-    return bytes(out.SerializeToString())
+    picked = b.unsqueeze(b.op("Gather", [flat, PREFILL_READS], "picked", axis=0), [0])
+    projecting = [n for n in graph.node if hidden in n.input]
+    for node in projecting:
+        node.input[:] = [picked if name == hidden else name for name in node.input]
+    outputs: list[onnx.ValueInfoProto] = []
+    self_base, cross_base = _bases(b, shape)
+    for side, base, names in (("decoder", self_base, self_kv), ("encoder", cross_base, cross_kv)):
+        buffers = zip(
+            names,
+            slot_names(shape.layers, side),
+            slot_names(shape.layers, side, out=True),
+            strict=True,
+        )
+        for present, buffer, updated in buffers:
+            dims = b.op("Shape", [present], "shape")
+            length = b.op("Gather", [dims, b.const("two", np.array(2))], "length", axis=0)
+            rows = b.op("Add", [b.unsqueeze(base, [2]), _range(b, length)], "rows")
+            values = b.op("Gather", [present, SLOT_SOURCES], "values", axis=0)
+            b.nodes.append(
+                helper.make_node("ScatterND", [buffer, b.unsqueeze(rows, [3]), values], [updated])
+            )
+            outputs.append(helper.make_tensor_value_info(updated, b.float_type, None))
+    _greedy_outputs(b, LOGITS, vocab, bans, eos)
+    inputs = [
+        helper.make_tensor_value_info(SLOT_SOURCES, TensorProto.INT64, ["slots"]),
+        helper.make_tensor_value_info(PREFILL_READS, TensorProto.INT64, ["reads"]),
+    ]
+    return _finish(edit, shape, inputs, outputs, set())
 
 
 def _float(negative: onnx.TensorProto) -> int:
     """The graph's float type (its mask constant's)."""
     return int(negative.data_type)
+
+
+def _guarded(
+    rewrite: Any, data: bytes, shape: SlotShape, facts: tuple[int, Sequence[int], int], name: str
+) -> bytes | None:
+    try:
+        result: bytes = rewrite(onnx.load_from_string(data), shape, *facts)
+        return result
+    except _Unsupported as exc:
+        reason = str(exc)
+    except Exception as exc:  # a malformed graph: falling back is always safe
+        reason = f"unexpected graph: {exc!r}"
+    log.warning("%s: no KV-slot rewrite (%s): the state is copied per step", name, reason)
+    return None
 
 
 def rewrite_step(
@@ -387,14 +490,23 @@ def rewrite_step(
     """The masks-rewritten with-past graph `data` reading and writing KV slots, or None
     (the reason logged) when its graph lacks the structure this module knows. `bans`:
     tokens never chosen; `eos`: the token `BAN_EOS` bans per row."""
-    try:
-        return _rewrite(onnx.load_from_string(data), shape, vocab, bans, eos)
-    except _Unsupported as exc:
-        reason = str(exc)
-    except Exception as exc:  # a malformed graph: falling back is always safe
-        reason = f"unexpected graph: {exc!r}"
-    log.warning("%s: no KV-slot rewrite (%s): the state is copied per step", name, reason)
-    return None
+    return _guarded(_rewrite, data, shape, (vocab, bans, eos), name)
+
+
+def rewrite_prefill(
+    data: bytes,
+    shape: SlotShape,
+    vocab: int,
+    bans: Sequence[int],
+    eos: int,
+    name: str = "decoder",
+) -> bytes | None:
+    """The masks-rewritten no-past graph `data` writing its keys and values into KV slots
+    (slot `SLOT_ROWS[k]` gets row `SLOT_SOURCES[k]`'s: a beam's rows all start from its
+    one prefill row) and projecting only the flat positions `PREFILL_READS` [K] to logits
+    [1, K, V], with the greedy choice there (`NEXT_IDS`, `NEXT_SCORES` [1, K]); None (the
+    reason logged) when its graph lacks the structure this module knows."""
+    return _guarded(_rewrite_prefill, data, shape, (vocab, bans, eos), name)
 
 
 def _io_graph(
@@ -408,34 +520,6 @@ def _io_graph(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return bytes(model.SerializeToString())
-
-
-def writer_graph(shape: SlotShape, float_type: int) -> bytes:
-    """Writes a prefill's self KV [B, H, T, Dh] and cross KV [B, H, S, Dh] into the slots
-    `SLOT_ROWS` [B] at positions 0..T-1 and 0..S-1 (the buffers bound in place)."""
-    graph = helper.make_graph([], "slot_writer", [], [])
-    b = _Builder(graph, 17)
-    self_base, cross_base = _bases(b, shape)
-    inputs = [helper.make_tensor_value_info(SLOT_ROWS, TensorProto.INT64, ["rows"])]
-    outputs = []
-    for side, base in (("decoder", self_base), ("encoder", cross_base)):
-        news = kv_names(shape.layers, side)
-        first = news[0]
-        length = b.op(
-            "Gather", [b.op("Shape", [first], "shape"), b.const("two", np.array(2))], "len", axis=0
-        )
-        rows = b.unsqueeze(b.op("Add", [b.unsqueeze(base, [2]), _range(b, length)], "rows"), [3])
-        for new, buffer, updated in zip(
-            news,
-            slot_names(shape.layers, side),
-            slot_names(shape.layers, side, out=True),
-            strict=True,
-        ):
-            b.nodes.append(helper.make_node("ScatterND", [buffer, rows, new], [updated]))
-            inputs.append(helper.make_tensor_value_info(new, float_type, None))
-            inputs.append(helper.make_tensor_value_info(buffer, float_type, None))
-            outputs.append(helper.make_tensor_value_info(updated, float_type, None))
-    return _io_graph(b.nodes, inputs, outputs, list(graph.initializer), "slot_writer")
 
 
 def copy_graph(shape: SlotShape, float_type: int) -> bytes:
