@@ -2,9 +2,11 @@
 # The device half of ../shared/gpu/README.md: on a lent GPU machine, after the parts of
 # onnxruntime-gpu were moved to $HOME/ort by earlier calls, unpack them, the benchmark model
 # (fp32 and fp16 ONNX, and its checkpoint for the transformers peer) from .gpu/final, and
-# run gpu_decode.py; its log and JSON go to $OUT.
+# run gpu_decode.py, then capacity.py on the GPU when .gpu/final holds the FLORES zh
+# sentences (zho_Hans.devtest); logs and JSON go to $OUT.
 set -euo pipefail
 B=$PWD/.gpu/final/bin
+OUT=${OUT:-.}
 mkdir -p "$HOME/site" "$HOME/m"
 if [ ! -d "$HOME/site/onnxruntime" ]; then
   cat "$HOME"/ort/part.* | LD_LIBRARY_PATH=$B "$B/zstd" -d --long=30 | tar x -C "$HOME/site"
@@ -15,8 +17,17 @@ done
 export PYTHONPATH=$HOME/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -c "import onnxruntime as o; o.preload_dlls(); print('onnxruntime', o.__version__, o.get_available_providers())"
-fp16=()
-[ -d "$HOME/m/tiled16" ] && fp16=(--fp16-model "$HOME/m/tiled16")
-python3 examples/benchmarks/gpu_decode.py --model "$HOME/m/onnx" --checkpoint "$HOME/m/checkpoint" \
-  "${fp16[@]}" --device cuda --rows "${ROWS:-1,16,64,256,1024}" --copied-rows "${COPIED:-1,256}" \
-  --json "${OUT:-.}/gpu_decode.json" 2>&1 | tee "${OUT:-.}/gpu_decode.log"
+if [ "${DECODE:-1}" = 1 ]; then
+  fp16=()
+  [ -d "$HOME/m/tiled16" ] && fp16=(--fp16-model "$HOME/m/tiled16")
+  python3 examples/benchmarks/gpu_decode.py --model "$HOME/m/onnx" --checkpoint "$HOME/m/checkpoint" \
+    "${fp16[@]}" --device cuda --rows "${ROWS:-1,16,64,256,1024}" --copied-rows "${COPIED:-1,256}" \
+    --profile-rows "${PROFILE:-0}" --json "$OUT/gpu_decode.json" 2>&1 \
+    | grep -v "max_new_tokens\|plugin EP\|ScatterND" | tee "$OUT/gpu_decode.log"
+fi
+if [ -f .gpu/final/zho_Hans.devtest ] && [ "${CAPACITY:-1}" = 1 ]; then
+  python3 examples/benchmarks/capacity.py --model "$HOME/m/${CAPACITY_MODEL:-tiled16}" --fp32 \
+    --device cuda --lanes 1 --max-rows "${MAX_ROWS:-2048}" --streams "${STREAMS:-250,500,1000,2000}" \
+    --sentences "${SENTENCES:-3}" --no-final-check --sources .gpu/final/zho_Hans.devtest \
+    --json "$OUT/capacity.json" 2>&1 | grep -v "plugin EP\|ScatterND" | tee "$OUT/capacity.log"
+fi
