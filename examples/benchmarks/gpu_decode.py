@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -203,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             assert tr.scheduler.timeline is not None
             print(f"    {name} per step: {step_parts(tr.scheduler.timeline, b)}", flush=True)
     if args.profile_rows:
-        timer, tr = engine_timer(args.model, args.device, args.profile_rows, None, "slot_step")
+        prefix = str(Path(tempfile.mkdtemp(prefix="gpu-decode-")) / "slot_step")
+        timer, tr = engine_timer(args.model, args.device, args.profile_rows, None, prefix)
         timer(args.tokens, args.profile_rows)
         print(f"rows {args.profile_rows}, {args.tokens} tokens:")
         profile_summary(tr)
