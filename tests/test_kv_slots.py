@@ -3,11 +3,12 @@ written in place (`engine.model.slots`, `engine.decoding.slot_batch`), rows stil
 decoding alone, slots go back to the pool after finals and aborts, a full pool queues and
 a request wider than the whole pool is refused with a clear error.
 
-Rows equal to decoding alone over every layout, beams included, are also what
-tests/test_scheduler.py checks: its schedulers step over slots by default."""
+On the CPU slots are not the default (`SchedulerOptions.kv_slots`): every test here asks
+for them; tests/test_scheduler.py checks the same guarantees with the state copied."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,13 +27,17 @@ from engine.model.slots import slot_bytes
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_scheduler import SCORE_TOLERANCE, SOURCES, _drafts, alone, layouts, requests
 
+SLOTS = 64
+
 
 @pytest.fixture(scope="module", params=layouts(), ids=[name for name, _ in layouts()])
 def translator(request: pytest.FixtureRequest) -> Translator:
+    """Each layout with KV slots asked for (on the CPU they are not the default)."""
     needs_fixture()
     options = dict(request.param[1])
     scheduler = options.pop("scheduler", SchedulerOptions(lanes=1))
     assert isinstance(scheduler, SchedulerOptions)
+    scheduler = dataclasses.replace(scheduler, kv_slots=SLOTS)
     return Translator.from_dir(FIXTURE_MODEL, scheduler=scheduler, **options)  # type: ignore[arg-type]
 
 
@@ -54,18 +59,21 @@ def test_every_batchable_layout_steps_over_kv_slots(translator: Translator) -> N
     assert pool is not None, "the step was not rewritten over KV slots"
     assert isinstance(scheduler._lanes[0].batch, SlotBatch)
     config = translator.config
-    # Sized at start: one slot per row the lanes may hold, its size known.
-    assert pool.slots == scheduler.lanes * scheduler.options.max_rows
+    # Sized at start as asked, its size known.
+    assert pool.slots == SLOTS
     assert pool.bytes == pool.slots * slot_bytes(pool.shape, 4)
     assert pool.shape.capacity == config.max_position_embeddings
     assert scheduler.kv_slots == {"total": pool.slots, "free": pool.slots, "bytes": pool.bytes}
 
 
 def test_kv_slots_off_copies_the_state_and_gives_the_same_answers() -> None:
+    """0 slots, and the CPU's default: the state copied per step, the same answers."""
     needs_fixture()
     off = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=0))
+    default = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
     on = small_pool(4)
     assert off.scheduler.kv is None and off.scheduler.kv_slots is None
+    assert default.scheduler.kv is None
     for text in SOURCES:
         got, expected = on.translate([text])[0], off.translate([text])[0]
         assert (got.text, got.token_ids) == (expected.text, expected.token_ids)

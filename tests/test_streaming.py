@@ -162,9 +162,9 @@ def test_committed_prefix_is_forced_in_one_decoder_call(translator: Translator) 
     name = "prefill"
     original = getattr(owner, name)
 
-    def spy(enc: Any, ids: Any, *rest: Any) -> Any:
+    def spy(enc: Any, ids: Any, *rest: Any, **named: Any) -> Any:
         seen.append(int(ids.shape[1]))
-        return original(enc, ids, *rest)
+        return original(enc, ids, *rest, **named)
 
     setattr(owner, name, spy)
     try:

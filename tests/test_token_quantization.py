@@ -236,14 +236,14 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
         )
     assert moved[True] == 0.0 and moved[False] > 1e-3
 
-    for kv_slots in (None, 0):  # steps over KV slots, and with the state copied
+    for kv_slots in (8, 0):  # steps over KV slots, and with the state copied
         tr = Translator.from_dir(
             FIXTURE_MODEL, quantized=True, scheduler=SchedulerOptions(kv_slots=kv_slots)
         )
         masked = tr.model.masked
         assert masked is not None and masked.one_token is not None
         pool = tr.scheduler.kv
-        assert (pool is not None) == (kv_slots is None)
+        assert (pool is not None) == bool(kv_slots)
         runs = {"one": 0, "tokens": 0}
         if pool is not None:
             sessions = {"one": pool.sessions["one_token"], "tokens": pool.sessions["step"]}

@@ -180,9 +180,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
         type=non_negative_int,
         default=None,
         metavar="N",
-        help="decoder rows whose keys and values are kept in place, allocated at start "
-        "(default: one per row the batches may hold; 0: copy them at every step); "
-        "requests wait for a free one",
+        help="decoder rows whose keys and values are kept in place, allocated at start; "
+        "requests wait for a free one (default: on a GPU one per row the batches may hold, "
+        "on the CPU 0: copied at every step)",
     )
     parser.add_argument(
         "--lockstep",

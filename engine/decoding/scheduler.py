@@ -116,9 +116,12 @@ class SchedulerOptions:
     # (default: the lane's own with several lanes, else all the cores): two lanes that
     # each spread it over every core oversubscribe them under load.
     head_threads: int | None = None
-    # KV slots: rows whose decoder state the model keeps in place (None: one per row the
-    # lanes may hold, lanes x max_rows; 0: none, the state is copied at every step).
-    # Requests beyond them wait; a request wider than all of them is refused.
+    # KV slots: rows whose decoder state the model keeps in place, allocated at start;
+    # requests beyond them wait, a request wider than all of them is refused. 0: none, the
+    # state is copied at every step. None: on a GPU one per row the lanes may hold (lanes x
+    # max_rows), on the CPU none: there ONNX Runtime copies the rows' keys and values out
+    # of the slots at every step (Gather), which costs more than it saves (see
+    # docs/performance.md#kv-slots).
     kv_slots: int | None = None
 
     def __post_init__(self) -> None:
@@ -321,6 +324,8 @@ class DecodeScheduler:
         (None: the model's graphs take no slots, or `kv_slots` is 0)."""
         masked = self.model.masked
         wanted = self.options.kv_slots
+        if wanted is None and masked is not None and masked.slots is not None:
+            wanted = 0 if masked.slots.device[0] == "cpu" else None
         if masked is None or masked.slots is None or wanted == 0:
             return None
         count = wanted if wanted is not None else self.lanes * self.options.max_rows

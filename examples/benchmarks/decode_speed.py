@@ -63,6 +63,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "use_cache": True,
         "int8_per_token": False,
     },
+    # The decoder state copied and grown at every step, as before KV slots (`--kv-slots 0`).
+    "ours int8 copied": {"engine": "ours", "quantized": True, "use_cache": True, "kv_slots": 0},
     "ct2 fp32": {"engine": "ct2", "dir": "ct2-float32"},
     "ct2 int8": {"engine": "ct2", "dir": "ct2-int8"},
 }
@@ -123,7 +125,11 @@ def _ours_runner(spec: dict[str, Any]) -> tuple[Runner, Callable[[], None]]:
         prefer_split=spec.get("prefer_split", True),
         allow_spinning=spec.get("allow_spinning", False),
         intra_op_threads=spec["threads"] if everything else None,
-        scheduler=SchedulerOptions(cores=spec["threads"], head_threads=spec.get("head_threads")),
+        scheduler=SchedulerOptions(
+            cores=spec["threads"],
+            head_threads=spec.get("head_threads"),
+            **({"kv_slots": spec["kv_slots"]} if "kv_slots" in spec else {}),
+        ),
         int8_per_token=spec.get("int8_per_token", True),
     )
     ids = tr.source_ids(spec["source"])
