@@ -66,6 +66,32 @@ def test_every_batchable_layout_steps_over_kv_slots(translator: Translator) -> N
     assert scheduler.kv_slots == {"total": pool.slots, "free": pool.slots, "bytes": pool.bytes}
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_concurrent_rows_over_slots_equal_decoding_each_alone(
+    translator: Translator, beam: int
+) -> None:
+    """Greedy rows and beams (whose rows reorder: their slots' states are copied between
+    them) sharing steps over slots, each equal to decoding it alone."""
+    options = DecodeOptions(beam_size=beam)
+    todo = requests(translator)
+    expected = [alone(translator, text, prefix, options) for text, prefix in todo]
+    gate = threading.Barrier(len(todo))
+
+    def one(item: tuple[str, list[int]]) -> Hypothesis:
+        text, prefix = item
+        enc = translator.encode([translator.source_ids(text)])
+        gate.wait()
+        return translator.decode(enc, options, prefixes=[prefix])[0]
+
+    with ThreadPoolExecutor(len(todo)) as pool:
+        got = list(pool.map(one, todo))
+    for (text, prefix), hyp, ref in zip(todo, got, expected, strict=True):
+        assert hyp.token_ids == ref.token_ids, (text, prefix)
+        assert hyp.finished == ref.finished
+        assert hyp.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
+    assert free(translator) == SLOTS
+
+
 def test_kv_slots_off_copies_the_state_and_gives_the_same_answers() -> None:
     """0 slots, and the CPU's default: the state copied per step, the same answers."""
     needs_fixture()

@@ -63,8 +63,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "use_cache": True,
         "int8_per_token": False,
     },
-    # The decoder state copied and grown at every step, as before KV slots (`--kv-slots 0`).
-    "ours int8 copied": {"engine": "ours", "quantized": True, "use_cache": True, "kv_slots": 0},
+    # The decoder state in KV slots (`--kv-slots`; on the CPU the default copies it per step).
+    "ours int8 slots": {"engine": "ours", "quantized": True, "use_cache": True, "kv_slots": 64},
     "ct2 fp32": {"engine": "ct2", "dir": "ct2-float32"},
     "ct2 int8": {"engine": "ct2", "dir": "ct2-int8"},
 }
