@@ -64,6 +64,14 @@ def positive_int(value: str) -> int:
     return number
 
 
+def device_name(value: str) -> str:
+    """cpu, cuda or cuda:N (whether it can run here is the model load's to say)."""
+    kind, _, index = value.partition(":")
+    if value == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown device {value!r}: use cpu, cuda or cuda:N")
+
+
 def non_negative_int(value: str) -> int:
     number = int(value)
     if number < 0:
@@ -138,7 +146,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
         )
     else:
         parser.add_argument("--model", required=fixture is None, default=fixture, help=what)
-    parser.add_argument("--quantized", action="store_true", help="use the *_quantized ONNX files")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument(
+        "--quantized", action="store_true", help="use the *_quantized ONNX files"
+    )
+    precision.add_argument(
+        "--fp16",
+        action="store_true",
+        help="use the *_fp16 ONNX files (made by `models fp16`; for --device cuda)",
+    )
     parser.add_argument(
         "--int8-per-call",
         action="store_true",
@@ -170,6 +186,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
     )
     parser.add_argument(
         "--device",
+        type=device_name,
         default="cpu",
         metavar="D",
         help="where the model runs: cpu, or cuda / cuda:N with the [gpu] extra "
@@ -281,6 +298,7 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     """`Translator.from_dir`'s keyword options from `add_model_arguments`' options."""
     return {
         "quantized": args.quantized,
+        "fp16": args.fp16,
         "use_cache": not args.no_cache,
         "intra_op_threads": args.threads,
         "allow_spinning": args.spin,

@@ -18,7 +18,7 @@ from typing import TextIO
 from engine.cli.export import EXPORT_INSTALL, run_export
 from engine.conversion.verify import sample_texts
 from engine.decoding.translator import Translator
-from engine.errors import EngineError
+from engine.errors import EngineError, ModelLoadError
 from engine.hub.cache import cache_status, cached_etag, file_digest
 from engine.hub.catalog import ONNX_FILES, load_catalog
 from engine.hub.download import fmt_size, pull, resolve_model
@@ -107,6 +107,20 @@ def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     )
     verify.add_argument("--text", default=None, help="sentence to translate (default: a sample)")
 
+    fp16 = commands.add_parser(
+        "fp16",
+        help="write fp16 copies of a model's ONNX files (for --fp16 on a GPU)",
+        description="Write an *_fp16.onnx file beside each fp32 ONNX file of a model "
+        "directory (ONNX Runtime's float16 conversion; the ops that need fp32 stay so), "
+        "which --fp16 then loads.",
+    )
+    fp16.add_argument(
+        "model",
+        metavar="MODEL_DIR",
+        type=Path,
+        help="a model directory with fp32 ONNX files (a pulled model's: `models pull`)",
+    )
+
     export = commands.add_parser(
         "export",
         help="export a MarianMT checkpoint to ONNX and check it (needs the export extra)",
@@ -133,6 +147,21 @@ def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     )
 
 
+def _fp16(args: argparse.Namespace, out: TextIO) -> int:
+    from engine.conversion.fp16 import convert_fp16
+
+    model: Path = args.model
+    if not model.is_dir():
+        raise ModelLoadError(f"{model}: not a model directory")
+    try:
+        written = convert_fp16(model)
+    except FileNotFoundError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    for path in written:
+        print(path, file=out)
+    return 0
+
+
 def run_models(args: argparse.Namespace) -> int:
     """Run a `models` subcommand; 0 on success, 1 when a check fails, 2 on errors."""
     try:
@@ -144,6 +173,8 @@ def run_models(args: argparse.Namespace) -> int:
             return _verify(args, sys.stdout)
         if args.models_command == "export":
             return run_export(args, sys.stdout)
+        if args.models_command == "fp16":
+            return _fp16(args, sys.stdout)
     except KeyboardInterrupt:
         print(
             "interrupted; finished files and partial downloads are kept in the cache, "

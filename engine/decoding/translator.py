@@ -76,11 +76,13 @@ class Translator:
         scheduler: SchedulerOptions | None = None,
         int8_per_token: bool = True,
         device: str = "cpu",
+        fp16: bool = False,
     ) -> Translator:
         """Load a model directory in the Optimum layout (ONNX files at the top or in `onnx/`).
 
         `device`: "cpu", or "cuda" / "cuda:N" with the `[gpu]` extra (raises
-        `DeviceUnavailable` where it cannot run)."""
+        `DeviceUnavailable` where it cannot run). `fp16`: the `*_fp16.onnx` files
+        (`nmt-incremental models fp16`), for a GPU."""
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelLoadError(f"{path}: not a model directory")
@@ -104,6 +106,7 @@ class Translator:
             batchable=batchable,
             head_threads=threads.head,
             int8_per_token=int8_per_token,
+            fp16=fp16,
             **device_options(device),
         )
         return cls(MarianOnnx(path, config, options), tokenizer, scheduler)

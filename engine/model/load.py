@@ -112,16 +112,17 @@ class ModelFiles:
 
 
 def choose_files(model_dir: Path, options: RuntimeOptions) -> ModelFiles:
-    """The files in `model_dir` (or its `onnx/` folder) that `options` ask for: int8 or
-    fp32, and the merged file unless `prefer_split` and the split pair is there."""
+    """The files in `model_dir` (or its `onnx/` folder) that `options` ask for: int8, fp16
+    or fp32, and the merged file unless `prefer_split` and the split pair is there."""
     folder = onnx_dir(model_dir)
 
     def path(stem: str) -> Path:
-        return folder / onnx_file(stem, options.quantized)
+        return folder / onnx_file(stem, options.quantized, options.fp16)
 
     encoder = path(ENCODER)
     if not encoder.is_file():
-        raise ModelLoadError(f"{model_dir}: missing {encoder.name}")
+        hint = " (make the fp16 files with `nmt-incremental models fp16`)" if options.fp16 else ""
+        raise ModelLoadError(f"{model_dir}: missing {encoder.name}{hint}")
     merged, single, with_past = path(DECODER_MERGED), path(DECODER), path(DECODER_WITH_PAST)
     pair = single.is_file() and with_past.is_file()
     if merged.is_file() and not (options.prefer_split and pair):

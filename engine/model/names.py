@@ -20,6 +20,7 @@ DECODER_WITH_PAST = "decoder_with_past_model"
 DECODER_MERGED = "decoder_model_merged"
 """Both in one graph: an `If` on `use_cache_branch`."""
 QUANTIZED_SUFFIX = "_quantized"
+FP16_SUFFIX = "_fp16"
 ONNX_FOLDER = "onnx"
 """Hub repos keep the files in this folder; local exports at the top."""
 
@@ -29,12 +30,15 @@ DECODER_STEMS: Mapping[str, tuple[str, ...]] = {
 }
 """Decoder files by layout, in the order the hub prefers them (the merged file is one
 download instead of two)."""
-VARIANT_SUFFIX: Mapping[str, str] = {"fp32": "", "int8": QUANTIZED_SUFFIX}
+VARIANT_SUFFIX: Mapping[str, str] = {"fp32": "", "int8": QUANTIZED_SUFFIX, "fp16": FP16_SUFFIX}
 
 
-def onnx_file(stem: str, quantized: bool = False) -> str:
-    """`decoder_model` -> `decoder_model.onnx`, or `decoder_model_quantized.onnx`."""
-    return f"{stem}{QUANTIZED_SUFFIX if quantized else ''}.onnx"
+def onnx_file(stem: str, quantized: bool = False, fp16: bool = False) -> str:
+    """`decoder_model` -> `decoder_model.onnx`, `decoder_model_quantized.onnx` (int8) or
+    `decoder_model_fp16.onnx` (`engine.conversion.fp16`)."""
+    if quantized and fp16:
+        raise ValueError("a file is int8 or fp16, not both")
+    return f"{stem}{QUANTIZED_SUFFIX if quantized else FP16_SUFFIX if fp16 else ''}.onnx"
 
 
 def onnx_dir(model_dir: Path) -> Path:

@@ -39,6 +39,8 @@ class RuntimeOptions:
     """
 
     quantized: bool = False
+    # The `*_fp16.onnx` files (`engine.conversion.fp16`): for a GPU.
+    fp16: bool = False
     use_cache: bool = True
     prefer_split: bool = True
     intra_op_threads: int | None = None
@@ -50,6 +52,10 @@ class RuntimeOptions:
     device_id: int = 0
     # Where ONNX Runtime writes each session's profile (a file prefix; None: no profile).
     profile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantized and self.fp16:
+            raise ValueError("load the int8 files or the fp16 ones, not both")
 
     @property
     def per_token(self) -> bool:
