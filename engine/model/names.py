@@ -30,7 +30,9 @@ DECODER_STEMS: Mapping[str, tuple[str, ...]] = {
 }
 """Decoder files by layout, in the order the hub prefers them (the merged file is one
 download instead of two)."""
-VARIANT_SUFFIX: Mapping[str, str] = {"fp32": "", "int8": QUANTIZED_SUFFIX, "fp16": FP16_SUFFIX}
+VARIANT_SUFFIX: Mapping[str, str] = {"fp32": "", "int8": QUANTIZED_SUFFIX}
+"""The variants a model directory or hub repo is pulled and verified in (fp16 copies are
+made here, `engine.conversion.fp16`, for a GPU)."""
 
 
 def onnx_file(stem: str, quantized: bool = False, fp16: bool = False) -> str:
