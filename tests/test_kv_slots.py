@@ -25,7 +25,15 @@ from engine.model.config import ModelConfig
 from engine.model.passes.slots import SlotShape, rewrite_step
 from engine.model.slots import slot_bytes
 from tests.conftest import FIXTURE_MODEL, needs_fixture
-from tests.test_scheduler import SCORE_TOLERANCE, SOURCES, _drafts, alone, layouts, requests
+from tests.test_scheduler import (
+    SCORE_TOLERANCE,
+    SOURCES,
+    _drafts,
+    alone,
+    concurrent_equal_alone,
+    layouts,
+    requests,
+)
 
 SLOTS = 64
 
@@ -72,23 +80,7 @@ def test_concurrent_rows_over_slots_equal_decoding_each_alone(
 ) -> None:
     """Greedy rows and beams (whose rows reorder: their slots' states are copied between
     them) sharing steps over slots, each equal to decoding it alone."""
-    options = DecodeOptions(beam_size=beam)
-    todo = requests(translator)
-    expected = [alone(translator, text, prefix, options) for text, prefix in todo]
-    gate = threading.Barrier(len(todo))
-
-    def one(item: tuple[str, list[int]]) -> Hypothesis:
-        text, prefix = item
-        enc = translator.encode([translator.source_ids(text)])
-        gate.wait()
-        return translator.decode(enc, options, prefixes=[prefix])[0]
-
-    with ThreadPoolExecutor(len(todo)) as pool:
-        got = list(pool.map(one, todo))
-    for (text, prefix), hyp, ref in zip(todo, got, expected, strict=True):
-        assert hyp.token_ids == ref.token_ids, (text, prefix)
-        assert hyp.finished == ref.finished
-        assert hyp.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
+    concurrent_equal_alone(translator, DecodeOptions(beam_size=beam))
     assert free(translator) == SLOTS
 
 

@@ -118,9 +118,9 @@ def test_the_fixture_decoders_are_rewritten_for_continuous_batching(
     assert (masked.head is not None) == (threads.head_threads != threads.intra_op_threads)
 
 
-@pytest.mark.parametrize("beam", [1, 3])
-def test_concurrent_requests_equal_decoding_each_alone(translator: Translator, beam: int) -> None:
-    options = DecodeOptions(beam_size=beam)
+def concurrent_equal_alone(translator: Translator, options: DecodeOptions) -> None:
+    """Every request of `requests` submitted at once from its own thread: each answer
+    equals decoding it alone, and they shared steps."""
     todo = requests(translator)
     expected = [alone(translator, text, prefix, options) for text, prefix in todo]
     gate = threading.Barrier(len(todo))
@@ -141,6 +141,11 @@ def test_concurrent_requests_equal_decoding_each_alone(translator: Translator, b
     steps = translator.scheduler.stats["decoder_steps"] - before
     alone_steps = sum(len(ref.token_ids) for ref in expected)
     assert steps < alone_steps / 2  # they did share steps
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_concurrent_requests_equal_decoding_each_alone(translator: Translator, beam: int) -> None:
+    concurrent_equal_alone(translator, DecodeOptions(beam_size=beam))
 
 
 def test_rows_join_and_leave_a_running_batch(translator: Translator) -> None:

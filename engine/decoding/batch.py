@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.decoding.search import Extension, Search
+from engine.model.config import ModelConfig
 from engine.model.layouts import DecoderCache, EncoderOutput, FloatArray, IntArray, MaskedDecoder
 from engine.model.marian import MarianOnnx
 
@@ -255,6 +256,21 @@ class LockstepBatch(DecodeBatch):
         self._logits = logits[:, None, :]  # one position per row
 
 
+def prefill_rows(searches: Sequence[Search], config: ModelConfig) -> tuple[IntArray, IntArray]:
+    """What a continuous batch's prefill feeds its newcomers, right-padded: the start token,
+    forced prefix and draft of each (`ids`, with `mask` 1 on real tokens); each search is
+    told that its whole prefix went in (`Search.start`)."""
+    fed = [[config.decoder_start_token_id, *s.prefix, *s.draft] for s in searches]
+    width = max(map(len, fed))
+    ids = np.full((len(searches), width), config.pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(searches), width), dtype=np.int64)
+    for r, (search, row_ids) in enumerate(zip(searches, fed, strict=True)):
+        ids[r, : len(row_ids)] = row_ids
+        mask[r, : len(row_ids)] = 1
+        search.start(len(search.prefix))
+    return ids, mask
+
+
 def _pad_axis(a: npt.NDArray[Any], size: int, *, axis: int, left: bool = False) -> npt.NDArray[Any]:
     """`a` padded with zeros along `axis` to `size` (on the left or the right)."""
     missing = size - a.shape[axis]
@@ -415,16 +431,9 @@ class ContinuousBatch(DecodeBatch):
         """One call over the newcomers: start token, forced prefix and draft, right-padded.
         Each takes its first step there and goes on through its draft while the draft is
         confirmed. Returns those that ended, those that go on and their rows' state."""
-        config = self.model.config
         searches = [member.search for member in joining]
-        fed = [[config.decoder_start_token_id, *s.prefix, *s.draft] for s in searches]
-        width = max(map(len, fed))
-        ids = np.full((len(searches), width), config.pad_token_id, dtype=np.int64)
-        mask = np.zeros((len(searches), width), dtype=np.int64)
-        for r, (search, row_ids) in enumerate(zip(searches, fed, strict=True)):
-            ids[r, : len(row_ids)] = row_ids
-            mask[r, : len(row_ids)] = 1
-            search.start(len(search.prefix))
+        ids, mask = prefill_rows(searches, self.model.config)
+        width = ids.shape[1]
         enc = stack_encoder_outputs([member.enc for member in joining])
         needed = np.array([len(s.prefix) for s in searches], dtype=np.int64)
         logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed)

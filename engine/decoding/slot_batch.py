@@ -4,8 +4,9 @@ Each running row owns a slot, given by the scheduling policy when its request jo
 its keys and values are written there by its prefill and by every step, at its own
 absolute positions, and never move. A step sends each row's token, position and slot and
 gets each row's argmax back; a search that needs more (a beam, a hook) gets its rows'
-logits. So a step's cost does not grow with what the rows have decoded so far, and no
-state is concatenated, copied or reallocated between steps.
+logits. No state is concatenated, reallocated or sent between steps. (Reading a row's
+positions is a `Gather` inside the graph, which on the CPU copies them as a concatenation
+would: see `SchedulerOptions.kv_slots` for why the CPU's default copies the state.)
 
 Draft and lookahead are as in `engine.decoding.batch.ContinuousBatch`, with one
 simplification the slots allow: a rejected lookahead token leaves nothing to squeeze, its
@@ -19,7 +20,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.decoding.batch import LOOKAHEAD, DecodeBatch, Member, _Steps, stack_encoder_outputs
+from engine.decoding.batch import (
+    LOOKAHEAD,
+    DecodeBatch,
+    Member,
+    _Steps,
+    prefill_rows,
+    stack_encoder_outputs,
+)
 from engine.decoding.search import Extension, GreedySearch, Search
 from engine.model.layouts import IntArray, MaskedDecoder
 from engine.model.marian import MarianOnnx
@@ -193,16 +201,10 @@ class SlotBatch(DecodeBatch):
         """One call over the newcomers (start token, forced prefix, draft; right-padded),
         their keys and values written into every slot they own; each takes its first
         step there and goes on through its draft while the draft is confirmed."""
-        config = self.model.config
         searches = [member.search for member in joining]
-        fed = [[config.decoder_start_token_id, *s.prefix, *s.draft] for s in searches]
-        width = max(map(len, fed))
-        ids = np.full((len(searches), width), config.pad_token_id, dtype=np.int64)
-        mask = np.zeros((len(searches), width), dtype=np.int64)
-        for r, (search, row_ids) in enumerate(zip(searches, fed, strict=True)):
-            ids[r, : len(row_ids)] = row_ids
-            mask[r, : len(row_ids)] = 1
-            search.start(len(search.prefix))
+        ids, mask = prefill_rows(searches, self.model.config)
+        width = ids.shape[1]
+        lengths_fed = mask.sum(axis=1).tolist()
         enc = stack_encoder_outputs([member.enc for member in joining])
         owned = [tuple(member.slots) for member in joining]
         # What each row reads: its positions from its first free choice (after its forced
@@ -210,9 +212,9 @@ class SlotBatch(DecodeBatch):
         reads: list[int] = []
         ban: list[bool] = []
         spans: list[tuple[int, int]] = []
-        for r, (search, row_ids) in enumerate(zip(searches, fed, strict=True)):
+        for r, (search, fed) in enumerate(zip(searches, lengths_fed, strict=True)):
             first = len(reads)
-            for t in range(len(search.prefix), len(row_ids)):
+            for t in range(len(search.prefix), fed):
                 reads.append(r * width + t)
                 ban.append(t < search.options.min_new_tokens)
             spans.append((first, len(reads)))
