@@ -92,6 +92,10 @@ class Threads(NamedTuple):
     head: int
 
 
+DEVICE_PREFILL_POSITIONS = 4096
+"""`PREFILL_POSITIONS` for a model on a GPU (`DecodeScheduler._prefill_budget`)."""
+
+
 @dataclass(frozen=True)
 class SchedulerOptions:
     """Batch limits and threads of one model's scheduler. Whoever builds the process
@@ -103,7 +107,8 @@ class SchedulerOptions:
     # Extra positions a cached step may compute to verify re-aligned draft tokens, over
     # all its rows (`engine.decoding.batch.LOOKAHEAD_POSITIONS`; 0 turns lookahead off).
     lookahead_positions: int = LOOKAHEAD_POSITIONS
-    # Decoder positions one lane's prefill takes per turn (0: `PREFILL_POSITIONS`).
+    # Decoder positions one lane's prefill takes per turn (0: `PREFILL_POSITIONS` on the
+    # CPU, `DEVICE_PREFILL_POSITIONS` on a GPU).
     prefill_positions: int = 0
     # Threads that each run a batch (default: 2 with 2 cores or more, else 1).
     lanes: int | None = None
@@ -269,7 +274,7 @@ class DecodeScheduler:
         self._policy: SchedulingPolicy[_Request, Encoding] = SchedulingPolicy(
             self.lanes,
             max_rows=self.options.max_rows,
-            prefill_positions=self.options.prefill_positions or PREFILL_POSITIONS,
+            prefill_positions=self.options.prefill_positions or self._prefill_budget(),
             lockstep=model.masked is None,
             slots=None if self.kv is None else self.kv.slots,
         )
@@ -318,6 +323,14 @@ class DecodeScheduler:
         for lane in self._lanes:
             total.update(lane.batch_sizes)
         return total
+
+    def _prefill_budget(self) -> int:
+        """Positions a turn's prefill takes by default: on the CPU a prefill is compute the
+        running rows wait for (`PREFILL_POSITIONS`); on a GPU a call of thousands of
+        positions costs about what a call of a hundred does, and a small budget would
+        admit newcomers slower than streams send them."""
+        on_device = self.kv is not None and self.kv.device[0] != "cpu"
+        return DEVICE_PREFILL_POSITIONS if on_device else PREFILL_POSITIONS
 
     def _kv_slots(self) -> KvSlots | None:
         """The model's KV slot pool, allocated now, so that its memory is known at start

@@ -124,7 +124,9 @@ class IncrementalTranslator:
         # Streams translating at once. Their worker threads mostly wait on the model's
         # decode scheduler, which batches them into shared decoder steps, so this bounds
         # threads and memory, not compute (that is the scheduler's `max_rows`).
-        slots = decode_slots or DECODE_SLOTS
+        # At least as many as the rows the models' batches may hold (on a GPU, thousands).
+        held = max(t.scheduler.lanes * t.scheduler.options.max_rows for t in self.targets.values())
+        slots = decode_slots or max(DECODE_SLOTS, held)
         self._limiter = anyio.CapacityLimiter(slots)
         self._threads = anyio.CapacityLimiter(slots * len(self.targets))
         self._table: StreamTable[Stream] = StreamTable(
