@@ -23,11 +23,11 @@ if [ "${DECODE:-1}" = 1 ]; then
   python3 examples/benchmarks/gpu_decode.py --model "$HOME/m/onnx" --checkpoint "$HOME/m/checkpoint" \
     "${fp16[@]}" --device cuda --rows "${ROWS:-1,16,64,256,1024}" --copied-rows "${COPIED:-1,256}" \
     --profile-rows "${PROFILE:-0}" --json "$OUT/gpu_decode.json" 2>&1 \
-    | grep -v "max_new_tokens\|plugin EP\|ScatterND" | tee "$OUT/gpu_decode.log"
+    | grep --line-buffered -v "max_new_tokens\|plugin EP\|ScatterND" | tee "$OUT/gpu_decode.log"
 fi
 if [ -f .gpu/final/zho_Hans.devtest ] && [ "${CAPACITY:-1}" = 1 ]; then
   python3 examples/benchmarks/capacity.py --model "$HOME/m/${CAPACITY_MODEL:-tiled16}" --fp32 \
     --device cuda --lanes 1 --max-rows "${MAX_ROWS:-2048}" --streams "${STREAMS:-250,500,1000,2000}" \
     --sentences "${SENTENCES:-3}" --no-final-check --sources .gpu/final/zho_Hans.devtest \
-    --json "$OUT/capacity.json" 2>&1 | grep -v "plugin EP\|ScatterND" | tee "$OUT/capacity.log"
+    --json "$OUT/capacity.json" 2>&1 | grep --line-buffered -v "plugin EP\|ScatterND" | tee "$OUT/capacity.log"
 fi
