@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -57,6 +57,7 @@ from engine.decoding.policy import (
     RequestId,
     SchedulingPolicy,
 )
+from engine.decoding.requests import Encoding, Request
 from engine.decoding.search import (
     DecodeOptions,
     DecodingCancelled,
@@ -153,85 +154,6 @@ class SchedulerOptions:
         return Threads(lanes, threads, head)
 
 
-@dataclass(eq=False)
-class Encoding:
-    """Right-padded source ids and, once a lane ran the encoder on them, their states
-    (`future`).
-
-    Given to `DecodeScheduler.submit` in place of an `EncoderOutput`, the sources are
-    encoded by the lane that admits their requests, in one call with the other
-    newcomers' sources, just before their prefill: a request then makes one trip through
-    a lane, not an encoder trip and a decoder trip, each waiting for a lane's turn. Keep
-    it to reuse the states: once `encoded`, a later submission skips the encoder.
-    """
-
-    input_ids: IntArray
-    attention_mask: IntArray
-    future: Future[EncoderOutput] = field(default_factory=Future)
-    claimed: bool = False  # a plan gave it to a lane (under the scheduler's lock)
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def encoded(self) -> EncoderOutput | None:
-        """The states when the encoder ran on these sources and succeeded, else None."""
-        if not self.future.done() or self.future.exception() is not None:
-            return None
-        return self.future.result()
-
-
-@dataclass(eq=False)
-class _Request:
-    """One source's search and its caller's future (`Schedulable` for the policy)."""
-
-    search: Search
-    source: EncoderOutput | Encoding  # its sources, of which it decodes `row`
-    row: int
-    priority: Priority
-    request_id: RequestId | None  # None: never aborted
-    future: Future[Hypothesis] = field(default_factory=Future)
-    submitted: float = field(default_factory=time.perf_counter)
-    started: float = 0.0  # when a plan had it join a lane
-
-    @property
-    def width(self) -> int:
-        return self.search.options.beam_size
-
-    @property
-    def rows(self) -> int:
-        return self.search.width
-
-    @property
-    def positions(self) -> int:
-        """Decoder positions its prefill feeds: start token, forced prefix and draft."""
-        search = self.search
-        return self.width * (1 + len(search.prefix) + len(search.draft))
-
-    @property
-    def nearly_done(self) -> bool:
-        return self.search.draft_confirmed
-
-    @property
-    def encoding(self) -> Encoding | None:
-        source = self.source
-        return source if isinstance(source, Encoding) and not source.future.done() else None
-
-    @property
-    def encoder_error(self) -> BaseException | None:
-        """What its source's encoder call raised (waits for a call another lane runs)."""
-        source = self.source
-        return source.future.exception() if isinstance(source, Encoding) else None
-
-    def enc(self) -> EncoderOutput:
-        """Its one source's states (the source has been encoded)."""
-        source = self.source
-        if isinstance(source, Encoding):
-            source = source.future.result()
-        return source.select(np.array([self.row], dtype=np.int64))
-
-
 class SchedulerClosed(RuntimeError):
     """A request to a scheduler that has been closed."""
 
@@ -242,7 +164,7 @@ class _Lane:
     def __init__(self, index: int, batch: DecodeBatch) -> None:
         self.index = index
         self.batch = batch
-        self.requests: dict[Search, _Request] = {}  # the batch's searches' requests
+        self.requests: dict[Search, Request] = {}  # the batch's searches' requests
         self.stats: Counter[str] = Counter()
         self.batch_sizes: Counter[int] = Counter()
 
@@ -271,7 +193,7 @@ class DecodeScheduler:
         self.lanes, self.threads_per_lane, _ = self.options.resolved()
         self._cond = threading.Condition()
         self.kv = self._kv_slots()
-        self._policy: SchedulingPolicy[_Request, Encoding] = SchedulingPolicy(
+        self._policy: SchedulingPolicy[Request, Encoding] = SchedulingPolicy(
             self.lanes,
             max_rows=self.options.max_rows,
             prefill_positions=self.options.prefill_positions or self._prefill_budget(),
@@ -398,7 +320,7 @@ class DecodeScheduler:
         if isinstance(enc, Encoding) and enc.encoded is not None:
             enc = enc.encoded
         requests = [
-            _Request(
+            Request(
                 make_search(self.model.config, prefix, options, hook, draft),
                 enc,
                 row,
@@ -552,12 +474,12 @@ class DecodeScheduler:
         )
 
     def _joining(
-        self, lane: _Lane, plan: Plan[_Request, Encoding], now: float
-    ) -> tuple[list[_Request], list[tuple[_Request, BaseException]]]:
+        self, lane: _Lane, plan: Plan[Request, Encoding], now: float
+    ) -> tuple[list[Request], list[tuple[Request, BaseException]]]:
         """The plan's newcomers whose sources are encoded, now rows of the lane; and
         those whose encoder call failed, with its error."""
-        joining: list[_Request] = []
-        failed: list[tuple[_Request, BaseException]] = []
+        joining: list[Request] = []
+        failed: list[tuple[Request, BaseException]] = []
         for request in plan.joining:
             request.started = now
             lane.stats["queue_wait_ms"] += int((now - request.submitted) * 1000)
@@ -606,7 +528,7 @@ class DecodeScheduler:
             )
             row += n
 
-    def _answer(self, lane: _Lane, answers: Iterable[Answer[_Request]]) -> None:
+    def _answer(self, lane: _Lane, answers: Iterable[Answer[Request]]) -> None:
         """Set each answered request's future: its error, or its search's result. A
         result that cannot be built is that request's error, never a future left
         waiting (the caller would hang, and a final would go unanswered)."""

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.decoding.policy import Priority, RequestId
-from engine.decoding.scheduler import DecodeScheduler, Encoding, SchedulerOptions
+from engine.decoding.requests import Encoding
+from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
 from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
 from engine.errors import InputTooLongError, ModelLoadError
 from engine.languages import word_joiner

@@ -468,16 +468,9 @@ def load_masked(
         "; int8 activations quantized per token" if ones is not None else "",
     )
     masked = MaskedDecoder(prefills, steps, config.decoder_layers, worst, calls, lookahead, ones)
-    where, step_graph = str(model_dir), graph.with_past
+    graphs_bytes = (graph.no_past, graph.with_past, graph.one_token)
     masked.slots = open_slot_graphs(
-        graph.no_past,
-        step_graph,
-        graph.one_token,
-        masked,
-        config,
-        options,
-        per_token=per_token,
-        where=where,
+        graphs_bytes, masked, config, options, per_token, str(model_dir)
     )
     return masked
 

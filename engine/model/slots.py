@@ -317,23 +317,20 @@ def check_slots(masked: MaskedDecoder, graphs: SlotGraphs, config: ModelConfig) 
 
 
 def open_slot_graphs(
-    prefill: bytes,
-    step: bytes,
-    one_token: bytes | None,
+    graphs: tuple[bytes, bytes, bytes | None],
     masked: MaskedDecoder,
     config: ModelConfig,
     options: RuntimeOptions,
-    *,
     per_token: bool,
     where: str,
 ) -> SlotGraphs | None:
     """The batchable prefill and step rewritten over KV slots (`passes.slots`) and checked
-    against
-    `masked`, or None (logged why): the model then copies its state per step.
+    against `masked`, or None (logged why): the model then copies its state per step.
 
-    `prefill`, `step` and `one_token`: the masked no-past and with-past graphs as the
-    model runs them (int8 per token where it does, and the files' own quantization for
-    one-token calls)."""
+    `graphs`: the masked no-past, with-past and one-token graphs as the model runs them
+    (int8 per token where it does, and the files' own quantization for one-token calls;
+    None: no graph of its own for one token)."""
+    prefill, step, one_token = graphs
     float16 = any(i.type == "tensor(float16)" for i in masked.prefills.session.get_inputs())
     float_type: type[np.floating[Any]] = np.float16 if float16 else np.float32
     positions = config.max_position_embeddings
@@ -348,7 +345,7 @@ def open_slot_graphs(
     one = None if one_token is None else rewrite_step(one_token, shape, *facts, where)
     element = TensorProto.FLOAT16 if float16 else TensorProto.FLOAT
     try:
-        graphs = SlotGraphs(
+        opened = SlotGraphs(
             shape,
             float_type,
             open_session(first, options, per_token=per_token),
@@ -357,7 +354,7 @@ def open_slot_graphs(
             None if one is None else open_session(one, options),
             device_of(options),
         )
-        worst = check_slots(masked, graphs, config)
+        worst = check_slots(masked, opened, config)
     except Exception as exc:  # a graph the rewrite did not foresee: copy the state instead
         log.warning("%s: KV slots not used (%s): the state is copied per step", where, exc)
         return None
@@ -372,7 +369,7 @@ def open_slot_graphs(
             tolerance,
         )
         return None
-    return graphs
+    return opened
 
 
 def device_of(options: RuntimeOptions) -> tuple[str, int]:

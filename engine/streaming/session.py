@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.decoding.policy import Priority, RequestId
-from engine.decoding.scheduler import Encoding
+from engine.decoding.requests import Encoding
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
 from engine.languages import drop_fillers, is_cjk
