@@ -19,7 +19,7 @@ from engine import DecodeOptions, Translator
 from engine.decoding.batch import LOOKAHEAD_POSITIONS, Member
 from engine.decoding.policy import NotEnoughSlots, Priority, new_request_id
 from engine.decoding.scheduler import SchedulerOptions
-from engine.decoding.search import DecodingCancelled, Hypothesis, make_search
+from engine.decoding.search import DecodingCancelled, Hypothesis
 from engine.decoding.slot_batch import SlotBatch
 from engine.model.config import ModelConfig
 from engine.model.passes.slots import SlotShape, rewrite_step
@@ -28,9 +28,9 @@ from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_scheduler import (
     SCORE_TOLERANCE,
     SOURCES,
-    _drafts,
     alone,
     concurrent_equal_alone,
+    drafted_searches,
     layouts,
     requests,
 )
@@ -198,14 +198,7 @@ def test_slot_rows_with_lookahead_and_minimum_lengths_equal_decoding_alone(
     pool = translator.scheduler.kv
     if model.masked is None or pool is None or not model.masked.lookahead:
         pytest.skip("no lookahead over slots for this layout")
-    options = DecodeOptions(min_new_tokens=12, max_new_tokens=16)
-    todo = []
-    for i, (text, prefix) in enumerate(requests(translator)[:8]):
-        ref = alone(translator, text, prefix, options)
-        tail = list(ref.token_ids[len(prefix) :])
-        kinds = _drafts(tail, model.config.vocab_size)
-        draft = list(kinds.values())[i % len(kinds)]
-        todo.append((ref, make_search(model.config, prefix, options, None, draft), text))
+    todo = drafted_searches(translator)
     batch = SlotBatch(model, model.masked, pool, LOOKAHEAD_POSITIONS)
     joins = {0: todo[:2], 1: todo[2:3], 3: todo[3:6], 6: todo[6:]}
     slots = iter(range(pool.slots))

@@ -24,7 +24,7 @@ from engine import DecodeOptions, Translator
 from engine.decoding.batch import LOOKAHEAD, LOOKAHEAD_POSITIONS
 from engine.decoding.policy import PREFILL_PADDING, Priority, new_request_id
 from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
-from engine.decoding.search import DecodingCancelled, Hypothesis
+from engine.decoding.search import DecodingCancelled, Hypothesis, Search, make_search
 from engine.decoding.targets import model_share
 from engine.model.layouts import FloatArray
 from tests.conftest import FIXTURE_MODEL, needs_fixture
@@ -668,6 +668,22 @@ def _drafts(tail: list[int], vocab: int) -> dict[str, list[int]]:
     }
 
 
+def drafted_searches(translator: Translator) -> list[tuple[Hypothesis, Search, str]]:
+    """Eight searches with drafts of every kind `_drafts` makes, each with what decoding it
+    alone gives and its source: long rows (tokens forced past the fixture's eos), so that
+    a batch's lookahead is rejected often."""
+    config = translator.model.config
+    options = DecodeOptions(min_new_tokens=12, max_new_tokens=16)
+    todo = []
+    for i, (text, prefix) in enumerate(requests(translator)[:8]):
+        ref = alone(translator, text, prefix, options)
+        tail = list(ref.token_ids[len(prefix) :])
+        kinds = _drafts(tail, config.vocab_size)
+        draft = list(kinds.values())[i % len(kinds)]
+        todo.append((ref, make_search(config, prefix, options, None, draft), text))
+    return todo
+
+
 def test_lookahead_rows_join_and_leave_a_running_batch(
     translator: Translator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -676,7 +692,6 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
     decoding it alone gives; rejected lookahead leaves holes in the cache that are
     squeezed out without changing anything."""
     from engine.decoding.batch import ContinuousBatch, Member, _Slots
-    from engine.decoding.search import make_search
 
     model = translator.model
     if model.masked is None or not model.masked.lookahead:
@@ -689,15 +704,7 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
         squeeze(self)
 
     monkeypatch.setattr(_Slots, "squeeze", counted)
-    # Long rows (tokens forced past the fixture's eos), so that holes pile up.
-    options = DecodeOptions(min_new_tokens=12, max_new_tokens=16)
-    todo = []
-    for i, (text, prefix) in enumerate(requests(translator)[:8]):
-        ref = alone(translator, text, prefix, options)
-        tail = list(ref.token_ids[len(prefix) :])
-        kinds = _drafts(tail, model.config.vocab_size)
-        draft = list(kinds.values())[i % len(kinds)]
-        todo.append((ref, make_search(model.config, prefix, options, None, draft), text))
+    todo = drafted_searches(translator)
     batch = ContinuousBatch(model, model.masked, LOOKAHEAD_POSITIONS)
     joins = {0: todo[:2], 1: todo[2:3], 3: todo[3:6], 6: todo[6:]}
     step = 0
