@@ -235,3 +235,20 @@ def test_slot_bytes_counts_self_and_cross_keys_and_values() -> None:
     shape = SlotShape(layers=6, heads=8, head_dim=64, capacity=512, source_capacity=256)
     assert slot_bytes(shape, 2) == 6 * 2 * 8 * 64 * (512 + 256) * 2
     assert np.float16(0).itemsize == 2
+
+
+@pytest.mark.anyio
+async def test_metrics_show_the_pool_its_free_slots_and_its_size() -> None:
+    from tests.live_server import http_get, serving
+
+    tr = small_pool(6)
+    pool = tr.scheduler.kv
+    assert pool is not None
+    async with serving(tr) as server:
+        body = (await http_get(server, "/metrics")).body
+    lang = tr.config.target_lang
+    assert f'nmt_kv_slots{{lang="{lang}",state="total"}} 6.0' in body
+    assert f'nmt_kv_slots{{lang="{lang}",state="free"}} 6.0' in body
+    (size,) = [line for line in body.splitlines() if line.startswith("nmt_kv_slot_bytes{")]
+    assert size.startswith(f'nmt_kv_slot_bytes{{lang="{lang}"}} ')
+    assert float(size.split()[-1]) == pool.bytes
