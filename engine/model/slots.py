@@ -1,11 +1,12 @@
 """The KV slot pool: preallocated buffers of every layer's keys and values, the sessions
 that read and write them in place, and their ONNX Runtime I/O bindings.
 
-Sized once, at load (`SlotShape` x `slots`), on the device the model runs on: a running
-row owns a slot (the scheduling policy hands them out) and its state never moves. A step
-(`step`) passes token ids, positions, masks and slot ids in and gets the argmax and its
-log-probability back (the whole logits only when a search needs them); the prefill's
-keys and values are written once (`write`); a beam's reordered rows copy their parents'
+Sized once, when the scheduler starts (`SlotShape` x `slots`), on the device the model
+runs on: a running row owns a slot (the scheduling policy hands them out) and its state
+never moves. The prefill (`prefill`) writes a newcomer's positions and its source's
+cross-attention keys and values into its slots; a step (`step`) passes token ids,
+positions, masks and slot ids in and gets the argmax and its log-probability back (the
+whole logits only when a search needs them); a beam's reordered rows copy their parents'
 state between slots (`copy`). The same code serves the CPU and CUDA providers: on the
 CPU the buffers are numpy arrays the bindings share, on a GPU device memory.
 """

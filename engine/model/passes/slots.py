@@ -11,8 +11,9 @@ logits. `rewrite_step` replaces that with buffers of fixed size, one per layer a
   positions (`ScatterND`, whose output the caller binds to the input's own memory, so
   ONNX Runtime writes in place), then the row's first `W` positions are read (`Gather`),
   `W` being the width of `decoder_attention_mask`;
-- cross-attention: the same shape with the source capacity, written once per encode by
-  `writer_graph` and only read by the step;
+- cross-attention: the same shape with the source capacity, written once by the prefill
+  (`rewrite_prefill`, which writes the row's first positions too, and projects only the
+  positions a search reads) and only read by the step;
 - the self-attention mask: a position is seen where the row's mask says it is real and it
   is not after the query's own position (positions are absolute in a slot, so a row's new
   tokens are not the buffer's last columns and the causal mask is rebuilt from positions);
@@ -22,7 +23,7 @@ logits. `rewrite_step` replaces that with buffers of fixed size, one per layer a
 
 Found by input and output names and the masks rewrite's own nodes, never by node names
 of the exporter; a graph of another shape gives None and a logged reason (the model then
-batches with its state copied per step, as before).
+batches with its state copied per step).
 """
 
 from __future__ import annotations
