@@ -174,6 +174,18 @@ class DecodeBatch(ABC):
         self.searches = steps.kept
         return steps
 
+    def _look_ahead(self, most: int) -> list[list[int]]:
+        """Each row's tokens to verify after its next one in the coming step, at most
+        `most` (`Search.take_lookahead`; a beam's: none); [] when no row has any."""
+        if most <= 0:
+            return []
+        ahead: list[list[int]] = [[] for _ in range(self.rows)]
+        row = 0
+        for search in self.searches:
+            ahead[row] = search.take_lookahead(most)
+            row += search.width
+        return ahead if any(ahead) else []
+
     def _without(self, gone: Collection[Search]) -> list[int] | None:
         """The rows left once `gone` leave (`searches` updated), or None if none of them
         is in the batch."""
@@ -254,6 +266,22 @@ class LockstepBatch(DecodeBatch):
         assert self._enc is not None and self._cache is not None and self._next is not None
         logits, self._cache = self.model.step(self._enc, self._cache, self._next)
         self._logits = logits[:, None, :]  # one position per row
+
+
+def lookahead_rows(
+    next_ids: IntArray, ahead: Sequence[Sequence[int]], pad: int
+) -> tuple[IntArray, IntArray]:
+    """What a step with lookahead feeds: each row's next token (`next_ids` [B]) then its
+    `ahead` tokens, right-padded with `pad` (`ids` [B, T]), and `new` [B, T], 1 on the
+    real ones."""
+    rows, fed = len(next_ids), 1 + max(map(len, ahead))
+    ids = np.full((rows, fed), pad, dtype=np.int64)
+    new = np.zeros((rows, fed), dtype=np.int64)
+    ids[:, 0], new[:, 0] = next_ids, 1
+    for r, looked in enumerate(ahead):
+        ids[r, 1 : 1 + len(looked)] = looked
+        new[r, 1 : 1 + len(looked)] = 1
+    return ids, new
 
 
 def prefill_rows(searches: Sequence[Search], config: ModelConfig) -> tuple[IntArray, IntArray]:
@@ -461,14 +489,8 @@ class ContinuousBatch(DecodeBatch):
         state = self._slots
         assert state is not None
         rows = state.real.shape[0]
-        most = min(LOOKAHEAD, self.lookahead_positions // rows)
-        self._ahead = [[] for _ in range(rows)]
-        if most:
-            row = 0
-            for search in self.searches:
-                self._ahead[row] = search.take_lookahead(most)  # a beam's: none
-                row += search.width
-        fed = self._fed = 1 + max(map(len, self._ahead))
+        self._ahead = self._look_ahead(min(LOOKAHEAD, self.lookahead_positions // rows))
+        fed = self._fed = 1 + max(map(len, self._ahead), default=0)
         if fed == 1:  # no lookahead: the common step, kept lean (it runs once per token)
             mask = np.concatenate([state.real, np.ones((rows, 1), dtype=np.int64)], axis=1)
             positions = state.lengths.reshape(-1, 1)
@@ -478,12 +500,7 @@ class ContinuousBatch(DecodeBatch):
             self._logits = logits[:, None, :]  # one position per row
             state.real, state.lengths = mask, state.lengths + 1
             return
-        ids = np.full((rows, fed), self.model.config.pad_token_id, dtype=np.int64)
-        new = np.zeros((rows, fed), dtype=np.int64)
-        ids[:, 0], new[:, 0] = state.next[:, 0], 1
-        for r, looked in enumerate(self._ahead):
-            ids[r, 1 : 1 + len(looked)] = looked
-            new[r, 1 : 1 + len(looked)] = 1
+        ids, new = lookahead_rows(state.next[:, 0], self._ahead, self.model.config.pad_token_id)
         # Each row's own positions; padding gets any in-range one (its own next).
         positions = state.lengths[:, None] + np.arange(fed)[None, :] * new
         mask = np.concatenate([state.real, new], axis=1)

@@ -25,6 +25,7 @@ from engine.decoding.batch import (
     DecodeBatch,
     Member,
     _Steps,
+    lookahead_rows,
     prefill_rows,
     stack_encoder_outputs,
 )
@@ -92,7 +93,6 @@ class SlotBatch(DecodeBatch):
     ) -> None:
         super().__init__()
         self.model = model
-        self.decoder = decoder
         self.pool = pool
         self.lookahead_positions = lookahead_positions if decoder.lookahead else 0
         self._owned: dict[Search, tuple[int, ...]] = {}  # each search's slots
@@ -273,42 +273,24 @@ class SlotBatch(DecodeBatch):
         rows = len(state.slot)
         capacity = self.pool.shape.capacity
         most = min(LOOKAHEAD, self.lookahead_positions // rows)
-        most = min(most, capacity - 1 - int(state.length.max()))
-        self._ahead = []
-        if most > 0:
-            self._ahead = [[] for _ in range(rows)]
-            row = 0
-            for search in self.searches:
-                self._ahead[row] = search.take_lookahead(most)  # a beam's: none
-                row += search.width
-        fed = 1 + max(map(len, self._ahead), default=0)
+        self._ahead = self._look_ahead(min(most, capacity - 1 - int(state.length.max())))
         length = state.length
-        if fed == 1:
-            ids = state.next[:, None]
-            positions = length[:, None]
-            new = np.ones((rows, 1), dtype=bool)
+        if self._ahead:
+            ids, new = lookahead_rows(state.next, self._ahead, self.model.config.pad_token_id)
+            ends = length + new.sum(axis=1)
         else:
-            ids = np.full((rows, fed), self.model.config.pad_token_id, dtype=np.int64)
-            ids[:, 0] = state.next
-            new = np.zeros((rows, fed), dtype=bool)
-            new[:, 0] = True
-            for r, looked in enumerate(self._ahead):
-                ids[r, 1 : 1 + len(looked)] = looked
-                new[r, 1 : 1 + len(looked)] = True
-            # Each token at its own position, padding too (distinct positions: one
-            # write each), masked out and written again later.
-            positions = length[:, None] + np.arange(fed)[None, :]
-        width = int(length.max()) + fed
-        columns = np.arange(width)[None, :]
-        mask = columns < length[:, None]
-        ends = length + new.sum(axis=1)
-        mask |= (columns >= length[:, None]) & (columns < ends[:, None])
+            ids, ends = state.next[:, None], length + 1
+        # Each token at its own position, padding too (distinct positions: one write
+        # each), masked out and written again later.
+        positions = length[:, None] + np.arange(ids.shape[1])[None, :]
+        # A row sees its positions up to its last real new token.
+        mask = np.arange(int(ends.max()))[None, :] < ends[:, None]
         source = state.source
         encoder_mask = (np.arange(int(source.max()))[None, :] < source[:, None]).astype(np.int64)
         logits = any(search.needs_logits for search in self.searches)
-        # Tokens each row has at each fed position (its next token included): eos is
-        # banned where that is short of its minimum.
-        ban = length[:, None] + np.arange(fed)[None, :] < state.minimum[:, None]
+        # A position is also the tokens its row has there (its next token included): eos
+        # is banned where that is short of the row's minimum.
+        ban = positions < state.minimum[:, None]
         self._out = self.pool.step(
             np.ascontiguousarray(ids, dtype=np.int64),
             np.ascontiguousarray(positions, dtype=np.int64),

@@ -139,7 +139,7 @@ class KvSlots:
         if binding is None:
             session = self.sessions[role]
             binding = bindings[(role, wanted)] = session.io_binding()
-            declared = {i.name for i in session.get_inputs()}
+            declared = self._declared[role]
             outputs = {o.name for o in session.get_outputs()}
             layers = self.shape.layers
             for side in ("decoder", "encoder"):
@@ -156,10 +156,13 @@ class KvSlots:
     def _run(
         self, role: str, inputs: dict[str, npt.NDArray[Any]], wanted: tuple[str, ...] = ()
     ) -> list[Any]:
-        """Run one session with `inputs` from host memory; returns `wanted` on the host."""
+        """Run one session with those of `inputs` it declares (a rewrite drops the inputs
+        its graph no longer reads), from host memory; returns `wanted` on the host."""
         binding = self._binding(role, wanted)
+        declared = self._declared[role]
         for name, value in inputs.items():
-            binding.bind_cpu_input(name, value)
+            if name in declared:
+                binding.bind_cpu_input(name, value)
         for name in wanted:
             binding.bind_output(name, "cpu")
         self.sessions[role].run_with_iobinding(binding)
@@ -185,7 +188,7 @@ class KvSlots:
         chosen where `ban_eos` [B, T] says."""
         if ban_eos is None:
             ban_eos = np.zeros(input_ids.shape, dtype=np.bool_)
-        inputs = {
+        inputs: dict[str, npt.NDArray[Any]] = {
             BAN_EOS: ban_eos,
             INPUT_IDS: input_ids,
             POSITIONS_INPUT: positions,
@@ -194,6 +197,10 @@ class KvSlots:
             SLOT_ROWS: rows,
         }
         role = "one_token" if "one_token" in self.sessions and input_ids.size == 1 else "step"
+        return self._choices(role, inputs, logits)
+
+    def _choices(self, role: str, inputs: dict[str, npt.NDArray[Any]], logits: bool) -> StepOutput:
+        """A prefill's or step's greedy choices, and its logits where asked for."""
         wanted = (NEXT_IDS, NEXT_SCORES, *((LOGITS,) if logits else ()))
         out = self._run(role, inputs, wanted)
         return StepOutput(out[0], out[1], out[2] if logits else None)
@@ -226,10 +233,7 @@ class KvSlots:
             PREFILL_READS: reads,
             BAN_EOS: ban_eos.reshape(1, -1),
         }
-        declared = self._declared["prefill"]
-        wanted = (NEXT_IDS, NEXT_SCORES, *((LOGITS,) if logits else ()))
-        out = self._run("prefill", {k: v for k, v in inputs.items() if k in declared}, wanted)
-        return StepOutput(out[0], out[1], out[2] if logits else None)
+        return self._choices("prefill", inputs, logits)
 
     def copy(self, sources: Sequence[int], targets: Sequence[int], positions: int) -> None:
         """Slot `targets[k]`'s first `positions` self-attention positions become those of

@@ -141,12 +141,12 @@ def _width(b: _Builder, tensor: str) -> str:
     return b.op("Gather", [shape, b.const("one", np.array(1))], "width", axis=0)
 
 
-def _bases(b: _Builder, shape: SlotShape) -> tuple[str, str]:
-    """Each row's first buffer row per head, [B, H]: self and cross buffers."""
+def _bases(b: _Builder, shape: SlotShape, slots: str = SLOT_ROWS) -> tuple[str, str]:
+    """Each of `slots`' first buffer row per head, [B, H]: self and cross buffers."""
     heads = b.const("heads", np.array(shape.heads))
     per_head = b.op(
         "Add",
-        [b.op("Mul", [b.unsqueeze(SLOT_ROWS, [1]), heads], "slot_heads"), _range(b, heads)],
+        [b.op("Mul", [b.unsqueeze(slots, [1]), heads], "slot_heads"), _range(b, heads)],
         "row_heads",
     )
     own = b.op("Mul", [per_head, b.const("capacity", np.array(shape.capacity))], "self_base")
@@ -154,15 +154,14 @@ def _bases(b: _Builder, shape: SlotShape) -> tuple[str, str]:
     return own, b.op("Mul", [per_head, source], "cross_base")
 
 
-def _reads(b: _Builder, base: str, width_of: str) -> str:
-    """Buffer rows [B, H, W] of positions 0..W-1, W the width of `width_of`."""
-    return b.op("Add", [b.unsqueeze(base, [2]), _range(b, _width(b, width_of))], "read_rows")
+def _reads(b: _Builder, base: str, columns: str) -> str:
+    """Buffer rows [B, H, W] of positions `columns` [W] (0..W-1)."""
+    return b.op("Add", [b.unsqueeze(base, [2]), columns], "read_rows")
 
 
-def _self_mask(b: _Builder, negative: onnx.TensorProto) -> str:
-    """[B, 1, T, W]: NEG where the mask marks padding or the column is after the query's
-    own position, else 0."""
-    columns = _range(b, _width(b, MASK_INPUT))
+def _self_mask(b: _Builder, negative: onnx.TensorProto, columns: str) -> str:
+    """[B, 1, T, W]: NEG where the mask marks padding or the column (`columns` [W],
+    0..W-1) is after the query's own position, else 0."""
     padding = b.unsqueeze(b.op("Equal", [MASK_INPUT, b.const("zero", np.array(0))], "pad"), [1])
     future = b.op(
         "Greater", [b.unsqueeze(columns, [0, 1]), b.unsqueeze(POSITIONS_INPUT, [2])], "future"
@@ -376,13 +375,14 @@ def _rewrite(
     if ENCODER_HIDDEN_STATES in edit.consumers:
         raise _Unsupported("the step reads the encoder states, not only their KV")
     self_base, cross_base = _bases(b, shape)
-    self_rows = _reads(b, self_base, MASK_INPUT)
-    cross_rows = _reads(b, cross_base, ENCODER_ATTENTION_MASK)
+    columns = _range(b, _width(b, MASK_INPUT))  # the self-attention positions read
+    self_rows = _reads(b, self_base, columns)
+    cross_rows = _reads(b, cross_base, _range(b, _width(b, ENCODER_ATTENTION_MASK)))
     writes = b.unsqueeze(
         b.op("Add", [b.unsqueeze(self_base, [2]), b.unsqueeze(POSITIONS_INPUT, [1])], "write"),
         [3],
     )
-    mask = _self_mask(b, edit.negative)
+    mask = _self_mask(b, edit.negative, columns)
     renamed: dict[str, str] = {where.output[0]: mask for where in edit.wheres}
     outputs: list[onnx.ValueInfoProto] = []
     buffers = zip(
@@ -444,14 +444,14 @@ def _rewrite_prefill(
             slot_names(shape.layers, side, out=True),
             strict=True,
         )
+        # One side's presents all have its length (the positions fed, or the source's).
+        dims = b.op("Shape", [names[0]], "shape")
+        length = b.op("Gather", [dims, b.const("two", np.array(2))], "length", axis=0)
+        rows = b.op("Add", [b.unsqueeze(base, [2]), _range(b, length)], "rows")
+        writes = b.unsqueeze(rows, [3])
         for present, buffer, updated in buffers:
-            dims = b.op("Shape", [present], "shape")
-            length = b.op("Gather", [dims, b.const("two", np.array(2))], "length", axis=0)
-            rows = b.op("Add", [b.unsqueeze(base, [2]), _range(b, length)], "rows")
             values = b.op("Gather", [present, SLOT_SOURCES], "values", axis=0)
-            b.nodes.append(
-                helper.make_node("ScatterND", [buffer, b.unsqueeze(rows, [3]), values], [updated])
-            )
+            b.nodes.append(helper.make_node("ScatterND", [buffer, writes, values], [updated]))
             outputs.append(helper.make_tensor_value_info(updated, b.float_type, None))
     _greedy_outputs(b, LOGITS, vocab, bans, eos)
     inputs = [
@@ -459,11 +459,6 @@ def _rewrite_prefill(
         helper.make_tensor_value_info(PREFILL_READS, TensorProto.INT64, ["reads"]),
     ]
     return _finish(edit, shape, inputs, outputs, set())
-
-
-def _float(negative: onnx.TensorProto) -> int:
-    """The graph's float type (its mask constant's)."""
-    return int(negative.data_type)
 
 
 def _guarded(
@@ -510,32 +505,14 @@ def rewrite_prefill(
     return _guarded(_rewrite_prefill, data, shape, (vocab, bans, eos), name)
 
 
-def _io_graph(
-    nodes: list[onnx.NodeProto],
-    inputs: list[onnx.ValueInfoProto],
-    outputs: list[onnx.ValueInfoProto],
-    initializers: list[onnx.TensorProto],
-    name: str,
-) -> bytes:
-    graph = helper.make_graph(nodes, name, inputs, outputs, initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return bytes(model.SerializeToString())
-
-
 def copy_graph(shape: SlotShape, float_type: int) -> bytes:
     """Copies the self KV of slots `SLOT_ROWS` [K] to slots `COPY_TARGETS` [K] (a beam's
     rows reordered), positions 0..W-1, W the length of `COPY_POSITIONS`."""
     graph = helper.make_graph([], "slot_copy", [], [])
     b = _Builder(graph, 17)
-    heads = b.const("heads", np.array(shape.heads))
-    capacity = b.const("capacity", np.array(shape.capacity))
 
     def rows(slots: str) -> str:
-        per_head = b.op(
-            "Add", [b.op("Mul", [b.unsqueeze(slots, [1]), heads], "sh"), _range(b, heads)], "rh"
-        )
-        base = b.op("Mul", [per_head, capacity], "base")
+        base, _ = _bases(b, shape, slots)
         return b.op("Add", [b.unsqueeze(base, [2]), COPY_POSITIONS], "rows")
 
     source, target = rows(SLOT_ROWS), b.unsqueeze(rows(COPY_TARGETS), [3])
@@ -554,4 +531,7 @@ def copy_graph(shape: SlotShape, float_type: int) -> bytes:
         b.nodes.append(helper.make_node("ScatterND", [buffer, target, moved], [updated]))
         inputs.append(helper.make_tensor_value_info(buffer, float_type, None))
         outputs.append(helper.make_tensor_value_info(updated, float_type, None))
-    return _io_graph(b.nodes, inputs, outputs, list(graph.initializer), "slot_copy")
+    copier = helper.make_graph(b.nodes, "slot_copy", inputs, outputs, list(graph.initializer))
+    model = helper.make_model(copier, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
