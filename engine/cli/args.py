@@ -20,6 +20,7 @@ from engine.decoding.search import DecodeOptions
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.hub.download import resolve_model
+from engine.model.sessions import parse_device
 from engine.streaming.policies import parse_policy
 from engine.streaming.session import StreamingOptions
 
@@ -66,10 +67,11 @@ def positive_int(value: str) -> int:
 
 def device_name(value: str) -> str:
     """cpu, cuda or cuda:N (whether it can run here is the model load's to say)."""
-    kind, _, index = value.partition(":")
-    if value == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
-        return value
-    raise argparse.ArgumentTypeError(f"unknown device {value!r}: use cpu, cuda or cuda:N")
+    try:
+        parse_device(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def non_negative_int(value: str) -> int:

@@ -71,16 +71,25 @@ CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 
 
+def parse_device(device: str) -> tuple[str, int]:
+    """("cpu", 0) or ("cuda", N) for "cpu", "cuda" or "cuda:N"; `ValueError` for any
+    other name."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu" and not index:
+        return ("cpu", 0)
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N")
+    return ("cuda", int(index or 0))
+
+
 def device_options(device: str) -> dict[str, Any]:
     """`RuntimeOptions` fields for `device`: "cpu", or "cuda" / "cuda:N" (the CUDA
     provider on GPU N, the CPU provider for what it does not run). Raises
     `DeviceUnavailable` when this onnxruntime has no CUDA provider (the `[gpu]` extra,
     onnxruntime-gpu, is not installed) or `ValueError` for a device it does not know."""
-    kind, _, index = device.partition(":")
-    if kind == "cpu" and not index:
+    kind, index = parse_device(device)
+    if kind == "cpu":
         return {"providers": (CPU,), "device_id": 0}
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N")
     preload = getattr(ort, "preload_dlls", None)
     if preload is not None:  # CUDA and cuDNN from an installed PyTorch or nvidia wheels
         with contextlib.suppress(Exception):  # the provider check below says what is missing
@@ -90,7 +99,7 @@ def device_options(device: str) -> dict[str, Any]:
             f"--device {device}: this onnxruntime ({ort.__version__}) has no CUDA provider; "
             "install the [gpu] extra (onnxruntime-gpu) in place of onnxruntime"
         )
-    return {"providers": (CUDA, CPU), "device_id": int(index or 0)}
+    return {"providers": (CUDA, CPU), "device_id": index}
 
 
 def threads_from_env() -> int | None:
