@@ -280,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="decoder positions one prefill call takes per turn (default: the scheduler's)",
     )
+    parser.add_argument(
+        "--kv-slots",
+        type=int,
+        default=None,
+        help="KV slots (default: the scheduler's; 0: the state copied at every step)",
+    )
     parser.add_argument("--no-drafts", action="store_true", help="no draft verification")
     parser.add_argument(
         "--lookahead-positions",
@@ -333,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             chosen["lookahead_positions"] = args.lookahead_positions
         if args.prefill_positions is not None:
             chosen["prefill_positions"] = args.prefill_positions
+        if args.kv_slots is not None:
+            chosen["kv_slots"] = args.kv_slots
         kwargs["scheduler"] = SchedulerOptions(**{k: v for k, v in chosen.items() if v is not None})
     except ImportError:  # an older engine, for before/after runs
         pass
