@@ -54,13 +54,13 @@ CHUNK = 3200  # 100 ms
 def test_recognition_cores_come_off_the_models_share() -> None:
     from engine.cli.args import translation_cores
 
-    assert SchedulerOptions(cores=translation_cores(0, machine=4)).resolved() == Threads(2, 2, 2)
-    assert SchedulerOptions(cores=translation_cores(1, machine=4)).resolved() == Threads(2, 1, 1)
-    assert SchedulerOptions(cores=translation_cores(1, machine=2)).resolved() == Threads(1, 1, 1)
+    assert SchedulerOptions(cores=translation_cores(0, machine=4)).resolved() == Threads(2, 2, 2, 4)
+    assert SchedulerOptions(cores=translation_cores(1, machine=4)).resolved() == Threads(2, 1, 1, 3)
+    assert SchedulerOptions(cores=translation_cores(1, machine=2)).resolved() == Threads(1, 1, 1, 1)
     # Two models share what recognition leaves: 8 - 2 = 6 cores, 3 each.
     share = model_share(translation_cores(2, machine=8), 2)
-    assert SchedulerOptions(cores=share).resolved() == Threads(2, 1, 1)
-    assert SchedulerOptions(cores=share, lanes=1).resolved() == Threads(1, 3, 3)
+    assert SchedulerOptions(cores=share).resolved() == Threads(2, 1, 1, 3)
+    assert SchedulerOptions(cores=share, lanes=1).resolved() == Threads(1, 3, 3, 3)
     # The models always keep a core, however many recognizers are asked for.
     assert translation_cores(4, machine=2) == 1
     with pytest.raises(ValueError, match="recognizers must be >= 0"):

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -491,6 +492,36 @@ def test_two_lanes_share_the_work_and_give_the_same_results() -> None:
     assert all(steps), steps  # both lanes decoded
 
 
+def test_a_lane_alone_projects_on_every_core_with_the_same_results() -> None:
+    """Two lanes of one thread: a lane that runs alone gives its output projection both
+    cores (one session shared by steps, prefills and one-token steps, checked at load
+    against each graph's own), a lane with company its own thread; the answers equal
+    decoding alone either way."""
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2, lanes=2))
+    masked = tr.model.masked
+    assert masked is not None and tr.model.options.alone_head_threads == 2
+    alone_head = masked.steps.alone
+    assert alone_head is not None and masked.prefills.alone is alone_head
+    assert masked.one_token is None or masked.one_token.alone is alone_head
+    session = alone_head[0]
+    calls = []
+    run = session.run
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(threading.current_thread().name)
+        return run(*args, **kwargs)
+
+    session.run = counted  # type: ignore[method-assign]
+    for text in SOURCES:  # one request at a time: its lane is alone
+        got = tr.translate([text])[0]
+        ref = alone(tr, text, [], DecodeOptions())
+        assert got.token_ids == ref.token_ids
+        assert got.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
+    assert len(calls) >= sum(len(alone(tr, t, [], DecodeOptions()).token_ids) for t in SOURCES)
+    tr.close()
+
+
 def test_sources_given_as_ids_are_encoded_by_the_admitting_lane_once(
     translator: Translator,
 ) -> None:
@@ -535,18 +566,20 @@ def test_a_burst_is_prefilled_in_calls_within_the_position_budget() -> None:
 
 
 def test_thread_counts_are_set_in_one_place() -> None:
-    # (lanes, threads per lane, threads of a step's output projection)
-    # Several lanes: each projects on its own threads (the cores are the lanes' already).
-    assert SchedulerOptions().resolved(2) == (2, 1, 1)
-    assert SchedulerOptions().resolved(16) == (2, 8, 8)
-    assert SchedulerOptions(lanes=4).resolved(16) == (4, 4, 4)
-    assert SchedulerOptions(cores=4).resolved() == (2, 2, 2)
-    assert SchedulerOptions(cores=2, head_threads=2).resolved() == (2, 1, 2)
+    # (lanes, threads per lane, threads of a step's output projection, and of the
+    # projection of a lane that runs alone)
+    # Several lanes: each projects on its own threads (the cores are the lanes' already),
+    # on all of them while the others are idle.
+    assert SchedulerOptions().resolved(2) == (2, 1, 1, 2)
+    assert SchedulerOptions().resolved(16) == (2, 8, 8, 16)
+    assert SchedulerOptions(lanes=4).resolved(16) == (4, 4, 4, 16)
+    assert SchedulerOptions(cores=4).resolved() == (2, 2, 2, 4)
+    assert SchedulerOptions(cores=2, head_threads=2).resolved() == (2, 1, 2, 2)
     # One lane: the projection gets the whole share.
-    assert SchedulerOptions().resolved(1) == (1, 1, 1)
-    assert SchedulerOptions(lanes=1, threads_per_lane=3).resolved(2) == (1, 3, 3)
-    assert SchedulerOptions(lanes=1).resolved(2) == (1, 2, 2)
-    assert SchedulerOptions(lanes=1, threads_per_lane=1).resolved(4) == (1, 1, 4)
+    assert SchedulerOptions().resolved(1) == (1, 1, 1, 1)
+    assert SchedulerOptions(lanes=1, threads_per_lane=3).resolved(2) == (1, 3, 3, 3)
+    assert SchedulerOptions(lanes=1).resolved(2) == (1, 2, 2, 2)
+    assert SchedulerOptions(lanes=1, threads_per_lane=1).resolved(4) == (1, 1, 4, 4)
     with pytest.raises(ValueError, match="cores"):
         SchedulerOptions(cores=0)
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2))
@@ -562,11 +595,12 @@ def test_models_sharing_the_cores_split_them_instead_of_oversubscribing() -> Non
     for cores in (1, 2, 3, 4, 16):
         for models in (1, 2, 3):
             share = model_share(cores, models)
-            lanes, threads, head = SchedulerOptions(cores=share).resolved()
+            lanes, threads, head, alone = SchedulerOptions(cores=share).resolved()
             assert lanes * threads * models <= max(cores, models), (cores, models)
             assert head * models <= max(cores, models), (cores, models)
-    assert SchedulerOptions(cores=model_share(2, 2)).resolved() == (1, 1, 1)
-    assert SchedulerOptions(cores=model_share(16, 2)).resolved() == (2, 4, 4)
+            assert alone * models <= max(cores, models), (cores, models)
+    assert SchedulerOptions(cores=model_share(2, 2)).resolved() == (1, 1, 1, 1)
+    assert SchedulerOptions(cores=model_share(16, 2)).resolved() == (2, 4, 4, 8)
 
 
 # -- draft verification ----------------------------------------------------------------

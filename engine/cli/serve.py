@@ -491,6 +491,8 @@ def describe_model(translator: Translator) -> str:
     head = ""
     if model.masked is not None and model.masked.head is not None:
         head = f", output projection on {model.options.head_threads}"
+        if model.masked.steps.alone is not None:
+            head += f" ({model.options.alone_head_threads} alone)"
     if model.int8_activations:
         head += f"; int8 activations {model.int8_activations}"
     return (

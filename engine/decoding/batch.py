@@ -128,6 +128,9 @@ class DecodeBatch(ABC):
         # tokens each row was fed after its own next one (expected: lookahead), if any.
         self._logits: FloatArray | None = None
         self._ahead: list[list[int]] = []
+        # Set by the scheduler for each turn: no other lane of the model is running, so
+        # the output projection may take every core (`MaskedDecoder.step`'s `alone`).
+        self.alone = False
 
     def __len__(self) -> int:
         return len(self.searches)
@@ -464,7 +467,7 @@ class ContinuousBatch(DecodeBatch):
         width = ids.shape[1]
         enc = stack_encoder_outputs([member.enc for member in joining])
         needed = np.array([len(s.prefix) for s in searches], dtype=np.int64)
-        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed)
+        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed, alone=self.alone)
         steps = _Steps()
         real = np.zeros(len(searches), dtype=np.int64)  # valid slots per prefilled row
         for r, search in enumerate(searches):
@@ -495,7 +498,13 @@ class ContinuousBatch(DecodeBatch):
             mask = np.concatenate([state.real, np.ones((rows, 1), dtype=np.int64)], axis=1)
             positions = state.lengths.reshape(-1, 1)
             logits, state.self_kv = self.decoder.step(
-                state.enc, state.next, positions, mask, state.self_kv, state.cross_kv
+                state.enc,
+                state.next,
+                positions,
+                mask,
+                state.self_kv,
+                state.cross_kv,
+                alone=self.alone,
             )
             self._logits = logits[:, None, :]  # one position per row
             state.real, state.lengths = mask, state.lengths + 1
@@ -505,6 +514,6 @@ class ContinuousBatch(DecodeBatch):
         positions = state.lengths[:, None] + np.arange(fed)[None, :] * new
         mask = np.concatenate([state.real, new], axis=1)
         self._logits, state.self_kv = self.decoder.step(
-            state.enc, ids, positions, mask, state.self_kv, state.cross_kv
+            state.enc, ids, positions, mask, state.self_kv, state.cross_kv, alone=self.alone
         )
         state.real, state.lengths = mask, state.lengths + 1

@@ -86,11 +86,13 @@ log = logging.getLogger(__name__)
 
 class Threads(NamedTuple):
     """How a scheduler's `cores` are used: `lanes` batches run at once, each call on
-    `per_lane` ONNX Runtime threads, except a step's output projection on `head`."""
+    `per_lane` ONNX Runtime threads, except a step's output projection on `head`, and on
+    `alone` (all the cores) while the other lanes are idle."""
 
     lanes: int
     per_lane: int
     head: int
+    alone: int
 
 
 DEVICE_PREFILL_POSITIONS = 4096
@@ -151,7 +153,7 @@ class SchedulerOptions:
         lanes = self.lanes or (2 if cores >= 2 else 1)
         threads = self.threads_per_lane or max(1, cores // lanes)
         head = self.head_threads or (threads if lanes > 1 else max(cores, threads))
-        return Threads(lanes, threads, head)
+        return Threads(lanes, threads, head, max(cores, head))
 
 
 class SchedulerClosed(RuntimeError):
@@ -190,7 +192,7 @@ class DecodeScheduler:
         # Set to record every lane turn and answered request (`engine.decoding.timeline`);
         # None: nothing kept.
         self.timeline = timeline
-        self.lanes, self.threads_per_lane, _ = self.options.resolved()
+        self.lanes, self.threads_per_lane, *_ = self.options.resolved()
         self._cond = threading.Condition()
         self.kv = self._kv_slots()
         self._policy: SchedulingPolicy[Request, Encoding] = SchedulingPolicy(
@@ -203,6 +205,7 @@ class DecodeScheduler:
         self._lanes = [_Lane(i, self._new_batch()) for i in range(self.lanes)]
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._running = 0  # lanes in a turn (under `_cond`)
 
     @property
     def batching(self) -> str:
@@ -385,9 +388,15 @@ class DecodeScheduler:
                 began = time.perf_counter()
                 lane.stats["idle_ms"] += int((began - idle) * 1000)
                 closed = self._closed
+                if not closed:
+                    self._running += 1
+                    # Alone, the lane's output projection may take every core; a lane
+                    # that wakes meanwhile shares them for the rest of this turn only.
+                    lane.batch.alone = self._running == 1
             if closed:
                 self._shut(lane)
                 return
+            step: Step | None = None
             try:
                 step = self._turn(lane, began, began - idle)
             except Exception as exc:  # a failing call must not kill the lane
@@ -397,8 +406,10 @@ class DecodeScheduler:
                 self._answer(lane, answers)
                 lane.requests.clear()
                 lane.batch = self._new_batch()
-                continue
-            if self.timeline is not None:
+            finally:
+                with self._cond:
+                    self._running -= 1
+            if step is not None and self.timeline is not None:
                 self.timeline.add(step)
 
     def _shut(self, lane: _Lane) -> None:

@@ -106,6 +106,7 @@ class Translator:
             allow_spinning=allow_spinning,
             batchable=batchable,
             head_threads=threads.head,
+            alone_head_threads=threads.alone,
             int8_per_token=int8_per_token,
             fp16=fp16,
             **device_options(device),

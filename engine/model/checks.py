@@ -242,19 +242,21 @@ def check_cut(
     body: ort.InferenceSession,
     head: ort.InferenceSession,
     hidden: str,
+    head_input: str | None = None,
     *,
     past_len: int,
     cur_len: int,
 ) -> float:
     """Largest difference over every output between a decoder graph and its two parts (the
-    body, then the head on the body's `hidden`)."""
+    body, then the head on the body's `hidden`, which the head takes as `head_input`:
+    default the same name)."""
     feed = probe_feed(whole.get_inputs(), past_len=past_len, cur_len=cur_len, batch=2)
     names = [o.name for o in whole.get_outputs()]
     expected = dict(zip(names, whole.run(names, feed), strict=True))
     rest = [n for n in names if n != LOGITS]
     out = _run(body, [hidden, *rest], feed)
     got = dict(zip(rest, out[1:], strict=True))
-    got[LOGITS] = head.run([LOGITS], {hidden: out[0]})[0]
+    got[LOGITS] = head.run([LOGITS], {head_input or hidden: out[0]})[0]
     return max(float(np.max(np.abs(expected[n] - got[n]), initial=0.0)) for n in names)
 
 

@@ -289,10 +289,12 @@ LAYOUTS: dict[DecoderLayout, type[LayoutDecoder]] = {
 class CutGraph(NamedTuple):
     """One rewritten decoder graph (no-past or with-past) as the scheduler runs it: whole
     (`session`, `head` None), or its body (`session`) with the output projection apart
-    (`head`: the projection's session and the input it takes, `passes.head`)."""
+    (`head`: the projection's session and the input it takes, `passes.head`), and the
+    projection on every core (`alone`, the same kind) for a lane that runs alone."""
 
     session: ort.InferenceSession
     head: tuple[ort.InferenceSession, str] | None
+    alone: tuple[ort.InferenceSession, str] | None = None
 
 
 def _project(
@@ -363,6 +365,8 @@ class MaskedDecoder:
         input_ids: IntArray,
         mask: IntArray,
         needed_from: IntArray | None = None,
+        *,
+        alone: bool = False,
     ) -> tuple[FloatArray, tuple[FloatArray, ...], tuple[FloatArray, ...]]:
         """Logits [B, T, V] and the rows' self and cross KV, for right-padded `input_ids`
         whose real tokens `mask` marks (1). `needed_from` [B]: each row's first position
@@ -370,7 +374,8 @@ class MaskedDecoder:
         apart, the earlier ones and the padding are not computed (zeros).
 
         Why: a forced prefix is often longer than the draft and the tail read after it,
-        and the vocabulary projection is most of a position's cost."""
+        and the vocabulary projection is most of a position's cost. `alone`: no other lane
+        is running, the projection may run on every core (`CutGraph.alone`)."""
         batch, length = input_ids.shape
         positions = np.tile(np.arange(length, dtype=np.int64), (batch, 1))
         values: dict[str, Any] = {
@@ -384,15 +389,15 @@ class MaskedDecoder:
         feed = self._feed(self._prefill_inputs, values)
         kv = [*self._names.self_out, *self._names.cross_out]
         n = len(self._names.self_out)
-        session, head = self.prefills
+        session, head, everyone = self.prefills
         if head is None:
             out = session.run([LOGITS, *kv], feed)
             return out[0], tuple(out[1 : 1 + n]), tuple(out[1 + n :])
-        out = session.run([head[1], *kv], feed)
+        out = session.run([head[1], *kv], feed)  # the body's output: the head's input
         wanted = mask.astype(bool)
         if needed_from is not None:
             wanted &= np.arange(length)[None, :] >= needed_from[:, None]
-        logits = _project(head, out[0], wanted)
+        logits = _project(everyone if alone and everyone is not None else head, out[0], wanted)
         return logits, tuple(out[1 : 1 + n]), tuple(out[1 + n :])
 
     def step(
@@ -403,10 +408,13 @@ class MaskedDecoder:
         mask: IntArray,
         self_kv: tuple[FloatArray, ...],
         cross_kv: tuple[FloatArray, ...],
+        *,
+        alone: bool = False,
     ) -> tuple[FloatArray, tuple[FloatArray, ...]]:
         """One token per row: logits [B, V] and the self KV grown by one slot. Several per
         row (`input_ids` [B, T], T > 1: lookahead, whose padding `mask` marks 0 in its
-        last T columns): logits [B, T, V], meaningless at padding, and T more slots."""
+        last T columns): logits [B, T, V], meaningless at padding, and T more slots.
+        `alone`: as for `prefill`."""
         values: dict[str, Any] = {
             ENCODER_ATTENTION_MASK: enc.attention_mask,
             INPUT_IDS: input_ids,
@@ -424,12 +432,14 @@ class MaskedDecoder:
         if graph.head is None:
             out = graph.session.run([LOGITS, *self_out], feed)
             return (out[0][:, -1, :] if fed == 1 else out[0]), tuple(out[1:])
-        head, hidden = graph.head
+        hidden = graph.head[1]  # the body's output
         out = graph.session.run([hidden, *self_out], feed)
+        projection = graph.alone if alone and graph.alone is not None else graph.head
         if fed == 1:
-            logits = head.run([LOGITS], {hidden: out[0]})[0]
+            head, head_input = projection
+            logits = head.run([LOGITS], {head_input: out[0]})[0]
             return logits[:, -1, :], tuple(out[1:])
-        return _project(graph.head, out[0], mask[:, -fed:].astype(bool)), tuple(out[1:])
+        return _project(projection, out[0], mask[:, -fed:].astype(bool)), tuple(out[1:])
 
 
 class MaskedLayout(LayoutDecoder):

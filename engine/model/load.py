@@ -445,18 +445,28 @@ def load_masked(
     lookahead = causal_over_new_tokens(no_past, with_past, config, options.quantized)
     # A position's logits depend on no other position's in fp32 and int8 per token, so
     # the prefill's projection may run on the positions a search reads only.
+    # The step's projection on every core, for a lane alone, is shared by the prefill and
+    # the one-token step where it gives their own heads' values (one session, one copy of
+    # the projection's weights).
+    steps = _cut(model_dir, graph.with_past, with_past, config, options, per_token=per_token)
     prefills = (
         CutGraph(no_past, None)
         if options.quantized and not options.per_token
         else _cut(
-            model_dir, graph.no_past, no_past, config, options, prefill=True, per_token=per_token
+            model_dir,
+            graph.no_past,
+            no_past,
+            config,
+            options,
+            prefill=True,
+            per_token=per_token,
+            alone=steps.alone,
         )
     )
-    steps = _cut(model_dir, graph.with_past, with_past, config, options, per_token=per_token)
     ones = (
         None
         if one is None or graph.one_token is None
-        else _cut(model_dir, graph.one_token, one, config, options)
+        else _cut(model_dir, graph.one_token, one, config, options, alone=steps.alone)
     )
     log.info(
         "%s: continuous batching (decoder rewritten with masks and positions; "
@@ -484,6 +494,7 @@ def _cut(
     *,
     prefill: bool = False,
     per_token: bool = False,
+    alone: tuple[ort.InferenceSession, str] | None = None,
 ) -> CutGraph:
     """A rewritten decoder graph whole (`session`), or as its body on the lane's threads
     and its output projection on `options.head_threads` (`passes.head`) when those are
@@ -497,12 +508,18 @@ def _cut(
     on the body's), because its logits are needed at a few of its positions only
     (`MaskedDecoder.prefill`). `per_token`: the graph is quantized per token
     (`open_session`).
+
+    A lane alone may run the projection on `options.alone_head_threads` (all the cores)
+    when those are more: `alone`, another graph's such head, is attached where it gives
+    this graph's values; without one, this graph's own is opened (also a reason to cut).
     """
     threads, body_threads = options.head_threads, options.intra_op_threads
     apart = bool(threads and body_threads and threads > body_threads)
-    if not apart and not prefill:
-        return CutGraph(session, None)
     threads = threads if apart else body_threads
+    everyone = options.alone_head_threads
+    wide = bool(everyone and threads and everyone > threads)
+    if not apart and not prefill and not wide:
+        return CutGraph(session, None)
     what, past_len, cur_len = ("prefill", 0, 3) if prefill else ("step", 4, 1)
     try:
         split = split_output_projection(graph, config.vocab_size)
@@ -514,6 +531,18 @@ def _cut(
         body = open_session(split.body, options, per_token=per_token)
         head = open_session(split.head, options, threads=threads or None, per_token=per_token)
         worst = check_cut(session, body, head, split.hidden, past_len=past_len, cur_len=cur_len)
+        if wide and alone is None:
+            alone = (
+                open_session(split.head, options, threads=everyone, per_token=per_token),
+                split.hidden,
+            )
+        if wide and alone is not None:
+            apart_worst = check_cut(
+                session, body, alone[0], split.hidden, alone[1], past_len=past_len, cur_len=cur_len
+            )
+            if not apart_worst <= REWRITE_TOLERANCE:
+                log.info("%s: the %s keeps its projection on its lane's threads", model_dir, what)
+                alone = None
     except Exception as exc:  # a graph the cut did not foresee: keep it whole
         log.warning("%s: output projection not cut from the %s (%s)", model_dir, what, exc)
         return CutGraph(session, None)
@@ -525,7 +554,7 @@ def _cut(
             worst,
         )
         return CutGraph(session, None)
-    return CutGraph(body, (head, split.hidden))
+    return CutGraph(body, (head, split.hidden), alone if wide else None)
 
 
 def _release_freed_memory() -> None:

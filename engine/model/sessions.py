@@ -48,6 +48,10 @@ class RuntimeOptions:
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     batchable: bool = True
     head_threads: int | None = None
+    # Threads of the output projection while its lane runs alone (the scheduler's other
+    # lanes idle): all the model's cores, as a session of its own when more than
+    # `head_threads` (`MaskedDecoder.step`'s `alone`).
+    alone_head_threads: int | None = None
     int8_per_token: bool = True
     device_id: int = 0
     # Where ONNX Runtime writes each session's profile (a file prefix; None: no profile).
