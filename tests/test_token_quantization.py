@@ -18,7 +18,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from engine.model.checks import probe_feed
+from engine.model.config import ModelConfig
+from engine.model.load import load_batched_decoder
 from engine.model.names import PER_TOKEN_KEY
+from engine.model.passes.graph import load_model
+from engine.model.passes.head import split_output_projection
 from engine.model.passes.per_token import (
     MAX_CORRECTION_ROWS,
     NotPerToken,
@@ -416,3 +420,23 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
         enc = tr.encode([tr.source_ids(texts[0])])
         tr.decode(enc, DecodeOptions(), prefixes=[[]])
         assert runs["one"] > 0 and runs["tokens"] == 0, kv_slots
+
+
+def test_a_per_token_step_is_cut_at_its_projection_with_its_quantization() -> None:
+    """The head of a per-token step holds its projection's quantization, which reads the
+    shape of the head's input (to give the flat dequantized logits their shape back):
+    body then head are the whole step bit for bit, batched rows included."""
+    needs_fixture()
+    pair = load_batched_decoder(FIXTURE_MODEL, quantized=True, check=False, per_token=True)
+    assert pair is not None and pair.one_token is not None
+    split = split_output_projection(pair.with_past, ModelConfig.from_dir(FIXTURE_MODEL).vocab_size)
+    assert split is not None
+    head_graph = load_model(split.head).graph
+    shapes = [n for n in head_graph.node if n.op_type == "Shape"]
+    assert shapes and all(list(n.input) == [split.hidden] for n in shapes)
+    assert {"QuantizeLinear", "DequantizeLinear"} <= {n.op_type for n in head_graph.node}
+    whole, body, head = _tokens(pair.with_past), _tokens(split.body), _tokens(split.head)
+    feed = probe_feed(whole.get_inputs(), past_len=5, cur_len=2, batch=3, source_len=4)
+    expected = whole.run(["logits"], feed)[0]
+    hidden = body.run([split.hidden], feed)[0]
+    np.testing.assert_array_equal(head.run(["logits"], {split.hidden: hidden})[0], expected)
