@@ -10,6 +10,14 @@ gives, so `per_token` rewrites every such quantization to one scale and zero poi
 (range widened to include 0, scale = range / 255, zero point and values rounded half to
 even, saturated to uint8), so that a call with one token gives the files' own values.
 
+The rewrite runs on the flattened tokens [M, K] (`Flatten`; the results get their shape
+back with `Reshape`): ONNX's per-axis `QuantizeLinear` and `DequantizeLinear` take a scale
+per row only as a 1-D tensor along one axis. Each token's range, step and zero point come
+from a few ops on [M] tensors; its values from one per-axis `QuantizeLinear` (divide by the
+step, round half to even, add the zero point, saturate: `DynamicQuantizeLinear`'s own
+arithmetic, bit for bit in ONNX Runtime, which the tests check), where an elementwise chain
+would make five passes over the activations.
+
 `MatMulInteger` takes the activations' zero point only as a scalar in ONNX Runtime, so the
 rewritten matmul runs without it and corrects for it, exactly in int32:
 `sum_k (q - zp) (w - wz) = sum_k q (w - wz) - zp * colsum(w - wz)`. The correction is done
@@ -17,20 +25,24 @@ inside the matmul where it can be (`correction_rows`): the values get a few more
 each the token's zero point, and the weights as many rows, which hold `-colsum(w - wz)`
 cut into pieces of the weights' type (4-6% more rows on the benchmark model: OPUS-MT's
 sizes, random weights). A multiply and a subtraction over the whole output (two more
-passes per matmul, which would make per-token scales clearly dearer than the files' fused
-kernels) become part of the matmul. Where the pieces cannot fit (uint8 weights with zero
-point 0), the column sums are an int32 initializer and the correction is subtracted after.
-The scale product downstream (`Mul(scale, w_scale)`, then `Mul(product, Cast(int32))`)
-already broadcasts a [..., 1] scale. Sessions of these graphs are opened without ONNX
+passes per matmul) become part of the matmul. Where the pieces cannot fit (uint8 weights
+with zero point 0), the column sums are an int32 initializer and the correction is
+subtracted after.
+
+The files turn the int32 result into floats with `Mul(Cast(result), Mul(scale, w_scale))`;
+with a scalar weight scale that is one per-axis `DequantizeLinear` of the flat result by
+the token's product (int32, no zero point: `float(result) * product`, the same two
+roundings), one pass instead of two. Any other reader of the result or of the scale gets
+it as before, in the shape it had. Sessions of these graphs are opened without ONNX
 Runtime's `MatMulIntegerToFloat` fusion (`engine.model.sessions.PER_TOKEN_FUSIONS_OFF`),
-which would round differently.
+which would round differently where the files' `Cast -> Mul` stays.
 
 What it changes: the values of a call with several tokens differ from the files' (each
 token on its own scale, which is closer to fp32, not farther); a call of one token gives the
 files' values, so the loader keeps the files' graph, with its fused kernels, for one-row
 one-token steps. A quantization whose outputs feed anything but `MatMulInteger` (values and
-zero point) and `Mul` (scale) is left alone and reported: the caller then knows the graph is
-not per token.
+zero point) and `Mul` (scale), or a matmul whose weights are not a 2-D constant, leaves the
+graph alone and is reported: the caller then knows the graph is not per token.
 """
 
 from __future__ import annotations
@@ -167,8 +179,8 @@ class _Links:
             return None
         weight_scale = factors[1 - factors.index(scale)]
         value = constant(weight_scale)
-        if value is None or value.size != 1 or value.dtype != np.float32:
-            return None
+        if value is None or value.size != 1 or value.ndim > 1 or value.dtype != np.float32:
+            return None  # [1, 1] would make the product 2-D, not a per-axis scale
         return _Scaled(cast, at, mul, weight_scale)
 
 
@@ -215,8 +227,8 @@ class _Emitter:
         """`DynamicQuantizeLinear`'s arithmetic per token: the step (scale) and zero point
         [M] of each row of the flattened activations, and their uint8 values [M, K]
         (returned) from one `QuantizeLinear`, which divides, rounds half to even, adds
-        the zero point and saturates as the files' kernel does (ONNX Runtime runs both
-        on one MLAS routine)."""
+        the zero point and saturates as the files' kernel does (checked bit for bit by the
+        tests)."""
         zero = self.const("zero", np.array(0.0, dtype=np.float32))
         levels = self.const("levels", np.array(255.0, dtype=np.float32))
         # Smallest normal float: an all-zero token gets values 0 instead of 0 / 0.
