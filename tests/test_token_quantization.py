@@ -181,11 +181,16 @@ def test_the_per_token_quantize_linear_is_the_elementwise_arithmetic_bit_for_bit
     """`_Emitter.quantize`'s one `QuantizeLinear` over the flattened tokens gives the
     values of the elementwise chain it stands for (divide by the step, round half to even,
     add the zero point, clip to 0..255, cast), in ONNX Runtime and in numpy; and for a
-    token of normal range, what `DynamicQuantizeLinear` gives that token alone."""
-    emit = _Emitter("q", "x", 18)
-    values = emit.quantize()
+    token of normal range, what `DynamicQuantizeLinear` gives that token alone. With
+    columns of zeros added for the correction rows (whose 0 then bounds the range in
+    place of `Max` and `Min` with 0): the same step, zero point and values, and the added
+    columns hold the zero point."""
     x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, None)
-    tokens = _model(emit.nodes, [x_info], [values, emit.step, emit.point], emit.initializers)
+    tokens = {}
+    for width in (0, 3):
+        emit = _Emitter("q", "x", 18)
+        outputs = [emit.quantize(width), emit.step, emit.point]
+        tokens[width] = _model(emit.nodes, [x_info], outputs, emit.initializers)
     node = helper.make_node
     chain = _model(
         [
@@ -213,7 +218,12 @@ def test_the_per_token_quantize_linear_is_the_elementwise_arithmetic_bit_for_bit
     )
     compared = 0
     for x in _hard_tokens():
-        q, step, point = tokens.run(None, {"x": x})
+        q, step, point = tokens[0].run(None, {"x": x})
+        padded, padded_step, padded_point = tokens[3].run(None, {"x": x})
+        np.testing.assert_array_equal(padded_step.view(np.int32), step.view(np.int32))
+        np.testing.assert_array_equal(padded_point, point)
+        np.testing.assert_array_equal(padded[:, : x.shape[-1]], q)
+        np.testing.assert_array_equal(padded[:, x.shape[-1] :], np.repeat(point[:, None], 3, 1))
         flat = x.reshape(-1, x.shape[-1])
         assert q.shape == flat.shape and q.dtype == np.uint8 and step.shape == (len(flat),)
         (expected,) = chain.run(None, {"flat": flat, "step": step, "zp": point})

@@ -22,12 +22,12 @@ would make five passes over the activations.
 rewritten matmul runs without it and corrects for it, exactly in int32:
 `sum_k (q - zp) (w - wz) = sum_k q (w - wz) - zp * colsum(w - wz)`. The correction is done
 inside the matmul where it can be (`correction_rows`): the values get a few more columns,
-each the token's zero point, and the weights as many rows, which hold `-colsum(w - wz)`
-cut into pieces of the weights' type (4-6% more rows on the benchmark model: OPUS-MT's
-sizes, random weights). A multiply and a subtraction over the whole output (two more
-passes per matmul) become part of the matmul. Where the pieces cannot fit (uint8 weights
-with zero point 0), the column sums are an int32 initializer and the correction is
-subtracted after.
+each the token's zero point (the activations padded with zeros, which quantize to it), and
+the weights as many rows, which hold `-colsum(w - wz)` cut into pieces of the weights' type
+(4-6% more rows on the benchmark model: OPUS-MT's sizes, random weights). A multiply and a
+subtraction over the whole output (two more passes per matmul) become part of the matmul.
+Where the pieces cannot fit (uint8 weights with zero point 0), the column sums are an int32
+initializer and the correction is subtracted after.
 
 The files turn the int32 result into floats with `Mul(Cast(result), Mul(scale, w_scale))`;
 with a scalar weight scale that is one per-axis `DequantizeLinear` of the flat result by
@@ -80,15 +80,15 @@ class PerToken:
 def activation_source(producer: Mapping[str, onnx.NodeProto], values: str) -> str | None:
     """The float tensor whose quantization `values` (a `MatMulInteger` input) is, under
     either scheme (`DynamicQuantizeLinear` or `per_token`'s `QuantizeLinear` of its
-    flattened view); None if neither."""
+    flattened, maybe padded view); None if neither."""
     node = producer.get(values)
-    if node is not None and node.op_type == "Concat":  # widened by zero-point columns
-        node = producer.get(str(node.input[0]))
     if node is not None and node.op_type == "DynamicQuantizeLinear":
         return str(node.input[0])
     if node is None or node.op_type != "QuantizeLinear":
         return None
     node = producer.get(str(node.input[0]))
+    if node is not None and node.op_type == "Pad":  # zero columns for the correction rows
+        node = producer.get(str(node.input[0]))
     if node is None or node.op_type != "Flatten":
         return None
     return str(node.input[0])
@@ -223,31 +223,39 @@ class _Emitter:
         (self.nodes if into is None else into).append(node)
         return name
 
-    def quantize(self) -> str:
+    def quantize(self, width: int) -> str:
         """`DynamicQuantizeLinear`'s arithmetic per token: the step (scale) and zero point
-        [M] of each row of the flattened activations, and their uint8 values [M, K]
+        [M] of each row of the flattened activations, and their uint8 values [M, K + width]
         (returned) from one `QuantizeLinear`, which divides, rounds half to even, adds
         the zero point and saturates as the files' kernel does (checked bit for bit by the
-        tests)."""
-        zero = self.const("zero", np.array(0.0, dtype=np.float32))
+        tests). The activations get `width` more columns of zeros first (`Pad`), which
+        quantize to the zero point (the columns `correction_rows` needs) and put 0 in
+        each token's range as the files' arithmetic does (0 < x or x < 0: the sign of a
+        zero bound changes no bit of the step, zero point or values)."""
         levels = self.const("levels", np.array(255.0, dtype=np.float32))
         # Smallest normal float: an all-zero token gets values 0 instead of 0 / 0.
         tiny = self.const("tiny", np.array(np.finfo(np.float32).tiny, dtype=np.float32))
+        source = self.flat
+        if width:
+            pads = self.const("pads", np.array([0, 0, 0, width], dtype=np.int64))
+            source = self.op("Pad", [self.flat, pads], "padded")
         if self.version >= 18:
             axes = self.const("axes", np.array([1], dtype=np.int64))
-            top = self.op("ReduceMax", [self.flat, axes], "max", keepdims=0)
-            bottom = self.op("ReduceMin", [self.flat, axes], "min", keepdims=0)
+            top = self.op("ReduceMax", [source, axes], "max", keepdims=0)
+            bottom = self.op("ReduceMin", [source, axes], "min", keepdims=0)
         else:
-            top = self.op("ReduceMax", [self.flat], "max", keepdims=0, axes=[1])
-            bottom = self.op("ReduceMin", [self.flat], "min", keepdims=0, axes=[1])
-        high = self.op("Max", [top, zero], "high")
-        low = self.op("Min", [bottom, zero], "low")
-        spread = self.op("Div", [self.op("Sub", [high, low], "range"), levels], "spread")
+            top = self.op("ReduceMax", [source], "max", keepdims=0, axes=[1])
+            bottom = self.op("ReduceMin", [source], "min", keepdims=0, axes=[1])
+        if not width:
+            zero = self.const("zero", np.array(0.0, dtype=np.float32))
+            top = self.op("Max", [top, zero], "high")
+            bottom = self.op("Min", [bottom, zero], "low")
+        spread = self.op("Div", [self.op("Sub", [top, bottom], "range"), levels], "spread")
         self.step = self.op("Max", [spread, tiny], "step")
-        below = self.op("Neg", [self.op("Div", [low, self.step], "low_steps")], "neg")
+        below = self.op("Neg", [self.op("Div", [bottom, self.step], "low_steps")], "neg")
         self.point = self.op("Round", [below], "zp")
         self.point_uint8 = self.op("Cast", [self.point], "zp_uint8", to=TensorProto.UINT8)
-        return self.op("QuantizeLinear", [self.flat, self.step, self.point_uint8], "values", axis=0)
+        return self.op("QuantizeLinear", [source, self.step, self.point_uint8], "values", axis=0)
 
     def shape(self, last: int) -> str:
         """The activations' shape with `last` for its last axis (int64 [rank]): what a
@@ -277,39 +285,28 @@ class _Emitter:
             self._columns = self.op("Unsqueeze", [self.point_uint8, axis], "zp_column")
         return self._columns
 
-    def widen(self, values: str, columns: int) -> str:
-        """`values` with `columns` more columns, each the token's zero point (uint8), for
-        the matmuls whose weights `correction_rows` widened."""
-        width = self.const("columns", np.array([columns], dtype=np.int64))
-        repeated = self.op("Expand", [self.columns(), width], "zp_columns")
-        return self.op("Concat", [values, repeated], "widened", axis=-1)
-
     def matmul(
         self,
         index: int,
         matmul: onnx.NodeProto,
         values: str,
-        weights: np.ndarray[Any, Any],
-        weight_zero: np.ndarray[Any, Any] | None,
-        widened: bool,
+        weights: str,
+        sums: np.ndarray[Any, Any] | None,
         into: list[onnx.NodeProto],
     ) -> str:
-        """`matmul` on the flat values (int32 [M, N], returned): widened, the matmul
-        subtracts the zero point's share itself (`correction_rows`); else it runs without
-        the activations' zero point and `zp * colsum(w - wz)` is subtracted after, exact in
-        int32 either way. `weights` is the constant it reads (a widened copy or its own)."""
-        name = self.const(f"weights{index}", weights) if widened else str(matmul.input[1])
-        inputs = [values, name, "", *matmul.input[3:4]]
+        """`matmul` on the flat values and `weights` (its own, or a copy with rows for the
+        values' added columns), int32 [M, N] (returned). Without `sums` those rows subtract
+        the zero point's share (`correction_rows`); else the matmul runs without the
+        activations' zero point and `zp * sums` (`colsum(w - wz)`) is subtracted after,
+        exact in int32 either way."""
+        inputs = [values, weights, "", *matmul.input[3:4]]
         raw = self.op("MatMulInteger", inputs, f"matmul{index}", into)
-        if widened:
+        if sums is None:
             return raw
-        centred = weights.astype(np.int32) - (
-            0 if weight_zero is None else weight_zero.astype(np.int32)
-        )
-        sums = self.const(f"colsum{index}", centred.sum(axis=-2).astype(np.int32))
+        total = self.const(f"colsum{index}", sums)
         if self._point_int32 is None:
             self._point_int32 = self.op("Cast", [self.columns()], "zp_int32", to=TensorProto.INT32)
-        correction = self.op("Mul", [self._point_int32, sums], f"correction{index}", into)
+        correction = self.op("Mul", [self._point_int32, total], f"correction{index}", into)
         return self.op("Sub", [raw, correction], f"corrected{index}", into)
 
     def dequantize(
@@ -435,7 +432,6 @@ def per_token(model: onnx.ModelProto) -> PerToken:
         node = graph.node[at]
         scale = str(node.output[1])
         emit = _Emitter(f"{_PREFIX}/{index}", str(node.input[0]), opset(model))
-        values = emit.quantize()
         mine = edits.setdefault(id(graph), {})
         parts = []  # each matmul, its weights and zero point, its correction rows or None
         for j in matmuls:
@@ -445,19 +441,24 @@ def per_token(model: onnx.ModelProto) -> PerToken:
             wz = constant(matmul.input[3]) if len(matmul.input) > 3 else None
             rows = correction_rows(w, wz)
             parts.append((j, matmul, w, wz, rows if rows is not None and len(rows) else None))
-        # Every widened matmul reads the same values: pad each to the widest.
+        # Every matmul reads the same values: each one's rows are padded to the widest with
+        # rows of its zero point, which add nothing.
         width = max((len(rows) for *_, rows in parts if rows is not None), default=0)
-        widened = emit.widen(values, width) if width else values
+        values = emit.quantize(width)
         for m, (j, matmul, w, wz, rows) in enumerate(parts):
             into: list[onnx.NodeProto] = []
+            zero = np.zeros((), w.dtype) if wz is None else wz.astype(w.dtype)
+            sums = None
             if rows is None:
-                raw = emit.matmul(m, matmul, values, w, wz, False, into)
-            else:
-                zero = np.zeros((), w.dtype) if wz is None else wz.astype(w.dtype)
-                pad = np.broadcast_to(zero, (width - len(rows), w.shape[-1]))  # adds nothing
-                wide = np.concatenate([w, rows, pad])
-                raw = emit.matmul(m, matmul, widened, wide, wz, True, into)
+                rows = w[:0]
+                centred = w.astype(np.int32) - zero.astype(np.int32)
+                sums = centred.sum(axis=-2).astype(np.int32)
+            name = str(matmul.input[1])
+            if width:
+                pad = np.broadcast_to(zero, (width - len(rows), w.shape[-1]))
+                name = emit.const(f"weights{m}", np.concatenate([w, rows, pad]))
                 replaced.add(str(matmul.input[1]))
+            raw = emit.matmul(m, matmul, values, name, sums, into)
             out = outs.get(j)
             if out is None:
                 emit.unflatten(raw, str(matmul.output[0]), w.shape[-1], into)
