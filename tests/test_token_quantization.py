@@ -279,6 +279,55 @@ def test_dequantize_linear_is_cast_then_multiply_bit_for_bit() -> None:
         np.testing.assert_array_equal(got.view(np.int32), by_hand.view(np.int32))
 
 
+def test_matmuls_of_one_quantization_with_and_without_correction_rows() -> None:
+    """One quantization read by a matmul whose correction fits in rows (int8) and one
+    whose does not (uint8 with zero point 0: its weights get rows of their zero point for
+    the padded columns, and the column sums are subtracted after): both give the files'
+    values for one token and each token what it gets alone."""
+    rng = np.random.default_rng(6)
+    node = helper.make_node
+    nodes = [node("DynamicQuantizeLinear", ["x"], ["q", "xs", "xz"])]
+    constants = [numpy_helper.from_array(np.array(0.004, np.float32), "ws")]
+    for i, weights in enumerate(
+        [
+            rng.integers(-127, 128, (64, 8)).astype(np.int8),
+            rng.integers(0, 256, (64, 5)).astype(np.uint8),
+        ]
+    ):
+        zero = np.zeros((), weights.dtype)
+        nodes += [
+            node("MatMulInteger", ["q", f"W{i}", "xz", f"wz{i}"], [f"i{i}"]),
+            node("Cast", [f"i{i}"], [f"f{i}"], to=TensorProto.FLOAT),
+            node("Mul", ["xs", "ws"], [f"s{i}"]),
+            node("Mul", [f"f{i}", f"s{i}"], [f"y{i}"]),
+        ]
+        constants += [
+            numpy_helper.from_array(weights, f"W{i}"),
+            numpy_helper.from_array(zero, f"wz{i}"),
+        ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", 64])],
+        [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in (0, 1)],
+        constants,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    files = _session(model.SerializeToString())
+    done = per_token(model)
+    assert (done.quantizations, done.matmuls) == (1, 2)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Pad") == 1 and ops.count("Sub") == 2  # the range's, the correction's
+    tokens = _tokens(model.SerializeToString())
+    x = np.concatenate([_rows()] * 4, axis=-1)
+    together = tokens.run(["y0", "y1"], {"x": x})
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            alone = files.run(["y0", "y1"], {"x": x[b : b + 1, t : t + 1]})
+            for got, expected in zip(together, alone, strict=True):
+                np.testing.assert_array_equal(got[b : b + 1, t : t + 1], expected)
+
+
 @pytest.mark.parametrize(
     ("dtype", "zero"),
     [(np.int8, 0), (np.uint8, 131), (np.uint8, 0)],
