@@ -90,7 +90,7 @@ def _split(model: onnx.ModelProto, view: GraphView, hidden: str, logits: str) ->
     nodes, leaves = view.ancestry(logits, leaves_at=frozenset({hidden}))
     if leaves - {hidden} - view.initializers.keys():
         return None  # the logits read a graph input besides `hidden`
-    if any(node.op_type in SHAPE_ONLY for node in nodes):
+    if any(node.op_type in SHAPE_ONLY and set(node.input) != {hidden} for node in nodes):
         return None  # a shape read from the body, which the walk does not follow
     head_ids = {id(node) for node in nodes}
     head_nodes = [n for n in graph.node if id(n) in head_ids]
