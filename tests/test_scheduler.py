@@ -492,17 +492,23 @@ def test_two_lanes_share_the_work_and_give_the_same_results() -> None:
     assert all(steps), steps  # both lanes decoded
 
 
-def test_a_lane_alone_projects_on_every_core_with_the_same_results() -> None:
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_lane_alone_projects_on_every_core_with_the_same_results(quantized: bool) -> None:
     """Two lanes of one thread: a lane that runs alone gives its output projection both
     cores (one session shared by steps, prefills and one-token steps, checked at load
     against each graph's own), a lane with company its own thread; the answers equal
     decoding alone either way."""
     needs_fixture()
-    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2, lanes=2))
+    tr = Translator.from_dir(
+        FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2, lanes=2), quantized=quantized
+    )
     masked = tr.model.masked
     assert masked is not None and tr.model.options.alone_head_threads == 2
     alone_head = masked.steps.alone
     assert alone_head is not None and masked.prefills.alone is alone_head
+    # int8: a one-row step runs the files' quantization, whose projection of one token is
+    # the per-token one's.
+    assert (masked.one_token is not None) == quantized
     assert masked.one_token is None or masked.one_token.alone is alone_head
     session = alone_head[0]
     calls = []

@@ -246,11 +246,12 @@ def check_cut(
     *,
     past_len: int,
     cur_len: int,
+    batch: int = 2,
 ) -> float:
     """Largest difference over every output between a decoder graph and its two parts (the
     body, then the head on the body's `hidden`, which the head takes as `head_input`:
-    default the same name)."""
-    feed = probe_feed(whole.get_inputs(), past_len=past_len, cur_len=cur_len, batch=2)
+    default the same name), on a probe of `batch` rows."""
+    feed = probe_feed(whole.get_inputs(), past_len=past_len, cur_len=cur_len, batch=batch)
     names = [o.name for o in whole.get_outputs()]
     expected = dict(zip(names, whole.run(names, feed), strict=True))
     rest = [n for n in names if n != LOGITS]

@@ -466,7 +466,7 @@ def load_masked(
     ones = (
         None
         if one is None or graph.one_token is None
-        else _cut(model_dir, graph.one_token, one, config, options, alone=steps.alone)
+        else _cut(model_dir, graph.one_token, one, config, options, alone=steps.alone, rows=1)
     )
     log.info(
         "%s: continuous batching (decoder rewritten with masks and positions; "
@@ -495,6 +495,7 @@ def _cut(
     prefill: bool = False,
     per_token: bool = False,
     alone: tuple[ort.InferenceSession, str] | None = None,
+    rows: int = 2,
 ) -> CutGraph:
     """A rewritten decoder graph whole (`session`), or as its body on the lane's threads
     and its output projection on `options.head_threads` (`passes.head`) when those are
@@ -509,7 +510,9 @@ def _cut(
     (`MaskedDecoder.prefill`). `per_token`: the graph is quantized per token
     (`open_session`).
 
-    A lane alone may run the projection on `options.alone_head_threads` (all the cores)
+    `rows`: the rows of the probe (1 for the one-token graph, which runs one row only:
+    its quantization is per call). A lane alone may run the projection on
+    `options.alone_head_threads` (all the cores)
     when those are more: `alone`, another graph's such head, is attached where it gives
     this graph's values; without one, this graph's own is opened (also a reason to cut).
     """
@@ -530,7 +533,9 @@ def _cut(
             return CutGraph(session, None)
         body = open_session(split.body, options, per_token=per_token)
         head = open_session(split.head, options, threads=threads or None, per_token=per_token)
-        worst = check_cut(session, body, head, split.hidden, past_len=past_len, cur_len=cur_len)
+        worst = check_cut(
+            session, body, head, split.hidden, past_len=past_len, cur_len=cur_len, batch=rows
+        )
         if wide and alone is None:
             alone = (
                 open_session(split.head, options, threads=everyone, per_token=per_token),
@@ -538,7 +543,14 @@ def _cut(
             )
         if wide and alone is not None:
             apart_worst = check_cut(
-                session, body, alone[0], split.hidden, alone[1], past_len=past_len, cur_len=cur_len
+                session,
+                body,
+                alone[0],
+                split.hidden,
+                alone[1],
+                past_len=past_len,
+                cur_len=cur_len,
+                batch=rows,
             )
             if not apart_worst <= REWRITE_TOLERANCE:
                 log.info("%s: the %s keeps its projection on its lane's threads", model_dir, what)
