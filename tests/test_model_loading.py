@@ -217,3 +217,28 @@ def test_a_merged_decoder_is_split_once_per_load(
     splits.clear()
     Translator.from_dir(model_dir, prefer_split=prefer_split, batchable=False)
     assert len(splits) == (1 if prefer_split else 0)
+
+
+def test_sessions_do_not_keep_the_graphs_they_were_opened_from() -> None:
+    """A session opened from a serialised graph (every rewritten decoder graph) drops it
+    once open: ONNX Runtime's Python session would keep it for a provider fallback, as
+    much memory again as the model; and on the CPU, where the scheduler copies the state
+    by default, no graphs over KV slots are built (asked for, they are)."""
+    needs_fixture()
+    import gc
+
+    import onnxruntime as ort
+
+    from engine.decoding.scheduler import SchedulerOptions
+
+    tr = Translator.from_dir(FIXTURE_MODEL, quantized=True)
+    masked = tr.model.masked
+    assert masked is not None and masked.slots is None
+    sessions = [o for o in gc.get_objects() if isinstance(o, ort.InferenceSession)]
+    assert sessions
+    assert all(getattr(s, "_model_bytes", None) is None for s in sessions)
+    # Still usable: they run, and the model translates.
+    assert tr.translate(["Hello world."])[0].token_ids
+    asked = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=2))
+    assert asked.model.masked is not None and asked.model.masked.slots is not None
+    assert asked.scheduler.kv_slots is not None

@@ -94,7 +94,8 @@ class Translator:
                 f"{path}: vocab.json has {len(tokenizer)} entries, "
                 f"the model only {config.vocab_size}"
             )
-        threads = (scheduler or SchedulerOptions()).resolved()
+        chosen = scheduler or SchedulerOptions()
+        threads = chosen.resolved()
         if intra_op_threads is None and threads_from_env() is None:
             # The scheduler's lanes each run one call at a time: its thread count per lane.
             intra_op_threads = threads.per_lane
@@ -107,6 +108,7 @@ class Translator:
             batchable=batchable,
             head_threads=threads.head,
             alone_head_threads=threads.alone,
+            kv_slots=None if chosen.kv_slots is None else chosen.kv_slots > 0,
             int8_per_token=int8_per_token,
             fp16=fp16,
             **device_options(device),

@@ -479,8 +479,13 @@ def load_masked(
     )
     masked = MaskedDecoder(prefills, steps, config.decoder_layers, worst, calls, lookahead, ones)
     graphs_bytes = (graph.no_past, graph.with_past, graph.one_token)
-    masked.slots = open_slot_graphs(
-        graphs_bytes, masked, config, options, per_token, str(model_dir)
+    wanted = options.kv_slots
+    if wanted is None:
+        wanted = options.providers[:1] != ("CPUExecutionProvider",)
+    masked.slots = (
+        None
+        if not wanted
+        else open_slot_graphs(graphs_bytes, masked, config, options, per_token, str(model_dir))
     )
     return masked
 

@@ -52,6 +52,10 @@ class RuntimeOptions:
     # lanes idle): all the model's cores, as a session of its own when more than
     # `head_threads` (`MaskedDecoder.step`'s `alone`).
     alone_head_threads: int | None = None
+    # Whether to build the decoder's graphs over KV slots (`engine.model.slots`): None, on a
+    # GPU only, where the scheduler uses them by default (`SchedulerOptions.kv_slots`);
+    # on the CPU they cost a rewrite and three sessions that would go unused.
+    kv_slots: bool | None = None
     int8_per_token: bool = True
     device_id: int = 0
     # Where ONNX Runtime writes each session's profile (a file prefix; None: no profile).
@@ -162,9 +166,17 @@ def open_session(
 ) -> ort.InferenceSession:
     """A session of a file (its path as a string) or a serialised graph; `per_token`: a
     graph whose int8 activations are quantized per token (see `PER_TOKEN_FUSIONS_OFF`)."""
-    return ort.InferenceSession(
+    session = ort.InferenceSession(
         graph,
         session_options(options, threads),
         providers=providers(options),
         **({"disabled_optimizers": list(PER_TOKEN_FUSIONS_OFF)} if per_token else {}),
     )
+    if isinstance(graph, bytes):
+        # ONNX Runtime's Python session keeps a serialised graph for as long as it lives,
+        # to open itself again on another provider if one fails at run time (its own
+        # comment calls that holding the memory indefinitely): the rewritten decoder's
+        # graphs are hundreds of MiB. Here a failing provider raises instead.
+        session.disable_fallback()
+        session._model_bytes = None
+    return session
