@@ -443,12 +443,12 @@ def load_masked(
         )
         return None
     lookahead = causal_over_new_tokens(no_past, with_past, config, options.quantized)
-    # A position's logits depend on no other position's in fp32 and int8 per token, so
-    # the prefill's projection may run on the positions a search reads only.
     # The step's projection on every core, for a lane alone, is shared by the prefill and
     # the one-token step where it gives their own heads' values (one session, one copy of
     # the projection's weights).
     steps = _cut(model_dir, graph.with_past, with_past, config, options, per_token=per_token)
+    # A position's logits depend on no other position's in fp32 and int8 per token, so
+    # the prefill's projection may run on the positions a search reads only.
     prefills = (
         CutGraph(no_past, None)
         if options.quantized and not options.per_token
