@@ -126,9 +126,10 @@ class SchedulerOptions:
     head_threads: int | None = None
     # KV slots: rows whose decoder state the model keeps in place, allocated at start;
     # requests beyond them wait, a request wider than all of them is refused. 0: none, the
-    # state is copied at every step. None: on a GPU one per row the lanes may hold (lanes x
-    # max_rows), on the CPU none: there ONNX Runtime copies the rows' keys and values out
-    # of the slots at every step (Gather), which costs more than it saves (see
+    # state is copied at every step. None: one per row the lanes may hold (lanes x
+    # max_rows) where the model has graphs over slots, which it builds by default on a GPU
+    # only (`RuntimeOptions.kv_slots`): on the CPU ONNX Runtime copies the rows' keys and
+    # values out of the slots at every step (Gather), which costs more than it saves (see
     # docs/performance.md#kv-slots).
     kv_slots: int | None = None
 
@@ -259,11 +260,10 @@ class DecodeScheduler:
 
     def _kv_slots(self) -> KvSlots | None:
         """The model's KV slot pool, allocated now, so that its memory is known at start
-        (None: the model's graphs take no slots, or `kv_slots` is 0)."""
+        (None: the model has no graphs over slots, or `kv_slots` is 0). Whether it has
+        them by default is the model load's to say, for its device."""
         masked = self.model.masked
         wanted = self.options.kv_slots
-        if wanted is None and masked is not None and masked.slots is not None:
-            wanted = 0 if masked.slots.device[0] == "cpu" else None
         if masked is None or masked.slots is None or wanted == 0:
             return None
         count = wanted if wanted is not None else self.lanes * self.options.max_rows

@@ -68,7 +68,7 @@ from engine.model.passes.masks import rewrite_decoder
 from engine.model.passes.merged_split import split_merged
 from engine.model.passes.per_token import per_token_graph
 from engine.model.sessions import RuntimeOptions, open_session
-from engine.model.slots import open_slot_graphs
+from engine.model.slots import device_of, open_slot_graphs
 
 log = logging.getLogger(__name__)
 
@@ -481,7 +481,7 @@ def load_masked(
     graphs_bytes = (graph.no_past, graph.with_past, graph.one_token)
     wanted = options.kv_slots
     if wanted is None:
-        wanted = options.providers[:1] != ("CPUExecutionProvider",)
+        wanted = device_of(options)[0] != "cpu"  # by default only where the scheduler uses them
     masked.slots = (
         None
         if not wanted
