@@ -41,13 +41,20 @@ from protocol import ErrorMessage, PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT, needs_fixture
 
 sys.path.insert(0, str(ROOT / "examples" / "deploy"))
-from cluster import Cluster, MissingDependency
+from cluster import Cluster, MissingDependency, free_ports
 
 pytestmark = pytest.mark.anyio
 
 LEASE_MS = 1000
 KILLS = int(os.environ.get("NMT_CLUSTER_KILLS", "20"))
 SENTENCES = [line.split("\t")[0] for line in (FIXTURE_DIR / "heldout.tsv").read_text().splitlines()]
+
+
+def test_the_ports_of_one_cluster_are_distinct() -> None:
+    # Chosen one at a time, the kernel once gave a node Redis's port (bind: address in use).
+    for _ in range(20):
+        ports = free_ports(40)
+        assert len(set(ports)) == 40
 
 
 @pytest.fixture

@@ -85,10 +85,21 @@ def missing() -> list[str]:
 
 def free_port() -> int:
     """A port free now on loopback (another process may take it before we bind it)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now on loopback.
+
+    All `n` sockets stay bound until every port is chosen: asked one at a time, the kernel
+    may hand the same port out twice (it did: a node was given Redis's port and could not
+    bind it).
+    """
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind((HOST, 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def http_status(url: str, timeout: float = 1.0) -> int | None:
@@ -258,10 +269,7 @@ class Cluster:
         self.ready_timeout = ready_timeout
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="nmt-cluster-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.redis_port = free_port()
-        self.lb_port = free_port()
-        self.stats_port = free_port()
-        self.node_ports = [free_port() for _ in range(nodes)]
+        self.redis_port, self.lb_port, self.stats_port, *self.node_ports = free_ports(3 + nodes)
         self.haproxy_socket = self.workdir / "haproxy.sock"
         self.haproxy_cfg = self.workdir / "haproxy.cfg"
         self.started_s: float | None = None  # how long start() took
