@@ -242,3 +242,16 @@ def test_sessions_do_not_keep_the_graphs_they_were_opened_from() -> None:
     asked = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=2))
     assert asked.model.masked is not None and asked.model.masked.slots is not None
     assert asked.scheduler.kv_slots is not None
+
+
+def test_sessions_share_one_cpu_arena_unless_told_not_to() -> None:
+    """Each session's own arena keeps its largest blocks for its life; by default every
+    session allocates from one registered for the process (`shared_cpu_arena`)."""
+    from engine.model.sessions import RuntimeOptions, session_options, shared_cpu_arena
+
+    assert shared_cpu_arena() and shared_cpu_arena()  # registered once, then reused
+    shared = session_options(RuntimeOptions())
+    own = session_options(RuntimeOptions(shared_arena=False))
+    assert shared.get_session_config_entry("session.use_env_allocators") == "1"
+    with pytest.raises(RuntimeError):  # never set
+        own.get_session_config_entry("session.use_env_allocators")

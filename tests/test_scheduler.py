@@ -795,12 +795,56 @@ def test_the_prefill_projects_only_the_positions_a_search_reads(translator: Tran
     forced = alone(translator, SOURCES[2], [], DecodeOptions()).token_ids[:4]
     ids = np.array([[config.decoder_start_token_id, *forced]], dtype=np.int64)
     mask = np.ones_like(ids)
-    whole, self_kv, _ = masked.prefill(enc, ids, mask)
-    part, part_kv, _ = masked.prefill(enc, ids, mask, np.array([3]))
+    whole_rows, self_kv, _ = masked.prefill(enc, ids, mask)
+    part_rows, part_kv, _ = masked.prefill(enc, ids, mask, np.array([3]))
+    whole, part = whole_rows.dense(ids.shape[1]), part_rows.dense(ids.shape[1])
+    assert part_rows.values.shape[0] == ids.shape[1] - 3  # only those read were computed
     assert not np.any(part[0, :3]) and np.all(np.any(whole[0] != 0, axis=-1))
     np.testing.assert_allclose(part[0, 3:], whole[0, 3:], atol=1e-5, rtol=0)
     for a, b in zip(self_kv, part_kv, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_projection_runs_in_bounded_calls_with_the_same_logits(
+    translator: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill's projection runs `HEAD_POSITIONS` at a time (ONNX Runtime's arena keeps
+    the largest buffers it served): more calls, the same logits, packed by row."""
+    from engine.model import layouts
+
+    masked = translator.model.masked
+    assert masked is not None and masked.prefills.head is not None
+    config = translator.config
+    sources = [translator.source_ids(s) for s in SOURCES[:2]]
+    enc = translator.encode(sources)
+    forced = [alone(translator, s, [], DecodeOptions()).token_ids[:7] for s in SOURCES[:2]]
+    ids = np.zeros((2, 8), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for r, tokens in enumerate(forced):
+        ids[r, : 1 + len(tokens)] = [config.decoder_start_token_id, *tokens]
+        mask[r, : 1 + len(tokens)] = 1
+    needed = np.array([2, 1])
+    one_call, _, _ = masked.prefill(enc, ids, mask, needed)
+    session, _ = masked.prefills.head
+    runs: list[int] = []
+    real_run = session.run_with_iobinding
+    monkeypatch.setattr(
+        session, "run_with_iobinding", lambda b, *a: (runs.append(1), real_run(b, *a))[1]
+    )
+    monkeypatch.setattr(layouts, "HEAD_POSITIONS", 3)
+    chunked, _, _ = masked.prefill(enc, ids, mask, needed)
+    wanted = int(mask.sum() - needed.sum())
+    assert chunked.values.shape[0] == wanted and len(runs) == -(-wanted // 3)
+    np.testing.assert_allclose(chunked.values, one_call.values, atol=1e-5, rtol=0)
+    for r in range(2):
+        end = int(mask[r].sum())
+        assert chunked.row(r, int(needed[r])).shape[0] == end - needed[r]
+        np.testing.assert_array_equal(chunked.row(r, end - 1), chunked.dense(8)[r, end - 1 : end])
+        with pytest.raises(IndexError):
+            chunked.row(r, int(needed[r]) - 1)
+    gaps = np.array([[True, False, True]])
+    with pytest.raises(ValueError, match="consecutive"):
+        layouts._project(masked.prefills.head, np.zeros((1, 3, config.d_model), np.float32), gaps)
 
 
 def test_a_timeline_records_every_lane_turn_when_asked() -> None:

@@ -472,7 +472,7 @@ class ContinuousBatch(DecodeBatch):
         real = np.zeros(len(searches), dtype=np.int64)  # valid slots per prefilled row
         for r, search in enumerate(searches):
             start, draft = len(search.prefix), search.draft
-            step, accepted = _confirm(search, logits[r, start:], draft)
+            step, accepted = _confirm(search, logits.row(r, start), draft)
             steps.add(search, r, step)
             real[r] = 1 + start + accepted
             search.accepted = accepted

@@ -297,18 +297,92 @@ class CutGraph(NamedTuple):
     alone: tuple[ort.InferenceSession, str] | None = None
 
 
+HEAD_POSITIONS = 32
+"""Positions per call of an output projection run apart (`CutGraph.head`). Its int32
+products and float logits are positions x vocabulary (8 MiB each at 32 x 65k), and
+ONNX Runtime's arena keeps the largest block it ever served for the session's life: in one
+call, a prefill of 94 positions left 380 MiB held after a 32-stream run. Calls of 32 cost
+no more than one call over everything (`examples/benchmarks/prefill_cost.py`), and each
+writes straight into the logits returned (I/O binding), with no copy."""
+
+
+@dataclass(frozen=True)
+class RowLogits:
+    """Logits at a run of consecutive positions of each row, packed: row r's start at its
+    position `firsts[r]` and are `values[offsets[r]:offsets[r + 1]]` [n, V].
+
+    Why packed: a prefill reads only each row's draft and the position after it, and
+    spreading those over a zeroed [rows, positions, vocab] array cost a copy of every
+    logit (5 ms of a 21 ms projection at 94 positions) and as much memory again."""
+
+    values: FloatArray
+    firsts: IntArray
+    offsets: IntArray
+
+    @classmethod
+    def whole(cls, logits: FloatArray) -> RowLogits:
+        """Every position of logits [B, T, V]."""
+        batch, length, vocab = logits.shape
+        return cls(
+            logits.reshape(batch * length, vocab),
+            np.zeros(batch, dtype=np.int64),
+            np.arange(batch + 1, dtype=np.int64) * length,
+        )
+
+    def row(self, row: int, start: int) -> FloatArray:
+        """Row `row`'s logits from its position `start` on [n, V] (a view)."""
+        first = int(self.firsts[row])
+        begin, end = int(self.offsets[row]), int(self.offsets[row + 1])
+        if not first <= start < first + (end - begin):
+            raise IndexError(f"row {row}: position {start} was not projected")
+        return self.values[begin + start - first : end]
+
+    def dense(self, length: int) -> FloatArray:
+        """As [B, `length`, V], zeros where nothing was projected (a view when every
+        position was)."""
+        batch, vocab = len(self.firsts), self.values.shape[-1]
+        counts = np.diff(self.offsets)
+        if not self.firsts.any() and np.all(counts == length):
+            return self.values.reshape(batch, length, vocab)
+        logits = np.zeros((batch, length, vocab), dtype=self.values.dtype)
+        for r in range(batch):
+            first, begin = int(self.firsts[r]), int(self.offsets[r])
+            logits[r, first : first + counts[r]] = self.values[begin : begin + counts[r]]
+        return logits
+
+
 def _project(
     head: tuple[ort.InferenceSession, str], states: FloatArray, wanted: npt.NDArray[np.bool_]
-) -> FloatArray:
-    """Logits [B, T, V] from a cut graph's hidden `states` [B, T, d], computed only at the
-    positions `wanted` marks (zeros elsewhere): the output projection is most of a
-    position's cost, and padding, lookahead slots past a row's own and a forced prefix
-    are never read."""
+) -> RowLogits:
+    """Logits from a cut graph's hidden `states` [B, T, d], computed only at the positions
+    `wanted` marks, one run of consecutive positions per row: the output projection is
+    most of a position's cost, and padding, lookahead slots past a row's own and a forced
+    prefix are never read. In calls of `HEAD_POSITIONS`."""
     session, hidden = head
-    some = session.run([LOGITS], {hidden: states[wanted][None]})[0][0]
-    logits = np.zeros((*wanted.shape, some.shape[-1]), dtype=some.dtype)
-    logits[wanted] = some
-    return logits
+    counts = wanted.sum(axis=1)
+    firsts = np.argmax(wanted, axis=1)
+    last = np.where(counts > 0, wanted.shape[1] - 1 - np.argmax(wanted[:, ::-1], axis=1), -1)
+    if np.any(counts != np.where(counts > 0, last - firsts + 1, 0)):
+        raise ValueError("the positions to project must be consecutive in each row")
+    picked = np.ascontiguousarray(states[wanted])  # [K, d]
+    output = session.get_outputs()[0]
+    vocab = output.shape[-1]
+    values: FloatArray
+    if not isinstance(vocab, int):  # a symbolic vocabulary: one call, its own output
+        values = session.run([LOGITS], {hidden: picked[None]})[0][0]
+    else:
+        dtype = np.float16 if output.type == "tensor(float16)" else np.float32
+        values = np.empty((len(picked), vocab), dtype=dtype)
+        for begin in range(0, len(picked), HEAD_POSITIONS):
+            end = min(len(picked), begin + HEAD_POSITIONS)
+            binding = session.io_binding()
+            binding.bind_cpu_input(hidden, picked[None, begin:end])
+            binding.bind_output(
+                LOGITS, "cpu", 0, dtype, [1, end - begin, vocab], values[begin:end].ctypes.data
+            )
+            session.run_with_iobinding(binding)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return RowLogits(values, firsts.astype(np.int64), offsets)
 
 
 class MaskedDecoder:
@@ -367,11 +441,11 @@ class MaskedDecoder:
         needed_from: IntArray | None = None,
         *,
         alone: bool = False,
-    ) -> tuple[FloatArray, tuple[FloatArray, ...], tuple[FloatArray, ...]]:
-        """Logits [B, T, V] and the rows' self and cross KV, for right-padded `input_ids`
-        whose real tokens `mask` marks (1). `needed_from` [B]: each row's first position
-        whose logits the caller reads (after the forced prefix); where the projection runs
-        apart, the earlier ones and the padding are not computed (zeros).
+    ) -> tuple[RowLogits, tuple[FloatArray, ...], tuple[FloatArray, ...]]:
+        """Logits and the rows' self and cross KV, for right-padded `input_ids` whose real
+        tokens `mask` marks (1). `needed_from` [B]: each row's first position whose logits
+        the caller reads (after the forced prefix); where the projection runs apart, the
+        earlier ones and the padding are not computed (`RowLogits` holds the rest).
 
         Why: a forced prefix is often longer than the draft and the tail read after it,
         and the vocabulary projection is most of a position's cost. `alone`: no other lane
@@ -392,7 +466,7 @@ class MaskedDecoder:
         session, head, everyone = self.prefills
         if head is None:
             out = session.run([LOGITS, *kv], feed)
-            return out[0], tuple(out[1 : 1 + n]), tuple(out[1 + n :])
+            return RowLogits.whole(out[0]), tuple(out[1 : 1 + n]), tuple(out[1 + n :])
         out = session.run([head[1], *kv], feed)  # the body's output: the head's input
         wanted = mask.astype(bool)
         if needed_from is not None:
@@ -439,7 +513,8 @@ class MaskedDecoder:
             head, head_input = projection
             logits = head.run([LOGITS], {head_input: out[0]})[0]
             return logits[:, -1, :], tuple(out[1:])
-        return _project(projection, out[0], mask[:, -fed:].astype(bool)), tuple(out[1:])
+        ahead = _project(projection, out[0], mask[:, -fed:].astype(bool))
+        return ahead.dense(fed), tuple(out[1:])
 
 
 class MaskedLayout(LayoutDecoder):
@@ -460,7 +535,7 @@ class MaskedLayout(LayoutDecoder):
     def prefill(self, enc: EncoderOutput, input_ids: IntArray) -> tuple[FloatArray, DecoderCache]:
         mask = np.ones(input_ids.shape, dtype=np.int64)
         logits, self_kv, cross_kv = self.masked.prefill(enc, input_ids, mask)
-        return logits, DecoderCache(self_kv, cross_kv, input_ids)
+        return logits.dense(input_ids.shape[1]), DecoderCache(self_kv, cross_kv, input_ids)
 
     def step(
         self, enc: EncoderOutput, cache: DecoderCache, input_ids: IntArray

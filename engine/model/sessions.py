@@ -4,7 +4,9 @@ reader of `NMT_INTRA_OP_THREADS`."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,8 @@ import onnxruntime as ort
 from engine.errors import ModelLoadError
 
 THREADS_ENV = "NMT_INTRA_OP_THREADS"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,9 @@ class RuntimeOptions:
     device_id: int = 0
     # Where ONNX Runtime writes each session's profile (a file prefix; None: no profile).
     profile: str | None = None
+    # One CPU arena for all the process's sessions rather than one each
+    # (`shared_cpu_arena`): memory under load grows by half as much.
+    shared_arena: bool = True
 
     def __post_init__(self) -> None:
         if self.quantized and self.fp16:
@@ -117,6 +124,33 @@ def threads_from_env() -> int | None:
     return int(value) if value else None
 
 
+_shared_arena_lock = threading.Lock()
+_shared_arena: list[bool] = []  # [whether registered], once per process
+
+
+def shared_cpu_arena() -> bool:
+    """Register one CPU memory arena for every session of the process (ONNX Runtime's
+    environment allocator), once; False where ONNX Runtime refuses it.
+
+    Why: each session's own arena keeps the largest blocks it ever served, for its life,
+    so the model's eight or so sessions (encoder, bodies, projections, per lane mix) each
+    held their own peak: 265 MiB more at 32 streams than at one. Shared, they hold the
+    peak of what runs at once: 122 MiB (`examples/benchmarks/capacity.py`, MiB/str)."""
+    with _shared_arena_lock:
+        if not _shared_arena:
+            try:
+                info = ort.OrtMemoryInfo(
+                    "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
+                )
+                # max memory 0 (no limit), power-of-two growth, default chunk sizes
+                ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 0, -1, -1))
+                _shared_arena.append(True)
+            except Exception as exc:  # registered by the embedding program, or refused
+                log.info("one CPU arena for all sessions not registered: %s", exc)
+                _shared_arena.append(False)
+        return _shared_arena[0]
+
+
 def session_options(options: RuntimeOptions, threads: int | None = None) -> ort.SessionOptions:
     """ONNX Runtime options of one session: `threads` intra-op threads where given, else
     those of `options` (or the environment's, see `threads_from_env`)."""
@@ -131,6 +165,8 @@ def session_options(options: RuntimeOptions, threads: int | None = None) -> ort.
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
+    if options.shared_arena and shared_cpu_arena():
+        so.add_session_config_entry("session.use_env_allocators", "1")
     if options.profile:
         so.enable_profiling = True
         so.profile_file_prefix = options.profile

@@ -296,7 +296,7 @@ def check_slots(masked: MaskedDecoder, graphs: SlotGraphs, config: ModelConfig) 
     reads = np.array([1, past - 1, past + 1, 2 * past - 2], dtype=np.int64)  # (row, position)
     ban = np.zeros(len(reads), dtype=np.bool_)
     first = pool.prefill(enc, ids, fed, slots, np.arange(rows), reads, ban, logits=True)
-    expected_first = before.reshape(rows * past, -1)[reads]
+    expected_first = before.dense(past).reshape(rows * past, -1)[reads]
     token = rng.integers(1, config.vocab_size - 1, (rows, 1)).astype(np.int64)
     at = np.array([[past], [past - 1]], dtype=np.int64)
     mask = np.ones((rows, past + 1), dtype=np.int64)
