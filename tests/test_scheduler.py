@@ -512,13 +512,18 @@ def test_a_lane_alone_projects_on_every_core_with_the_same_results(quantized: bo
     assert masked.one_token is None or masked.one_token.alone is alone_head
     session = alone_head[0]
     calls = []
-    run = session.run
+    run, bound = session.run, session.run_with_iobinding  # steps, prefills
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(threading.current_thread().name)
         return run(*args, **kwargs)
 
+    def counted_bound(*args: Any, **kwargs: Any) -> Any:
+        calls.append(threading.current_thread().name)
+        return bound(*args, **kwargs)
+
     session.run = counted  # type: ignore[method-assign]
+    session.run_with_iobinding = counted_bound  # type: ignore[method-assign]
     for text in SOURCES:  # one request at a time: its lane is alone
         got = tr.translate([text])[0]
         ref = alone(tr, text, [], DecodeOptions())
