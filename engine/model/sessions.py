@@ -65,7 +65,7 @@ class RuntimeOptions:
     # Where ONNX Runtime writes each session's profile (a file prefix; None: no profile).
     profile: str | None = None
     # One CPU arena for all the process's sessions rather than one each
-    # (`shared_cpu_arena`): memory under load grows by half as much.
+    # (`shared_cpu_arena`): memory under load grows about a third as much.
     shared_arena: bool = True
 
     def __post_init__(self) -> None:
@@ -133,9 +133,11 @@ def shared_cpu_arena() -> bool:
     environment allocator), once; False where ONNX Runtime refuses it.
 
     Why: each session's own arena keeps the largest blocks it ever served, for its life,
-    so the model's eight or so sessions (encoder, bodies, projections, per lane mix) each
-    held their own peak: 265 MiB more at 32 streams than at one. Shared, they hold the
-    peak of what runs at once: 122 MiB (`examples/benchmarks/capacity.py`, MiB/str)."""
+    so the model's eight or so sessions (encoder, bodies, projections) each held their
+    own peak; shared, they hold the peak of what runs at once. On a 32-stream
+    `examples/benchmarks/capacity.py` run RSS grew 8.3 MiB per stream with one arena each
+    (the projection already bounded, `HEAD_POSITIONS`), 2.8-3.8 shared; arenas turned off
+    instead, glibc kept more (docs/performance.md, memory under load)."""
     with _shared_arena_lock:
         if not _shared_arena:
             try:
