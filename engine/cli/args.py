@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +65,19 @@ def positive_int(value: str) -> int:
     return number
 
 
-def device_name(value: str) -> str:
-    """cpu, cuda or cuda:N (whether it can run here is the model load's to say)."""
+def _checked(parse: Callable[[str], object], value: str) -> str:
+    """`value` as given, once `parse` accepts it: its `ValueError` becomes argparse's
+    error, so a typo fails while parsing, before a model loads."""
     try:
-        parse_device(value)
+        parse(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+def device_name(value: str) -> str:
+    """cpu, cuda or cuda:N (whether it can run here is the model load's to say)."""
+    return _checked(parse_device, value)
 
 
 def non_negative_int(value: str) -> int:
@@ -118,12 +124,8 @@ def audio_rate(value: str) -> int:
 
 
 def policy_spec(value: str) -> str:
-    """Check a policy spec while parsing, so a typo fails before the model loads."""
-    try:
-        parse_policy(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+    """A commit policy spec (`engine.streaming.policies.parse_policy`)."""
+    return _checked(parse_policy, value)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
