@@ -83,13 +83,9 @@ def missing() -> list[str]:
     return problems
 
 
-def free_port() -> int:
-    """A port free now on loopback (another process may take it before we bind it)."""
-    return free_ports(1)[0]
-
-
 def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free now on loopback.
+    """`n` distinct ports free now on loopback (another process may take one before it is
+    bound).
 
     All `n` sockets stay bound until every port is chosen: asked one at a time, the kernel
     may hand the same port out twice (it did: a node was given Redis's port and could not
