@@ -843,13 +843,86 @@ def test_the_projection_runs_in_bounded_calls_with_the_same_logits(
     np.testing.assert_allclose(chunked.values, one_call.values, atol=1e-5, rtol=0)
     for r in range(2):
         end = int(mask[r].sum())
-        assert chunked.row(r, int(needed[r])).shape[0] == end - needed[r]
-        np.testing.assert_array_equal(chunked.row(r, end - 1), chunked.dense(8)[r, end - 1 : end])
+        assert len(chunked.row(r, int(needed[r]))) == end - needed[r]
+        np.testing.assert_array_equal(chunked.row(r, end - 1)[0], chunked.dense(8)[r, end - 1])
         with pytest.raises(IndexError):
             chunked.row(r, int(needed[r]) - 1)
+        with pytest.raises(IndexError):
+            chunked.row(r, end - 1)[1]
     gaps = np.array([[True, False, True]])
     with pytest.raises(ValueError, match="consecutive"):
         layouts._project(masked.prefills.head, np.zeros((1, 3, config.d_model), np.float32), gaps)
+
+
+def test_a_prefill_projects_a_chunk_when_a_search_first_reads_it(
+    translator: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The projection of a prefill runs when its positions are read, a chunk at a time
+    into one buffer per thread: nothing is projected past where every search stopped,
+    and a chunk another prefill's reads displaced is projected again, with the same
+    values."""
+    import threading
+
+    from engine.model import layouts
+
+    masked = translator.model.masked
+    assert masked is not None
+    if masked.prefills.head is None:
+        pytest.skip("the projection runs inside the prefill's graph")
+    config = translator.config
+    sources = [translator.source_ids(s) for s in SOURCES[:2]]
+    enc = translator.encode(sources)
+    forced = [alone(translator, s, [], DecodeOptions()).token_ids[:7] for s in SOURCES[:2]]
+    ids = np.zeros((2, 8), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for r, tokens in enumerate(forced):
+        ids[r, : 1 + len(tokens)] = [config.decoder_start_token_id, *tokens]
+        mask[r, : 1 + len(tokens)] = 1
+    needed = np.array([1, 2])
+    expected = masked.prefill(enc, ids, mask, needed)[0].values  # every position, at once
+    calls: list[int] = []
+    projections: list[object] = []  # the projection of each call
+    real_into = layouts._Projected._into
+
+    def counted(self: object, begin: int, out: np.ndarray) -> None:
+        calls.append(len(out))
+        projections.append(self)
+        real_into(self, begin, out)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(layouts._Projected, "_into", counted)
+    monkeypatch.setattr(layouts, "HEAD_POSITIONS", 3)
+    lazy = masked.prefill(enc, ids, mask, needed)[0]
+    assert calls == []  # nothing before a read
+    first = lazy.row(0, 1)
+    np.testing.assert_array_equal(first[0], expected[0])
+    np.testing.assert_array_equal(first[2], expected[2])
+    assert calls == [3]  # one chunk for positions 0-2 of the packed run
+    np.testing.assert_array_equal(first[3], expected[3])
+    assert calls == [3, 3]
+    other = masked.prefill(enc, ids, mask, needed)[0]
+    np.testing.assert_array_equal(other.row(1, 2)[0], expected[int(lazy.offsets[1])])
+    np.testing.assert_array_equal(first[3], expected[3])  # its chunk was displaced
+    assert len(calls) == 4
+    seen: list[np.ndarray] = []
+    last = len(lazy.row(1, 2)) - 1
+    worker = threading.Thread(target=lambda: seen.append(lazy.row(1, 2)[last].copy()))
+    worker.start()
+    worker.join()
+    np.testing.assert_array_equal(seen[0], expected[int(lazy.offsets[1]) + last])
+    np.testing.assert_array_equal(first[3], expected[3])  # another thread, its own buffer
+    assert len(calls) == 5
+
+    # A draft rejected at its first token: the search stops there, and the prefill's
+    # positions past its first chunk are never projected.
+    text = SOURCES[0]
+    tail = list(alone(translator, text, [], DecodeOptions()).token_ids)
+    wrong = (tail[0] + 1) % config.vocab_size
+    calls.clear()
+    projections.clear()
+    enc_one = translator.encode([translator.source_ids(text)])
+    hyp = translator.decode(enc_one, drafts=[[wrong, *tail, *tail]])[0]
+    assert list(hyp.token_ids) == tail
+    assert projections and projections.count(projections[0]) == 1 and calls[0] == 3, calls
 
 
 def test_a_timeline_records_every_lane_turn_when_asked() -> None:

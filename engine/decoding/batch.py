@@ -29,7 +29,14 @@ import numpy.typing as npt
 
 from engine.decoding.search import Extension, Search
 from engine.model.config import ModelConfig
-from engine.model.layouts import DecoderCache, EncoderOutput, FloatArray, IntArray, MaskedDecoder
+from engine.model.layouts import (
+    DecoderCache,
+    EncoderOutput,
+    FloatArray,
+    IntArray,
+    MaskedDecoder,
+    RowRun,
+)
 from engine.model.marian import MarianOnnx
 
 
@@ -99,9 +106,10 @@ class _Steps:
 
 
 def _confirm(
-    search: Search, logits: FloatArray, expected: Sequence[int]
+    search: Search, logits: FloatArray | RowRun, expected: Sequence[int]
 ) -> tuple[Extension | None, int]:
     """Let a one-row `search` observe consecutive positions of `logits` [positions, vocab]
+    (a prefill's `RowRun` projects them as they are read, so it stops at the first)
     while the token it picks is the `expected` one fed there (a draft in the prefill, a
     lookahead in a step: the logits after an expected token are what feeding it one step
     later would give, attention being causal). Returns its last step (None: it ended) and

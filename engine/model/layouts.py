@@ -16,10 +16,11 @@ encoder presents come back empty and are never asked for.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -303,19 +304,124 @@ products and float logits are positions x vocabulary (8 MiB each at 32 x 65k), a
 ONNX Runtime's arena keeps the largest block it ever served for the session's life: in one
 call, a prefill of 94 positions left 380 MiB held after a 32-stream run. Calls of 32 cost
 no more than one call over everything (`examples/benchmarks/prefill_cost.py`), and each
-writes straight into the logits returned (I/O binding), with no copy."""
+writes straight into its buffer (I/O binding), with no copy."""
+
+
+class _Logits(Protocol):
+    """Where a `RowLogits`' packed positions come from."""
+
+    def position(self, index: int) -> FloatArray:
+        """Packed position `index`'s logits [V]; valid until the next read on this thread."""
+        ...
+
+    def all(self) -> FloatArray:
+        """Every packed position [K, V], a fresh array."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """Logits computed in the call: [K, V]."""
+
+    values: FloatArray
+
+    def position(self, index: int) -> FloatArray:
+        row: FloatArray = self.values[index]
+        return row
+
+    def all(self) -> FloatArray:
+        return self.values
+
+
+_chunks = threading.local()  # per thread: `held` (owner, chunk, logits) and `buffers`
+
+
+class _Projected:
+    """Logits of hidden states `picked` [K, d], projected `HEAD_POSITIONS` at a time when a
+    position of the chunk is first read, into one buffer per thread.
+
+    Why: a prefill's searches read each row's positions in order and stop at the first
+    draft token the model does not confirm. Projected all at once, the positions of every
+    row took a fresh [K, V] array per prefill (25 MiB at 96 positions, on pages the kernel
+    must fault in and zero), held until the last row was read, on each lane at once; and
+    the chunks past every row's first mismatch were projected for nothing."""
+
+    def __init__(self, head: tuple[ort.InferenceSession, str], picked: FloatArray) -> None:
+        self._session, self._input = head
+        self._picked = picked
+        self._chunk = HEAD_POSITIONS
+        output = self._session.get_outputs()[0]
+        self._vocab = int(output.shape[-1])
+        self._dtype = np.float16 if output.type == "tensor(float16)" else np.float32
+        self._values: FloatArray | None = None
+        # What the thread's buffer says it holds (not `self`: the buffer would keep it alive)
+        self._token = object()
+
+    def _into(self, begin: int, out: FloatArray) -> None:
+        """Project packed positions [begin, begin + len(out)) into `out` (contiguous)."""
+        binding = self._session.io_binding()
+        binding.bind_cpu_input(self._input, self._picked[None, begin : begin + len(out)])
+        binding.bind_output(
+            LOGITS, "cpu", 0, self._dtype, [1, len(out), self._vocab], out.ctypes.data
+        )
+        self._session.run_with_iobinding(binding)
+
+    def position(self, index: int) -> FloatArray:
+        if self._values is not None:
+            row: FloatArray = self._values[index]
+            return row
+        chunk = index // self._chunk
+        held: tuple[object, int, FloatArray] | None = getattr(_chunks, "held", None)
+        if held is None or held[0] is not self._token or held[1] != chunk:
+            key = (self._chunk, self._vocab, self._dtype)
+            buffers: dict[tuple[int, int, Any], FloatArray] = getattr(_chunks, "buffers", {})
+            _chunks.buffers = buffers
+            if key not in buffers:
+                buffers.clear()  # one buffer per thread: the newest head's shape
+                buffers[key] = np.empty((self._chunk, self._vocab), dtype=self._dtype)
+            begin = chunk * self._chunk
+            out = buffers[key][: min(self._chunk, len(self._picked) - begin)]
+            self._into(begin, out)
+            held = _chunks.held = (self._token, chunk, out)
+        row = held[2][index - chunk * self._chunk]
+        return row
+
+    def all(self) -> FloatArray:
+        if self._values is None:
+            values = np.empty((len(self._picked), self._vocab), dtype=self._dtype)
+            for begin in range(0, len(values), self._chunk):
+                self._into(begin, values[begin : begin + self._chunk])
+            self._values = values
+        return self._values
+
+
+class RowRun:
+    """One row's logits from a position on: `run[i]` [V] is the i-th (valid until the next
+    read on this thread: a search copies what it observes)."""
+
+    def __init__(self, source: _Logits, begin: int, end: int) -> None:
+        self._source, self._begin, self._end = source, begin, end
+
+    def __len__(self) -> int:
+        return self._end - self._begin
+
+    def __getitem__(self, index: int) -> FloatArray:
+        if not 0 <= index < self._end - self._begin:
+            raise IndexError(f"position {index} of a run of {self._end - self._begin}")
+        return self._source.position(self._begin + index)
 
 
 @dataclass(frozen=True)
 class RowLogits:
     """Logits at a run of consecutive positions of each row, packed: row r's start at its
-    position `firsts[r]` and are `values[offsets[r]:offsets[r + 1]]` [n, V].
+    position `firsts[r]` and are packed positions `offsets[r]:offsets[r + 1]`.
 
     Why packed: a prefill reads only each row's draft and the position after it, and
     spreading those over a zeroed [rows, positions, vocab] array cost a copy of every
-    logit (5 ms of a 21 ms projection at 94 positions) and as much memory again."""
+    logit (5 ms of a 21 ms projection at 94 positions) and as much memory again. A
+    projection run apart is computed as rows are read (`_Projected`)."""
 
-    values: FloatArray
+    source: _Logits
     firsts: IntArray
     offsets: IntArray
 
@@ -324,30 +430,36 @@ class RowLogits:
         """Every position of logits [B, T, V]."""
         batch, length, vocab = logits.shape
         return cls(
-            logits.reshape(batch * length, vocab),
+            _Computed(logits.reshape(batch * length, vocab)),
             np.zeros(batch, dtype=np.int64),
             np.arange(batch + 1, dtype=np.int64) * length,
         )
 
-    def row(self, row: int, start: int) -> FloatArray:
-        """Row `row`'s logits from its position `start` on [n, V] (a view)."""
+    @property
+    def values(self) -> FloatArray:
+        """Every packed position's logits [K, V] (all projected, once)."""
+        return self.source.all()
+
+    def row(self, row: int, start: int) -> RowRun:
+        """Row `row`'s logits from its position `start` on."""
         first = int(self.firsts[row])
         begin, end = int(self.offsets[row]), int(self.offsets[row + 1])
         if not first <= start < first + (end - begin):
             raise IndexError(f"row {row}: position {start} was not projected")
-        return self.values[begin + start - first : end]
+        return RowRun(self.source, begin + start - first, end)
 
     def dense(self, length: int) -> FloatArray:
         """As [B, `length`, V], zeros where nothing was projected (a view when every
         position was)."""
-        batch, vocab = len(self.firsts), self.values.shape[-1]
+        values = self.values
+        batch, vocab = len(self.firsts), values.shape[-1]
         counts = np.diff(self.offsets)
         if not self.firsts.any() and np.all(counts == length):
-            return self.values.reshape(batch, length, vocab)
-        logits = np.zeros((batch, length, vocab), dtype=self.values.dtype)
+            return values.reshape(batch, length, vocab)
+        logits = np.zeros((batch, length, vocab), dtype=values.dtype)
         for r in range(batch):
             first, begin = int(self.firsts[r]), int(self.offsets[r])
-            logits[r, first : first + counts[r]] = self.values[begin : begin + counts[r]]
+            logits[r, first : first + counts[r]] = values[begin : begin + counts[r]]
         return logits
 
 
@@ -357,7 +469,7 @@ def _project(
     """Logits from a cut graph's hidden `states` [B, T, d], computed only at the positions
     `wanted` marks, one run of consecutive positions per row: the output projection is
     most of a position's cost, and padding, lookahead slots past a row's own and a forced
-    prefix are never read. In calls of `HEAD_POSITIONS`."""
+    prefix are never read. In calls of `HEAD_POSITIONS`, as the positions are read."""
     session, hidden = head
     counts = wanted.sum(axis=1)
     firsts = np.argmax(wanted, axis=1)
@@ -365,24 +477,14 @@ def _project(
     if np.any(counts != np.where(counts > 0, last - firsts + 1, 0)):
         raise ValueError("the positions to project must be consecutive in each row")
     picked = np.ascontiguousarray(states[wanted])  # [K, d]
-    output = session.get_outputs()[0]
-    vocab = output.shape[-1]
-    values: FloatArray
-    if not isinstance(vocab, int):  # a symbolic vocabulary: one call, its own output
-        values = session.run([LOGITS], {hidden: picked[None]})[0][0]
-    else:
-        dtype = np.float16 if output.type == "tensor(float16)" else np.float32
-        values = np.empty((len(picked), vocab), dtype=dtype)
-        for begin in range(0, len(picked), HEAD_POSITIONS):
-            end = min(len(picked), begin + HEAD_POSITIONS)
-            binding = session.io_binding()
-            binding.bind_cpu_input(hidden, picked[None, begin:end])
-            binding.bind_output(
-                LOGITS, "cpu", 0, dtype, [1, end - begin, vocab], values[begin:end].ctypes.data
-            )
-            session.run_with_iobinding(binding)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return RowLogits(values, firsts.astype(np.int64), offsets)
+    source: _Logits
+    if not isinstance(session.get_outputs()[0].shape[-1], int):
+        # a symbolic vocabulary: one call, its own output
+        source = _Computed(session.run([LOGITS], {hidden: picked[None]})[0][0])
+    else:
+        source = _Projected(head, picked)
+    return RowLogits(source, firsts.astype(np.int64), offsets)
 
 
 class MaskedDecoder:
