@@ -27,7 +27,7 @@ from engine.decoding.policy import PREFILL_PADDING, Priority, new_request_id
 from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
 from engine.decoding.search import DecodingCancelled, Hypothesis, Search, make_search
 from engine.decoding.targets import model_share
-from engine.model.layouts import FloatArray
+from engine.model.layouts import EncoderOutput, FloatArray
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 
 SOURCES = [
@@ -512,18 +512,17 @@ def test_a_lane_alone_projects_on_every_core_with_the_same_results(quantized: bo
     assert masked.one_token is None or masked.one_token.alone is alone_head
     session = alone_head[0]
     calls = []
-    run, bound = session.run, session.run_with_iobinding  # steps, prefills
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(threading.current_thread().name)
-        return run(*args, **kwargs)
+    def counted(call: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls.append(threading.current_thread().name)
+            return call(*args, **kwargs)
 
-    def counted_bound(*args: Any, **kwargs: Any) -> Any:
-        calls.append(threading.current_thread().name)
-        return bound(*args, **kwargs)
+        return run
 
-    session.run = counted  # type: ignore[method-assign]
-    session.run_with_iobinding = counted_bound  # type: ignore[method-assign]
+    session.run = counted(session.run)  # type: ignore[method-assign]  # steps
+    # prefills (bound calls)
+    session.run_with_iobinding = counted(session.run_with_iobinding)  # type: ignore[method-assign]
     for text in SOURCES:  # one request at a time: its lane is alone
         got = tr.translate([text])[0]
         ref = alone(tr, text, [], DecodeOptions())
@@ -810,6 +809,20 @@ def test_the_prefill_projects_only_the_positions_a_search_reads(translator: Tran
         np.testing.assert_array_equal(a, b)
 
 
+def two_forced_rows(tr: Translator) -> tuple[EncoderOutput, np.ndarray, np.ndarray]:
+    """Two sources' encoder states, and the start token with the first 7 tokens of each
+    one's own translation as prefill rows (right-padded to 8, `mask` 1 where real)."""
+    sources = [tr.source_ids(s) for s in SOURCES[:2]]
+    enc = tr.encode(sources)
+    forced = [alone(tr, s, [], DecodeOptions()).token_ids[:7] for s in SOURCES[:2]]
+    ids = np.zeros((2, 8), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for r, tokens in enumerate(forced):
+        ids[r, : 1 + len(tokens)] = [tr.config.decoder_start_token_id, *tokens]
+        mask[r, : 1 + len(tokens)] = 1
+    return enc, ids, mask
+
+
 def test_the_projection_runs_in_bounded_calls_with_the_same_logits(
     translator: Translator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -820,14 +833,7 @@ def test_the_projection_runs_in_bounded_calls_with_the_same_logits(
     masked = translator.model.masked
     assert masked is not None and masked.prefills.head is not None
     config = translator.config
-    sources = [translator.source_ids(s) for s in SOURCES[:2]]
-    enc = translator.encode(sources)
-    forced = [alone(translator, s, [], DecodeOptions()).token_ids[:7] for s in SOURCES[:2]]
-    ids = np.zeros((2, 8), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for r, tokens in enumerate(forced):
-        ids[r, : 1 + len(tokens)] = [config.decoder_start_token_id, *tokens]
-        mask[r, : 1 + len(tokens)] = 1
+    enc, ids, mask = two_forced_rows(translator)
     needed = np.array([2, 1])
     one_call, _, _ = masked.prefill(enc, ids, mask, needed)
     session, _ = masked.prefills.head
@@ -870,14 +876,7 @@ def test_a_prefill_projects_a_chunk_when_a_search_first_reads_it(
     if masked.prefills.head is None:
         pytest.skip("the projection runs inside the prefill's graph")
     config = translator.config
-    sources = [translator.source_ids(s) for s in SOURCES[:2]]
-    enc = translator.encode(sources)
-    forced = [alone(translator, s, [], DecodeOptions()).token_ids[:7] for s in SOURCES[:2]]
-    ids = np.zeros((2, 8), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for r, tokens in enumerate(forced):
-        ids[r, : 1 + len(tokens)] = [config.decoder_start_token_id, *tokens]
-        mask[r, : 1 + len(tokens)] = 1
+    enc, ids, mask = two_forced_rows(translator)
     needed = np.array([1, 2])
     expected = masked.prefill(enc, ids, mask, needed)[0].values  # every position, at once
     calls: list[int] = []

@@ -109,11 +109,11 @@ def _confirm(
     search: Search, logits: FloatArray | RowRun, expected: Sequence[int]
 ) -> tuple[Extension | None, int]:
     """Let a one-row `search` observe consecutive positions of `logits` [positions, vocab]
-    (a prefill's `RowRun` projects them as they are read, so it stops at the first)
     while the token it picks is the `expected` one fed there (a draft in the prefill, a
     lookahead in a step: the logits after an expected token are what feeding it one step
     later would give, attention being causal). Returns its last step (None: it ended) and
-    how many expected tokens it confirmed, whose KV the same call computed."""
+    how many expected tokens it confirmed, whose KV the same call computed. A prefill's
+    `RowRun` projects positions as they are read: none past where this stops."""
     confirmed = 0
     while True:
         step = search.observe(logits[confirmed][None])

@@ -315,7 +315,7 @@ class _Logits(Protocol):
         ...
 
     def all(self) -> FloatArray:
-        """Every packed position [K, V], a fresh array."""
+        """Every packed position [K, V], in an array of its own (not a thread's buffer)."""
         ...
 
 
@@ -346,13 +346,13 @@ class _Projected:
     must fault in and zero), held until the last row was read, on each lane at once; and
     the chunks past every row's first mismatch were projected for nothing."""
 
-    def __init__(self, head: tuple[ort.InferenceSession, str], picked: FloatArray) -> None:
+    def __init__(
+        self, head: tuple[ort.InferenceSession, str], vocab: int, dtype: Any, picked: FloatArray
+    ) -> None:
         self._session, self._input = head
         self._picked = picked
         self._chunk = HEAD_POSITIONS
-        output = self._session.get_outputs()[0]
-        self._vocab = int(output.shape[-1])
-        self._dtype = np.float16 if output.type == "tensor(float16)" else np.float32
+        self._vocab, self._dtype = vocab, dtype
         self._values: FloatArray | None = None
         # What the thread's buffer says it holds (not `self`: the buffer would keep it alive)
         self._token = object()
@@ -478,12 +478,14 @@ def _project(
         raise ValueError("the positions to project must be consecutive in each row")
     picked = np.ascontiguousarray(states[wanted])  # [K, d]
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    output = session.get_outputs()[0]
+    vocab = output.shape[-1]
     source: _Logits
-    if not isinstance(session.get_outputs()[0].shape[-1], int):
-        # a symbolic vocabulary: one call, its own output
+    if not isinstance(vocab, int):  # a symbolic vocabulary: one call, its own output
         source = _Computed(session.run([LOGITS], {hidden: picked[None]})[0][0])
     else:
-        source = _Projected(head, picked)
+        dtype = np.float16 if output.type == "tensor(float16)" else np.float32
+        source = _Projected(head, vocab, dtype, picked)
     return RowLogits(source, firsts.astype(np.int64), offsets)
 
 
