@@ -267,14 +267,17 @@ class DecodeScheduler:
         if masked is None or masked.slots is None or wanted == 0:
             return None
         count = wanted if wanted is not None else self.lanes * self.options.max_rows
-        pool = masked.slots.pool(count)
+        # A CUDA graph's capture forbids other threads' device allocations meanwhile: the
+        # steps replay graphs where one lane runs the model.
+        pool = masked.slots.pool(count, graphs=self.lanes == 1)
         log.info(
-            "KV slots: %d x %.1f MiB = %.1f MiB (%d positions, %d source positions each)",
+            "KV slots: %d x %.1f MiB = %.1f MiB (%d positions, %d source positions each)%s",
             count,
-            pool.bytes / count / 2**20,
+            pool.bytes / (count + (pool.graphed is not None)) / 2**20,
             pool.bytes / 2**20,
             pool.shape.capacity,
             pool.shape.source_capacity,
+            "; greedy steps replay CUDA graphs" if pool.graphed is not None else "",
         )
         return pool
 

@@ -78,12 +78,15 @@ class Translator:
         int8_per_token: bool = True,
         device: str = "cpu",
         fp16: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> Translator:
         """Load a model directory in the Optimum layout (ONNX files at the top or in `onnx/`).
 
         `device`: "cpu", or "cuda" / "cuda:N" with the `[gpu]` extra (raises
         `DeviceUnavailable` where it cannot run). `fp16`: the `*_fp16.onnx` files
-        (`nmt-incremental models fp16`), for a GPU."""
+        (`nmt-incremental models fp16`), for a GPU. `cuda_graphs`: greedy steps over KV
+        slots replay CUDA graphs (None: on a CUDA device, with one lane;
+        `engine.model.graphed`)."""
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelLoadError(f"{path}: not a model directory")
@@ -111,6 +114,7 @@ class Translator:
             kv_slots=None if chosen.kv_slots is None else chosen.kv_slots > 0,
             int8_per_token=int8_per_token,
             fp16=fp16,
+            cuda_graphs=cuda_graphs,
             **device_options(device),
         )
         return cls(MarianOnnx(path, config, options), tokenizer, scheduler)

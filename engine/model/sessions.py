@@ -64,6 +64,9 @@ class RuntimeOptions:
     device_id: int = 0
     # Where ONNX Runtime writes each session's profile (a file prefix; None: no profile).
     profile: str | None = None
+    # Whether greedy steps over KV slots replay CUDA graphs (`engine.model.graphed`): None,
+    # on a CUDA device. True on the CPU runs the same fixed-shape buckets uncaptured.
+    cuda_graphs: bool | None = None
     # One CPU arena for all the process's sessions rather than one each
     # (`shared_cpu_arena`): memory under load grows about a third as much.
     shared_arena: bool = True
@@ -187,12 +190,13 @@ kernels multiply by their product: values one float step apart from the files' f
 one-token call, so a row stepped alone (on the files' graph) and in a batch would differ."""
 
 
-def providers(options: RuntimeOptions) -> list[Any]:
-    """The providers a session is opened with, the CUDA one on `device_id`."""
-    return [
-        (name, {"device_id": options.device_id}) if name == CUDA else name
-        for name in options.providers
-    ]
+def providers(options: RuntimeOptions, graph_capture: bool = False) -> list[Any]:
+    """The providers a session is opened with, the CUDA one on `device_id` (and
+    capturing CUDA graphs where `graph_capture`)."""
+    cuda: dict[str, Any] = {"device_id": options.device_id}
+    if graph_capture:
+        cuda["enable_cuda_graph"] = "1"
+    return [(name, cuda) if name == CUDA else name for name in options.providers]
 
 
 def open_session(
@@ -201,13 +205,15 @@ def open_session(
     threads: int | None = None,
     *,
     per_token: bool = False,
+    graph_capture: bool = False,
 ) -> ort.InferenceSession:
     """A session of a file (its path as a string) or a serialised graph; `per_token`: a
-    graph whose int8 activations are quantized per token (see `PER_TOKEN_FUSIONS_OFF`)."""
+    graph whose int8 activations are quantized per token (see `PER_TOKEN_FUSIONS_OFF`);
+    `graph_capture`: runs may capture and replay CUDA graphs (`engine.model.graphed`)."""
     session = ort.InferenceSession(
         graph,
         session_options(options, threads),
-        providers=providers(options),
+        providers=providers(options, graph_capture),
         **({"disabled_optimizers": list(PER_TOKEN_FUSIONS_OFF)} if per_token else {}),
     )
     if isinstance(graph, bytes):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from onnx import TensorProto
 
 from engine.model.checks import REWRITE_TOLERANCE
 from engine.model.config import ModelConfig
+from engine.model.graphed import GraphedSteps
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray, MaskedDecoder
 from engine.model.names import (
     BAN_EOS,
@@ -44,7 +45,13 @@ from engine.model.names import (
     SLOT_SOURCES,
     slot_names,
 )
-from engine.model.passes.slots import SlotShape, copy_graph, rewrite_prefill, rewrite_step
+from engine.model.passes.slots import (
+    SlotShape,
+    copy_graph,
+    rewrite_graphed_step,
+    rewrite_prefill,
+    rewrite_step,
+)
 from engine.model.sessions import RuntimeOptions, open_session
 
 log = logging.getLogger(__name__)
@@ -82,7 +89,10 @@ class KvSlots:
     `prefill`: the slot-rewritten no-past graph (`passes.slots.rewrite_prefill`); `step`:
     the slot-rewritten with-past graph (`passes.slots.rewrite_step`); `one_token`:
     the same for one-token calls where the model has a faster graph for them (int8 per
-    token); `copier`: `passes.slots.copy_graph`.
+    token); `copier`: `passes.slots.copy_graph`; `graphed`: the step as CUDA graphs
+    replay it (`passes.slots.rewrite_graphed_step`), which greedy steps then take
+    (`engine.model.graphed`), captured where `capture`: the pool then has one slot more,
+    the scratch slot that rows padding a bucket write into.
     `device`: ("cpu", 0) or ("cuda", N)."""
 
     def __init__(
@@ -95,6 +105,8 @@ class KvSlots:
         copier: ort.InferenceSession,
         one_token: ort.InferenceSession | None = None,
         device: tuple[str, int] = ("cpu", 0),
+        graphed: ort.InferenceSession | None = None,
+        capture: bool = False,
     ) -> None:
         if slots < 1:
             raise ValueError("the KV slot pool needs at least one slot")
@@ -105,17 +117,23 @@ class KvSlots:
         self.sessions = {"prefill": prefill, "step": step, "copier": copier}
         if one_token is not None:
             self.sessions["one_token"] = one_token
-        self.bytes = slots * slot_bytes(shape, np.dtype(float_type).itemsize)
+        allocated = slots + (graphed is not None)  # the scratch slot last
+        self.bytes = allocated * slot_bytes(shape, np.dtype(float_type).itemsize)
         self._arrays: list[npt.NDArray[Any]] = []  # the CPU buffers the values share
         self.buffers: dict[str, ort.OrtValue] = {}
         for side, capacity in (("decoder", shape.capacity), ("encoder", shape.source_capacity)):
-            rows = slots * shape.heads * capacity
+            rows = allocated * shape.heads * capacity
             for name in slot_names(shape.layers, side):
                 self.buffers[name] = self._allocate((rows, shape.head_dim))
         self._local = threading.local()  # per lane thread: its bindings
         self._declared = {
             role: {i.name for i in session.get_inputs()} for role, session in self.sessions.items()
         }
+        self.graphed = (
+            None
+            if graphed is None
+            else GraphedSteps(graphed, shape, self.buffers, slots, device, capture)
+        )
 
     def _allocate(self, dims: tuple[int, int]) -> ort.OrtValue:
         kind, index = self.device
@@ -197,6 +215,9 @@ class KvSlots:
             SLOT_ROWS: rows,
         }
         role = "one_token" if "one_token" in self.sessions and input_ids.size == 1 else "step"
+        if self.graphed is not None and not logits and role == "step":
+            chosen = self.graphed.step(input_ids, positions, mask, encoder_mask, rows, ban_eos)
+            return StepOutput(chosen.ids, chosen.scores, None)
         return self._choices(role, inputs, logits)
 
     def _choices(self, role: str, inputs: dict[str, npt.NDArray[Any]], logits: bool) -> StepOutput:
@@ -257,12 +278,17 @@ class SlotGraphs:
     copier: ort.InferenceSession
     one_token: ort.InferenceSession | None = None
     device: tuple[str, int] = ("cpu", 0)
+    # The step for CUDA graphs (`rewrite_graphed_step`), captured where `capture`.
+    graphed: ort.InferenceSession | None = None
+    capture: bool = False
 
     def slot_bytes(self) -> int:
         return slot_bytes(self.shape, np.dtype(self.float_type).itemsize)
 
-    def pool(self, slots: int) -> KvSlots:
-        """`slots` slots of this model's shape, allocated now."""
+    def pool(self, slots: int, *, graphs: bool = True) -> KvSlots:
+        """`slots` slots of this model's shape, allocated now; its greedy steps replay
+        CUDA graphs where the model has them and `graphs` (one lane: see
+        `engine.model.graphed`)."""
         return KvSlots(
             self.shape,
             slots,
@@ -272,6 +298,8 @@ class SlotGraphs:
             self.copier,
             self.one_token,
             self.device,
+            self.graphed if graphs else None,
+            self.capture,
         )
 
 
@@ -279,7 +307,9 @@ def check_slots(masked: MaskedDecoder, graphs: SlotGraphs, config: ModelConfig) 
     """The largest logit difference between the slot graphs and the masked decoder they
     came from, on a prefill and a cached step of two rows of different lengths and source
     lengths, in swapped slots, the step seeing a wider mask than its rows need; inf when
-    a greedy choice differs from the logits' argmax."""
+    a greedy choice differs from the logits' argmax. Where the model has a graphed step,
+    that step is run three times too (on a GPU: uncaptured, then once more, then
+    captured and replayed) and its choices must be the ordinary step's."""
     pool = graphs.pool(3)
     rng = np.random.default_rng(0)
     rows, source, past = 2, 5, 4
@@ -308,6 +338,15 @@ def check_slots(masked: MaskedDecoder, graphs: SlotGraphs, config: ModelConfig) 
     out = pool.step(token, at, wide, encoder_mask, slots, logits=True)
     assert out.logits is not None and first.logits is not None
     worst = 0.0
+    if pool.graphed is not None:
+        # The step writes the same keys and values at the same positions again: the state
+        # it reads is the same.
+        unbanned = np.zeros(at.shape, dtype=np.bool_)
+        for _ in range(3):
+            replayed = pool.graphed.step(token, at, wide, encoder_mask, slots, unbanned)
+            if not np.array_equal(replayed.ids, out.ids):
+                return float("inf")
+            worst = max(worst, float(np.abs(replayed.scores - out.scores).max()))
     for got, want, chosen in (
         (first.logits[0], expected_first, first.ids[0]),
         (out.logits[:, 0], expected, out.ids[:, 0]),
@@ -374,7 +413,48 @@ def open_slot_graphs(
             tolerance,
         )
         return None
-    return opened
+    if not cuda_graphs(options):
+        return opened
+    return _with_graphed_step(opened, step, masked, config, options, per_token, where, tolerance)
+
+
+def cuda_graphs(options: RuntimeOptions) -> bool:
+    """Whether the model's greedy slot steps replay CUDA graphs (`RuntimeOptions
+    .cuda_graphs`; by default on a CUDA device)."""
+    if options.cuda_graphs is not None:
+        return options.cuda_graphs
+    return device_of(options)[0] == "cuda"
+
+
+def _with_graphed_step(
+    opened: SlotGraphs,
+    step: bytes,
+    masked: MaskedDecoder,
+    config: ModelConfig,
+    options: RuntimeOptions,
+    per_token: bool,
+    where: str,
+    tolerance: float,
+) -> SlotGraphs:
+    """`opened` with the step for CUDA graphs, checked against its ordinary step (with a
+    capture on a GPU), or as it is (logged why) when it cannot be had."""
+    facts = (config.vocab_size, config.bad_token_ids, config.eos_token_id)
+    graph = rewrite_graphed_step(step, opened.shape, *facts, f"{where} (graphed step)")
+    if graph is None:
+        return opened
+    capture = opened.device[0] == "cuda"
+    try:
+        session = open_session(graph, options, per_token=per_token, graph_capture=capture)
+        graphed = replace(opened, graphed=session, capture=capture)
+        worst = check_slots(masked, graphed, config)
+    except Exception as exc:  # e.g. a node ONNX Runtime cannot capture
+        log.warning("%s: no CUDA graphs for the step (%s)", where, exc)
+        return opened
+    if not worst <= tolerance:
+        log.warning("%s: the graphed step differs by %.3g: not used", where, worst)
+        return opened
+    log.info("%s: greedy steps replay CUDA graphs (capture %s)", where, capture)
+    return graphed
 
 
 def device_of(options: RuntimeOptions) -> tuple[str, int]:

@@ -313,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         "(engine/decoding/timeline.py): print a summary per N and write PREFIX.N.jsonl "
         "(turns) and PREFIX.N.requests.jsonl",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="greedy steps replayed as CUDA graphs (default: on a GPU with one lane)",
+    )
     args = parser.parse_args(argv)
     if not args.sources.is_file():
         print(f"needs {args.sources}", file=sys.stderr)
@@ -326,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         kwargs["device"] = args.device
     if args.int8_per_call:
         kwargs["int8_per_token"] = False
+    if args.cuda_graphs is not None:
+        kwargs["cuda_graphs"] = args.cuda_graphs
     try:
         from engine.decoding.scheduler import SchedulerOptions
 

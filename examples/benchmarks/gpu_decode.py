@@ -47,7 +47,12 @@ TIMELINES: dict[str, Timeline] = {}
 
 
 def engine_timer(
-    model: Path, device: str, rows: int, kv_slots: int | None, profile: str | None = None
+    model: Path,
+    device: str,
+    rows: int,
+    kv_slots: int | None,
+    profile: str | None = None,
+    cuda_graphs: bool | None = None,
 ) -> tuple[Timer, Translator]:
     scheduler = SchedulerOptions(
         lanes=1, max_rows=rows, kv_slots=kv_slots, prefill_positions=1 << 20
@@ -57,6 +62,8 @@ def engine_timer(
         intra_op_threads=threads.per_lane,
         head_threads=threads.head,
         profile=profile,
+        kv_slots=kv_slots != 0,  # on the CPU too (a smoke test), where they are not the default
+        cuda_graphs=cuda_graphs,
         **device_options(device),
     )
     config = ModelConfig.from_dir(model)
@@ -157,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--fp16-model", type=Path, help="an fp16 ONNX model to run as well")
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run each engine with its greedy steps replayed as CUDA graphs",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--profile-rows", type=int, default=0, help="profile the fp32 slot step at these rows"
@@ -168,15 +181,26 @@ def main(argv: list[str] | None = None) -> int:
     sides: dict[str, Timer] = {}
     engines: dict[str, Translator] = {}
     loaded: dict[str, float] = {}
-    variants = [("engine fp32 (slots)", args.model, None)]
-    if args.fp16_model is not None:
-        variants.append(("engine fp16 (slots)", args.fp16_model, None))
+    # (name, model, kv_slots, cuda_graphs): None is the device's default.
+    variants: list[tuple[str, Path, int | None, bool | None]] = [
+        ("engine fp32 (slots)", args.model, None, False)
+    ]
+    if args.cuda_graphs:
+        variants.append(("engine fp32 (graphs)", args.model, None, True))
+    if args.fp16_model is not None:  # fp16 one way only: the time of a lent GPU is short
+        kind = "graphs" if args.cuda_graphs else "slots"
+        variants.append((f"engine fp16 ({kind})", args.fp16_model, None, args.cuda_graphs))
     if copied:
-        variants.append(("engine fp32 (copied)", args.model, 0))
-    for name, path, kv_slots in variants:
+        variants.append(("engine fp32 (copied)", args.model, 0, False))
+    for name, path, kv_slots, graphs in variants:
         t0 = time.perf_counter()
-        sides[name], engines[name] = engine_timer(path, args.device, most, kv_slots)
+        sides[name], engines[name] = engine_timer(
+            path, args.device, most, kv_slots, cuda_graphs=graphs
+        )
         loaded[name] = time.perf_counter() - t0
+        pool = engines[name].scheduler.kv
+        if graphs and (pool is None or pool.graphed is None):
+            print(f"{name}: no CUDA graphs (see the warning above); its steps are ordinary")
     if args.checkpoint is not None:
         torch_device = "cuda" if args.device.startswith("cuda") else "cpu"
         sides["transformers fp32"] = transformers_timer(args.checkpoint, torch_device, False)
@@ -202,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rows {b:5d}  ms per row-token  {line}", flush=True)
         for name, tr in engines.items():
             assert tr.scheduler.timeline is not None
-            print(f"    {name} per step: {step_parts(tr.scheduler.timeline, b)}", flush=True)
+            pool = tr.scheduler.kv
+            graphed = None if pool is None else pool.graphed
+            graphs = "" if graphed is None else f", {graphed.graphs} graphs"
+            print(
+                f"    {name} per step: {step_parts(tr.scheduler.timeline, b)}{graphs}", flush=True
+            )
     if args.profile_rows:
         prefix = str(Path(tempfile.mkdtemp(prefix="gpu-decode-")) / "slot_step")
         timer, tr = engine_timer(args.model, args.device, args.profile_rows, None, prefix)

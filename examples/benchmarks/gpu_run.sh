@@ -3,7 +3,8 @@
 # onnxruntime-gpu were moved to $HOME/ort by earlier calls, unpack them, the benchmark model
 # (fp32 and fp16 ONNX, and its checkpoint for the transformers peer) from .gpu/final, and
 # run gpu_decode.py, then capacity.py on the GPU when .gpu/final holds the FLORES zh
-# sentences (zho_Hans.devtest); logs and JSON go to $OUT.
+# sentences (zho_Hans.devtest); logs and JSON go to $OUT. Each part has its time limit
+# (DECODE_S, CAPACITY_S), so that one call of a lent machine's few minutes gives both.
 set -euo pipefail
 B=$PWD/.gpu/final/bin
 OUT=${OUT:-.}
@@ -20,14 +21,17 @@ python3 -c "import onnxruntime as o; o.preload_dlls(); print('onnxruntime', o.__
 if [ "${DECODE:-1}" = 1 ]; then
   fp16=()
   [ -d "$HOME/m/tiled16" ] && fp16=(--fp16-model "$HOME/m/tiled16")
-  python3 examples/benchmarks/gpu_decode.py --model "$HOME/m/onnx" --checkpoint "$HOME/m/checkpoint" \
-    "${fp16[@]}" --device cuda --rows "${ROWS:-1,16,64,256,1024}" --copied-rows "${COPIED:-1,256}" \
-    --profile-rows "${PROFILE:-0}" --json "$OUT/gpu_decode.json" 2>&1 \
-    | grep --line-buffered -v "max_new_tokens\|plugin EP\|ScatterND" | tee "$OUT/gpu_decode.log"
+  timeout "${DECODE_S:-240}" python3 examples/benchmarks/gpu_decode.py --model "$HOME/m/onnx" \
+    --checkpoint "$HOME/m/checkpoint" "${fp16[@]}" --device cuda --rows "${ROWS:-1,16,64,256,1024}" \
+    --copied-rows "${COPIED:-}" --reps "${REPS:-3}" --profile-rows "${PROFILE:-0}" \
+    --json "$OUT/gpu_decode.json" 2>&1 \
+    | grep --line-buffered -v "max_new_tokens\|plugin EP\|ScatterND" | tee "$OUT/gpu_decode.log" || true
 fi
 if [ -f .gpu/final/zho_Hans.devtest ] && [ "${CAPACITY:-1}" = 1 ]; then
-  python3 examples/benchmarks/capacity.py --model "$HOME/m/${CAPACITY_MODEL:-tiled16}" --fp32 \
-    --device cuda --lanes 1 --max-rows "${MAX_ROWS:-2048}" --streams "${STREAMS:-250,500,1000,2000}" \
-    --sentences "${SENTENCES:-3}" --no-final-check --sources .gpu/final/zho_Hans.devtest \
-    --json "$OUT/capacity.json" 2>&1 | grep --line-buffered -v "plugin EP\|ScatterND" | tee "$OUT/capacity.log"
+  timeout "${CAPACITY_S:-220}" python3 examples/benchmarks/capacity.py \
+    --model "$HOME/m/${CAPACITY_MODEL:-tiled16}" --fp32 --device cuda --lanes 1 \
+    --max-rows "${MAX_ROWS:-2048}" --streams "${STREAMS:-500,1000,2000}" \
+    --sentences "${SENTENCES:-2}" --no-final-check --sources .gpu/final/zho_Hans.devtest \
+    --json "$OUT/capacity.json" 2>&1 | grep --line-buffered -v "plugin EP\|ScatterND" \
+    | tee "$OUT/capacity.log" || true
 fi

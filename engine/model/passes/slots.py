@@ -182,12 +182,24 @@ def _choose(b: _Builder, scores: str, ids: str, best: str) -> None:
     b.nodes.append(helper.make_node("Neg", [b.op("Log", [total], "log")], [best]))
 
 
-def _greedy_outputs(b: _Builder, logits: str, vocab: int, bans: Sequence[int], eos: int) -> None:
+def _greedy_outputs(
+    b: _Builder,
+    logits: str,
+    vocab: int,
+    bans: Sequence[int],
+    eos: int,
+    branch_free: bool = False,
+) -> None:
     """`NEXT_IDS` [B, T] and `NEXT_SCORES` [B, T]: the greedy choice (`_choose`) with the
     model's banned tokens at -inf, and eos too where `BAN_EOS` [B, T] says (a row short of
     its minimum length). The eos penalty is a branch of its own (`If`), taken only when
     some row is short: each pass over the vocabulary counts at many rows. It is a finite
-    -1e30 rather than -inf (0 x -inf is NaN); its exponential is 0 all the same."""
+    -1e30 rather than -inf (0 x -inf is NaN); its exponential is 0 all the same.
+
+    `branch_free`: the penalty on every call, without the `If` (a graph that CUDA graphs
+    capture has no control flow). A row not short adds -0 x 1e30 = -0 to its logits,
+    which leaves them as they are: the choices are those of the `If`'s branches, bit
+    for bit."""
     bias = np.zeros(vocab, dtype=np.float32)
     bias[list(bans)] = -np.inf
     source = logits
@@ -196,6 +208,11 @@ def _greedy_outputs(b: _Builder, logits: str, vocab: int, bans: Sequence[int], e
     allowed = b.op("Add", [source, b.const("bans", bias)], "allowed")
     no_eos = np.zeros(vocab, dtype=np.float32)
     no_eos[eos] = -1e30
+    if branch_free:
+        banned = b.unsqueeze(b.op("Cast", [BAN_EOS], "ban_f32", to=TensorProto.FLOAT), [2])
+        penalty = b.op("Mul", [banned, b.const("no_eos", no_eos)], "eos_penalty")
+        _choose(b, b.op("Add", [allowed, penalty], "eos_banned"), NEXT_IDS, NEXT_SCORES)
+        return
     as_int = b.op("Cast", [BAN_EOS], "ban_i32", to=TensorProto.INT32)
     any_short = b.op("ReduceMax", [as_int], "any_ban", keepdims=0)
     short = b.op("Cast", [any_short], "short", to=TensorProto.BOOL)
@@ -324,12 +341,13 @@ def _finish(
     inputs: list[onnx.ValueInfoProto],
     outputs: list[onnx.ValueInfoProto],
     gone: set[str],
+    logits: bool = True,
 ) -> bytes:
     """The graph with the builder's nodes, `inputs` added and `gone` inputs dropped, only
-    `outputs`, sorted, and without what no output needs."""
+    `outputs` (and `LOGITS` where `logits`), sorted, and without what no output needs."""
     graph, b = edit.graph, edit.b
     dims: list[str | int] = ["slot_rows", shape.head_dim]
-    kept = [o for o in graph.output if o.name == LOGITS]
+    kept = [o for o in graph.output if o.name == LOGITS and logits]
     del graph.output[:]
     graph.output.extend([*kept, *outputs])
     graph.output.extend(
@@ -364,7 +382,12 @@ def _finish(
 
 
 def _rewrite(
-    model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequence[int], eos: int
+    model: onnx.ModelProto,
+    shape: SlotShape,
+    vocab: int,
+    bans: Sequence[int],
+    eos: int,
+    graphed: bool = False,
 ) -> bytes:
     edit = _edit(model, shape)
     graph, b = edit.graph, edit.b
@@ -406,8 +429,14 @@ def _rewrite(
         for index, name in enumerate(node.input):
             if name in renamed:
                 node.input[index] = renamed[name]
-    _greedy_outputs(b, LOGITS, vocab, bans, eos)
-    return _finish(edit, shape, [], outputs, set(past_self + past_cross))
+    _greedy_outputs(b, LOGITS, vocab, bans, eos, branch_free=graphed)
+    return _finish(edit, shape, [], outputs, set(past_self + past_cross), logits=not graphed)
+
+
+def _rewrite_graphed(
+    model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequence[int], eos: int
+) -> bytes:
+    return _rewrite(model, shape, vocab, bans, eos, graphed=True)
 
 
 def _rewrite_prefill(
@@ -487,6 +516,21 @@ def rewrite_step(
     (the reason logged) when its graph lacks the structure this module knows. `bans`:
     tokens never chosen; `eos`: the token `BAN_EOS` bans per row."""
     return _guarded(_rewrite, data, shape, (vocab, bans, eos), name)
+
+
+def rewrite_graphed_step(
+    data: bytes,
+    shape: SlotShape,
+    vocab: int,
+    bans: Sequence[int],
+    eos: int,
+    name: str = "decoder",
+) -> bytes | None:
+    """`rewrite_step`'s graph for CUDA graphs (`engine.model.slots.GraphedSteps`): no
+    control flow (the eos ban without its `If`) and no logits output, only the greedy
+    choice, whose values are `rewrite_step`'s bit for bit. None (logged) where
+    `rewrite_step` would give None."""
+    return _guarded(_rewrite_graphed, data, shape, (vocab, bans, eos), name)
 
 
 def rewrite_prefill(

@@ -1,0 +1,178 @@
+"""The KV-slot step as CUDA graphs replay it (`engine.model.graphed`): fixed shapes in
+buckets, rows padding a bucket in a scratch slot, no control flow and only the greedy
+choice out (`passes.slots.rewrite_graphed_step`).
+
+The CPU provider cannot capture, but it runs the same graph over the same buckets and
+padding (`cuda_graphs=True`): what a GPU would replay is checked here, rows equal to
+decoding alone in every batchable layout. The capture itself needs a GPU
+(`examples/benchmarks/gpu_decode.py`, docs/gpu.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+import engine.model.slots
+from engine import DecodeOptions, Translator
+from engine.decoding.batch import LOOKAHEAD_POSITIONS, Member
+from engine.decoding.scheduler import SchedulerOptions
+from engine.decoding.slot_batch import SlotBatch
+from engine.model.config import ModelConfig
+from engine.model.graphed import MIN_WIDTH, row_bucket, width_bucket
+from engine.model.names import LOGITS, NEXT_IDS, NEXT_SCORES
+from engine.model.passes.slots import rewrite_graphed_step
+from engine.model.slots import slot_bytes
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+from tests.test_scheduler import (
+    SCORE_TOLERANCE,
+    SOURCES,
+    alone,
+    concurrent_equal_alone,
+    drafted_searches,
+    layouts,
+)
+
+SLOTS = 16
+
+
+@pytest.fixture(scope="module", params=layouts(), ids=[name for name, _ in layouts()])
+def graphed(request: pytest.FixtureRequest) -> Translator:
+    """Each layout over KV slots with its greedy steps through the graphed buckets."""
+    needs_fixture()
+    options = dict(request.param[1])
+    scheduler = options.pop("scheduler", SchedulerOptions(lanes=1))
+    assert isinstance(scheduler, SchedulerOptions)
+    scheduler = dataclasses.replace(scheduler, kv_slots=SLOTS)
+    return Translator.from_dir(
+        FIXTURE_MODEL,
+        scheduler=scheduler,
+        cuda_graphs=True,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def test_buckets_round_rows_and_widths_up() -> None:
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 64, 65, 1000)] == [1, 2, 4, 8, 64, 128, 1024]
+    assert width_bucket(1, 512) == MIN_WIDTH
+    assert width_bucket(MIN_WIDTH + 1, 512) == 2 * MIN_WIDTH
+    assert width_bucket(300, 512) == 512
+    assert width_bucket(300, 400) == 400  # never past the slots' capacity
+    with pytest.raises(ValueError, match="wider than the slots' 400"):
+        width_bucket(401, 400)
+
+
+def test_the_graphed_step_has_no_control_flow_and_returns_only_the_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a CUDA graph can capture: no `If`, and no logits to bind per shape."""
+    needs_fixture()
+    made: list[bytes | None] = []
+
+    def spy(*args: Any, **kwargs: Any) -> bytes | None:
+        made.append(rewrite_graphed_step(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(engine.model.slots, "rewrite_graphed_step", spy)
+    scheduler = SchedulerOptions(lanes=1, kv_slots=4)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=scheduler, cuda_graphs=True)
+    assert tr.scheduler.kv is not None and tr.scheduler.kv.graphed is not None
+    (data,) = made
+    assert data is not None
+    graph = onnx.load_from_string(data).graph
+    ops = {node.op_type for node in graph.node}
+    assert not ops & {"If", "Loop", "Scan"}, ops
+    outputs = {o.name for o in graph.output}
+    assert {NEXT_IDS, NEXT_SCORES} <= outputs and LOGITS not in outputs
+
+
+def test_greedy_rows_over_graphed_buckets_equal_decoding_each_alone(graphed: Translator) -> None:
+    """Rows of several lengths, joining and leaving, padded into row and width buckets:
+    each equals decoding it alone, and the steps went through the buckets."""
+    pool = graphed.scheduler.kv
+    assert pool is not None and pool.graphed is not None
+    concurrent_equal_alone(graphed, DecodeOptions())
+    assert pool.graphed.graphs >= 2  # several row counts
+    assert graphed.scheduler.kv_slots is not None
+    assert graphed.scheduler.kv_slots["free"] == SLOTS
+
+
+def test_beams_take_the_ordinary_step_beside_graphed_rows(graphed: Translator) -> None:
+    """A beam needs the logits: its steps are the ordinary ones; answers as alone."""
+    concurrent_equal_alone(graphed, DecodeOptions(beam_size=3))
+
+
+def test_drafts_and_minimum_lengths_over_graphed_buckets(graphed: Translator) -> None:
+    """Several new positions per row (drafts verified) and eos banned below a minimum
+    length, through the branch-free ban of the graphed step."""
+    model = graphed.model
+    pool = graphed.scheduler.kv
+    if model.masked is None or pool is None or not model.masked.lookahead:
+        pytest.skip("no lookahead over slots for this layout")
+    todo = drafted_searches(graphed)
+    batch = SlotBatch(model, model.masked, pool, LOOKAHEAD_POSITIONS)
+    joins = {0: todo[:2], 1: todo[2:3], 3: todo[3:6], 6: todo[6:]}
+    slots = iter(range(pool.slots))
+    step = 0
+    while step in joins or step < max(joins) or len(batch):
+        batch.update()
+        members = [
+            Member(s, graphed.encode([graphed.source_ids(t)]), (next(slots),))
+            for _, s, t in joins.get(step, [])
+        ]
+        batch.schedule(members)
+        batch.execute()
+        step += 1
+    for ref, s, text in todo:
+        got = s.result()
+        assert got.token_ids == ref.token_ids, (text, s.draft)
+        assert got.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
+
+
+def test_rows_padding_a_bucket_write_only_their_scratch_slot() -> None:
+    """Three rows run as a bucket of four: the fourth writes into the scratch slot past
+    the pool's own, and no slot a request does not own changes."""
+    needs_fixture()
+    tr = Translator.from_dir(
+        FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=6), cuda_graphs=True
+    )
+    pool = tr.scheduler.kv
+    assert pool is not None and pool.graphed is not None
+    assert pool.graphed.scratch == pool.slots == 6
+    assert pool.bytes == 7 * slot_bytes(pool.shape, 4)  # the scratch slot counted
+    per_slot = pool.shape.heads * pool.shape.capacity
+    before = [array.copy() for array in pool._arrays]
+    enc = tr.encode([tr.source_ids(SOURCES[0])])
+    hyps = tr.decode(enc.select(np.zeros(3, dtype=np.int64)), DecodeOptions())
+    expected = alone(tr, SOURCES[0], [], DecodeOptions())
+    assert all(h.token_ids == expected.token_ids for h in hyps)
+    changed_self = set()
+    for old, new in zip(before, pool._arrays, strict=True):
+        if len(new) != 7 * per_slot:
+            continue  # a cross-attention buffer (source capacity)
+        rows = np.flatnonzero((old != new).any(axis=1))
+        changed_self |= set((rows // per_slot).tolist())
+    assert 6 in changed_self  # the padding row wrote its scratch slot
+    assert len(changed_self - {6}) == 3  # and the three rows their own, no other
+
+
+def test_two_lanes_step_without_graphs() -> None:
+    """A capture forbids other threads' device work meanwhile: graphs with one lane only."""
+    needs_fixture()
+    tr = Translator.from_dir(
+        FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=2, kv_slots=4), cuda_graphs=True
+    )
+    pool = tr.scheduler.kv
+    assert pool is not None and pool.graphed is None
+    text = SOURCES[1]
+    assert tr.translate([text])[0].token_ids == alone(tr, text, [], DecodeOptions()).token_ids
+
+
+def test_the_default_on_the_cpu_has_no_graphs() -> None:
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=4))
+    assert tr.scheduler.kv is not None and tr.scheduler.kv.graphed is None
+    assert ModelConfig.from_dir(FIXTURE_MODEL).max_position_embeddings >= MIN_WIDTH
