@@ -171,6 +171,16 @@ def test_two_lanes_step_without_graphs() -> None:
     assert tr.translate([text])[0].token_ids == alone(tr, text, [], DecodeOptions()).token_ids
 
 
+def test_graphs_bring_one_lane_by_default() -> None:
+    """Lanes not chosen: a model whose steps replay graphs runs one lane, with them."""
+    needs_fixture()
+    tr = Translator.from_dir(
+        FIXTURE_MODEL, scheduler=SchedulerOptions(kv_slots=4, cores=2), cuda_graphs=True
+    )
+    assert tr.scheduler.lanes == 1
+    assert tr.scheduler.kv is not None and tr.scheduler.kv.graphed is not None
+
+
 def test_the_default_on_the_cpu_has_no_graphs() -> None:
     needs_fixture()
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=4))

@@ -197,6 +197,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
         "(onnxruntime-gpu; default: %(default)s)",
     )
     parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="on a GPU, launch each step's kernels one by one rather than replay the CUDA "
+        "graph captured for its shape (the default, with one lane)",
+    )
+    parser.add_argument(
         "--kv-slots",
         type=non_negative_int,
         default=None,
@@ -310,6 +316,7 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         "int8_per_token": not args.int8_per_call,
         "scheduler": SchedulerOptions(max_rows=args.max_batch_rows, kv_slots=args.kv_slots),
         "device": args.device,
+        "cuda_graphs": False if args.no_cuda_graphs else None,
     }
 
 

@@ -194,6 +194,12 @@ class DecodeScheduler:
         # None: nothing kept.
         self.timeline = timeline
         self.lanes, self.threads_per_lane, *_ = self.options.resolved()
+        slots = model.masked.slots if model.masked is not None else None
+        if self.options.lanes is None and slots is not None and slots.graphed is not None:
+            # A model whose steps replay CUDA graphs (a GPU's default) runs one lane: a
+            # capture forbids other threads' device work, and one lane's graphs step a
+            # thousand rows in a few milliseconds (docs/gpu.md).
+            self.lanes = 1
         self._cond = threading.Condition()
         self.kv = self._kv_slots()
         self._policy: SchedulingPolicy[Request, Encoding] = SchedulingPolicy(

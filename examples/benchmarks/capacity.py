@@ -106,14 +106,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def make_lines(n: int, sentences: int, seed: int) -> list[dict[str, Any]]:
+def make_lines(n: int, sentences: int, seed: int, first: int = 0) -> list[dict[str, Any]]:
+    """The interleaved logs of streams `first` .. `first + n - 1` (a process of several
+    says its own share of the streams: `--processes`)."""
     from engine.logs.make import generate_log
     from engine.logs.merge import interleave_logs
 
     pool = [line.strip() for line in SOURCES[0].read_text(encoding="utf-8").splitlines()]
-    rng = random.Random(seed)
+    rng = random.Random(seed + first)
     logs = []
-    for i in range(n):
+    for i in range(first, first + n):
         start = (i * sentences) % (len(pool) - sentences)
         logs.append(
             generate_log(
@@ -127,11 +129,15 @@ def make_lines(n: int, sentences: int, seed: int) -> list[dict[str, Any]]:
     return interleave_logs(*logs)
 
 
-def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(
+    translator: Any, n: int, args: argparse.Namespace, first: int = 0, raw: bool = False
+) -> dict[str, Any]:
+    """One run of streams `first` .. `first + n - 1`; `raw`: with the samples the
+    figures come from, for `merge` (`--processes`)."""
     from engine.replay import ReplayOptions, replay
     from engine.streaming.session import StreamingOptions
 
-    lines = make_lines(n, args.sentences, args.seed)
+    lines = make_lines(n, args.sentences, args.seed, first)
     drafts = {"drafts": False} if args.no_drafts else {}
     partials = sum(1 for line in lines if not line["is_final"])
     scheduler = getattr(translator, "scheduler", None)
@@ -216,7 +222,20 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
         with Path(f"{args.timeline}.{n}.requests.jsonl").open("w") as f:
             for request in requests:
                 f.write(json.dumps(request.to_dict()) + "\n")
+    samples = {
+        "latencies": latencies,
+        "queued": queued,
+        "computing": computing,
+        "sizes": sizes,
+        "partial_updates": partial_updates,
+        "partials_changed": partials - counts.get("unchanged", 0),
+        "final_updates": final_updates,
+        "finals": finals,
+        "counts": dict(counts),
+        "rss_growth_mib": max(0.0, rss_peak - rss0),
+    }
     return {
+        **({"raw": samples} if raw else {}),
         "streams": n,
         "partials": partials,
         "p50_ms": percentile(latencies, 50),
@@ -246,7 +265,7 @@ def run_one(translator: Any, n: int, args: argparse.Namespace) -> dict[str, Any]
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--streams", default="1,4,8,16,24,32,40,48", help="N values")
@@ -319,12 +338,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="greedy steps replayed as CUDA graphs (default: on a GPU with one lane)",
     )
-    args = parser.parse_args(argv)
-    if not args.sources.is_file():
-        print(f"needs {args.sources}", file=sys.stderr)
-        return 2
-    SOURCES[0] = args.sources
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="engine processes sharing the machine (and its GPU), each with its own model "
+        "and its share of the N streams, started together; the figures are of all of them",
+    )
+    return parser
 
+
+def load_translator(args: argparse.Namespace) -> Any:
     from engine import Translator
 
     kwargs: dict[str, Any] = {"quantized": not args.fp32}
@@ -352,8 +376,102 @@ def main(argv: list[str] | None = None) -> int:
         kwargs["scheduler"] = SchedulerOptions(**{k: v for k, v in chosen.items() if v is not None})
     except ImportError:  # an older engine, for before/after runs
         pass
-    translator = Translator.from_dir(args.model, **kwargs)
+    return Translator.from_dir(args.model, **kwargs)
+
+
+def _worker(argv: list[str], n: int, first: int, ready: Any, results: Any) -> None:
+    """One of `--processes`: its own model, streams `first` .. `first + n - 1`, started
+    when every process has loaded its model."""
+    args = build_parser().parse_args(argv)
+    SOURCES[0] = args.sources
+    translator = load_translator(args)
+    ready.wait()
+    results.put(run_one(translator, n, args, first, raw=True))
+
+
+def run_processes(n: int, argv: list[str], processes: int) -> dict[str, Any]:
+    """N streams shared by `processes` processes (spawned, so that none inherits another's
+    device state), measured together."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    shares = [n // processes + (k < n % processes) for k in range(processes)]
+    firsts = [sum(shares[:k]) for k in range(processes)]
+    busy = [(share, first) for share, first in zip(shares, firsts, strict=True) if share]
+    ready, results = context.Barrier(len(busy)), context.Queue()
+    workers = [
+        context.Process(target=_worker, args=(argv, share, first, ready, results))
+        for share, first in busy
+    ]
+    for worker in workers:
+        worker.start()
+    parts = [results.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    return merge(parts)
+
+
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result of several processes' `run_one(..., raw=True)`: latencies and rows per
+    step pooled, rates, CPU shares and memory added up."""
+    raw = [p["raw"] for p in parts]
+
+    def pooled(key: str) -> list[float]:
+        return [v for r in raw for v in r[key]]
+
+    def total(key: str) -> float:
+        return float(sum(p[key] for p in parts))
+
+    latencies, sizes = pooled("latencies"), pooled("sizes")
+    counts: Counter[str] = Counter()
+    for r in raw:
+        counts.update(r["counts"])
+    n = int(total("streams"))
+    return {
+        "streams": n,
+        "processes": len(parts),
+        "partials": int(total("partials")),
+        "p50_ms": percentile(latencies, 50),
+        "p95_ms": percentile(latencies, 95),
+        "max_ms": max(latencies, default=float("nan")),
+        "queued_p95_ms": percentile(pooled("queued"), 95),
+        "compute_p50_ms": percentile(pooled("computing"), 50),
+        "compute_p95_ms": percentile(pooled("computing"), 95),
+        "answered": sum(r["partial_updates"] for r in raw)
+        / max(1, sum(r["partials_changed"] for r in raw)),
+        "cancelled": counts.get("cancelled", 0),
+        "superseded": counts.get("superseded", 0),
+        "finals": f"{sum(r['final_updates'] for r in raw)}/{sum(r['finals'] for r in raw)}",
+        "rows_p50": percentile(sizes, 50),
+        "rows_p95": percentile(sizes, 95),
+        "rows_max": max(sizes, default=float("nan")),
+        "steps": len(sizes),
+        "draft": f"{counts.get('draft_accepted', 0)}/{counts.get('draft_offered', 0)}",
+        "lookahead": f"{counts.get('lookahead_accepted', 0)}/{counts.get('lookahead_offered', 0)}",
+        "cpu_use": total("cpu_use"),
+        "cpu_full_load": total("cpu_full_load"),
+        "full_load_s": min(p["full_load_s"] for p in parts),
+        "sent_per_s_full": total("sent_per_s_full"),
+        "answered_per_s_full": total("answered_per_s_full"),
+        "cpu_whole_run": total("cpu_whole_run"),
+        "rss_mib_per_stream": sum(r["rss_growth_mib"] for r in raw) / max(n, 1),
+        "wall_s": max(p["wall_s"] for p in parts),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.sources.is_file():
+        print(f"needs {args.sources}", file=sys.stderr)
+        return 2
+    SOURCES[0] = args.sources
+    if args.processes < 1:
+        print("--processes must be at least 1", file=sys.stderr)
+        return 2
+    translator = None if args.processes > 1 else load_translator(args)
     batching = getattr(getattr(translator, "scheduler", None), "batching", "none")
+    if args.processes > 1:
+        batching = f"{args.processes} processes"
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((x.split(":", 1)[1].strip() for x in cpuinfo if "model name" in x), "?")
     precision = "fp32" if args.fp32 else "int8 per call" if args.int8_per_call else "int8"
@@ -370,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     holds = 0
     for n in [int(x) for x in args.streams.split(",")]:
-        r = run_one(translator, n, args)
+        if translator is None:
+            r = run_processes(n, sys.argv[1:] if argv is None else argv, args.processes)
+        else:
+            r = run_one(translator, n, args)
         results.append(r)
         rows = f"{r['rows_p50']:.0f}/{r['rows_p95']:.0f}/{r['rows_max']:.0f}"
         compute = f"{r['compute_p50_ms']:.0f}/{r['compute_p95_ms']:.0f}"
