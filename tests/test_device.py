@@ -10,13 +10,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
 from engine import Translator
 from engine.conversion.fp16 import convert_fp16
 from engine.decoding.scheduler import SchedulerOptions
+from engine.model.config import ModelConfig
 from engine.model.names import onnx_file
+from engine.model.passes.head import split_output_projection
 from engine.model.sessions import CUDA, DeviceUnavailable, device_options
 from tests.conftest import FIXTURE_DIR, FIXTURE_MODEL, ROOT, needs_fixture
 
@@ -88,6 +91,21 @@ def test_fp16_files_run_on_the_cpu_over_fp16_kv_slots(fp16_model: Path) -> None:
     # Measured (examples/benchmarks/fp16_agreement.py): 200 of 200 on the fixture.
     assert same >= len(sources) - 1, same
     assert half.scheduler.kv_slots == {"total": 8, "free": 8, "bytes": pool.bytes}
+
+
+def test_an_fp16_graph_is_cut_at_its_projection_with_fp16_hidden_states(fp16_model: Path) -> None:
+    """The cut declares the hidden states in the projection's own precision: declared as
+    float32, ONNX Runtime refused both parts of an fp16 graph (a type error at load)."""
+    data = (fp16_model / onnx_file("decoder_with_past_model", fp16=True)).read_bytes()
+    split = split_output_projection(data, ModelConfig.from_dir(fp16_model).vocab_size)
+    assert split is not None
+    (hidden,) = onnx.load_from_string(split.head).graph.input
+    assert hidden.name == split.hidden
+    assert hidden.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    body = ort.InferenceSession(split.body, providers=["CPUExecutionProvider"])
+    head = ort.InferenceSession(split.head, providers=["CPUExecutionProvider"])
+    assert split.hidden in {o.name for o in body.get_outputs()}
+    assert head.get_inputs()[0].type == "tensor(float16)"
 
 
 def test_a_missing_fp16_file_says_how_to_make_it() -> None:

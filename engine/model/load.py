@@ -516,11 +516,15 @@ def _cut(
     (`open_session`).
 
     `rows`: the rows of the probe (1 for the one-token graph, which runs one row only:
-    its quantization is per call). A lane alone may run the projection on
+    its quantization is per call). Never cut on a GPU. A lane alone may run the projection on
     `options.alone_head_threads` (all the cores)
     when those are more: `alone`, another graph's such head, is attached where it gives
     this graph's values; without one, this graph's own is opened (also a reason to cut).
     """
+    if device_of(options)[0] != "cpu":
+        # Threads for the projection and positions it may skip are the CPU's concern; on
+        # a GPU the whole graph's projection is one kernel among hundreds.
+        return CutGraph(session, None)
     threads, body_threads = options.head_threads, options.intra_op_threads
     apart = bool(threads and body_threads and threads > body_threads)
     threads = threads if apart else body_threads

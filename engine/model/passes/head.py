@@ -84,6 +84,22 @@ def projection_input(view: GraphView, vocab: int, logits: str = LOGITS) -> str |
     return str(hidden)
 
 
+def _hidden_type(view: GraphView, head_nodes: list[onnx.NodeProto], hidden: str) -> int:
+    """The element type of `hidden`: that of the float projection's weights that read it
+    (fp16 in a model converted to fp16), else float32 (an int8 projection's activations
+    before their quantization)."""
+    for node in head_nodes:
+        if node.op_type != "MatMul" or node.input[0] != hidden:
+            continue
+        weight = node.input[1]
+        producer = view.producer.get(weight)
+        if producer is not None and producer.op_type == "Transpose":
+            weight = producer.input[0]  # tied embeddings
+        if weight in view.initializers:
+            return int(view.initializers[weight].data_type)
+    return int(onnx.TensorProto.FLOAT)
+
+
 def _split(model: onnx.ModelProto, view: GraphView, hidden: str, logits: str) -> HeadSplit | None:
     graph = model.graph
     # The head: every node between `hidden` and `logits`.
@@ -113,7 +129,8 @@ def _split(model: onnx.ModelProto, view: GraphView, hidden: str, logits: str) ->
     body_nodes = [n for n in graph.node if id(n) not in head_ids or id(n) in shared]
     body_reads, head_reads = used(body_nodes), used(head_nodes)  # once: graphs are large
 
-    hidden_info = helper.make_tensor_value_info(hidden, onnx.TensorProto.FLOAT, None)
+    hidden_type = _hidden_type(view, head_nodes, hidden)
+    hidden_info = helper.make_tensor_value_info(hidden, hidden_type, None)
     logits_info = next(o for o in graph.output if o.name == logits)
     body_graph = helper.make_graph(
         body_nodes,
