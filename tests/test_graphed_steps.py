@@ -159,6 +159,36 @@ def test_rows_padding_a_bucket_write_only_their_scratch_slot() -> None:
     assert len(changed_self - {6}) == 3  # and the three rows their own, no other
 
 
+def test_pools_of_one_session_never_share_a_graph_id() -> None:
+    """A session keeps what it captured under an id for as long as it lives, over the
+    buffers it captured: the load's check captures over a pool of its own, so the
+    scheduler's pool must never reuse one of its ids (it would replay the check's graph
+    over the check's freed buffers and leave its own outputs as they were)."""
+    needs_fixture()
+    tr = Translator.from_dir(
+        FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=4), cuda_graphs=True
+    )
+    masked = tr.model.masked
+    assert masked is not None and masked.slots is not None
+    pools = [masked.slots.pool(4), masked.slots.pool(4), tr.scheduler.kv]
+    enc = tr.encode([tr.source_ids(SOURCES[0])])
+    for pool in pools[:2]:  # a step of one row in each, from a prefill of its own
+        assert pool is not None and pool.graphed is not None
+        ids = np.array([[tr.config.decoder_start_token_id]], dtype=np.int64)
+        ones = np.ones((1, 1), dtype=np.int64)
+        slot = np.zeros(1, dtype=np.int64)
+        pool.prefill(enc, ids, ones, slot, slot, slot, np.zeros(1, dtype=np.bool_))
+        pool.step(ids, ones, np.ones((1, 2), dtype=np.int64), enc.attention_mask, slot)
+    tr.translate([SOURCES[1]])
+    used = [
+        bucket.graph
+        for pool in pools
+        if pool and pool.graphed
+        for bucket in pool.graphed._buckets.values()
+    ]
+    assert len(used) >= 3 and len(set(used)) == len(used), used
+
+
 def test_two_lanes_step_without_graphs() -> None:
     """A capture forbids other threads' device work meanwhile: graphs with one lane only."""
     needs_fixture()

@@ -28,6 +28,7 @@ threads' allocations meanwhile: the scheduler uses graphs with one lane only
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from dataclasses import dataclass
@@ -60,6 +61,12 @@ sentences, so that short ones do not each capture graphs of their own."""
 GRAPH_ID = "gpu_graph_id"
 """ONNX Runtime's run option naming the CUDA graph a run captures or replays (-1: none;
 0 is reserved)."""
+
+_graph_ids = itertools.count(1)
+"""Graph ids, never given twice in a process: a session keeps a captured graph for as long
+as it lives, with the memory it captured, and the load's check (`check_slots`) captures
+over a pool of its own before the scheduler's pool uses the same session; an id used again
+would replay the check's graph over the check's freed buffers."""
 
 
 def _power_of_two(n: int) -> int:
@@ -166,7 +173,7 @@ class GraphedSteps:
         ids, scores = self._value((rows, new), np.int64), self._value((rows, new), np.float32)
         binding.bind_ortvalue_output(NEXT_IDS, ids)
         binding.bind_ortvalue_output(NEXT_SCORES, scores)
-        bucket = self._buckets[key] = _Bucket(len(self._buckets) + 1, binding, inputs, ids, scores)
+        bucket = self._buckets[key] = _Bucket(next(_graph_ids), binding, inputs, ids, scores)
         log.debug("graphed step: bucket %s is graph %d", key, bucket.graph)
         return bucket
 

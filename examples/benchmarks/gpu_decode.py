@@ -45,6 +45,10 @@ Timer = Callable[[int, int], float]
 
 TIMELINES: dict[str, Timeline] = {}
 
+LAST: dict[int, list[list[int]]] = {}
+"""id(decode) -> the token ids of its last call: fp32 with and without CUDA graphs must
+agree (a replayed graph that wrote elsewhere would leave stale choices)."""
+
 
 def engine_timer(
     model: Path,
@@ -78,6 +82,7 @@ def engine_timer(
         hyps = tr.decode(batch, options)
         elapsed = time.perf_counter() - start
         assert all(len(h.token_ids) == tokens for h in hyps), [len(h.token_ids) for h in hyps]
+        LAST[id(decode)] = [h.token_ids for h in hyps]
         return elapsed
 
     return decode, tr
@@ -224,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                 results[name][b] = statistics.median(values)
         line = "  ".join(f"{n}: {results[n][b]:.4f}" for n in sides if b in results[n])
         print(f"rows {b:5d}  ms per row-token  {line}", flush=True)
+        plain, graphed = sides["engine fp32 (slots)"], sides.get("engine fp32 (graphs)")
+        if graphed is not None:
+            same = LAST[id(plain)] == LAST[id(graphed)]
+            print(f"    fp32 tokens with CUDA graphs equal those without: {same}", flush=True)
         for name, tr in engines.items():
             assert tr.scheduler.timeline is not None
             pool = tr.scheduler.kv
