@@ -189,6 +189,28 @@ def test_pools_of_one_session_never_share_a_graph_id() -> None:
     assert len(used) >= 3 and len(set(used)) == len(used), used
 
 
+def test_a_graphed_step_that_fails_turns_graphs_off_and_the_step_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bucket whose capture fails (on a GPU: memory, an operator) must not fail the
+    rows: the step runs the ordinary graph, and so do the later ones, logged once."""
+    needs_fixture()
+    tr = Translator.from_dir(
+        FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=4), cuda_graphs=True
+    )
+    pool = tr.scheduler.kv
+    assert pool is not None and pool.graphed is not None
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(pool.graphed, "step", refused)
+    text = SOURCES[2]
+    assert tr.translate([text])[0].token_ids == alone(tr, text, [], DecodeOptions()).token_ids
+    assert pool.graphed is None
+    assert caplog.text.count("CUDA graphs off") == 1
+
+
 def test_two_lanes_step_without_graphs() -> None:
     """A capture forbids other threads' device work meanwhile: graphs with one lane only."""
     needs_fixture()

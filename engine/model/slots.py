@@ -216,8 +216,13 @@ class KvSlots:
         }
         role = "one_token" if "one_token" in self.sessions and input_ids.size == 1 else "step"
         if self.graphed is not None and not logits and role == "step":
-            chosen = self.graphed.step(input_ids, positions, mask, encoder_mask, rows, ban_eos)
-            return StepOutput(chosen.ids, chosen.scores, None)
+            try:
+                chosen = self.graphed.step(input_ids, positions, mask, encoder_mask, rows, ban_eos)
+            except Exception as exc:  # a shape whose capture failed: step as before from now
+                log.warning("CUDA graphs off: a step of shape %s failed (%s)", mask.shape, exc)
+                self.graphed = None
+            else:
+                return StepOutput(chosen.ids, chosen.scores, None)
         return self._choices(role, inputs, logits)
 
     def _choices(self, role: str, inputs: dict[str, npt.NDArray[Any]], logits: bool) -> StepOutput:
