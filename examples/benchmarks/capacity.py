@@ -215,11 +215,11 @@ def run_one(
         scheduler.timeline = None
         steps, requests = timeline.steps(), timeline.answered()
         print(format_summary(summary(steps, requests)), flush=True)
-        path = Path(f"{args.timeline}.{n}.jsonl")
-        with path.open("w") as f:
+        stem = f"{args.timeline}.{n}" + (f".from{first}" if raw else "")  # a process's own
+        with Path(f"{stem}.jsonl").open("w") as f:
             for step in steps:
                 f.write(json.dumps(step.to_dict()) + "\n")
-        with Path(f"{args.timeline}.{n}.requests.jsonl").open("w") as f:
+        with Path(f"{stem}.requests.jsonl").open("w") as f:
             for request in requests:
                 f.write(json.dumps(request.to_dict()) + "\n")
     samples = {

@@ -6,7 +6,8 @@
 # sentences (zho_Hans.devtest); logs and JSON go to $OUT. Each part has its time limit
 # (DECODE_S, CAPACITY_S), so that one call of a lent machine's few minutes gives both.
 # Several engine processes on the one GPU: PROCESSES=8 MAX_ROWS=256 (each its own model
-# and KV pool: MAX_ROWS slots of 12.6 MB in fp16).
+# and KV pool: MAX_ROWS slots of 12.6 MB in fp16). TIMELINE=1: capacity.py prints where
+# each lane's time went (waiting, encode, prefill, steps) per N, and writes the turns.
 set -euo pipefail
 B=$PWD/.gpu/final/bin
 OUT=${OUT:-.}
@@ -33,7 +34,7 @@ if [ -f .gpu/final/zho_Hans.devtest ] && [ "${CAPACITY:-1}" = 1 ]; then
   timeout "${CAPACITY_S:-220}" python3 examples/benchmarks/capacity.py \
     --model "$HOME/m/${CAPACITY_MODEL:-tiled16}" --fp32 --device cuda --lanes 1 \
     --max-rows "${MAX_ROWS:-2048}" --streams "${STREAMS:-500,1000,2000}" \
-    --processes "${PROCESSES:-1}" \
+    --processes "${PROCESSES:-1}" ${TIMELINE:+--timeline "$OUT/timeline"} \
     --sentences "${SENTENCES:-2}" --no-final-check --sources .gpu/final/zho_Hans.devtest \
     --json "$OUT/capacity.json" 2>&1 | grep --line-buffered -v "plugin EP\|ScatterND" \
     | tee "$OUT/capacity.log" || true
