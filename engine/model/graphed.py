@@ -96,7 +96,7 @@ class StepChoices:
 
 @dataclass
 class _Bucket:
-    """One shape's bound buffers, its binding and the run options naming its graph."""
+    """One shape's bound buffers, its binding, the id of its graph and its runs so far."""
 
     graph: int
     binding: ort.IOBinding
@@ -201,7 +201,7 @@ class GraphedSteps:
             MASK_INPUT: _pad(mask, (size, width), 0),
             ENCODER_ATTENTION_MASK: _pad(encoder_mask, (size, source), 0),
             SLOT_ROWS: _pad(rows, (size,), self.scratch),
-            BAN_EOS: _pad(ban_eos, (size, new), False),
+            BAN_EOS: _pad(ban_eos, (size, new), False, np.bool_),
         }
         # A padding row sees its one position (0) and one source position, in its scratch slot.
         padded[MASK_INPUT][batch:, 0] = 1
@@ -223,8 +223,14 @@ class GraphedSteps:
         return StepChoices(ids, scores)
 
 
-def _pad(array: npt.NDArray[Any], shape: tuple[int, ...], fill: Any) -> npt.NDArray[Any]:
-    """`array` in the top-left corner of a new array of `shape`, the rest `fill`."""
-    out = np.full(shape, fill, dtype=array.dtype)
+def _pad(
+    array: npt.NDArray[Any],
+    shape: tuple[int, ...],
+    fill: Any,
+    dtype: type[np.generic] = np.int64,
+) -> npt.NDArray[Any]:
+    """`array` in the top-left corner of a new array of `shape` and `dtype` (that of the
+    bucket's buffer, which takes the bytes as they are), the rest `fill`."""
+    out = np.full(shape, fill, dtype=dtype)
     out[tuple(slice(0, n) for n in array.shape)] = array
     return out
