@@ -18,21 +18,18 @@ import pytest
 
 import engine.model.slots
 from engine import DecodeOptions, Translator
-from engine.decoding.batch import LOOKAHEAD_POSITIONS, Member
 from engine.decoding.scheduler import SchedulerOptions
-from engine.decoding.slot_batch import SlotBatch
 from engine.model.config import ModelConfig
 from engine.model.graphed import MIN_WIDTH, row_bucket, width_bucket
 from engine.model.names import LOGITS, NEXT_IDS, NEXT_SCORES
 from engine.model.passes.slots import rewrite_graphed_step
 from engine.model.slots import slot_bytes
 from tests.conftest import FIXTURE_MODEL, needs_fixture
+from tests.test_kv_slots import drafted_rows_over_slots_equal_alone
 from tests.test_scheduler import (
-    SCORE_TOLERANCE,
     SOURCES,
     alone,
     concurrent_equal_alone,
-    drafted_searches,
     layouts,
 )
 
@@ -108,28 +105,10 @@ def test_beams_take_the_ordinary_step_beside_graphed_rows(graphed: Translator) -
 def test_drafts_and_minimum_lengths_over_graphed_buckets(graphed: Translator) -> None:
     """Several new positions per row (drafts verified) and eos banned below a minimum
     length, through the branch-free ban of the graphed step."""
-    model = graphed.model
     pool = graphed.scheduler.kv
-    if model.masked is None or pool is None or not model.masked.lookahead:
-        pytest.skip("no lookahead over slots for this layout")
-    todo = drafted_searches(graphed)
-    batch = SlotBatch(model, model.masked, pool, LOOKAHEAD_POSITIONS)
-    joins = {0: todo[:2], 1: todo[2:3], 3: todo[3:6], 6: todo[6:]}
-    slots = iter(range(pool.slots))
-    step = 0
-    while step in joins or step < max(joins) or len(batch):
-        batch.update()
-        members = [
-            Member(s, graphed.encode([graphed.source_ids(t)]), (next(slots),))
-            for _, s, t in joins.get(step, [])
-        ]
-        batch.schedule(members)
-        batch.execute()
-        step += 1
-    for ref, s, text in todo:
-        got = s.result()
-        assert got.token_ids == ref.token_ids, (text, s.draft)
-        assert got.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
+    assert pool is not None and pool.graphed is not None
+    drafted_rows_over_slots_equal_alone(graphed)
+    assert pool.graphed.graphs >= 1
 
 
 def test_rows_padding_a_bucket_write_only_their_scratch_slot() -> None:

@@ -194,6 +194,13 @@ def test_slot_rows_with_lookahead_and_minimum_lengths_equal_decoding_alone(
 ) -> None:
     """Rows joining at different steps with drafts verified several tokens per step, and
     eos banned in the graph below their minimum length, each equal decoding alone."""
+    drafted_rows_over_slots_equal_alone(translator)
+
+
+def drafted_rows_over_slots_equal_alone(translator: Translator) -> None:
+    """Drafted searches joining a `SlotBatch` at steps 0, 1, 3 and 6, stepped until all
+    are done: each equals decoding it alone, and some lookahead tokens were accepted and
+    some not (skipped for a layout without lookahead over slots)."""
     model = translator.model
     pool = translator.scheduler.kv
     if model.masked is None or pool is None or not model.masked.lookahead:
