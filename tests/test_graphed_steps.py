@@ -1,6 +1,6 @@
 """The KV-slot step as CUDA graphs replay it (`engine.model.graphed`): fixed shapes in
 buckets, rows padding a bucket in a scratch slot, no control flow and only the greedy
-choice out (`passes.slots.rewrite_graphed_step`).
+choice out (`passes.slots.rewrite_step(..., graphed=True)`).
 
 The CPU provider cannot capture, but it runs the same graph over the same buckets and
 padding (`cuda_graphs=True`): what a GPU would replay is checked here, rows equal to
@@ -22,7 +22,7 @@ from engine.decoding.scheduler import SchedulerOptions
 from engine.model.config import ModelConfig
 from engine.model.graphed import MIN_WIDTH, row_bucket, width_bucket
 from engine.model.names import LOGITS, NEXT_IDS, NEXT_SCORES
-from engine.model.passes.slots import rewrite_graphed_step
+from engine.model.passes.slots import rewrite_step
 from engine.model.slots import slot_bytes
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_kv_slots import drafted_rows_over_slots_equal_alone
@@ -70,10 +70,12 @@ def test_the_graphed_step_has_no_control_flow_and_returns_only_the_choice(
     made: list[bytes | None] = []
 
     def spy(*args: Any, **kwargs: Any) -> bytes | None:
-        made.append(rewrite_graphed_step(*args, **kwargs))
-        return made[-1]
+        data = rewrite_step(*args, **kwargs)
+        if kwargs.get("graphed"):
+            made.append(data)
+        return data
 
-    monkeypatch.setattr(engine.model.slots, "rewrite_graphed_step", spy)
+    monkeypatch.setattr(engine.model.slots, "rewrite_step", spy)
     scheduler = SchedulerOptions(lanes=1, kv_slots=4)
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=scheduler, cuda_graphs=True)
     assert tr.scheduler.kv is not None and tr.scheduler.kv.graphed is not None

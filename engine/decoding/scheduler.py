@@ -279,7 +279,7 @@ class DecodeScheduler:
         log.info(
             "KV slots: %d x %.1f MiB = %.1f MiB (%d positions, %d source positions each)%s",
             count,
-            pool.bytes / (count + (pool.graphed is not None)) / 2**20,
+            masked.slots.slot_bytes() / 2**20,
             pool.bytes / 2**20,
             pool.shape.capacity,
             pool.shape.source_capacity,

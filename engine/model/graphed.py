@@ -6,7 +6,7 @@ rows: docs/gpu.md).
 A CUDA graph replays the kernels it captured on the same memory with the same shapes, so:
 
 - the step's graph has no control flow and returns only the greedy choice
-  (`passes.slots.rewrite_graphed_step`); a search that needs the logits takes the
+  (`passes.slots.rewrite_step(..., graphed=True)`); a search that needs the logits takes the
   ordinary step;
 - shapes come in buckets: rows to the next power of two, the self-attention width and the
   source width to the next power of two from `MIN_WIDTH` (at most the slots' capacity),
@@ -67,6 +67,24 @@ _graph_ids = itertools.count(1)
 as it lives, with the memory it captured, and the load's check (`check_slots`) captures
 over a pool of its own before the scheduler's pool uses the same session; an id used again
 would replay the check's graph over the check's freed buffers."""
+
+
+def bind_slot_buffers(
+    binding: ort.IOBinding,
+    buffers: dict[str, ort.OrtValue],
+    layers: int,
+    declared: set[str],
+    outputs: set[str],
+) -> None:
+    """Bind the KV slot `buffers` a session reads (`declared` inputs) and, to the same
+    memory, those it updates (`outputs`): ONNX Runtime then writes them in place."""
+    for side in ("decoder", "encoder"):
+        pairs = zip(slot_names(layers, side), slot_names(layers, side, out=True), strict=True)
+        for name, updated in pairs:
+            if name in declared:
+                binding.bind_ortvalue_input(name, buffers[name])
+            if updated in outputs:
+                binding.bind_ortvalue_output(updated, buffers[name])
 
 
 def _power_of_two(n: int) -> int:
@@ -159,17 +177,7 @@ class GraphedSteps:
             if name in self.declared:
                 inputs[name] = self._value(dims, dtype)
                 binding.bind_ortvalue_input(name, inputs[name])
-        for side in ("decoder", "encoder"):
-            names = zip(
-                slot_names(self.shape.layers, side),
-                slot_names(self.shape.layers, side, out=True),
-                strict=True,
-            )
-            for name, updated in names:
-                if name in self.declared:
-                    binding.bind_ortvalue_input(name, self.buffers[name])
-                if updated in self.outputs:
-                    binding.bind_ortvalue_output(updated, self.buffers[name])
+        bind_slot_buffers(binding, self.buffers, self.shape.layers, self.declared, self.outputs)
         ids, scores = self._value((rows, new), np.int64), self._value((rows, new), np.float32)
         binding.bind_ortvalue_output(NEXT_IDS, ids)
         binding.bind_ortvalue_output(NEXT_SCORES, scores)

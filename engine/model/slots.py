@@ -26,7 +26,7 @@ from onnx import TensorProto
 
 from engine.model.checks import REWRITE_TOLERANCE
 from engine.model.config import ModelConfig
-from engine.model.graphed import GraphedSteps
+from engine.model.graphed import GraphedSteps, bind_slot_buffers
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray, MaskedDecoder
 from engine.model.names import (
     BAN_EOS,
@@ -48,7 +48,6 @@ from engine.model.names import (
 from engine.model.passes.slots import (
     SlotShape,
     copy_graph,
-    rewrite_graphed_step,
     rewrite_prefill,
     rewrite_step,
 )
@@ -90,7 +89,7 @@ class KvSlots:
     the slot-rewritten with-past graph (`passes.slots.rewrite_step`); `one_token`:
     the same for one-token calls where the model has a faster graph for them (int8 per
     token); `copier`: `passes.slots.copy_graph`; `graphed`: the step as CUDA graphs
-    replay it (`passes.slots.rewrite_graphed_step`), which greedy steps then take
+    replay it (`passes.slots.rewrite_step(..., graphed=True)`), which greedy steps then take
     (`engine.model.graphed`), captured where `capture`: the pool then has one slot more,
     the scratch slot that rows padding a bucket write into.
     `device`: ("cpu", 0) or ("cuda", N)."""
@@ -157,18 +156,10 @@ class KvSlots:
         if binding is None:
             session = self.sessions[role]
             binding = bindings[(role, wanted)] = session.io_binding()
-            declared = self._declared[role]
             outputs = {o.name for o in session.get_outputs()}
-            layers = self.shape.layers
-            for side in ("decoder", "encoder"):
-                names = zip(
-                    slot_names(layers, side), slot_names(layers, side, out=True), strict=True
-                )
-                for name, updated in names:
-                    if name in declared:
-                        binding.bind_ortvalue_input(name, self.buffers[name])
-                    if updated in outputs:
-                        binding.bind_ortvalue_output(updated, self.buffers[name])
+            bind_slot_buffers(
+                binding, self.buffers, self.shape.layers, self._declared[role], outputs
+            )
         return binding
 
     def _run(
@@ -283,7 +274,7 @@ class SlotGraphs:
     copier: ort.InferenceSession
     one_token: ort.InferenceSession | None = None
     device: tuple[str, int] = ("cpu", 0)
-    # The step for CUDA graphs (`rewrite_graphed_step`), captured where `capture`.
+    # The step for CUDA graphs (`rewrite_step(..., graphed=True)`), captured where `capture`.
     graphed: ort.InferenceSession | None = None
     capture: bool = False
 
@@ -444,7 +435,7 @@ def _with_graphed_step(
     """`opened` with the step for CUDA graphs, checked against its ordinary step (with a
     capture on a GPU), or as it is (logged why) when it cannot be had."""
     facts = (config.vocab_size, config.bad_token_ids, config.eos_token_id)
-    graph = rewrite_graphed_step(step, opened.shape, *facts, f"{where} (graphed step)")
+    graph = rewrite_step(step, opened.shape, *facts, f"{where} (graphed step)", graphed=True)
     if graph is None:
         return opened
     capture = opened.device[0] == "cuda"

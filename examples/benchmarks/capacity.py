@@ -132,8 +132,9 @@ def make_lines(n: int, sentences: int, seed: int, first: int = 0) -> list[dict[s
 def run_one(
     translator: Any, n: int, args: argparse.Namespace, first: int = 0, raw: bool = False
 ) -> dict[str, Any]:
-    """One run of streams `first` .. `first + n - 1`; `raw`: with the samples the
-    figures come from, for `merge` (`--processes`)."""
+    """One run of streams `first` .. `first + n - 1`: its figures (`merge`), or with
+    `raw` the samples they come from, for `merge` to pool with other processes'
+    (`--processes`)."""
     from engine.replay import ReplayOptions, replay
     from engine.streaming.session import StreamingOptions
 
@@ -202,7 +203,6 @@ def run_one(
     computing = [t.update.compute_ms for t in result.updates]
     partial_updates = sum(1 for t in result.updates if not t.update.is_final)
     counts = result.counts
-    answered = partial_updates / max(1, partials - counts.get("unchanged", 0))
     sizes: list[float] = []
     if scheduler is not None:  # decoder calls of the live window
         delta = sampler.at(live_end)[2] - sizes_before
@@ -234,35 +234,19 @@ def run_one(
         "counts": dict(counts),
         "rss_growth_mib": max(0.0, rss_peak - rss0),
     }
-    return {
-        **({"raw": samples} if raw else {}),
+    part = {
+        "raw": samples,
         "streams": n,
         "partials": partials,
-        "p50_ms": percentile(latencies, 50),
-        "p95_ms": percentile(latencies, 95),
-        "max_ms": max(latencies, default=float("nan")),
-        "queued_p95_ms": percentile(queued, 95),
-        "compute_p50_ms": percentile(computing, 50),
-        "compute_p95_ms": percentile(computing, 95),
-        "answered": answered,
-        "cancelled": counts.get("cancelled", 0),
-        "superseded": counts.get("superseded", 0),
-        "finals": f"{final_updates}/{finals}",
-        "rows_p50": percentile(sizes, 50),
-        "rows_p95": percentile(sizes, 95),
-        "rows_max": max(sizes, default=float("nan")),
-        "steps": len(sizes),
-        "draft": f"{counts.get('draft_accepted', 0)}/{counts.get('draft_offered', 0)}",
-        "lookahead": f"{counts.get('lookahead_accepted', 0)}/{counts.get('lookahead_offered', 0)}",
         "cpu_use": sampler.cpu_use(wall0, live_end),
         "cpu_full_load": sampler.cpu_use(*full) if full[1] > full[0] else float("nan"),
         "full_load_s": full_s,
         "sent_per_s_full": sent_full / full_s if full_s else float("nan"),
         "answered_per_s_full": answered_full / full_s if full_s else float("nan"),
         "cpu_whole_run": cpu / wall / (os.cpu_count() or 1),
-        "rss_mib_per_stream": max(0.0, rss_peak - rss0) / n,
         "wall_s": wall,
     }
+    return part if raw else merge([part])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -412,8 +396,8 @@ def run_processes(n: int, argv: list[str], processes: int) -> dict[str, Any]:
 
 
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result of several processes' `run_one(..., raw=True)`: latencies and rows per
-    step pooled, rates, CPU shares and memory added up."""
+    """The figures of one or several processes' `run_one(..., raw=True)`: latencies and
+    rows per step pooled, rates, CPU shares and memory added up."""
     raw = [p["raw"] for p in parts]
 
     def pooled(key: str) -> list[float]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -200,15 +201,8 @@ def _choose(b: _Builder, scores: str, ids: str, best: str, vocab: int) -> None:
     chunk = b.op("ArgMax", [local_top], "top_chunk", axis=-1, keepdims=1)  # [B, T, 1]
     within = b.op("GatherElements", [local_at, chunk], "within", axis=-1)
     first = b.op("Mul", [chunk, b.const("chunk", np.array(ARGMAX_CHUNK))], "chunk_start")
-    b.nodes.append(
-        helper.make_node(
-            "Squeeze",
-            [b.op("Add", [first, within], "at"), b.const("axes", np.array([-1]))],
-            [ids],
-        )
-        if b.version >= 13
-        else helper.make_node("Squeeze", [b.op("Add", [first, within], "at")], [ids], axes=[-1])
-    )
+    at = b.squeeze_last(b.op("Add", [first, within], "at"), "chosen")
+    b.nodes.append(helper.make_node("Identity", [at], [ids]))
     top = b.unsqueeze(b.reduce("ReduceMax", local_top, "top"), [-1])
     total = b.reduce("ReduceSum", b.op("Exp", [b.op("Sub", [scores, top], "shift")], "exp"), "sum")
     b.nodes.append(helper.make_node("Neg", [b.op("Log", [total], "log")], [best]))
@@ -238,12 +232,11 @@ def _greedy_outputs(
     if b.float_type != TensorProto.FLOAT:
         source = b.op("Cast", [logits], "logits_f32", to=TensorProto.FLOAT)
     allowed = b.op("Add", [source, b.const("bans", bias)], "allowed")
-    no_eos = np.zeros(vocab, dtype=np.float32)
-    no_eos[eos] = -1e30
+    penalties = np.zeros(vocab, dtype=np.float32)
+    penalties[eos] = -1e30
+    no_eos = b.const("no_eos", penalties)
     if branch_free:
-        banned = b.unsqueeze(b.op("Cast", [BAN_EOS], "ban_f32", to=TensorProto.FLOAT), [2])
-        penalty = b.op("Mul", [banned, b.const("no_eos", no_eos)], "eos_penalty")
-        _choose(b, b.op("Add", [allowed, penalty], "eos_banned"), NEXT_IDS, NEXT_SCORES, vocab)
+        _choose(b, _eos_banned(b, allowed, no_eos), NEXT_IDS, NEXT_SCORES, vocab)
         return
     as_int = b.op("Cast", [BAN_EOS], "ban_i32", to=TensorProto.INT32)
     any_short = b.op("ReduceMax", [as_int], "any_ban", keepdims=0)
@@ -256,13 +249,7 @@ def _greedy_outputs(
             b.graph,
             prefix=f"{_PREFIX}/{branch}",
         )
-        scores = allowed
-        if penalised:
-            banned = inner.unsqueeze(
-                inner.op("Cast", [BAN_EOS], "ban_f32", to=TensorProto.FLOAT), [2]
-            )
-            penalty = inner.op("Mul", [banned, b.const("no_eos", no_eos)], "eos_penalty")
-            scores = inner.op("Add", [allowed, penalty], "eos_banned")
+        scores = _eos_banned(inner, allowed, no_eos) if penalised else allowed
         ids, best = f"{inner.prefix}/ids", f"{inner.prefix}/scores"
         _choose(inner, scores, ids, best, vocab)
         branches[branch] = helper.make_graph(
@@ -279,6 +266,14 @@ def _greedy_outputs(
             "If", [short], [NEXT_IDS, NEXT_SCORES], name=f"{_PREFIX}/greedy", **branches
         )
     )
+
+
+def _eos_banned(b: _Builder, allowed: str, no_eos: str) -> str:
+    """`allowed` [B, T, V] plus `no_eos` [V] (-1e30 at eos, 0 elsewhere) where `BAN_EOS`
+    [B, T] says, and plus 0 x `no_eos` elsewhere."""
+    banned = b.unsqueeze(b.op("Cast", [BAN_EOS], "ban_f32", to=TensorProto.FLOAT), [2])
+    penalty = b.op("Mul", [banned, no_eos], "eos_penalty")
+    return b.op("Add", [allowed, penalty], "eos_banned")
 
 
 def reads(node: onnx.NodeProto) -> list[str]:
@@ -465,12 +460,6 @@ def _rewrite(
     return _finish(edit, shape, [], outputs, set(past_self + past_cross), logits=not graphed)
 
 
-def _rewrite_graphed(
-    model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequence[int], eos: int
-) -> bytes:
-    return _rewrite(model, shape, vocab, bans, eos, graphed=True)
-
-
 def _rewrite_prefill(
     model: onnx.ModelProto, shape: SlotShape, vocab: int, bans: Sequence[int], eos: int
 ) -> bytes:
@@ -543,26 +532,18 @@ def rewrite_step(
     bans: Sequence[int],
     eos: int,
     name: str = "decoder",
+    *,
+    graphed: bool = False,
 ) -> bytes | None:
     """The masks-rewritten with-past graph `data` reading and writing KV slots, or None
     (the reason logged) when its graph lacks the structure this module knows. `bans`:
-    tokens never chosen; `eos`: the token `BAN_EOS` bans per row."""
-    return _guarded(_rewrite, data, shape, (vocab, bans, eos), name)
+    tokens never chosen; `eos`: the token `BAN_EOS` bans per row.
 
-
-def rewrite_graphed_step(
-    data: bytes,
-    shape: SlotShape,
-    vocab: int,
-    bans: Sequence[int],
-    eos: int,
-    name: str = "decoder",
-) -> bytes | None:
-    """`rewrite_step`'s graph for CUDA graphs (`engine.model.slots.GraphedSteps`): no
-    control flow (the eos ban without its `If`) and no logits output, only the greedy
-    choice, whose values are `rewrite_step`'s bit for bit. None (logged) where
-    `rewrite_step` would give None."""
-    return _guarded(_rewrite_graphed, data, shape, (vocab, bans, eos), name)
+    `graphed`: the graph CUDA graphs replay (`engine.model.graphed`): no control flow
+    (the eos ban without its `If`) and no logits output, only the greedy choice, whose
+    values are those of the graph without `graphed`, bit for bit."""
+    rewrite = partial(_rewrite, graphed=graphed)
+    return _guarded(rewrite, data, shape, (vocab, bans, eos), name)
 
 
 def rewrite_prefill(
