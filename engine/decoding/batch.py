@@ -310,14 +310,47 @@ def prefill_rows(searches: Sequence[Search], config: ModelConfig) -> tuple[IntAr
     return ids, mask
 
 
-def _pad_axis(a: npt.NDArray[Any], size: int, *, axis: int, left: bool = False) -> npt.NDArray[Any]:
-    """`a` padded with zeros along `axis` to `size` (on the left or the right)."""
-    missing = size - a.shape[axis]
-    if missing <= 0:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (missing, 0) if left else (0, missing)
-    return np.pad(a, widths)
+def _stacked(
+    parts: Sequence[npt.NDArray[Any]], size: int, *, axis: int, left: bool = False
+) -> npt.NDArray[Any]:
+    """`parts` one after the other along axis 0, each padded with zeros along `axis` to
+    `size` (on the left or the right), in one new array.
+
+    Why not pad each and concatenate: that holds the state three times at once (the rows,
+    their padded copies and the result), and a join is when a batch's state is largest."""
+    shape = list(parts[0].shape)
+    shape[0], shape[axis] = sum(p.shape[0] for p in parts), size
+    out = np.empty(shape, dtype=parts[0].dtype)
+    row = 0
+    for part in parts:
+        rows, have = part.shape[0], part.shape[axis]
+        real = [slice(row, row + rows)] + [slice(None)] * (out.ndim - 1)
+        pad = list(real)
+        real[axis] = slice(size - have, size) if left else slice(0, have)
+        pad[axis] = slice(0, size - have) if left else slice(have, size)
+        out[tuple(real)] = part
+        out[tuple(pad)] = 0
+        row += rows
+    return out
+
+
+def _kept(arrays: tuple[FloatArray, ...], rows: IntArray) -> tuple[FloatArray, ...]:
+    """`a[rows]` of each array. Where `rows` only drops some (increasing), in place: the
+    rows after the first gap move down and the result views the first `len(rows)`.
+
+    Why: rows leave at most steps of a busy batch, and copying every other row's keys and
+    values each time held the state twice, in fresh blocks, at the moment of the copy
+    (memray at the peak of a 32-stream `capacity.py` run: 69 of 253 MB). Only for arrays
+    the batch owns: its decoder calls' outputs and its own `_stacked` results."""
+    if rows.size == 0 or bool(np.any(rows[1:] <= rows[:-1])):
+        return tuple(a[rows] for a in arrays)
+    moved = np.flatnonzero(rows != np.arange(rows.size))
+    if moved.size == 0:
+        return tuple(a[: rows.size] for a in arrays)
+    first = int(moved[0])
+    for a in arrays:
+        a[first : rows.size] = a[rows[first:]]
+    return tuple(a[: rows.size] for a in arrays)
 
 
 @dataclass
@@ -341,8 +374,8 @@ class _Slots:
             return  # no row left or moved: nothing to select or trim
         rows: IntArray = np.array(select, dtype=np.int64)
         self.enc = self.enc.select(rows)
-        self.self_kv = tuple(a[rows] for a in self.self_kv)
-        self.cross_kv = tuple(a[rows] for a in self.cross_kv)
+        self.self_kv = _kept(self.self_kv, rows)
+        self.cross_kv = _kept(self.cross_kv, rows)
         self.real, self.lengths, self.next = self.real[rows], self.lengths[rows], self.next[rows]
         if not len(select):
             return
@@ -362,21 +395,17 @@ class _Slots:
         """Append `other`'s rows: the self KV right-aligned (the shorter side grows on the
         left), sources padded to the longest with `attention_mask` 0."""
         slots = max(self.real.shape[1], other.real.shape[1])
-        mine = tuple(_pad_axis(a, slots, axis=2, left=True) for a in self.self_kv)
-        theirs = tuple(_pad_axis(a, slots, axis=2, left=True) for a in other.self_kv)
         source = max(self.enc.attention_mask.shape[1], other.enc.attention_mask.shape[1])
-        self.self_kv = tuple(np.concatenate(p) for p in zip(mine, theirs, strict=True))
+        self.self_kv = tuple(
+            _stacked(pair, slots, axis=2, left=True)
+            for pair in zip(self.self_kv, other.self_kv, strict=True)
+        )
         self.cross_kv = tuple(
-            np.concatenate([_pad_axis(a, source, axis=2), _pad_axis(b, source, axis=2)])
-            for a, b in zip(self.cross_kv, other.cross_kv, strict=True)
+            _stacked(pair, source, axis=2)
+            for pair in zip(self.cross_kv, other.cross_kv, strict=True)
         )
         self.enc = stack_encoder_outputs([self.enc, other.enc])
-        self.real = np.concatenate(
-            [
-                _pad_axis(self.real, slots, axis=1, left=True),
-                _pad_axis(other.real, slots, axis=1, left=True),
-            ]
-        )
+        self.real = _stacked((self.real, other.real), slots, axis=1, left=True)
         self.lengths = np.concatenate([self.lengths, other.lengths])
         self.next = np.concatenate([self.next, other.next])
 
