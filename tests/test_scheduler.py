@@ -437,8 +437,9 @@ def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The output projection cut apart is checked against the whole graph: a head whose
-    numbers differ (here its bias nudged) is refused with one warning each for the step
-    and the prefill, which then run whole, continuous batching unchanged."""
+    numbers differ (here its bias nudged) is refused with one warning each for the step,
+    the step in place and the prefill, which then run whole, continuous batching
+    unchanged."""
     needs_fixture()
     import onnx
     from onnx import numpy_helper
@@ -461,10 +462,11 @@ def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
     assert tr.scheduler.batching == "continuous"
     assert tr.model.masked is not None and tr.model.masked.head is None
     assert tr.model.masked.prefills.head is None
+    assert tr.model.masked.inplace is not None and tr.model.masked.inplace.head is None
     refusals = sorted(
         r.getMessage().split()[1] for r in caplog.records if "kept whole" in r.getMessage()
     )
-    assert refusals == ["prefill", "step"]
+    assert refusals == ["in-place", "prefill", "step"]
     ref = alone(tr, SOURCES[0], [], DecodeOptions())
     assert tr.translate([SOURCES[0]])[0].token_ids == ref.token_ids
 

@@ -450,9 +450,13 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
         )
     assert moved[True] == 0.0 and moved[False] > 1e-3
 
-    for kv_slots in (8, 0):  # steps over KV slots, and with the state copied
+    # Steps over KV slots, with self-attention in place (the CPU's default) and with the
+    # state copied.
+    for kv_slots, inplace in ((8, None), (0, None), (0, False)):
         tr = Translator.from_dir(
-            FIXTURE_MODEL, quantized=True, scheduler=SchedulerOptions(kv_slots=kv_slots)
+            FIXTURE_MODEL,
+            quantized=True,
+            scheduler=SchedulerOptions(kv_slots=kv_slots, inplace_attention=inplace),
         )
         masked = tr.model.masked
         assert masked is not None and masked.one_token is not None
@@ -461,6 +465,10 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
         runs = {"one": 0, "tokens": 0}
         if pool is not None:
             sessions = {"one": pool.sessions["one_token"], "tokens": pool.sessions["step"]}
+            method = "run_with_iobinding"
+        elif inplace is None:
+            assert masked.inplace is not None and masked.inplace_one is not None
+            sessions = {"one": masked.inplace_one.session, "tokens": masked.inplace.session}
             method = "run_with_iobinding"
         else:
             assert masked.one_token is not None
@@ -478,7 +486,7 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
             monkeypatch.setattr(session, method, counted)
         enc = tr.encode([tr.source_ids(texts[0])])
         tr.decode(enc, DecodeOptions(), prefixes=[[]])
-        assert runs["one"] > 0 and runs["tokens"] == 0, kv_slots
+        assert runs["one"] > 0 and runs["tokens"] == 0, (kv_slots, inplace)
 
 
 def test_a_per_token_step_is_cut_at_its_projection_with_its_quantization() -> None:

@@ -212,6 +212,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
         "on the CPU 0: copied at every step)",
     )
     parser.add_argument(
+        "--no-inplace-attention",
+        action="store_true",
+        help="on the CPU, copy each row's self-attention keys and values at every step "
+        "rather than extend them in place (the default where the decoder allows it)",
+    )
+    parser.add_argument(
         "--lockstep",
         action="store_true",
         help="do not rewrite the decoder for continuous batching: batch only requests that "
@@ -314,7 +320,11 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         "allow_spinning": args.spin,
         "batchable": not args.lockstep,
         "int8_per_token": not args.int8_per_call,
-        "scheduler": SchedulerOptions(max_rows=args.max_batch_rows, kv_slots=args.kv_slots),
+        "scheduler": SchedulerOptions(
+            max_rows=args.max_batch_rows,
+            kv_slots=args.kv_slots,
+            inplace_attention=False if args.no_inplace_attention else None,
+        ),
         "device": args.device,
         "cuda_graphs": False if args.no_cuda_graphs else None,
     }

@@ -49,6 +49,7 @@ from engine.decoding.batch import (
     LockstepBatch,
     Member,
 )
+from engine.decoding.inplace_batch import InPlaceBatch
 from engine.decoding.policy import (
     PREFILL_POSITIONS,
     Answer,
@@ -132,6 +133,11 @@ class SchedulerOptions:
     # values out of the slots at every step (Gather), which costs more than it saves (see
     # docs/performance.md#kv-slots).
     kv_slots: int | None = None
+    # Continuous batches on the CPU keep each row's self-attention keys and values in
+    # buffers that steps extend in place (`engine.decoding.inplace_batch`) rather than
+    # copying them at every step. None: where the model built that step (on the CPU, by
+    # default); False: the copied state, with lookahead (docs/performance.md).
+    inplace_attention: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -293,6 +299,8 @@ class DecodeScheduler:
             return LockstepBatch(self.model)
         if self.kv is not None:
             return SlotBatch(self.model, masked, self.kv, self.options.lookahead_positions)
+        if masked.inplace is not None and self.options.inplace_attention is not False:
+            return InPlaceBatch(self.model, masked, self.options.lookahead_positions)
         return ContinuousBatch(self.model, masked, self.options.lookahead_positions)
 
     # -- API (any thread) ---------------------------------------------------------------

@@ -112,6 +112,7 @@ class Translator:
             head_threads=threads.head,
             alone_head_threads=threads.alone,
             kv_slots=None if chosen.kv_slots is None else chosen.kv_slots > 0,
+            inplace_attention=chosen.inplace_attention,
             int8_per_token=int8_per_token,
             fp16=fp16,
             cuda_graphs=cuda_graphs,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -35,6 +36,8 @@ from engine.model.names import (
     MASK_INPUT,
     POSITIONS_INPUT,
     PRESENT,
+    SEQLENS_INPUT,
+    TOTAL_INPUT,
     USE_CACHE_BRANCH,
     kv_names,
 )
@@ -521,11 +524,16 @@ class MaskedDecoder:
         self.one_token = one_token
         # The step over KV slots, where the graphs allow it (`engine.model.slots`).
         self.slots: SlotGraphs | None = None
+        # The step with self-attention in place (`passes.inplace`, `step_in_place`), and
+        # its one-row form where `one_token` has one; None where the load did not build it.
+        self.inplace: CutGraph | None = None
+        self.inplace_one: CutGraph | None = None
         # Whether a step may take several tokens per row (`ContinuousBatch` lookahead).
         self.lookahead = lookahead
         self.max_difference = max_difference
         self._prefill_inputs = {i.name for i in prefills.session.get_inputs()}
         self._step_inputs = {i.name for i in steps.session.get_inputs()}
+        self._inplace_inputs: dict[int, set[str]] = {}
         self._names = _KvNames(layers)
         self.calls = calls  # the model's call counter, shared
 
@@ -619,6 +627,68 @@ class MaskedDecoder:
             return logits[:, -1, :], tuple(out[1:])
         ahead = _project(projection, out[0], mask[:, -fed:].astype(bool))
         return ahead.dense(fed), tuple(out[1:])
+
+    def step_in_place(
+        self,
+        enc: EncoderOutput,
+        input_ids: IntArray,
+        lengths: IntArray,
+        buffers: Sequence[FloatArray],
+        cross_kv: tuple[FloatArray, ...],
+        *,
+        alone: bool = False,
+    ) -> FloatArray:
+        """One token per row over self-attention buffers (`inplace`): `buffers` are each
+        layer's key and value, `[rows, heads, capacity, head_dim]` in `kv_names` order,
+        row r's first `lengths[r]` positions real; the step writes position `lengths[r]`
+        of every buffer in place (the caller then counts it) and returns logits [B, V].
+        One row may take several tokens (`input_ids` [1, T], lookahead): logits
+        [1, T, V], positions `lengths[0]` to `lengths[0] + T - 1` written.
+
+        Why: the ordinary `step` copies every row's keys and values into new arrays
+        at every step (`Concat`); here they never move (docs/performance.md)."""
+        assert self.inplace is not None
+        rows, fed = input_ids.shape
+        if fed > 1 and rows > 1:
+            raise ValueError("several tokens per row take one row (GroupQueryAttention)")
+        one = self.inplace_one is not None and input_ids.size == 1
+        graph = self.inplace_one if one and self.inplace_one is not None else self.inplace
+        session = graph.session
+        values: dict[str, Any] = {
+            ENCODER_ATTENTION_MASK: enc.attention_mask,
+            INPUT_IDS: input_ids,
+            ENCODER_HIDDEN_STATES: enc.hidden_states,
+            POSITIONS_INPUT: lengths.reshape(-1, 1) + np.arange(fed, dtype=np.int64)[None, :],
+            SEQLENS_INPUT: (lengths + fed - 1).astype(np.int32),
+            TOTAL_INPUT: np.array(int(lengths.max()) + fed, dtype=np.int32),
+        }
+        values.update(zip(self._names.cross_in, cross_kv, strict=True))
+        declared = self._inplace_inputs.get(id(session))
+        if declared is None:
+            declared = self._inplace_inputs[id(session)] = {i.name for i in session.get_inputs()}
+        binding = session.io_binding()
+        result = graph.head[1] if graph.head is not None else LOGITS
+        binding.bind_output(result)
+        for name, value in values.items():
+            if name in declared:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        pairs = zip(self._names.self_in, self._names.self_out, buffers, strict=True)
+        for past, present, buffer in pairs:
+            shape, address = list(buffer.shape), buffer.ctypes.data
+            binding.bind_input(past, "cpu", 0, buffer.dtype, shape, address)
+            binding.bind_output(present, "cpu", 0, buffer.dtype, shape, address)
+        self.calls["decoder"] += 1
+        session.run_with_iobinding(binding)
+        out = binding.get_outputs()[0].numpy()
+        if graph.head is None:
+            logits: FloatArray = out[:, -1, :] if fed == 1 else out
+            return logits
+        projection = graph.alone if alone and graph.alone is not None else graph.head
+        if fed > 1:
+            return _project(projection, out, np.ones((rows, fed), dtype=bool)).dense(fed)
+        head, head_input = projection
+        projected: FloatArray = head.run([LOGITS], {head_input: out})[0][:, -1, :]
+        return projected
 
 
 class MaskedLayout(LayoutDecoder):

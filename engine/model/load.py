@@ -28,6 +28,7 @@ import onnxruntime as ort
 
 from engine.errors import ModelLoadError
 from engine.model.checks import (
+    KERNEL_INT8_TOLERANCE,
     REWRITE_TOLERANCE,
     SPLIT_TOLERANCE,
     Signature,
@@ -64,6 +65,7 @@ from engine.model.names import (
 )
 from engine.model.passes.graph import load_model
 from engine.model.passes.head import HeadSplit, split_output_projection
+from engine.model.passes.inplace import rewrite_inplace
 from engine.model.passes.masks import rewrite_decoder
 from engine.model.passes.merged_split import split_merged
 from engine.model.passes.per_token import per_token_graph
@@ -487,7 +489,78 @@ def load_masked(
         if not wanted
         else open_slot_graphs(graphs_bytes, masked, config, options, per_token, str(model_dir))
     )
+    inplace = options.inplace_attention
+    if inplace is None:
+        inplace = device_of(options)[0] == "cpu"
+    if inplace:
+        _open_inplace(masked, graph, (with_past, one), config, options, per_token, model_dir)
     return masked
+
+
+def _open_inplace(
+    masked: MaskedDecoder,
+    graph: BatchedDecoder,
+    ordinary: tuple[ort.InferenceSession, ort.InferenceSession | None],
+    config: ModelConfig,
+    options: RuntimeOptions,
+    per_token: bool,
+    model_dir: Path,
+) -> None:
+    """`masked.inplace` (and `inplace_one`, for the one-token graph) where the step's
+    self-attention can be rewritten in place (`passes.inplace`) and the rewrite gives the
+    ordinary step's logits on a probe; left None otherwise, logged."""
+    built: list[CutGraph | None] = []
+    sources = (graph.with_past, graph.one_token)
+    # The projection is not rewritten: each graph shares its ordinary twin's head.
+    heads = (masked.steps.head, None if masked.one_token is None else masked.one_token.head)
+    labels = ("step", "one-token step")
+    for source, session, label, head in zip(sources, ordinary, labels, heads, strict=True):
+        if source is None or session is None:
+            built.append(None)
+            continue
+        rewritten = rewrite_inplace(source, f"{model_dir} ({label})")
+        if rewritten is None:
+            built.append(None)
+            continue
+        try:
+            opened = open_session(rewritten, options, per_token=per_token and label == "step")
+            rows = 2 if label == "step" else 1
+            quantized = options.quantized
+            worst = check_rewrite(
+                session, opened, past_len=4, cur_len=1, batch=rows, relative=quantized
+            )
+        except Exception as exc:  # a kernel or graph ONNX Runtime refuses: keep the ordinary
+            log.warning("%s: %s with self-attention in place not used (%s)", model_dir, label, exc)
+            built.append(None)
+            continue
+        if not worst <= (KERNEL_INT8_TOLERANCE if quantized else REWRITE_TOLERANCE):
+            log.warning(
+                "%s: %s with self-attention in place differs by %.3g: not used",
+                model_dir,
+                label,
+                worst,
+            )
+            built.append(None)
+            continue
+        rows = 2 if label == "step" else 1
+        built.append(
+            _cut(
+                model_dir,
+                rewritten,
+                opened,
+                config,
+                options,
+                per_token=per_token and label == "step",
+                alone=masked.steps.alone,
+                rows=rows,
+                label=f"in-place {label}",
+                head=head,
+            )
+        )
+    masked.inplace = built[0]
+    masked.inplace_one = built[1] if built[0] is not None else None
+    if masked.inplace is not None:
+        log.info("%s: steps with self-attention in place (passes.inplace)", model_dir)
 
 
 def _cut(
@@ -501,6 +574,8 @@ def _cut(
     per_token: bool = False,
     alone: tuple[ort.InferenceSession, str] | None = None,
     rows: int = 2,
+    label: str | None = None,
+    head: tuple[ort.InferenceSession, str] | None = None,
 ) -> CutGraph:
     """A rewritten decoder graph whole (`session`), or as its body on the lane's threads
     and its output projection on `options.head_threads` (`passes.head`) when those are
@@ -520,6 +595,9 @@ def _cut(
     `options.alone_head_threads` (all the cores)
     when those are more: `alone`, another graph's such head, is attached where it gives
     this graph's values; without one, this graph's own is opened (also a reason to cut).
+    `head`: another graph's head on the same threads, taken instead of opening one where
+    it reads the same hidden state (one copy of the projection's weights); the check
+    below still decides.
     """
     if device_of(options)[0] != "cpu":
         # Threads for the projection and positions it may skip are the CPU's concern; on
@@ -533,6 +611,7 @@ def _cut(
     if not apart and not prefill and not wide:
         return CutGraph(session, None)
     what, past_len, cur_len = ("prefill", 0, 3) if prefill else ("step", 4, 1)
+    what = label or what
     try:
         split = split_output_projection(graph, config.vocab_size)
         if split is None:
@@ -541,9 +620,19 @@ def _cut(
             )
             return CutGraph(session, None)
         body = open_session(split.body, options, per_token=per_token)
-        head = open_session(split.head, options, threads=threads or None, per_token=per_token)
+        projection = (
+            head[0]
+            if head is not None and head[1] == split.hidden
+            else open_session(split.head, options, threads=threads or None, per_token=per_token)
+        )
         worst = check_cut(
-            session, body, head, split.hidden, past_len=past_len, cur_len=cur_len, batch=rows
+            session,
+            body,
+            projection,
+            split.hidden,
+            past_len=past_len,
+            cur_len=cur_len,
+            batch=rows,
         )
         if wide and alone is None:
             alone = (
@@ -575,7 +664,7 @@ def _cut(
             worst,
         )
         return CutGraph(session, None)
-    return CutGraph(body, (head, split.hidden), alone if wide else None)
+    return CutGraph(body, (projection, split.hidden), alone if wide else None)
 
 
 def _release_freed_memory() -> None:

@@ -111,6 +111,15 @@ NEXT_SCORES = "next_token_scores"
 """[B, T] float32: the log-probability of `NEXT_IDS`."""
 
 
+# -- self-attention in place (`engine.model.passes.inplace`) -------------------------------
+
+SEQLENS_INPUT = "self_kv_lengths"
+"""[B] int32: each row's self-attention positions before the step's (where its new one is
+written in the buffers of `past_key_values.*.decoder.*`)."""
+TOTAL_INPUT = "self_kv_total_length"
+"""int32 scalar: the longest row's positions after the step."""
+
+
 def slot_names(layers: int, side: str, *, out: bool = False) -> list[str]:
     """The KV slot buffers of `side` ("decoder": self-attention, "encoder": cross), in
     `kv_names` order; `out`: the names under which a graph returns them updated."""

@@ -60,6 +60,10 @@ class RuntimeOptions:
     # GPU only, where the scheduler uses them by default (`SchedulerOptions.kv_slots`);
     # on the CPU they cost a rewrite and three sessions that would go unused.
     kv_slots: bool | None = None
+    # Whether to build the step with self-attention in place (`passes.inplace`): None, on
+    # the CPU, where the scheduler's continuous batches use it (`SchedulerOptions`
+    # `inplace_attention`); a GPU keeps its state in KV slots instead.
+    inplace_attention: bool | None = None
     int8_per_token: bool = True
     device_id: int = 0
     # Where ONNX Runtime writes each session's profile (a file prefix; None: no profile).

@@ -291,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-drafts", action="store_true", help="no draft verification")
     parser.add_argument(
+        "--no-inplace-attention",
+        action="store_true",
+        help="self-attention keys and values copied at every step (default: extended in "
+        "place, engine/decoding/inplace_batch.py)",
+    )
+    parser.add_argument(
         "--lookahead-positions",
         type=int,
         default=None,
@@ -357,6 +363,8 @@ def load_translator(args: argparse.Namespace) -> Any:
             chosen["prefill_positions"] = args.prefill_positions
         if args.kv_slots is not None:
             chosen["kv_slots"] = args.kv_slots
+        if args.no_inplace_attention:
+            chosen["inplace_attention"] = False
         kwargs["scheduler"] = SchedulerOptions(**{k: v for k, v in chosen.items() if v is not None})
     except ImportError:  # an older engine, for before/after runs
         pass

@@ -65,6 +65,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     # The decoder state in KV slots (`--kv-slots`; on the CPU the default copies it per step).
     "ours int8 slots": {"engine": "ours", "quantized": True, "use_cache": True, "kv_slots": 64},
+    # Self-attention's keys and values copied at every step (`--no-inplace-attention`), as
+    # before the default extended them in place (`engine.decoding.inplace_batch`).
+    "ours int8 copied": {
+        "engine": "ours",
+        "quantized": True,
+        "use_cache": True,
+        "inplace_attention": False,
+    },
     "ct2 fp32": {"engine": "ct2", "dir": "ct2-float32"},
     "ct2 int8": {"engine": "ct2", "dir": "ct2-int8"},
 }
@@ -129,6 +137,11 @@ def _ours_runner(spec: dict[str, Any]) -> tuple[Runner, Callable[[], None]]:
             cores=spec["threads"],
             head_threads=spec.get("head_threads"),
             **({"kv_slots": spec["kv_slots"]} if "kv_slots" in spec else {}),
+            **(
+                {"inplace_attention": spec["inplace_attention"]}
+                if "inplace_attention" in spec
+                else {}
+            ),
         ),
         int8_per_token=spec.get("int8_per_token", True),
     )

@@ -1,0 +1,222 @@
+"""A continuous batch whose self-attention keys and values stay where they were written:
+one buffer per layer and kind, `[rows, heads, positions, head_dim]`, that each step reads
+and extends in place (`MaskedDecoder.step_in_place`, `engine.model.passes.inplace`).
+
+`ContinuousBatch` hands every row's keys and values to each step and gets them back one
+position longer: the graph copies the whole state into new arrays at every step, and a
+join pads and copies it again. Here row r of the batch is row r of the buffers, its
+positions first and its length its own, so:
+
+- a step writes one position per row and copies nothing (and its rows are not padded to
+  the longest: each row's attention reads its own positions);
+- a join copies only the newcomers' prefilled positions into the rows after the last;
+- a leave moves the rows after it down by their own positions only;
+- the buffers grow (doubling their rows) only when the batch outgrows them, so the state's
+  memory is set by the most rows a lane held, not allocated per step.
+
+Cross-attention keys and values are the batch's, as in `ContinuousBatch` (they never grow).
+Drafts are verified in the prefill as in `ContinuousBatch`, and re-aligned drafts in a
+step (lookahead) for a lone row only: `GroupQueryAttention` refuses several new tokens per
+row for several rows, and a lone row is where a saved step is worth the most
+(`LOOKAHEAD_POSITIONS`). A rejected token's position is simply written again.
+Rows equal decoding alone over the same graphs: each row's attention reads its own
+positions only.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.decoding.batch import (
+    LOOKAHEAD,
+    ContinuousBatch,
+    Member,
+    _kept,
+    _stacked,
+    stack_encoder_outputs,
+)
+from engine.decoding.search import Search
+from engine.model.layouts import EncoderOutput, FloatArray, IntArray, MaskedDecoder
+from engine.model.marian import MarianOnnx
+
+INITIAL_ROWS = 4
+"""Rows of a lane's first buffers; they double when the batch outgrows them."""
+
+
+def _zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
+    """A zeroed array whose pages the kernel maps as they are written, in pages of 4 KiB.
+
+    Why not `np.zeros`: NumPy advises huge pages for large arrays, and a buffer of
+    `[rows, heads, positions, head_dim]` is written a few positions per head at a time:
+    with 2 MiB pages the first position of each head made the whole buffer resident (a
+    32-stream `capacity.py` run grew 300 MiB instead of 100)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    memory = mmap.mmap(-1, max(size, 1))
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if advice is not None:
+        memory.madvise(advice)
+    array: FloatArray = np.frombuffer(memory, dtype=dtype, count=int(np.prod(shape)))
+    return array.reshape(shape)
+
+
+@dataclass
+class _Rows:
+    """The batch's rows apart from their self-attention state: the encoder outputs and
+    cross-attention keys and values (right-padded to the longest source), each row's
+    positions so far and its next token."""
+
+    enc: EncoderOutput
+    cross_kv: tuple[FloatArray, ...]
+    lengths: IntArray  # [rows]
+    next: IntArray  # [rows, 1]
+
+    def select(self, rows: IntArray) -> None:
+        self.enc = self.enc.select(rows)
+        self.cross_kv = _kept(self.cross_kv, rows)
+        self.lengths, self.next = self.lengths[rows], self.next[rows]
+        if not rows.size:
+            return
+        source = int(np.flatnonzero(self.enc.attention_mask.any(axis=0))[-1]) + 1
+        if source < self.enc.attention_mask.shape[1]:
+            self.enc = EncoderOutput(
+                self.enc.hidden_states[:, :source], self.enc.attention_mask[:, :source]
+            )
+            self.cross_kv = tuple(a[:, :, :source] for a in self.cross_kv)
+
+
+class InPlaceBatch(ContinuousBatch):
+    """`ContinuousBatch` over self-attention buffers updated in place (module docstring)."""
+
+    def __init__(
+        self, model: MarianOnnx, decoder: MaskedDecoder, lookahead_positions: int = 0
+    ) -> None:
+        if decoder.inplace is None:
+            raise ValueError("the model has no step with self-attention in place")
+        super().__init__(model, decoder, lookahead_positions)
+        config = model.config
+        # A row's positions: the start token and at most the length limit's tokens.
+        self.positions = min(config.max_length, config.max_position_embeddings)
+        self._buffers: tuple[FloatArray, ...] = ()
+        self._rows: _Rows | None = None
+
+    @property
+    def buffer_rows(self) -> int:
+        """Rows the buffers hold now (the most this lane has needed, rounded up)."""
+        return int(self._buffers[0].shape[0]) if self._buffers else 0
+
+    def update(self) -> list[Search]:
+        if self._logits is None:
+            return []
+        logits, self._logits = self._logits, None
+        rows = self._rows
+        assert rows is not None
+        steps = self._observe(logits, self._ahead)
+        if self._fed > 1:  # a lone row fed tokens ahead: those it confirmed are written
+            for row, taken in steps.confirmed:
+                rows.lengths[row] += taken
+            self.stats["lookahead_offered"] += sum(map(len, self._ahead))
+            self.stats["lookahead_accepted"] += sum(taken for _, taken in steps.confirmed)
+        self._select(steps.select)
+        rows.next = np.array(steps.tokens, dtype=np.int64).reshape(-1, 1)
+        return steps.ended
+
+    def schedule(self, joining: Sequence[Member], leaving: Collection[Search] = ()) -> list[Search]:
+        if self._logits is not None:
+            raise RuntimeError("schedule between execute and update")
+        select = self._without(leaving)
+        if select is not None:
+            self._select(select)
+        if not joining:
+            return []
+        ended, kept, slots = self._prefill(joining)
+        if not kept:
+            return ended
+        before = len(self._rows.lengths) if self._rows is not None and self.searches else 0
+        self._reserve(before + len(slots.lengths), slots.self_kv)
+        for i, length in enumerate(slots.lengths.tolist()):
+            for buffer, prefilled in zip(self._buffers, slots.self_kv, strict=True):
+                buffer[before + i, :, :length] = prefilled[i, :, :length]
+        if before and self._rows is not None:
+            rows = self._rows
+            source = max(rows.enc.attention_mask.shape[1], slots.enc.attention_mask.shape[1])
+            rows.cross_kv = tuple(
+                _stacked(pair, source, axis=2)
+                for pair in zip(rows.cross_kv, slots.cross_kv, strict=True)
+            )
+            rows.enc = stack_encoder_outputs([rows.enc, slots.enc])
+            rows.lengths = np.concatenate([rows.lengths, slots.lengths])
+            rows.next = np.concatenate([rows.next, slots.next])
+        else:
+            self._rows = _Rows(slots.enc, slots.cross_kv, slots.lengths.copy(), slots.next)
+        self.searches = [*self.searches, *kept]
+        return ended
+
+    def execute(self) -> None:
+        if not self.searches:
+            self._rows, self._ahead = None, []
+            return
+        rows = self._rows
+        assert rows is not None
+        count = len(rows.lengths)
+        self._ahead = self._look_ahead(
+            min(LOOKAHEAD, self.lookahead_positions) if count == 1 else 0
+        )
+        ids = rows.next
+        if self._ahead:  # one row: its next token and those it is expected to go on with
+            ids = np.array([[int(rows.next[0, 0]), *self._ahead[0]]], dtype=np.int64)
+        self._fed = int(ids.shape[1])
+        logits = self.decoder.step_in_place(
+            rows.enc,
+            ids,
+            rows.lengths,
+            [buffer[:count] for buffer in self._buffers],
+            rows.cross_kv,
+            alone=self.alone,
+        )
+        self._logits = logits[:, None, :] if self._fed == 1 else logits
+        rows.lengths = rows.lengths + 1
+
+    def _reserve(self, count: int, like: tuple[FloatArray, ...]) -> None:
+        """Buffers of at least `count` rows, one per array of `like` (a prefill's self
+        KV: their heads, head size and type), the rows held so far kept (doubling)."""
+        if count <= self.buffer_rows:
+            return
+        size = max(count, 2 * self.buffer_rows, INITIAL_ROWS)
+        grown = tuple(_zeros((size, a.shape[1], self.positions, a.shape[3]), a.dtype) for a in like)
+        held = len(self._rows.lengths) if self._rows is not None and self.searches else 0
+        if held and self._rows is not None:
+            longest = int(self._rows.lengths.max())
+            for new, old in zip(grown, self._buffers, strict=True):
+                new[:held, :, :longest] = old[:held, :, :longest]
+        self._buffers = grown
+
+    def _select(self, select: Sequence[int]) -> None:
+        """Keep these rows, in this order: their positions move to the buffers' first rows
+        (only rows after the first change move; a beam's reordered rows are copied)."""
+        rows = self._rows
+        assert rows is not None
+        order = np.asarray(select, dtype=np.int64)
+        if order.size == len(rows.lengths) and bool(np.all(order == np.arange(order.size))):
+            return
+        lengths = rows.lengths
+        moved = np.flatnonzero(order != np.arange(order.size))
+        if moved.size:
+            first = int(moved[0])
+            sources = order[first:]
+            longest = int(lengths[sources].max())
+            increasing = bool(np.all(np.diff(order) > 0))
+            for buffer in self._buffers:
+                if increasing:  # rows only left: each moves down over a freed one
+                    for target, source in zip(
+                        range(first, order.size), sources.tolist(), strict=True
+                    ):
+                        length = int(lengths[source])
+                        buffer[target, :, :length] = buffer[source, :, :length]
+                else:  # reordered or repeated (a beam): read them all before writing
+                    buffer[first : order.size, :, :longest] = buffer[sources, :, :longest]
+        rows.select(order)

@@ -1,0 +1,247 @@
+"""Self-attention in place (`engine.model.passes.inplace`, `engine.decoding.inplace_batch`):
+the CPU's continuous batches step over buffers that each step extends where they are.
+
+- The rewrite replaces every layer's attention core of each batchable layout's step and
+  gives the ordinary step's logits for rows of different lengths in one call, each row
+  reading only its own positions, the new position written in place.
+- A graph it does not know gives None and a reason; the batch then copies the state.
+- The scheduler's batches are in place by default on the CPU, `inplace_attention=False`
+  copies the state; both give decoding alone's tokens (tests/test_scheduler.py checks
+  every layout in place, here the copied state once more).
+- Rows join and leave thousands of times without the buffers growing past the most rows
+  held at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from engine import DecodeOptions, Translator
+from engine.decoding.batch import ContinuousBatch
+from engine.decoding.inplace_batch import INITIAL_ROWS, InPlaceBatch
+from engine.decoding.scheduler import SchedulerOptions
+from engine.model.names import (
+    ENCODER_ATTENTION_MASK,
+    ENCODER_HIDDEN_STATES,
+    INPUT_IDS,
+    MASK_INPUT,
+    POSITIONS_INPUT,
+    SEQLENS_INPUT,
+    TOTAL_INPUT,
+)
+from engine.model.passes.inplace import rewrite_inplace
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+from tests.test_scheduler import (
+    SCORE_TOLERANCE,
+    SOURCES,
+    alone,
+    concurrent_equal_alone,
+    layouts,
+)
+
+Array = np.ndarray[Any, Any]
+FP32_TOLERANCE = 1e-5
+
+
+def _translator(**options: Any) -> Translator:
+    needs_fixture()
+    scheduler = options.pop("scheduler", SchedulerOptions(lanes=1))
+    return Translator.from_dir(FIXTURE_MODEL, scheduler=scheduler, **options)
+
+
+def _session(model: bytes) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def _masked_step(tr: Translator) -> bytes:
+    """The fixture's masked with-past graph, fp32 (`load._masked_graphs`)."""
+    from engine.model.load import DecoderGraphs, _masked_graphs, _rewrite, choose_files
+
+    graphs = DecoderGraphs(choose_files(tr.model.model_dir, tr.model.options))
+    rewritten = _rewrite(graphs)
+    assert rewritten is not None
+    return _masked_graphs(rewritten, graphs.sources, None, per_token=False).with_past
+
+
+@pytest.mark.parametrize("name,options", layouts(), ids=[name for name, _ in layouts()])
+def test_every_batchable_layout_steps_with_self_attention_in_place(
+    name: str, options: dict[str, object]
+) -> None:
+    tr = _translator(**dict(options))
+    masked = tr.model.masked
+    assert masked is not None and masked.inplace is not None, name
+    assert isinstance(tr.scheduler._lanes[0].batch, InPlaceBatch)
+    graph = onnx.load_from_string(rewrite_inplace(_masked_step(tr), name) or b"")
+    kinds = [node.op_type for node in graph.graph.node]
+    assert kinds.count("GroupQueryAttention") == tr.config.decoder_layers
+    inputs = {i.name for i in graph.graph.input}
+    assert MASK_INPUT not in inputs and {SEQLENS_INPUT, TOTAL_INPUT} <= inputs
+    # No present is a concatenation any more: each comes out of the attention itself.
+    produced = {out: node.op_type for node in graph.graph.node for out in node.output}
+    presents = [o.name for o in graph.graph.output if ".decoder." in o.name]
+    assert presents and all(produced[p] == "GroupQueryAttention" for p in presents)
+
+
+def test_rows_of_different_lengths_read_their_own_positions_written_in_place() -> None:
+    """Three rows with 2, 5 and 9 past positions in one call over buffers of 16: each
+    row's logits are what the ordinary step gives it with its padding masked out, and the
+    step wrote each row's new keys at its own length, nothing else."""
+    tr = _translator()
+    ordinary = _masked_step(tr)
+    inplace = rewrite_inplace(ordinary, "fixture")
+    assert inplace is not None
+    plain, fast = _session(ordinary), _session(inplace)
+    config = tr.config
+    layers, lengths, capacity, source = config.decoder_layers, [2, 5, 9], 16, 6
+    rng = np.random.default_rng(0)
+    kv_shape = next(i.shape for i in plain.get_inputs() if i.name.endswith("0.decoder.key"))
+    heads, dim = int(kv_shape[1]), int(kv_shape[3])
+    hidden = heads * dim
+    rows = len(lengths)
+    widest = max(lengths)
+    ids = rng.integers(3, 50, (rows, 1), dtype=np.int64)
+    enc_mask = np.ones((rows, source), dtype=np.int64)
+    enc_mask[0, 4:] = 0
+    common: dict[str, Array] = {
+        INPUT_IDS: ids,
+        ENCODER_ATTENTION_MASK: enc_mask,
+        ENCODER_HIDDEN_STATES: rng.standard_normal((rows, source, hidden)).astype(np.float32),
+    }
+    buffers: dict[str, Array] = {}
+    padded: dict[str, Array] = {}
+    for layer in range(layers):
+        for kind in ("key", "value"):
+            cross = rng.standard_normal((rows, heads, source, dim)).astype(np.float32)
+            common[f"past_key_values.{layer}.encoder.{kind}"] = cross
+            buffer = rng.standard_normal((rows, heads, capacity, dim)).astype(np.float32)
+            name = f"past_key_values.{layer}.decoder.{kind}"
+            buffers[name] = buffer
+            # The ordinary step's layout: each row right-aligned over the widest, padded.
+            left = np.zeros((rows, heads, widest, dim), dtype=np.float32)
+            for r, length in enumerate(lengths):
+                left[r, :, widest - length :] = buffer[r, :, :length]
+            padded[name] = left
+    mask = np.zeros((rows, widest + 1), dtype=np.int64)
+    for r, length in enumerate(lengths):
+        mask[r, widest - length :] = 1
+    positions = np.array(lengths, dtype=np.int64).reshape(-1, 1)
+    want_feed = {**common, **padded, MASK_INPUT: mask, POSITIONS_INPUT: positions}
+    declared = {i.name for i in plain.get_inputs()}
+    want = plain.run(["logits"], {k: v for k, v in want_feed.items() if k in declared})[0]
+
+    before = {name: buffer.copy() for name, buffer in buffers.items()}
+    binding = fast.io_binding()
+    binding.bind_output("logits")
+    fast_inputs = {i.name for i in fast.get_inputs()}
+    extra = {
+        POSITIONS_INPUT: positions,
+        SEQLENS_INPUT: np.array(lengths, dtype=np.int32),
+        TOTAL_INPUT: np.array(widest + 1, dtype=np.int32),
+    }
+    for key, value in {**common, **extra}.items():
+        if key in fast_inputs:
+            binding.bind_cpu_input(key, value)
+    for name, buffer in buffers.items():
+        address = buffer.ctypes.data
+        binding.bind_input(name, "cpu", 0, np.float32, list(buffer.shape), address)
+        present = name.replace("past_key_values", "present")
+        binding.bind_output(present, "cpu", 0, np.float32, list(buffer.shape), address)
+    fast.run_with_iobinding(binding)
+    got = binding.get_outputs()[0].numpy()
+    np.testing.assert_allclose(got, want, atol=FP32_TOLERANCE)
+    # The ordinary step's new position (its present's last) is what the buffers got, at
+    # each row's own length; every other position is as it was.
+    present_names = [o.name for o in plain.get_outputs() if ".decoder." in o.name]
+    presents = plain.run(present_names, {k: v for k, v in want_feed.items() if k in declared})
+    for present, grown in zip(present_names, presents, strict=True):
+        name = present.replace("present", "past_key_values")
+        buffer, old = buffers[name], before[name]
+        for r, length in enumerate(lengths):
+            np.testing.assert_allclose(buffer[r, :, length], grown[r, :, -1], atol=FP32_TOLERANCE)
+            untouched = np.delete(np.arange(capacity), length)
+            np.testing.assert_array_equal(buffer[r][:, untouched], old[r][:, untouched])
+
+
+def test_a_graph_it_does_not_know_gives_none_and_a_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [])
+    graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [1]))
+    model = helper.make_model(graph)
+    with caplog.at_level(logging.INFO):
+        assert rewrite_inplace(model, "toy") is None
+    assert "toy: self-attention stays as exported (no self-attention past inputs)" in caplog.text
+
+
+def test_the_copied_state_is_still_there_when_asked_for() -> None:
+    tr = _translator(scheduler=SchedulerOptions(lanes=1, inplace_attention=False))
+    batch = tr.scheduler._lanes[0].batch
+    assert isinstance(batch, ContinuousBatch) and not isinstance(batch, InPlaceBatch)
+    masked = tr.model.masked
+    assert masked is not None and masked.inplace is None  # not even built
+    concurrent_equal_alone(tr, DecodeOptions())
+
+
+def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() -> None:
+    """Requests of four lengths from 6 threads, 600 in all: every answer equals decoding
+    alone, and the buffers hold no more rows than the most that ran at once, rounded up
+    to a doubling of `INITIAL_ROWS`."""
+    tr = _translator()
+    batch = tr.scheduler._lanes[0].batch
+    assert isinstance(batch, InPlaceBatch)
+    texts = SOURCES[:4]
+    expected = {text: alone(tr, text, [], DecodeOptions()) for text in texts}
+    encoded = {text: tr.encode([tr.source_ids(text)]) for text in texts}
+    most = 0
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        nonlocal most
+        text = texts[i % len(texts)]
+        got = tr.decode(encoded[text], DecodeOptions())[0]
+        assert got.token_ids == expected[text].token_ids
+        assert got.score == pytest.approx(expected[text].score, abs=SCORE_TOLERANCE)
+        with lock:
+            most = max(most, batch.rows)
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(one, range(600)))
+    held = batch.buffer_rows
+    bound = INITIAL_ROWS
+    while bound < 6:  # never more rows than requests in flight
+        bound *= 2
+    assert INITIAL_ROWS <= held <= bound, (held, most)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def test_the_buffers_pages_come_as_rows_write_them() -> None:
+    """A lane's buffers span every position of every row, but only written positions
+    take memory: ten positions of each of 16 rows' 8 heads, in a 16 MiB buffer, take
+    about 128 pages (NumPy's own zeros would take 2 MiB pages, the whole buffer)."""
+    from engine.decoding.inplace_batch import _zeros
+
+    buffer = _zeros((16, 8, 512, 64), np.dtype(np.float32))
+    assert buffer.nbytes == 16 * 2**20 and buffer.flags.writeable
+    assert not buffer.any()
+    before = _rss_mib()
+    buffer[:, :, :10] = 1.0
+    grown = _rss_mib() - before
+    assert grown < 4, grown
+    assert float(buffer.sum()) == 16 * 8 * 10 * 64
