@@ -13,7 +13,9 @@ and have no self-attention mask, so all its rows keep one length: searches join 
 empty batch. `ContinuousBatch` runs the rewritten decoder (`MaskedDecoder`: positions per
 row, a mask over cache slots), so searches join and leave at any step (iteration-level
 batching, as in Orca and vLLM). The encoder runs once per source, before: a search joins
-with its source's encoder output.
+with its source's encoder output. On the CPU its rows' self-attention state stays in the
+lane's buffers, extended in place (`engine.decoding.inplace_batch.InPlaceBatch`); over KV
+slots, `engine.decoding.slot_batch.SlotBatch`.
 """
 
 from __future__ import annotations

@@ -126,9 +126,9 @@ class SchedulerOptions:
     # each spread it over every core oversubscribe them under load.
     head_threads: int | None = None
     # KV slots: rows whose decoder state the model keeps in place, allocated at start;
-    # requests beyond them wait, a request wider than all of them is refused. 0: none, the
-    # state is copied at every step. None: one per row the lanes may hold (lanes x
-    # max_rows) where the model has graphs over slots, which it builds by default on a GPU
+    # requests beyond them wait, a request wider than all of them is refused. 0: none (the
+    # lanes keep their rows' state: `inplace_attention`). None: one per row the lanes may
+    # hold (lanes x max_rows) where the model has graphs over slots, built by default on a GPU
     # only (`RuntimeOptions.kv_slots`): on the CPU ONNX Runtime copies the rows' keys and
     # values out of the slots at every step (Gather), which costs more than it saves (see
     # docs/performance.md#kv-slots).
@@ -136,7 +136,8 @@ class SchedulerOptions:
     # Continuous batches on the CPU keep each row's self-attention keys and values in
     # buffers that steps extend in place (`engine.decoding.inplace_batch`) rather than
     # copying them at every step. None: where the model built that step (on the CPU, by
-    # default); False: the copied state, with lookahead (docs/performance.md).
+    # default); False: the state copied at every step, with lookahead for up to 4 rows
+    # (docs/performance.md#self-attention-in-place).
     inplace_attention: bool | None = None
 
     def __post_init__(self) -> None:
