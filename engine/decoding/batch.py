@@ -187,6 +187,11 @@ class DecodeBatch(ABC):
         self.searches = steps.kept
         return steps
 
+    def _count_lookahead(self, ahead: Sequence[Sequence[int]], steps: _Steps) -> None:
+        """Add to `stats` the tokens a step fed ahead and those its rows confirmed."""
+        self.stats["lookahead_offered"] += sum(map(len, ahead))
+        self.stats["lookahead_accepted"] += sum(taken for _, taken in steps.confirmed)
+
     def _look_ahead(self, most: int) -> list[list[int]]:
         """Each row's tokens to verify after its next one in the coming step, at most
         `most` (`Search.take_lookahead`; a beam's: none); [] when no row has any."""
@@ -469,8 +474,7 @@ class ContinuousBatch(DecodeBatch):
             for row, taken in steps.confirmed:
                 state.real[row, width - fed + 1 + taken :] = 0
                 state.lengths[row] += taken
-            self.stats["lookahead_offered"] += sum(map(len, self._ahead))
-            self.stats["lookahead_accepted"] += sum(taken for _, taken in steps.confirmed)
+            self._count_lookahead(self._ahead, steps)
         state.select(steps.select)
         state.next = np.array(steps.tokens, dtype=np.int64).reshape(-1, 1)
         # Only rejected lookahead leaves holes (a join right-aligns, `select` trims).

@@ -119,8 +119,7 @@ class InPlaceBatch(ContinuousBatch):
         if self._fed > 1:  # a lone row fed tokens ahead: those it confirmed are written
             for row, taken in steps.confirmed:
                 rows.lengths[row] += taken
-            self.stats["lookahead_offered"] += sum(map(len, self._ahead))
-            self.stats["lookahead_accepted"] += sum(taken for _, taken in steps.confirmed)
+            self._count_lookahead(self._ahead, steps)
         self._select(steps.select)
         rows.next = np.array(steps.tokens, dtype=np.int64).reshape(-1, 1)
         return steps.ended

@@ -128,8 +128,7 @@ class SlotBatch(DecodeBatch):
         if ahead:
             for r, taken in steps.confirmed:
                 self._rows.length[r] += taken
-            self.stats["lookahead_offered"] += sum(map(len, ahead))
-            self.stats["lookahead_accepted"] += sum(taken for _, taken in steps.confirmed)
+            self._count_lookahead(ahead, steps)
         self._ahead = []
         self.searches = steps.kept
         for search in steps.ended:
