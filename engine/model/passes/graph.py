@@ -118,3 +118,54 @@ class GraphView:
             if node.op_type not in SHAPE_ONLY:
                 todo.extend(node.input)
         return nodes, leaves
+
+
+class UnsortableGraph(Exception):
+    """A node reads a tensor that nothing makes (message says which)."""
+
+
+def reads(node: onnx.NodeProto) -> list[str]:
+    """What a node reads: its inputs, and for a node with subgraphs (`If`) the outer
+    values its subgraphs use."""
+    names = [name for name in node.input if name]
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            made = {o for n in attr.g.node for o in n.output} | {i.name for i in attr.g.initializer}
+            names += [name for n in attr.g.node for name in reads(n) if name not in made]
+    return names
+
+
+def sorted_nodes(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto]:
+    """`nodes` in an order where each comes after the producers of its inputs (those in
+    `known` are there from the start); `UnsortableGraph` when one reads a tensor nothing
+    makes."""
+    made = set(known)
+    left = list(nodes)
+    out: list[onnx.NodeProto] = []
+    while left:
+        ready = [n for n in left if all(i in made for i in reads(n))]
+        if not ready:
+            missing = sorted({i for n in left for i in reads(n) if i not in made})
+            raise UnsortableGraph(f"nodes read tensors nothing makes: {missing[:3]}")
+        taken = {id(n) for n in ready}
+        out.extend(ready)
+        made.update(o for n in ready for o in n.output)
+        left = [n for n in left if id(n) not in taken]
+    return out
+
+
+def live_nodes(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """The nodes that some graph output depends on (the others' results are unused)."""
+    producer = {o: n for n in nodes for o in n.output}
+    todo, seen = list(outputs), set(outputs)
+    keep: set[int] = set()
+    while todo:
+        node = producer.get(todo.pop())
+        if node is None or id(node) in keep:
+            continue
+        keep.add(id(node))
+        for name in reads(node):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return [n for n in nodes if id(n) in keep]

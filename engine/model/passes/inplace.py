@@ -29,6 +29,7 @@ into heads (`Transpose` of a `Reshape`), the scores `MatMul` that reads the pres
 transpose (through an optional scaling `Mul`) and the query's heads (the same), and the
 `MatMul` over the present value followed by a `Transpose` and a `Reshape` back to
 `[rows, tokens, hidden]`. A graph of any other shape gives None and a logged reason.
+What the replaced cores leave unread is dropped (`passes.graph.live_nodes`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ import onnx
 from onnx import TensorProto, helper
 
 from engine.model.names import MASK_INPUT, PAST, PRESENT, SEQLENS_INPUT, TOTAL_INPUT
-from engine.model.passes.graph import GraphView, load_model
+from engine.model.passes.graph import (
+    GraphView,
+    UnsortableGraph,
+    live_nodes,
+    load_model,
+    reads,
+    sorted_nodes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +129,15 @@ def _rewrite(model: onnx.ModelProto) -> None:
                 scale=layer.scale,
             )
         )
+    known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    known |= {SEQLENS_INPUT, TOTAL_INPUT}
+    try:
+        kept = sorted_nodes(live_nodes(nodes, {o.name for o in graph.output}), known)
+    except UnsortableGraph as exc:
+        raise _Unsupported(str(exc)) from exc
     del graph.node[:]
-    graph.node.extend(_needed(nodes, [o.name for o in graph.output]))
-    used = {name for node in graph.node for name in node.input}
+    graph.node.extend(kept)
+    used = {name for node in graph.node for name in reads(node)}
     kept_inputs = [i for i in graph.input if i.name in used]
     if any(i.name == MASK_INPUT for i in kept_inputs):
         raise _Unsupported(f"{MASK_INPUT} still read after the rewrite")
@@ -246,30 +260,3 @@ def _packed(view: GraphView, heads: str) -> str:
     if reshape is None or reshape.op_type != "Reshape":
         raise _Unsupported(f"{transpose.input[0]} is not a Reshape")
     return str(reshape.input[0])
-
-
-def _needed(nodes: list[onnx.NodeProto], outputs: list[str]) -> list[onnx.NodeProto]:
-    """The nodes some output depends on, ordered so that each comes after its inputs'
-    producers (the replaced cores' other nodes are dead and dropped)."""
-    producer = {out: node for node in nodes for out in node.output if out}
-    order: list[onnx.NodeProto] = []
-    placed: set[int] = set()
-    for output in outputs:
-        start = producer.get(output)
-        if start is None:
-            continue
-        stack: list[tuple[onnx.NodeProto, bool]] = [(start, False)]
-        while stack:
-            node, ready = stack.pop()
-            if id(node) in placed:
-                continue
-            if ready:
-                placed.add(id(node))
-                order.append(node)
-                continue
-            stack.append((node, True))
-            for name in node.input:
-                parent = producer.get(name)
-                if parent is not None and id(parent) not in placed:
-                    stack.append((parent, False))
-    return order

@@ -56,7 +56,14 @@ from engine.model.names import (
     kv_names,
     slot_names,
 )
-from engine.model.passes.graph import GraphView, opset
+from engine.model.passes.graph import (
+    GraphView,
+    UnsortableGraph,
+    live_nodes,
+    opset,
+    reads,
+    sorted_nodes,
+)
 from engine.model.passes.head import projection_input
 
 log = logging.getLogger(__name__)
@@ -276,52 +283,6 @@ def _eos_banned(b: _Builder, allowed: str, no_eos: str) -> str:
     return b.op("Add", [allowed, penalty], "eos_banned")
 
 
-def reads(node: onnx.NodeProto) -> list[str]:
-    """What a node reads: its inputs, and for a node with subgraphs (`If`) the outer
-    values its subgraphs use."""
-    names = [name for name in node.input if name]
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            made = {o for n in attr.g.node for o in n.output} | {i.name for i in attr.g.initializer}
-            names += [name for n in attr.g.node for name in reads(n) if name not in made]
-    return names
-
-
-def _sorted(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto]:
-    """`nodes` in an order where each comes after the producers of its inputs (those in
-    `known` are there from the start); raises when one reads a tensor nothing makes."""
-    made = set(known)
-    left = list(nodes)
-    out: list[onnx.NodeProto] = []
-    while left:
-        ready = [n for n in left if all(i in made for i in reads(n))]
-        if not ready:
-            missing = sorted({i for n in left for i in reads(n) if i not in made})
-            raise _Unsupported(f"nodes read tensors nothing makes: {missing[:3]}")
-        taken = {id(n) for n in ready}
-        out.extend(ready)
-        made.update(o for n in ready for o in n.output)
-        left = [n for n in left if id(n) not in taken]
-    return out
-
-
-def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
-    """The nodes that some graph output depends on (the others' results are unused)."""
-    producer = {o: n for n in nodes for o in n.output}
-    todo, seen = list(outputs), set(outputs)
-    keep: set[int] = set()
-    while todo:
-        node = producer.get(todo.pop())
-        if node is None or id(node) in keep:
-            continue
-        keep.add(id(node))
-        for name in reads(node):
-            if name not in seen:
-                seen.add(name)
-                todo.append(name)
-    return [n for n in nodes if id(n) in keep]
-
-
 @dataclass
 class _Edit:
     """One graph being rewritten: the copy, its builder, consumers of each tensor and its
@@ -393,7 +354,12 @@ def _finish(
     del graph.input[:]
     graph.input.extend(declared)
     known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    nodes = _sorted(_live([*graph.node, *b.nodes], {o.name for o in graph.output}), known)
+    try:
+        nodes = sorted_nodes(
+            live_nodes([*graph.node, *b.nodes], {o.name for o in graph.output}), known
+        )
+    except UnsortableGraph as exc:
+        raise _Unsupported(str(exc)) from exc
     used = {name for n in nodes for name in reads(n)}
     if used & gone:
         raise _Unsupported(f"{sorted(used & gone)[0]} is read other than as rewritten")
