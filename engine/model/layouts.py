@@ -620,13 +620,7 @@ class MaskedDecoder:
             return (out[0][:, -1, :] if fed == 1 else out[0]), tuple(out[1:])
         hidden = graph.head[1]  # the body's output
         out = graph.session.run([hidden, *self_out], feed)
-        projection = graph.alone if alone and graph.alone is not None else graph.head
-        if fed == 1:
-            head, head_input = projection
-            logits = head.run([LOGITS], {head_input: out[0]})[0]
-            return logits[:, -1, :], tuple(out[1:])
-        ahead = _project(projection, out[0], mask[:, -fed:].astype(bool))
-        return ahead.dense(fed), tuple(out[1:])
+        return _head_logits(graph, out[0], mask[:, -fed:].astype(bool), alone), tuple(out[1:])
 
     def step_in_place(
         self,
@@ -647,12 +641,12 @@ class MaskedDecoder:
 
         Why: the ordinary `step` copies every row's keys and values into new arrays
         at every step (`Concat`); here they never move (docs/performance.md)."""
-        assert self.inplace is not None
         rows, fed = input_ids.shape
         if fed > 1 and rows > 1:
             raise ValueError("several tokens per row take one row (GroupQueryAttention)")
-        one = self.inplace_one is not None and input_ids.size == 1
-        graph = self.inplace_one if one and self.inplace_one is not None else self.inplace
+        one = self.inplace_one if input_ids.size == 1 else None
+        graph = one if one is not None else self.inplace
+        assert graph is not None
         session = graph.session
         values: dict[str, Any] = {
             ENCODER_ATTENTION_MASK: enc.attention_mask,
@@ -683,12 +677,22 @@ class MaskedDecoder:
         if graph.head is None:
             logits: FloatArray = out[:, -1, :] if fed == 1 else out
             return logits
-        projection = graph.alone if alone and graph.alone is not None else graph.head
-        if fed > 1:
-            return _project(projection, out, np.ones((rows, fed), dtype=bool)).dense(fed)
+        return _head_logits(graph, out, np.ones((rows, fed), dtype=bool), alone)
+
+
+def _head_logits(
+    graph: CutGraph, hidden: FloatArray, real: npt.NDArray[np.bool_], alone: bool
+) -> FloatArray:
+    """A cut step's logits from its body's `hidden` [B, T, D]: [B, V] for one token per
+    row, else [B, T, V] with the positions `real` [B, T] marks projected (the others are
+    meaningless); on every core where the lane runs `alone` and the graph has that head."""
+    assert graph.head is not None
+    projection = graph.alone if alone and graph.alone is not None else graph.head
+    if hidden.shape[1] == 1:
         head, head_input = projection
-        projected: FloatArray = head.run([LOGITS], {head_input: out})[0][:, -1, :]
-        return projected
+        logits: FloatArray = head.run([LOGITS], {head_input: hidden})[0][:, -1, :]
+        return logits
+    return _project(projection, hidden, real).dense(hidden.shape[1])
 
 
 class MaskedLayout(LayoutDecoder):
