@@ -509,58 +509,88 @@ def _open_inplace(
     """`masked.inplace` (and `inplace_one`, for the one-token graph) where the step's
     self-attention can be rewritten in place (`passes.inplace`) and the rewrite gives the
     ordinary step's logits on a probe; left None otherwise, logged."""
-    built: list[CutGraph | None] = []
-    sources = (graph.with_past, graph.one_token)
-    # The projection is not rewritten: each graph shares its ordinary twin's head.
-    heads = (masked.steps.head, None if masked.one_token is None else masked.one_token.head)
-    labels = ("step", "one-token step")
-    for source, session, label, head in zip(sources, ordinary, labels, heads, strict=True):
-        if source is None or session is None:
-            built.append(None)
-            continue
-        rewritten = rewrite_inplace(source, f"{model_dir} ({label})")
-        if rewritten is None:
-            built.append(None)
-            continue
-        try:
-            opened = open_session(rewritten, options, per_token=per_token and label == "step")
-            rows = 2 if label == "step" else 1
-            quantized = options.quantized
-            worst = check_rewrite(
-                session, opened, past_len=4, cur_len=1, batch=rows, relative=quantized
-            )
-        except Exception as exc:  # a kernel or graph ONNX Runtime refuses: keep the ordinary
-            log.warning("%s: %s with self-attention in place not used (%s)", model_dir, label, exc)
-            built.append(None)
-            continue
-        if not worst <= (KERNEL_INT8_TOLERANCE if quantized else REWRITE_TOLERANCE):
-            log.warning(
-                "%s: %s with self-attention in place differs by %.3g: not used",
-                model_dir,
-                label,
-                worst,
-            )
-            built.append(None)
-            continue
-        rows = 2 if label == "step" else 1
-        built.append(
-            _cut(
-                model_dir,
-                rewritten,
-                opened,
-                config,
-                options,
-                per_token=per_token and label == "step",
-                alone=masked.steps.alone,
-                rows=rows,
-                label=f"in-place {label}",
-                head=head,
-            )
+    # The projection is not rewritten: each graph shares its ordinary twin's head. The
+    # batched step is per token where int8 is; the one-token graph has the files' kernels.
+    step = _inplace_twin(
+        "step",
+        graph.with_past,
+        ordinary[0],
+        masked.steps,
+        rows=2,
+        per_token=per_token,
+        masked=masked,
+        config=config,
+        options=options,
+        model_dir=model_dir,
+    )
+    if step is None:
+        return
+    masked.inplace = step
+    one_token, one = graph.one_token, ordinary[1]
+    if one_token is not None and one is not None and masked.one_token is not None:
+        masked.inplace_one = _inplace_twin(
+            "one-token step",
+            one_token,
+            one,
+            masked.one_token,
+            rows=1,
+            per_token=False,
+            masked=masked,
+            config=config,
+            options=options,
+            model_dir=model_dir,
         )
-    masked.inplace = built[0]
-    masked.inplace_one = built[1] if built[0] is not None else None
-    if masked.inplace is not None:
-        log.info("%s: steps with self-attention in place (passes.inplace)", model_dir)
+    log.info("%s: steps with self-attention in place (passes.inplace)", model_dir)
+
+
+def _inplace_twin(
+    label: str,
+    source: bytes,
+    session: ort.InferenceSession,
+    twin: CutGraph,
+    *,
+    rows: int,
+    per_token: bool,
+    masked: MaskedDecoder,
+    config: ModelConfig,
+    options: RuntimeOptions,
+    model_dir: Path,
+) -> CutGraph | None:
+    """One graph's in-place rewrite, opened, checked against its ordinary `session` on a
+    probe of `rows` rows and cut at its projection as its `twin` is; None, logged, where
+    the rewrite does not apply, ONNX Runtime refuses it or it differs."""
+    rewritten = rewrite_inplace(source, f"{model_dir} ({label})")
+    if rewritten is None:
+        return None
+    quantized = options.quantized
+    try:
+        opened = open_session(rewritten, options, per_token=per_token)
+        worst = check_rewrite(
+            session, opened, past_len=4, cur_len=1, batch=rows, relative=quantized
+        )
+    except Exception as exc:  # a kernel or graph ONNX Runtime refuses: keep the ordinary
+        log.warning("%s: %s with self-attention in place not used (%s)", model_dir, label, exc)
+        return None
+    if not worst <= (KERNEL_INT8_TOLERANCE if quantized else REWRITE_TOLERANCE):
+        log.warning(
+            "%s: %s with self-attention in place differs by %.3g: not used",
+            model_dir,
+            label,
+            worst,
+        )
+        return None
+    return _cut(
+        model_dir,
+        rewritten,
+        opened,
+        config,
+        options,
+        per_token=per_token,
+        alone=masked.steps.alone,
+        rows=rows,
+        label=f"in-place {label}",
+        head=twin.head,
+    )
 
 
 def _cut(
