@@ -360,6 +360,29 @@ def _kept(arrays: tuple[FloatArray, ...], rows: IntArray) -> tuple[FloatArray, .
     return tuple(a[: rows.size] for a in arrays)
 
 
+def _sources_trimmed(
+    enc: EncoderOutput, cross_kv: tuple[FloatArray, ...]
+) -> tuple[EncoderOutput, tuple[FloatArray, ...]]:
+    """A batch's sources cut to its longest (after the rows with longer ones left)."""
+    source = int(np.flatnonzero(enc.attention_mask.any(axis=0))[-1]) + 1
+    if source == enc.attention_mask.shape[1]:
+        return enc, cross_kv
+    trimmed = EncoderOutput(enc.hidden_states[:, :source], enc.attention_mask[:, :source])
+    return trimmed, tuple(a[:, :, :source] for a in cross_kv)
+
+
+def _sources_stacked(
+    enc: EncoderOutput,
+    cross_kv: tuple[FloatArray, ...],
+    other: EncoderOutput,
+    other_kv: tuple[FloatArray, ...],
+) -> tuple[EncoderOutput, tuple[FloatArray, ...]]:
+    """Two batches' sources as one, each padded to the longer (`attention_mask` 0)."""
+    source = max(enc.attention_mask.shape[1], other.attention_mask.shape[1])
+    stacked = tuple(_stacked(pair, source, axis=2) for pair in zip(cross_kv, other_kv, strict=True))
+    return stack_encoder_outputs([enc, other]), stacked
+
+
 @dataclass
 class _Slots:
     """A continuous batch's decoder state, row by row: its sources, the self KV of every
@@ -391,27 +414,19 @@ class _Slots:
         if first:
             self.real = self.real[:, first:]
             self.self_kv = tuple(a[:, :, first:] for a in self.self_kv)
-        source = int(np.flatnonzero(self.enc.attention_mask.any(axis=0))[-1]) + 1
-        if source < self.enc.attention_mask.shape[1]:
-            self.enc = EncoderOutput(
-                self.enc.hidden_states[:, :source], self.enc.attention_mask[:, :source]
-            )
-            self.cross_kv = tuple(a[:, :, :source] for a in self.cross_kv)
+        self.enc, self.cross_kv = _sources_trimmed(self.enc, self.cross_kv)
 
     def extend(self, other: _Slots) -> None:
         """Append `other`'s rows: the self KV right-aligned (the shorter side grows on the
         left), sources padded to the longest with `attention_mask` 0."""
         slots = max(self.real.shape[1], other.real.shape[1])
-        source = max(self.enc.attention_mask.shape[1], other.enc.attention_mask.shape[1])
         self.self_kv = tuple(
             _stacked(pair, slots, axis=2, left=True)
             for pair in zip(self.self_kv, other.self_kv, strict=True)
         )
-        self.cross_kv = tuple(
-            _stacked(pair, source, axis=2)
-            for pair in zip(self.cross_kv, other.cross_kv, strict=True)
+        self.enc, self.cross_kv = _sources_stacked(
+            self.enc, self.cross_kv, other.enc, other.cross_kv
         )
-        self.enc = stack_encoder_outputs([self.enc, other.enc])
         self.real = _stacked((self.real, other.real), slots, axis=1, left=True)
         self.lengths = np.concatenate([self.lengths, other.lengths])
         self.next = np.concatenate([self.next, other.next])

@@ -37,8 +37,8 @@ from engine.decoding.batch import (
     ContinuousBatch,
     Member,
     _kept,
-    _stacked,
-    stack_encoder_outputs,
+    _sources_stacked,
+    _sources_trimmed,
 )
 from engine.decoding.search import Search
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray, MaskedDecoder
@@ -79,14 +79,8 @@ class _Rows:
         self.enc = self.enc.select(rows)
         self.cross_kv = _kept(self.cross_kv, rows)
         self.lengths, self.next = self.lengths[rows], self.next[rows]
-        if not rows.size:
-            return
-        source = int(np.flatnonzero(self.enc.attention_mask.any(axis=0))[-1]) + 1
-        if source < self.enc.attention_mask.shape[1]:
-            self.enc = EncoderOutput(
-                self.enc.hidden_states[:, :source], self.enc.attention_mask[:, :source]
-            )
-            self.cross_kv = tuple(a[:, :, :source] for a in self.cross_kv)
+        if rows.size:
+            self.enc, self.cross_kv = _sources_trimmed(self.enc, self.cross_kv)
 
 
 class InPlaceBatch(ContinuousBatch):
@@ -135,19 +129,16 @@ class InPlaceBatch(ContinuousBatch):
         ended, kept, slots = self._prefill(joining)
         if not kept:
             return ended
-        before = len(self._rows.lengths) if self._rows is not None and self.searches else 0
-        self._reserve(before + len(slots.lengths), slots.self_kv)
+        rows = self._rows if self.searches else None
+        before = 0 if rows is None else len(rows.lengths)
+        self._reserve(before + len(slots.lengths), slots.self_kv, rows)
         for i, length in enumerate(slots.lengths.tolist()):
             for buffer, prefilled in zip(self._buffers, slots.self_kv, strict=True):
                 buffer[before + i, :, :length] = prefilled[i, :, :length]
-        if before and self._rows is not None:
-            rows = self._rows
-            source = max(rows.enc.attention_mask.shape[1], slots.enc.attention_mask.shape[1])
-            rows.cross_kv = tuple(
-                _stacked(pair, source, axis=2)
-                for pair in zip(rows.cross_kv, slots.cross_kv, strict=True)
+        if rows is not None:
+            rows.enc, rows.cross_kv = _sources_stacked(
+                rows.enc, rows.cross_kv, slots.enc, slots.cross_kv
             )
-            rows.enc = stack_encoder_outputs([rows.enc, slots.enc])
             rows.lengths = np.concatenate([rows.lengths, slots.lengths])
             rows.next = np.concatenate([rows.next, slots.next])
         else:
@@ -180,18 +171,17 @@ class InPlaceBatch(ContinuousBatch):
         self._logits = logits[:, None, :] if self._fed == 1 else logits
         rows.lengths = rows.lengths + 1
 
-    def _reserve(self, count: int, like: tuple[FloatArray, ...]) -> None:
+    def _reserve(self, count: int, like: tuple[FloatArray, ...], held: _Rows | None) -> None:
         """Buffers of at least `count` rows, one per array of `like` (a prefill's self
-        KV: their heads, head size and type), the rows held so far kept (doubling)."""
+        KV: their heads, head size and type), the `held` rows' positions kept (doubling)."""
         if count <= self.buffer_rows:
             return
         size = max(count, 2 * self.buffer_rows, INITIAL_ROWS)
         grown = tuple(_zeros((size, a.shape[1], self.positions, a.shape[3]), a.dtype) for a in like)
-        held = len(self._rows.lengths) if self._rows is not None and self.searches else 0
-        if held and self._rows is not None:
-            longest = int(self._rows.lengths.max())
+        if held is not None and len(held.lengths):
+            count, longest = len(held.lengths), int(held.lengths.max())
             for new, old in zip(grown, self._buffers, strict=True):
-                new[:held, :, :longest] = old[:held, :, :longest]
+                new[:count, :, :longest] = old[:count, :, :longest]
         self._buffers = grown
 
     def _select(self, select: Sequence[int]) -> None:
