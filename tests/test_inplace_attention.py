@@ -66,7 +66,9 @@ def _session(model: bytes) -> ort.InferenceSession:
 
 
 def _masked_step(tr: Translator) -> bytes:
-    """The fixture's masked with-past graph, fp32 (`load._masked_graphs`)."""
+    """The masked with-past graph of the files `tr` loaded (its layout's: split or merged,
+    fp32 or int8 as the files quantize), as `load._masked_graphs` gives it. Not
+    `load_batched_decoder`, which always takes the default files."""
     from engine.model.load import DecoderGraphs, _masked_graphs, _rewrite, choose_files
 
     graphs = DecoderGraphs(choose_files(tr.model.model_dir, tr.model.options))
