@@ -271,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-rows", type=int, default=None, help="scheduler rows per step")
     parser.add_argument("--lanes", type=int, default=None, help="scheduler lanes")
     parser.add_argument(
+        "--threads-per-lane",
+        type=int,
+        default=None,
+        help="ONNX Runtime threads of each lane's calls (default: the scheduler's)",
+    )
+    parser.add_argument(
         "--head-threads",
         type=int,
         default=None,
@@ -355,6 +361,7 @@ def load_translator(args: argparse.Namespace) -> Any:
         chosen = {
             "max_rows": args.max_rows,
             "lanes": args.lanes,
+            "threads_per_lane": args.threads_per_lane,
             "head_threads": args.head_threads,
         }
         if args.lookahead_positions is not None:
