@@ -477,26 +477,40 @@ class ContinuousBatch(DecodeBatch):
         return self._logits is None
 
     def update(self) -> list[Search]:
+        """The searches observe the last step's logits; the rows' state keeps what they
+        confirmed of a lookahead (`_confirmed`), then the rows still running, in their
+        new order, with their next tokens (`_keep`). One skeleton for this batch and
+        `InPlaceBatch`, which keep their rows' state differently."""
         if self._logits is None:
             return []
         logits, self._logits = self._logits, None
+        steps = self._observe(logits, self._ahead)
+        if self._fed > 1:
+            self._confirmed(steps.confirmed)
+            self._count_lookahead(self._ahead, steps)
+        self._keep(steps.select, np.array(steps.tokens, dtype=np.int64).reshape(-1, 1))
+        return steps.ended
+
+    def _confirmed(self, confirmed: Sequence[tuple[int, int]]) -> None:
+        """After a step fed rows tokens ahead: each (row, tokens it confirmed). The slots
+        after a row's last confirmed token are masked out (rejected lookahead)."""
         state = self._slots
         assert state is not None
-        steps = self._observe(logits, self._ahead)
-        fed = self._fed
-        if fed > 1:  # rejected lookahead: the slots after a row's last confirmed token
-            width = state.real.shape[1]
-            for row, taken in steps.confirmed:
-                state.real[row, width - fed + 1 + taken :] = 0
-                state.lengths[row] += taken
-            self._count_lookahead(self._ahead, steps)
-        state.select(steps.select)
-        state.next = np.array(steps.tokens, dtype=np.int64).reshape(-1, 1)
+        fed, width = self._fed, state.real.shape[1]
+        for row, taken in confirmed:
+            state.real[row, width - fed + 1 + taken :] = 0
+            state.lengths[row] += taken
+
+    def _keep(self, select: list[int], tokens: IntArray) -> None:
+        """Keep the rows `select` names, in its order, each going on with `tokens` [rows, 1]."""
+        state = self._slots
+        assert state is not None
+        state.select(select)
+        state.next = tokens
         # Only rejected lookahead leaves holes (a join right-aligns, `select` trims).
         real = state.real
-        if fed > 1 and real.shape[1] > 2 * int(real.sum(axis=1).max(initial=0)) + LOOKAHEAD:
+        if self._fed > 1 and real.shape[1] > 2 * int(real.sum(axis=1).max(initial=0)) + LOOKAHEAD:
             state.squeeze()
-        return steps.ended
 
     def schedule(self, joining: Sequence[Member], leaving: Collection[Search] = ()) -> list[Search]:
         if self._logits is not None:

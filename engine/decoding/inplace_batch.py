@@ -103,20 +103,19 @@ class InPlaceBatch(ContinuousBatch):
         """Rows the buffers hold now (the most this lane has needed, rounded up)."""
         return int(self._buffers[0].shape[0]) if self._buffers else 0
 
-    def update(self) -> list[Search]:
-        if self._logits is None:
-            return []
-        logits, self._logits = self._logits, None
+    def _confirmed(self, confirmed: Sequence[tuple[int, int]]) -> None:
+        """A lone row fed tokens ahead: the positions of those it confirmed are written
+        (a rejected one's is simply written again by the next step)."""
         rows = self._rows
         assert rows is not None
-        steps = self._observe(logits, self._ahead)
-        if self._fed > 1:  # a lone row fed tokens ahead: those it confirmed are written
-            for row, taken in steps.confirmed:
-                rows.lengths[row] += taken
-            self._count_lookahead(self._ahead, steps)
-        self._select(steps.select)
-        rows.next = np.array(steps.tokens, dtype=np.int64).reshape(-1, 1)
-        return steps.ended
+        for row, taken in confirmed:
+            rows.lengths[row] += taken
+
+    def _keep(self, select: list[int], tokens: IntArray) -> None:
+        rows = self._rows
+        assert rows is not None
+        self._select(select)
+        rows.next = tokens
 
     def schedule(self, joining: Sequence[Member], leaving: Collection[Search] = ()) -> list[Search]:
         if self._logits is not None:
