@@ -29,6 +29,7 @@ from engine import DecodeOptions, Translator
 from engine.decoding.batch import ContinuousBatch
 from engine.decoding.inplace_batch import INITIAL_ROWS, InPlaceBatch
 from engine.decoding.scheduler import SchedulerOptions
+from engine.model.layouts import InPlaceBinding
 from engine.model.names import (
     ENCODER_ATTENTION_MASK,
     ENCODER_HIDDEN_STATES,
@@ -226,6 +227,67 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
     while bound < 6:  # never more rows than requests in flight
         bound *= 2
     assert INITIAL_ROWS <= held <= bound, (held, most)
+
+
+def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_change() -> None:
+    """Three rows stepped three times over buffers with a kept binding, and over copies of
+    them with a fresh binding each step: the same logits, written to the same positions;
+    the binding is the same object from step to step (only the tokens and positions are
+    bound again) and a step's logits are not overwritten by the next. When a row leaves
+    (other buffer views, other cross-attention arrays) it is bound anew, and the two rows
+    left still step as with a fresh binding; so too when the buffers move (grow)."""
+    tr = _translator()
+    masked = tr.model.masked
+    assert masked is not None and masked.inplace is not None
+    enc = tr.encode([tr.source_ids(text) for text in SOURCES[:3]])
+    start = tr.config.decoder_start_token_id
+    ids = np.array([[start, 5, 7], [start, 9, 11], [start, 4, 6]], dtype=np.int64)
+    _, self_kv, cross_kv = masked.prefill(enc, ids, np.ones(ids.shape, dtype=np.int64))
+    kept = [np.zeros((*a.shape[:2], 8, a.shape[3]), dtype=a.dtype) for a in self_kv]
+    for buffer, prefilled in zip(kept, self_kv, strict=True):
+        buffer[:, :, :3] = prefilled
+    fresh = [buffer.copy() for buffer in kept]
+    lengths = np.array([3, 3, 3], dtype=np.int64)
+    bound = InPlaceBinding()
+    bindings, earlier = [], []
+    for step in range(3):
+        tokens = np.array([[13 + step], [17 + step], [19 + step]], dtype=np.int64)
+        got = masked.step_in_place(enc, tokens, lengths, kept, cross_kv, bound=bound)
+        want = masked.step_in_place(enc, tokens, lengths, fresh, cross_kv)
+        np.testing.assert_array_equal(got, want)
+        earlier.append((got, got.copy()))
+        bindings.append(bound.binding)
+        lengths = lengths + 1
+    for buffer, other in zip(kept, fresh, strict=True):
+        np.testing.assert_array_equal(buffer, other)
+    assert bindings[0] is bindings[1] is bindings[2]
+    for logits, copy in earlier:
+        np.testing.assert_array_equal(logits, copy)
+
+    two = np.array([0, 1])  # the last row left
+    enc, cross_kv = enc.select(two), tuple(np.ascontiguousarray(a[:2]) for a in cross_kv)
+    for step in range(2):
+        tokens = np.array([[23 + step], [29 + step]], dtype=np.int64)
+        views, other = [b[:2] for b in kept], [b[:2] for b in fresh]
+        got = masked.step_in_place(enc, tokens, lengths[:2], views, cross_kv, bound=bound)
+        want = masked.step_in_place(enc, tokens, lengths[:2], other, cross_kv)
+        np.testing.assert_array_equal(got, want)
+        lengths = lengths + 1
+    assert bound.binding is not bindings[0]
+
+    # The buffers grow (moved to new memory, as a lane's do): the same rows and arrays,
+    # other addresses. The step must write the new buffers, not the old.
+    moved = bound.binding
+    kept = [np.concatenate([b, np.zeros_like(b)], axis=2) for b in kept]
+    fresh = [np.concatenate([b, np.zeros_like(b)], axis=2) for b in fresh]
+    tokens = np.array([[31], [37]], dtype=np.int64)
+    views, other = [b[:2] for b in kept], [b[:2] for b in fresh]
+    got = masked.step_in_place(enc, tokens, lengths[:2], views, cross_kv, bound=bound)
+    want = masked.step_in_place(enc, tokens, lengths[:2], other, cross_kv)
+    np.testing.assert_array_equal(got, want)
+    for buffer, expected in zip(kept, fresh, strict=True):
+        np.testing.assert_array_equal(buffer[:2], expected[:2])
+    assert bound.binding is not moved
 
 
 def _rss_mib() -> float:

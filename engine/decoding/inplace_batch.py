@@ -41,7 +41,13 @@ from engine.decoding.batch import (
     _sources_trimmed,
 )
 from engine.decoding.search import Search
-from engine.model.layouts import EncoderOutput, FloatArray, IntArray, MaskedDecoder
+from engine.model.layouts import (
+    EncoderOutput,
+    FloatArray,
+    InPlaceBinding,
+    IntArray,
+    MaskedDecoder,
+)
 from engine.model.marian import MarianOnnx
 
 INITIAL_ROWS = 4
@@ -97,6 +103,7 @@ class InPlaceBatch(ContinuousBatch):
         self.positions = min(config.max_length, config.max_position_embeddings)
         self._buffers: tuple[FloatArray, ...] = ()
         self._rows: _Rows | None = None
+        self._bound = InPlaceBinding()  # this lane's step binding, kept between steps
 
     @property
     def buffer_rows(self) -> int:
@@ -146,8 +153,8 @@ class InPlaceBatch(ContinuousBatch):
         return ended
 
     def execute(self) -> None:
-        if not self.searches:
-            self._rows, self._ahead = None, []
+        if not self.searches:  # nothing kept alive for an idle lane, the binding's arrays too
+            self._rows, self._ahead, self._bound = None, [], InPlaceBinding()
             return
         rows = self._rows
         assert rows is not None
@@ -166,6 +173,7 @@ class InPlaceBatch(ContinuousBatch):
             [buffer[:count] for buffer in self._buffers],
             rows.cross_kv,
             alone=self.alone,
+            bound=self._bound,
         )
         self._logits = logits[:, None, :] if self._fed == 1 else logits
         rows.lengths = rows.lengths + 1
