@@ -731,6 +731,7 @@ class MaskedDecoder:
                 bound.keep(session, state, views, binding, tuple(held.values()))
         else:
             binding = bound.binding
+            binding.bind_output(result)  # again: allocated by this run, not the last step's
         steps: dict[str, Any] = {
             INPUT_IDS: input_ids,
             POSITIONS_INPUT: lengths.reshape(-1, 1) + np.arange(fed, dtype=np.int64)[None, :],
@@ -740,7 +741,6 @@ class MaskedDecoder:
         for name, value in steps.items():
             if name in declared:
                 binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        binding.bind_output(result)  # again: allocated by this run, not the last step's
         self.calls["decoder"] += 1
         session.run_with_iobinding(binding)
         out = binding.get_outputs()[0].numpy()
