@@ -512,6 +512,15 @@ def test_a_lane_alone_projects_on_every_core_with_the_same_results(quantized: bo
     # the per-token one's.
     assert (masked.one_token is not None) == quantized
     assert masked.one_token is None or masked.one_token.alone is alone_head
+    # A lane with company projects on its own thread, with one session for the prefill,
+    # the step and the one-token step too: one copy of the projection's weights, which
+    # a lane's prefill leaves in the cache for its next step.
+    lane_head = masked.steps.head
+    assert lane_head is not None and masked.prefills.head is not None
+    assert masked.prefills.head[0] is lane_head[0]
+    assert masked.one_token is None or (
+        masked.one_token.head is not None and masked.one_token.head[0] is lane_head[0]
+    )
     session = alone_head[0]
     calls = []
 
@@ -531,6 +540,40 @@ def test_a_lane_alone_projects_on_every_core_with_the_same_results(quantized: bo
         assert got.token_ids == ref.token_ids
         assert got.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
     assert len(calls) >= sum(len(alone(tr, t, [], DecodeOptions()).token_ids) for t in SOURCES)
+    tr.close()
+
+
+def test_a_shared_head_the_load_check_refuses_gives_way_to_the_graphs_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The prefill takes the step's projection on the lane's threads only where the load's
+    check says it gives the prefill's own values; refused, the prefill opens its own
+    (still cut apart, so that it projects only the positions a search reads) and the
+    answers are unchanged."""
+    needs_fixture()
+    from engine.model.checks import check_cut as real
+
+    seen: set[int] = set()
+    refused: list[object] = []
+
+    def check(
+        whole: Any, body: Any, head: Any, hidden: str, head_input: str | None = None, **kw: Any
+    ) -> float:
+        if id(head) in seen and head_input is None and not refused:
+            refused.append(head)  # the first graph offered another's lane head
+            return float("inf")
+        seen.add(id(head))
+        return float(real(whole, body, head, hidden, head_input, **kw))
+
+    monkeypatch.setattr("engine.model.load.check_cut", check)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2, lanes=2))
+    masked = tr.model.masked
+    assert masked is not None and masked.steps.head is not None
+    assert refused == [masked.steps.head[0]]
+    assert masked.prefills.head is not None
+    assert masked.prefills.head[0] is not masked.steps.head[0]
+    for text in SOURCES:
+        assert tr.translate([text])[0].token_ids == alone(tr, text, [], DecodeOptions()).token_ids
     tr.close()
 
 

@@ -445,9 +445,12 @@ def load_masked(
         )
         return None
     lookahead = causal_over_new_tokens(no_past, with_past, config, options.quantized)
-    # The step's projection on every core, for a lane alone, is shared by the prefill and
-    # the one-token step where it gives their own heads' values (one session, one copy of
-    # the projection's weights).
+    # The step's projections, on the lane's threads and on every core (for a lane alone),
+    # are shared by the prefill and the one-token step where they give those graphs' own
+    # heads' values (`_cut` checks): one session each, one copy of the projection's
+    # weights each. Why: the projection is the largest weight (33 MB in int8 at OPUS-MT's
+    # sizes); a copy per graph cost 69 MiB at load, and a lane's prefill read one copy
+    # and its next step another, from memory rather than the cache.
     steps = _cut(model_dir, graph.with_past, with_past, config, options, per_token=per_token)
     # A position's logits depend on no other position's in fp32 and int8 per token, so
     # the prefill's projection may run on the positions a search reads only.
@@ -463,12 +466,22 @@ def load_masked(
             prefill=True,
             per_token=per_token,
             alone=steps.alone,
+            head=steps.head,
         )
     )
     ones = (
         None
         if one is None or graph.one_token is None
-        else _cut(model_dir, graph.one_token, one, config, options, alone=steps.alone, rows=1)
+        else _cut(
+            model_dir,
+            graph.one_token,
+            one,
+            config,
+            options,
+            alone=steps.alone,
+            rows=1,
+            head=steps.head,
+        )
     )
     log.info(
         "%s: continuous batching (decoder rewritten with masks and positions; "
@@ -627,7 +640,8 @@ def _cut(
     this graph's values; without one, this graph's own is opened (also a reason to cut).
     `head`: another graph's head on the same threads, taken instead of opening one where
     it reads the same hidden state (one copy of the projection's weights); the check
-    below still decides.
+    below still decides, and where it refuses the shared head, this graph's own is
+    opened and checked.
     """
     if device_of(options)[0] != "cpu":
         # Threads for the projection and positions it may skip are the CPU's concern; on
@@ -650,20 +664,23 @@ def _cut(
             )
             return CutGraph(session, None)
         body = open_session(split.body, options, per_token=per_token)
+        def check(projection: ort.InferenceSession, hidden: str) -> float:
+            return check_cut(
+                session, body, projection, hidden, past_len=past_len, cur_len=cur_len, batch=rows
+            )
+
+        shared = head is not None and head[1] == split.hidden
         projection = (
             head[0]
-            if head is not None and head[1] == split.hidden
+            if head is not None and shared
             else open_session(split.head, options, threads=threads or None, per_token=per_token)
         )
-        worst = check_cut(
-            session,
-            body,
-            projection,
-            split.hidden,
-            past_len=past_len,
-            cur_len=cur_len,
-            batch=rows,
-        )
+        worst = check(projection, split.hidden)
+        if shared and not worst <= REWRITE_TOLERANCE:  # the graph's own head, then
+            projection = open_session(
+                split.head, options, threads=threads or None, per_token=per_token
+            )
+            worst = check(projection, split.hidden)
         if wide and alone is None:
             alone = (
                 open_session(split.head, options, threads=everyone, per_token=per_token),
