@@ -309,3 +309,62 @@ def test_the_buffers_pages_come_as_rows_write_them() -> None:
     grown = _rss_mib() - before
     assert grown < 4, grown
     assert float(buffer.sum()) == 16 * 8 * 10 * 64
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["in-place", "copied"])
+def test_a_lanes_state_counts_its_rows_positions_and_sources(inplace: bool) -> None:
+    """Before each step of a lone row, the lane's live state is its positions fed so far
+    (the start token and every token but the one about to be fed) and its real source
+    positions, each the model's keys and values over every layer; the arrays holding it
+    span at least that. Once the row has ended the live state is 0, and the in-place
+    buffers stay reserved for the lane's next rows."""
+    tr = _translator(scheduler=SchedulerOptions(lanes=1, inplace_attention=inplace))
+    batch = tr.scheduler._lanes[0].batch
+    assert isinstance(batch, InPlaceBatch) == inplace
+    config = tr.config
+    position = 2 * config.decoder_layers * config.d_model * np.dtype(np.float32).itemsize
+    source = tr.source_ids(SOURCES[4])
+    seen: list[tuple[int, int, int]] = []  # (live, reserved, positions fed)
+    execute = batch.execute
+
+    def counted() -> None:
+        state = batch.state_bytes()
+        assert state is not None
+        (search,) = batch.searches
+        seen.append((state.live, state.reserved, len(search.rows()[0])))
+        execute()
+
+    batch.execute = counted  # type: ignore[method-assign]
+    got = tr.decode(tr.encode([source]), DecodeOptions())[0]
+    assert got.token_ids == alone(tr, SOURCES[4], [], DecodeOptions()).token_ids
+    assert len(seen) >= 3
+    for live, reserved, fed in seen:
+        assert live == (fed + len(source)) * position
+        assert reserved >= live
+    final = tr.scheduler.state_bytes
+    assert final is not None and final.live == 0
+    if inplace:
+        assert final.reserved == INITIAL_ROWS * batch.positions * position
+    else:
+        assert final.reserved == 0
+
+
+def test_a_lockstep_batch_does_not_count_its_state() -> None:
+    tr = _translator(batchable=False)
+    assert tr.scheduler.batching == "lockstep" and tr.scheduler.state_bytes is None
+
+
+@pytest.mark.anyio
+async def test_metrics_show_the_decoder_state_the_lanes_hold() -> None:
+    from tests.live_server import http_get, serving
+
+    tr = _translator()
+    tr.translate([SOURCES[0]])
+    state = tr.scheduler.state_bytes
+    assert state is not None and state.reserved > 0
+    async with serving(tr) as server:
+        body = (await http_get(server, "/metrics")).body
+    lang = tr.config.target_lang
+    assert f'nmt_decoder_state_bytes{{lang="{lang}",state="live"}} 0.0' in body
+    reserved = f'nmt_decoder_state_bytes{{lang="{lang}",state="reserved"}} {float(state.reserved)}'
+    assert reserved in body

@@ -473,7 +473,10 @@ def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
 
 def test_two_lanes_share_the_work_and_give_the_same_results() -> None:
     needs_fixture()
-    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=2))
+    # A small prefill budget: one lane cannot take the whole burst in its first turns
+    # before the other lane's thread has started (which, on a loaded machine, it did).
+    options = SchedulerOptions(lanes=2, prefill_positions=8)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=options)
     assert (tr.scheduler.lanes, tr.scheduler.threads_per_lane) == (2, 1)
     todo = requests(tr) * 3
     expected = [alone(tr, text, prefix, DecodeOptions()) for text, prefix in todo]

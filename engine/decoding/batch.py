@@ -124,6 +124,16 @@ def _confirm(
         confirmed += 1
 
 
+class StateBytes(NamedTuple):
+    """A batch's decoder state in bytes: `live`, what its rows' positions and sources
+    occupy now; `reserved`, what the arrays holding them span (buffers kept for more rows
+    and positions than run now: their pages are mapped as they are written, so resident
+    memory lies between the two)."""
+
+    live: int
+    reserved: int
+
+
 class DecodeBatch(ABC):
     """The searches of one lane and the decoder state of their rows (a search's rows are
     consecutive). The cycle: `update`, `schedule`, `execute`, and again (module docstring).
@@ -148,6 +158,12 @@ class DecodeBatch(ABC):
     @property
     def rows(self) -> int:
         return sum(s.width for s in self.searches)
+
+    def state_bytes(self) -> StateBytes | None:
+        """The memory of the rows' decoder state now (`StateBytes`); None where the batch
+        does not keep it itself (a lockstep batch's cache, a KV slot pool: the pool's size
+        is the scheduler's `kv_slots`)."""
+        return None
 
     @property
     @abstractmethod
@@ -360,6 +376,24 @@ def _kept(arrays: tuple[FloatArray, ...], rows: IntArray) -> tuple[FloatArray, .
     return tuple(a[: rows.size] for a in arrays)
 
 
+def _position_bytes(arrays: Sequence[FloatArray]) -> int:
+    """Bytes one position of one row takes over keys and values `arrays`, each
+    [rows, heads, positions, head_dim]."""
+    return sum(int(a.shape[1]) * int(a.shape[3]) * a.itemsize for a in arrays)
+
+
+def _spanned(arrays: Sequence[FloatArray]) -> int:
+    """Bytes of the arrays `arrays` view (a row selection in place leaves a view of the
+    first rows of a larger array, which keeps all of it)."""
+    total = 0
+    for a in arrays:
+        root: np.ndarray[Any, Any] = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        total += root.nbytes
+    return total
+
+
 def _sources_trimmed(
     enc: EncoderOutput, cross_kv: tuple[FloatArray, ...]
 ) -> tuple[EncoderOutput, tuple[FloatArray, ...]]:
@@ -490,6 +524,16 @@ class ContinuousBatch(DecodeBatch):
             self._count_lookahead(self._ahead, steps)
         self._keep(steps.select, np.array(steps.tokens, dtype=np.int64).reshape(-1, 1))
         return steps.ended
+
+    def state_bytes(self) -> StateBytes | None:
+        """The self-attention slots the rows' masks mark real and the sources' real
+        positions (`live`); the arrays, padding and holes included (`reserved`)."""
+        state = self._slots
+        if state is None or not self.searches:
+            return StateBytes(0, 0)
+        live = int(state.real.sum()) * _position_bytes(state.self_kv)
+        live += int(state.enc.attention_mask.sum()) * _position_bytes(state.cross_kv)
+        return StateBytes(live, _spanned((*state.self_kv, *state.cross_kv)))
 
     def _confirmed(self, confirmed: Sequence[tuple[int, int]]) -> None:
         """After a step fed rows tokens ahead: each (row, tokens it confirmed). The slots

@@ -36,9 +36,12 @@ from engine.decoding.batch import (
     LOOKAHEAD,
     ContinuousBatch,
     Member,
+    StateBytes,
     _kept,
+    _position_bytes,
     _sources_stacked,
     _sources_trimmed,
+    _spanned,
 )
 from engine.decoding.search import Search
 from engine.model.layouts import (
@@ -106,9 +109,27 @@ class InPlaceBatch(ContinuousBatch):
         self._bound = InPlaceBinding()  # this lane's step binding, kept between steps
 
     @property
+    def itemsize(self) -> int:
+        """Bytes of one value of the decoder's state (its float type's)."""
+        return int(np.dtype(self.model.float_type).itemsize)
+
+    @property
     def buffer_rows(self) -> int:
         """Rows the buffers hold now (the most this lane has needed, rounded up)."""
         return int(self._buffers[0].shape[0]) if self._buffers else 0
+
+    def state_bytes(self) -> StateBytes | None:
+        """The rows' written positions and real source positions (`live`); the buffers at
+        the rows they hold now and the whole position range (kept while the lane is idle:
+        pages of positions never written are not resident), and the cross-attention
+        arrays (`reserved`)."""
+        held = _spanned(self._buffers)
+        rows = self._rows
+        if rows is None or not self.searches:
+            return StateBytes(0, held)
+        live = int(rows.lengths.sum()) * _position_bytes(self._buffers)
+        live += int(rows.enc.attention_mask.sum()) * _position_bytes(rows.cross_kv)
+        return StateBytes(live, held + _spanned(rows.cross_kv))
 
     def _confirmed(self, confirmed: Sequence[tuple[int, int]]) -> None:
         """A lone row fed tokens ahead: the positions of those it confirmed are written

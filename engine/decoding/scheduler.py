@@ -48,8 +48,9 @@ from engine.decoding.batch import (
     DecodeBatch,
     LockstepBatch,
     Member,
+    StateBytes,
 )
-from engine.decoding.inplace_batch import InPlaceBatch
+from engine.decoding.inplace_batch import INITIAL_ROWS, InPlaceBatch
 from engine.decoding.policy import (
     PREFILL_POSITIONS,
     Answer,
@@ -177,6 +178,9 @@ class _Lane:
         self.requests: dict[Search, Request] = {}  # the batch's searches' requests
         self.stats: Counter[str] = Counter()
         self.batch_sizes: Counter[int] = Counter()
+        # The batch's decoder state after the lane's last turn (set by the lane's thread:
+        # read from others, it is one consistent pair).
+        self.state: StateBytes | None = batch.state_bytes()
 
 
 class DecodeScheduler:
@@ -217,6 +221,23 @@ class DecodeScheduler:
             slots=None if self.kv is None else self.kv.slots,
         )
         self._lanes = [_Lane(i, self._new_batch()) for i in range(self.lanes)]
+        first = self._lanes[0].batch
+        if isinstance(first, InPlaceBatch):
+            config = model.config
+            position = 2 * config.decoder_layers * config.d_model * first.itemsize
+            most = INITIAL_ROWS  # the buffers' rows at most: doubled past `max_rows`
+            while most < self.options.max_rows:
+                most *= 2
+            log.info(
+                "decoder state in place: %.0f KiB a row and position (self-attention), as "
+                "much a row and source position (cross-attention); a lane's buffers hold "
+                "%d positions a row and double their rows as it needs, up to %d rows "
+                "(%.0f MiB), mapped as written (/metrics: nmt_decoder_state_bytes)",
+                position / 2**10,
+                first.positions,
+                most,
+                position * first.positions * most / 2**20,
+            )
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._running = 0  # lanes in a turn (under `_cond`)
@@ -254,6 +275,19 @@ class DecodeScheduler:
         with self._cond:
             free = self._policy.free_slots or 0
         return {"total": self.kv.slots, "free": free, "bytes": self.kv.bytes}
+
+    @property
+    def state_bytes(self) -> StateBytes | None:
+        """The lanes' decoder state after their last turns, summed (`StateBytes`: what the
+        rows occupy, what the arrays holding them span); None where the lanes' batches do
+        not keep it themselves (lockstep; a KV slot pool is `kv_slots`)."""
+        states = [lane.state for lane in self._lanes]
+        if any(state is None for state in states):
+            return None
+        return StateBytes(
+            sum(state.live for state in states if state is not None),
+            sum(state.reserved for state in states if state is not None),
+        )
 
     @property
     def batch_sizes(self) -> Counter[int]:
@@ -486,6 +520,7 @@ class DecodeScheduler:
         if batch.stats:  # draft and lookahead tokens verified
             lane.stats.update(batch.stats)
             batch.stats.clear()
+        lane.state = batch.state_bytes()
         encode_rows = sum(job.batch_size for job in plan.encodes)
         return Step(
             lane.index,

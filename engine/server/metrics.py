@@ -96,6 +96,33 @@ class _KvSlotStats(Collector):
         yield size
 
 
+class _DecoderState(Collector):
+    """Each model's decoder state kept by its lanes (self-attention in place, or copied
+    per step), by target language: `live`, what its running rows' positions and sources
+    occupy; `reserved`, what the arrays holding them span (buffers for more rows and
+    positions, mapped as they are written: resident memory lies between the two). Why:
+    under load this state, not per-stream bookkeeping, is what grows with the rows."""
+
+    def __init__(self, engine: Callable[[], IncrementalTranslator | None]) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(
+            "nmt_decoder_state_bytes",
+            "Decoder keys and values the lanes hold per model (state: live, reserved), "
+            "as of each lane's last turn.",
+            labels=["state", "lang"],
+        )
+        nmt = self._engine()
+        for lang, target in sorted(nmt.targets.items() if nmt is not None else []):
+            state = target.scheduler.state_bytes
+            if state is None:
+                continue
+            family.add_metric(["live", lang], state.live)
+            family.add_metric(["reserved", lang], state.reserved)
+        yield family
+
+
 class _ModelInfo(Collector):
     """One series per loaded model (value 1): its target and source language, directory,
     batching and whether its language is the default, so a dashboard can tell what a
@@ -297,6 +324,7 @@ class ServerMetrics:
         metrics = cls(open_streams, engine_stats, scheduler_stats, models)
         metrics.registry.register(_BusStats(engine))
         metrics.registry.register(_KvSlotStats(engine))
+        metrics.registry.register(_DecoderState(engine))
         return metrics
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
