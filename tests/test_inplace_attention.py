@@ -26,9 +26,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from engine import DecodeOptions, Translator
-from engine.decoding.batch import ContinuousBatch
-from engine.decoding.inplace_batch import INITIAL_ROWS, InPlaceBatch
+from engine.decoding.batch import ContinuousBatch, Member
+from engine.decoding.inplace_batch import INITIAL_ROWS, SOURCE_STEP, InPlaceBatch
 from engine.decoding.scheduler import SchedulerOptions
+from engine.decoding.search import make_search
 from engine.model.layouts import InPlaceBinding
 from engine.model.names import (
     ENCODER_ATTENTION_MASK,
@@ -343,8 +344,9 @@ def test_a_lanes_state_counts_its_rows_positions_and_sources(inplace: bool) -> N
         assert reserved >= live
     final = tr.scheduler.state_bytes
     assert final is not None and final.live == 0
-    if inplace:
-        assert final.reserved == INITIAL_ROWS * batch.positions * position
+    if inplace:  # self-attention over every position, cross over the source's width
+        width = -(-len(source) // SOURCE_STEP) * SOURCE_STEP
+        assert final.reserved == INITIAL_ROWS * (batch.positions + width) * position
     else:
         assert final.reserved == 0
 
@@ -368,3 +370,73 @@ async def test_metrics_show_the_decoder_state_the_lanes_hold() -> None:
     assert f'nmt_decoder_state_bytes{{lang="{lang}",state="live"}} 0.0' in body
     reserved = f'nmt_decoder_state_bytes{{lang="{lang}",state="reserved"}} {float(state.reserved)}'
     assert reserved in body
+
+
+def test_cross_attention_state_is_written_once_and_widened_for_a_longer_source() -> None:
+    """A lane keeps its rows' cross-attention keys and values and encoder mask in buffers
+    of its own: a join writes the newcomers' rows, a longer source widens the buffers with
+    the running rows kept, a leave moves rows down; each step binds views of them (no
+    copies). Rows driven join by join equal decoding alone."""
+    tr = _translator()
+    masked = tr.model.masked
+    assert masked is not None
+    batch = InPlaceBatch(tr.model, masked)
+    short, longer = SOURCES[5], f"{SOURCES[4]} and {SOURCES[2]}"
+    assert len(tr.source_ids(short)) < SOURCE_STEP < len(tr.source_ids(longer))
+    options = DecodeOptions(min_new_tokens=6)  # the first row still runs when the next joins
+
+    def member(text: str) -> Member:
+        search = make_search(tr.config, [], options)
+        return Member(search, tr.encode([tr.source_ids(text)]))
+
+    first = member(short)
+    ended: list[Any] = batch.schedule([first])
+    batch.execute()
+    assert batch._mask.shape[1] == SOURCE_STEP  # the short source, rounded up
+    ended += batch.update()
+    assert first.search in batch.searches  # still running when the longer one joins
+    second = member(longer)
+    ended += batch.schedule([second])  # wider: the running row is kept in the new buffers
+    assert batch._mask.shape[1] == 2 * SOURCE_STEP
+    rows = batch._rows
+    assert rows is not None
+    for view, buffer in zip(rows.cross_kv, batch._cross, strict=True):
+        assert view.base is not None and np.shares_memory(view, buffer)
+        assert view.flags.c_contiguous
+    while batch.searches:
+        batch.execute()
+        ended += batch.update()
+    for text, m in ((short, first), (longer, second)):
+        ref = alone(tr, text, [], options)
+        assert m.search.result().token_ids == ref.token_ids
+        assert m.search.result().score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
+    assert len(ended) == 2
+
+
+def test_cross_attention_buffers_narrow_again_when_the_longer_source_leaves() -> None:
+    """A longer source widens a lane's cross-attention buffers; when it leaves (here
+    aborted) they narrow back to what the rows left need, and the row left still equals
+    decoding alone."""
+    tr = _translator()
+    masked = tr.model.masked
+    assert masked is not None
+    batch = InPlaceBatch(tr.model, masked)
+    short, longer = SOURCES[5], f"{SOURCES[4]} and {SOURCES[2]}"
+    options = DecodeOptions(min_new_tokens=6)
+    first = make_search(tr.config, [], options)
+    second = make_search(tr.config, [], options)
+    assert not batch.schedule([Member(first, tr.encode([tr.source_ids(short)]))])
+    batch.execute()
+    assert not batch.update()
+    assert not batch.schedule([Member(second, tr.encode([tr.source_ids(longer)]))])
+    assert batch._mask.shape[1] == 2 * SOURCE_STEP
+    batch.execute()
+    assert not batch.update()
+    batch.schedule([], leaving=[second])
+    assert batch._mask.shape[1] == SOURCE_STEP and batch.searches == [first]
+    while batch.searches:
+        batch.execute()
+        batch.update()
+    ref = alone(tr, short, [], options)
+    assert first.result().token_ids == ref.token_ids
+    assert first.result().score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)

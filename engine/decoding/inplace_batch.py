@@ -14,7 +14,11 @@ positions first and its length its own, so:
 - the buffers grow (doubling their rows) only when the batch outgrows them, so the state's
   memory is set by the most rows a lane held, not allocated per step.
 
-Cross-attention keys and values are the batch's, as in `ContinuousBatch` (they never grow).
+Cross-attention keys and values, and the encoder mask, are kept the same way: lane buffers
+of `[rows, heads, sources, head_dim]` as wide as the longest source a row brought (rounded
+up to `SOURCE_STEP`), each row's source right-padded with mask 0, which attention ignores
+exactly. A join writes the newcomers' rows once; the state is not stacked again at every
+join, nor copied to be bound (the step binds views of the buffers' first rows).
 Drafts are verified in the prefill as in `ContinuousBatch`, and re-aligned drafts in a
 step (lookahead) for a lone row only: `GroupQueryAttention` refuses several new tokens per
 row for several rows, and a lone row is where a saved step is worth the most
@@ -31,16 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from engine.decoding.batch import (
     LOOKAHEAD,
     ContinuousBatch,
     Member,
     StateBytes,
-    _kept,
     _position_bytes,
-    _sources_stacked,
-    _sources_trimmed,
+    _Slots,
     _spanned,
 )
 from engine.decoding.search import Search
@@ -73,23 +76,22 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
     return array.reshape(shape)
 
 
+SOURCE_STEP = 16
+"""Source positions the cross-attention buffers widen by at a time (`_reserve`)."""
+
+
 @dataclass
 class _Rows:
-    """The batch's rows apart from their self-attention state: the encoder outputs and
-    cross-attention keys and values (right-padded to the longest source), each row's
-    positions so far and its next token."""
+    """The batch's rows apart from their keys and values: views of the first rows of the
+    lane's buffers (the encoder mask and cross-attention keys and values, each row's
+    source right-padded to the buffers' width with mask 0), made when rows join or leave
+    so that a step binds the same arrays as the last; each row's positions so far and its
+    next token."""
 
     enc: EncoderOutput
     cross_kv: tuple[FloatArray, ...]
     lengths: IntArray  # [rows]
     next: IntArray  # [rows, 1]
-
-    def select(self, rows: IntArray) -> None:
-        self.enc = self.enc.select(rows)
-        self.cross_kv = _kept(self.cross_kv, rows)
-        self.lengths, self.next = self.lengths[rows], self.next[rows]
-        if rows.size:
-            self.enc, self.cross_kv = _sources_trimmed(self.enc, self.cross_kv)
 
 
 class InPlaceBatch(ContinuousBatch):
@@ -105,6 +107,11 @@ class InPlaceBatch(ContinuousBatch):
         # A row's positions: the start token and at most the length limit's tokens.
         self.positions = min(config.max_length, config.max_position_embeddings)
         self._buffers: tuple[FloatArray, ...] = ()
+        # Cross-attention keys and values, [rows, heads, sources, head_dim] each, and the
+        # encoder mask [rows, sources]: rows as the self-attention buffers', the sources'
+        # width the longest a row brought, rounded up (`SOURCE_STEP`).
+        self._cross: tuple[FloatArray, ...] = ()
+        self._mask: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._rows: _Rows | None = None
         self._bound = InPlaceBinding()  # this lane's step binding, kept between steps
 
@@ -120,16 +127,15 @@ class InPlaceBatch(ContinuousBatch):
 
     def state_bytes(self) -> StateBytes | None:
         """The rows' written positions and real source positions (`live`); the buffers at
-        the rows they hold now and the whole position range (kept while the lane is idle:
-        pages of positions never written are not resident), and the cross-attention
-        arrays (`reserved`)."""
-        held = _spanned(self._buffers)
+        the rows they hold now, over the whole position range and the widest source
+        (kept while the lane is idle: pages never written are not resident: `reserved`)."""
+        held = _spanned(self._buffers) + _spanned(self._cross)
         rows = self._rows
         if rows is None or not self.searches:
             return StateBytes(0, held)
         live = int(rows.lengths.sum()) * _position_bytes(self._buffers)
-        live += int(rows.enc.attention_mask.sum()) * _position_bytes(rows.cross_kv)
-        return StateBytes(live, held + _spanned(rows.cross_kv))
+        live += int(rows.enc.attention_mask.sum()) * _position_bytes(self._cross)
+        return StateBytes(live, held)
 
     def _confirmed(self, confirmed: Sequence[tuple[int, int]]) -> None:
         """A lone row fed tokens ahead: the positions of those it confirmed are written
@@ -140,9 +146,9 @@ class InPlaceBatch(ContinuousBatch):
             rows.lengths[row] += taken
 
     def _keep(self, select: list[int], tokens: IntArray) -> None:
+        self._select(select)
         rows = self._rows
         assert rows is not None
-        self._select(select)
         rows.next = tokens
 
     def schedule(self, joining: Sequence[Member], leaving: Collection[Search] = ()) -> list[Search]:
@@ -158,20 +164,35 @@ class InPlaceBatch(ContinuousBatch):
             return ended
         rows = self._rows if self.searches else None
         before = 0 if rows is None else len(rows.lengths)
-        self._reserve(before + len(slots.lengths), slots.self_kv, rows)
+        count = before + len(slots.lengths)
+        mask = slots.enc.attention_mask
+        width = int(np.flatnonzero(mask.any(axis=0))[-1]) + 1 if mask.size else 0
+        self._reserve(count, width, slots, before)
         for i, length in enumerate(slots.lengths.tolist()):
             for buffer, prefilled in zip(self._buffers, slots.self_kv, strict=True):
                 buffer[before + i, :, :length] = prefilled[i, :, :length]
+        for buffer, prefilled in zip(self._cross, slots.cross_kv, strict=True):
+            buffer[before:count, :, :width] = prefilled[:, :, :width]
+            buffer[before:count, :, width:] = 0
+        self._mask[before:count, :width] = mask[:, :width]
+        self._mask[before:count, width:] = 0
         if rows is not None:
-            rows.enc, rows.cross_kv = _sources_stacked(
-                rows.enc, rows.cross_kv, slots.enc, slots.cross_kv
-            )
-            rows.lengths = np.concatenate([rows.lengths, slots.lengths])
-            rows.next = np.concatenate([rows.next, slots.next])
+            lengths = np.concatenate([rows.lengths, slots.lengths])
+            tokens = np.concatenate([rows.next, slots.next])
         else:
-            self._rows = _Rows(slots.enc, slots.cross_kv, slots.lengths.copy(), slots.next)
+            lengths, tokens = slots.lengths.copy(), slots.next
+        self._rows = self._views(lengths, tokens)
         self.searches = [*self.searches, *kept]
         return ended
+
+    def _views(self, lengths: IntArray, tokens: IntArray) -> _Rows:
+        """The rows' state: the buffers' first `len(lengths)` rows (contiguous, so bound
+        as they are), their lengths and next tokens."""
+        count = len(lengths)
+        # The step graphs take no encoder hidden states: an empty one keeps the shape's rows.
+        hidden = np.zeros((count, 0, 0), dtype=self.model.float_type)
+        enc = EncoderOutput(hidden, self._mask[:count])
+        return _Rows(enc, tuple(b[:count] for b in self._cross), lengths, tokens)
 
     def execute(self) -> None:
         if not self.searches:  # nothing kept alive for an idle lane, the binding's arrays too
@@ -199,18 +220,35 @@ class InPlaceBatch(ContinuousBatch):
         self._logits = logits[:, None, :] if self._fed == 1 else logits
         rows.lengths = rows.lengths + 1
 
-    def _reserve(self, count: int, like: tuple[FloatArray, ...], held: _Rows | None) -> None:
-        """Buffers of at least `count` rows, one per array of `like` (a prefill's self
-        KV: their heads, head size and type), the `held` rows' positions kept (doubling)."""
-        if count <= self.buffer_rows:
+    def _reserve(self, count: int, width: int, joining: _Slots, held: int) -> None:
+        """Buffers of at least `count` rows (doubling) and, for cross-attention, `width`
+        source positions (widened by `SOURCE_STEP`s), one per array of the newcomers'
+        state `joining` (their heads, head size and type); the first `held` rows kept."""
+        rows = max(count, 2 * self.buffer_rows, INITIAL_ROWS)
+        if count > self.buffer_rows:
+            grown = tuple(
+                _zeros((rows, a.shape[1], self.positions, a.shape[3]), a.dtype)
+                for a in joining.self_kv
+            )
+            if held and self._rows is not None:
+                longest = int(self._rows.lengths[:held].max())
+                for new, old in zip(grown, self._buffers, strict=True):
+                    new[:held, :, :longest] = old[:held, :, :longest]
+            self._buffers = grown
+        sources = int(self._mask.shape[1])
+        if count <= self._mask.shape[0] and width <= sources:
             return
-        size = max(count, 2 * self.buffer_rows, INITIAL_ROWS)
-        grown = tuple(_zeros((size, a.shape[1], self.positions, a.shape[3]), a.dtype) for a in like)
-        if held is not None and len(held.lengths):
-            count, longest = len(held.lengths), int(held.lengths.max())
-            for new, old in zip(grown, self._buffers, strict=True):
-                new[:count, :, :longest] = old[:count, :, :longest]
-        self._buffers = grown
+        rows = max(rows if count > self._mask.shape[0] else self._mask.shape[0], count)
+        wide = max(sources, -(-width // SOURCE_STEP) * SOURCE_STEP)
+        cross = tuple(
+            _zeros((rows, a.shape[1], wide, a.shape[3]), a.dtype) for a in joining.cross_kv
+        )
+        mask = np.zeros((rows, wide), dtype=np.int64)
+        if held:
+            for new, old in zip(cross, self._cross, strict=True):
+                new[:held, :, :sources] = old[:held]
+            mask[:held, :sources] = self._mask[:held]
+        self._cross, self._mask = cross, mask
 
     def _select(self, select: Sequence[int]) -> None:
         """Keep these rows, in this order: their positions move to the buffers' first rows
@@ -236,4 +274,29 @@ class InPlaceBatch(ContinuousBatch):
                         buffer[target, :, :length] = buffer[source, :, :length]
                 else:  # reordered or repeated (a beam): read them all before writing
                     buffer[first : order.size, :, :longest] = buffer[sources, :, :longest]
-        rows.select(order)
+            wholes: tuple[npt.NDArray[Any], ...] = (*self._cross, self._mask)
+            for whole in wholes:  # a row's whole source width
+                whole[first : order.size] = whole[sources]
+        self._narrow(order.size)
+        self._rows = self._views(lengths[order], rows.next[order])
+
+    def _narrow(self, count: int) -> None:
+        """Cross-attention buffers as narrow as the first `count` rows' longest source
+        (rounded up), once the rows with longer ones have left and they would be half as
+        wide or less. Why: every step's cross-attention reads the buffers' whole width,
+        and a join writes its rows' padding over all of it; one long source would
+        otherwise cost every later row of the lane."""
+        if not count:
+            return
+        used = np.flatnonzero(self._mask[:count].any(axis=0))
+        need = int(used[-1]) + 1 if used.size else 0
+        wide = max(SOURCE_STEP, -(-need // SOURCE_STEP) * SOURCE_STEP)
+        if 2 * wide > self._mask.shape[1]:
+            return
+        rows = self._mask.shape[0]
+        cross = tuple(_zeros((rows, a.shape[1], wide, a.shape[3]), a.dtype) for a in self._cross)
+        for new, old in zip(cross, self._cross, strict=True):
+            new[:count] = old[:count, :, :wide]
+        mask = np.zeros((rows, wide), dtype=np.int64)
+        mask[:count] = self._mask[:count, :wide]
+        self._cross, self._mask = cross, mask

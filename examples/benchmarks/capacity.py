@@ -12,7 +12,9 @@ p50 / p95 / max; the share of non-final partials answered (the rest were superse
 newer partial of their stream before or during their decode); decoder rows per step
 (p50 / p95 / max) and steps; CPU use (process CPU time / wall time / cores) while the
 streams are live (`cpu`: first event to last update) and while all N talk at once
-(`full`: the last stream's start to the first stream's end); RSS growth per stream; draft
+(`full`: the last stream's start to the first stream's end); RSS growth per stream; the
+most decoder state the lanes held live at once (`state`, MiB: the running rows' keys and
+values, `nmt_decoder_state_bytes`); draft
 and lookahead tokens confirmed / offered; partials sent and answered per second while all N
 talk (`sent/s ans/s`; sent counts the ~7% whose source did not change, which need no
 update; past the knee ans/s stops growing with N: it is what the machine can answer).
@@ -62,6 +64,7 @@ class Sampler:
 
     def __init__(self, scheduler: Any = None) -> None:
         self.peak = rss_mib()
+        self.state_peak = 0.0  # MiB of decoder state the lanes held live, at most
         self._scheduler = scheduler
         self.samples: list[tuple[float, float, Counter[int]]] = []
         self._sample()
@@ -76,6 +79,9 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.wait(0.02):
             self.peak = max(self.peak, rss_mib())
+            state = getattr(self._scheduler, "state_bytes", None)
+            if state is not None:
+                self.state_peak = max(self.state_peak, state.live / 2**20)
             self._sample()
 
     def stop(self) -> float:
@@ -233,6 +239,7 @@ def run_one(
         "finals": finals,
         "counts": dict(counts),
         "rss_growth_mib": max(0.0, rss_peak - rss0),
+        "state_peak_mib": sampler.state_peak,
     }
     part = {
         "raw": samples,
@@ -454,6 +461,7 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
         "answered_per_s_full": total("answered_per_s_full"),
         "cpu_whole_run": total("cpu_whole_run"),
         "rss_mib_per_stream": sum(r["rss_growth_mib"] for r in raw) / max(n, 1),
+        "state_peak_mib": sum(r.get("state_peak_mib", 0.0) for r in raw),
         "wall_s": max(p["wall_s"] for p in parts),
     }
 
@@ -479,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{'N':>3} {'p50':>6} {'p95':>6} {'max':>6} {'answered':>8} {'cancel':>6} "
         f"{'rows p50/p95/max':>16} {'steps':>6} {'cpu':>5} {'full':>5} {'MiB/str':>7} "
-        f"{'finals':>8} "
+        f"{'state':>6} {'finals':>8} "
         f"{'draft acc/off':>13} {'lookahead acc/off':>17} {'queued p95':>10} "
         f"{'compute p50/p95':>15} {'sent/s ans/s':>12}"
     )
@@ -499,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{n:>3} {r['p50_ms']:>6.0f} {r['p95_ms']:>6.0f} {r['max_ms']:>6.0f} "
             f"{r['answered']:>8.0%} {r['cancelled']:>6} {rows:>16} {r['steps']:>6} "
             f"{r['cpu_use']:>5.0%} {r['cpu_full_load']:>5.0%} {r['rss_mib_per_stream']:>7.1f} "
-            f"{r['finals']:>8} "
+            f"{r['state_peak_mib']:>6.1f} {r['finals']:>8} "
             f"{r['draft']:>13} {r['lookahead']:>17} {r['queued_p95_ms']:>10.0f} "
             f"{compute:>15} {rates:>12}",
             flush=True,
