@@ -440,3 +440,20 @@ def test_cross_attention_buffers_narrow_again_when_the_longer_source_leaves() ->
     ref = alone(tr, short, [], options)
     assert first.result().token_ids == ref.token_ids
     assert first.result().score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
+
+
+def test_an_in_place_step_that_reads_the_hidden_states_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The in-place batch keeps no encoder hidden states for its rows: a rewritten step
+    that reads them (here: the load told that the mask it reads is that input) is refused
+    at load with a reason, and the lanes copy their state, with the same answers."""
+    monkeypatch.setattr("engine.model.load.ENCODER_HIDDEN_STATES", ENCODER_ATTENTION_MASK)
+    with caplog.at_level(logging.WARNING):
+        tr = _translator()
+    assert "reads the encoder's hidden states: not used" in caplog.text
+    masked = tr.model.masked
+    assert masked is not None and masked.inplace is None
+    batch = tr.scheduler._lanes[0].batch
+    assert isinstance(batch, ContinuousBatch) and not isinstance(batch, InPlaceBatch)
+    concurrent_equal_alone(tr, DecodeOptions())

@@ -584,6 +584,16 @@ def _inplace_twin(
             worst,
         )
         return None
+    if ENCODER_HIDDEN_STATES in {i.name for i in opened.get_inputs()}:
+        # The in-place batch keeps only the encoder mask and cross-attention keys and
+        # values of its rows (`InPlaceBatch`); a step that reads the hidden states too
+        # keeps the copied state.
+        log.warning(
+            "%s: %s with self-attention in place reads the encoder's hidden states: not used",
+            model_dir,
+            label,
+        )
+        return None
     return _cut(
         model_dir,
         rewritten,
