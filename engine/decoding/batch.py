@@ -394,11 +394,18 @@ def _spanned(arrays: Sequence[FloatArray]) -> int:
     return total
 
 
+def _source_width(attention_mask: IntArray) -> int:
+    """Source positions up to the last one any row of `attention_mask` marks real (0 for
+    none)."""
+    used = np.flatnonzero(attention_mask.any(axis=0))
+    return int(used[-1]) + 1 if used.size else 0
+
+
 def _sources_trimmed(
     enc: EncoderOutput, cross_kv: tuple[FloatArray, ...]
 ) -> tuple[EncoderOutput, tuple[FloatArray, ...]]:
     """A batch's sources cut to its longest (after the rows with longer ones left)."""
-    source = int(np.flatnonzero(enc.attention_mask.any(axis=0))[-1]) + 1
+    source = _source_width(enc.attention_mask)
     if source == enc.attention_mask.shape[1]:
         return enc, cross_kv
     trimmed = EncoderOutput(enc.hidden_states[:, :source], enc.attention_mask[:, :source])

@@ -44,6 +44,7 @@ from engine.decoding.batch import (
     StateBytes,
     _position_bytes,
     _Slots,
+    _source_width,
     _spanned,
 )
 from engine.decoding.search import Search
@@ -78,6 +79,11 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
 
 SOURCE_STEP = 16
 """Source positions the cross-attention buffers widen by at a time (`_reserve`)."""
+
+
+def _widened(width: int) -> int:
+    """`width` source positions rounded up to `SOURCE_STEP`s, at least one."""
+    return max(SOURCE_STEP, -(-width // SOURCE_STEP) * SOURCE_STEP)
 
 
 @dataclass
@@ -166,7 +172,7 @@ class InPlaceBatch(ContinuousBatch):
         before = 0 if rows is None else len(rows.lengths)
         count = before + len(slots.lengths)
         mask = slots.enc.attention_mask
-        width = int(np.flatnonzero(mask.any(axis=0))[-1]) + 1 if mask.size else 0
+        width = _source_width(mask)
         self._reserve(count, width, slots, before)
         for i, length in enumerate(slots.lengths.tolist()):
             for buffer, prefilled in zip(self._buffers, slots.self_kv, strict=True):
@@ -236,19 +242,9 @@ class InPlaceBatch(ContinuousBatch):
                     new[:held, :, :longest] = old[:held, :, :longest]
             self._buffers = grown
         sources = int(self._mask.shape[1])
-        if count <= self._mask.shape[0] and width <= sources:
+        if self._mask.shape[0] == self.buffer_rows and width <= sources:
             return
-        rows = max(rows if count > self._mask.shape[0] else self._mask.shape[0], count)
-        wide = max(sources, -(-width // SOURCE_STEP) * SOURCE_STEP)
-        cross = tuple(
-            _zeros((rows, a.shape[1], wide, a.shape[3]), a.dtype) for a in joining.cross_kv
-        )
-        mask = np.zeros((rows, wide), dtype=np.int64)
-        if held:
-            for new, old in zip(cross, self._cross, strict=True):
-                new[:held, :, :sources] = old[:held]
-            mask[:held, :sources] = self._mask[:held]
-        self._cross, self._mask = cross, mask
+        self._relayout(max(sources, width), held, joining.cross_kv)
 
     def _select(self, select: Sequence[int]) -> None:
         """Keep these rows, in this order: their positions move to the buffers' first rows
@@ -288,15 +284,21 @@ class InPlaceBatch(ContinuousBatch):
         otherwise cost every later row of the lane."""
         if not count:
             return
-        used = np.flatnonzero(self._mask[:count].any(axis=0))
-        need = int(used[-1]) + 1 if used.size else 0
-        wide = max(SOURCE_STEP, -(-need // SOURCE_STEP) * SOURCE_STEP)
-        if 2 * wide > self._mask.shape[1]:
-            return
-        rows = self._mask.shape[0]
-        cross = tuple(_zeros((rows, a.shape[1], wide, a.shape[3]), a.dtype) for a in self._cross)
-        for new, old in zip(cross, self._cross, strict=True):
-            new[:count] = old[:count, :, :wide]
+        need = _source_width(self._mask[:count])
+        if 2 * _widened(need) <= self._mask.shape[1]:
+            self._relayout(need, count, self._cross)
+
+    def _relayout(self, width: int, held: int, like: Sequence[FloatArray]) -> None:
+        """New cross-attention buffers and encoder mask, one per array of `like` (their
+        heads, head size and type), with the self-attention buffers' rows and `width`
+        source positions rounded up (`_widened`); the first `held` rows' sources kept, as
+        far as the new width goes (a narrowing keeps what those rows use)."""
+        wide, rows = _widened(width), self.buffer_rows
+        cross = tuple(_zeros((rows, a.shape[1], wide, a.shape[3]), a.dtype) for a in like)
         mask = np.zeros((rows, wide), dtype=np.int64)
-        mask[:count] = self._mask[:count, :wide]
+        if held:
+            kept = min(wide, int(self._mask.shape[1]))
+            for new, old in zip(cross, self._cross, strict=True):
+                new[:held, :, :kept] = old[:held, :, :kept]
+            mask[:held, :kept] = self._mask[:held, :kept]
         self._cross, self._mask = cross, mask

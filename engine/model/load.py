@@ -666,23 +666,27 @@ def _cut(
             )
             return CutGraph(session, None)
         body = open_session(split.body, options, per_token=per_token)
-        def check(projection: ort.InferenceSession, hidden: str) -> float:
+
+        def own() -> ort.InferenceSession:
+            return open_session(split.head, options, threads=threads or None, per_token=per_token)
+
+        def check(projection: ort.InferenceSession) -> float:
             return check_cut(
-                session, body, projection, hidden, past_len=past_len, cur_len=cur_len, batch=rows
+                session,
+                body,
+                projection,
+                split.hidden,
+                past_len=past_len,
+                cur_len=cur_len,
+                batch=rows,
             )
 
-        shared = head is not None and head[1] == split.hidden
-        projection = (
-            head[0]
-            if head is not None and shared
-            else open_session(split.head, options, threads=threads or None, per_token=per_token)
-        )
-        worst = check(projection, split.hidden)
-        if shared and not worst <= REWRITE_TOLERANCE:  # the graph's own head, then
-            projection = open_session(
-                split.head, options, threads=threads or None, per_token=per_token
-            )
-            worst = check(projection, split.hidden)
+        shared = head[0] if head is not None and head[1] == split.hidden else None
+        projection = shared if shared is not None else own()
+        worst = check(projection)
+        if shared is not None and not worst <= REWRITE_TOLERANCE:  # the graph's own, then
+            projection = own()
+            worst = check(projection)
         if wide and alone is None:
             alone = (
                 open_session(split.head, options, threads=everyone, per_token=per_token),
