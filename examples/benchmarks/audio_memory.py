@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 import wave
 from pathlib import Path
 
-from engine.asr.pool import PooledStream, RecognizerPool
-from engine.asr.sphinx import SphinxOptions, SphinxRecognizer
-
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
+
+from engine.asr.pool import PooledStream, RecognizerPool  # noqa: E402
+from engine.asr.sphinx import SphinxOptions, SphinxRecognizer  # noqa: E402
+
 SPEECH = ROOT / "examples" / "speech"
 
 

@@ -28,16 +28,20 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.streaming.bus import InProcessBus, UpdateBus, subscribe
-from engine.streaming.lifecycle import Owner
-from engine.streaming.redis_bus import RedisBus
-from engine.streaming.subscriptions import Subscription
-from protocol import TranslationUpdate
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
+
+from engine.streaming.bus import InProcessBus, UpdateBus, subscribe  # noqa: E402
+from engine.streaming.lifecycle import Owner  # noqa: E402
+from engine.streaming.redis_bus import RedisBus  # noqa: E402
+from engine.streaming.subscriptions import Subscription  # noqa: E402
+from protocol import TranslationUpdate  # noqa: E402
 
 LINE = "我们将在三点钟和汤姆见面然后一起去看电影我们将在三点钟和汤姆见面然后一起去看"
 SOURCE = "we will meet Tom at three and then go to the cinema together"

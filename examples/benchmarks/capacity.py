@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
 DEFAULT_MODEL = ROOT / ".cache" / "benchmark-model" / "onnx"
 FLORES_ZH = ROOT.parent / "shared" / "flores200-devtest" / "zho_Hans.devtest"
 SOURCES = [FLORES_ZH]  # the sentences the streams say (`--sources`)

@@ -37,10 +37,12 @@ from pathlib import Path
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from protocol import PartialTranscript, serialize
-
+# this checkout's engine, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_server import ROOT, free_port, http_get, metric
+
+from protocol import PartialTranscript, serialize
 
 WORDS = "Tom will play tennis with Lucy at three tomorrow".split()
 MAX_CONNECTIONS = 5000  # churn bound, whatever the duration

@@ -23,10 +23,12 @@ prints stepwise decoder calls (one per generated token: each is fed to get the n
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
 LOGS = ROOT / "examples" / "logs"
 PAIRS = [
     ("prefix", "fixture", "fixture_en_zh.jsonl"),

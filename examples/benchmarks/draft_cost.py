@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_bound import PAIRS, decodes
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
 MODEL = ROOT / ".cache" / "benchmark-model" / "onnx"
 FLORES_ZH = ROOT.parent / "shared" / "flores200-devtest" / "zho_Hans.devtest"
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,12 +32,14 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from engine.decoding.search import DecodeOptions, _greedy_choice
-from engine.model.config import ModelConfig
-from engine.model.names import BAN_EOS, LOGITS, NEXT_IDS, NEXT_SCORES
-from engine.model.passes.slots import _Builder, _greedy_outputs
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))  # this checkout's engine, not an installed one
+
+from engine.decoding.search import DecodeOptions, _greedy_choice  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.names import BAN_EOS, LOGITS, NEXT_IDS, NEXT_SCORES  # noqa: E402
+from engine.model.passes.slots import _Builder, _greedy_outputs  # noqa: E402
+
 DEFAULT_MODEL = REPO_ROOT / ".cache" / "benchmark-model" / "onnx"
 
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+# this checkout's engine, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_anatomy import median_ms
 

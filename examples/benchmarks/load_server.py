@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
 sys.path.insert(0, str(ROOT / "examples"))
 
 from replay_client import ReplayResult, percentile, read_log, replay  # noqa: E402

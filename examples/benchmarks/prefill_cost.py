@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
 DEFAULT_MODEL = ROOT / ".cache" / "benchmark-model" / "onnx"
 SOURCE_TOKENS = 40
 

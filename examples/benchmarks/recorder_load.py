@@ -40,6 +40,8 @@ from pathlib import Path
 
 from websockets.asyncio.client import ClientConnection, connect
 
+# this checkout's engine, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_server import ROOT, free_port, http_get
 

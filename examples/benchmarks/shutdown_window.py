@@ -51,10 +51,12 @@ from websockets.frames import Frame, Opcode
 from websockets.http11 import Response
 from websockets.uri import parse_uri
 
-from protocol import PartialTranscript, serialize
-
+# this checkout's engine, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_server import ROOT, free_port, http_get
+
+from protocol import PartialTranscript, serialize
 
 AFTER_CLOSE = re.compile(r"(\d+) final\(s\) arrived after the server's close frame")
 
