@@ -96,16 +96,22 @@ class StreamingOptions:
     def decode_for(
         self, source_tokens: int, committed: int = 0, *, partial: bool = False
     ) -> DecodeOptions:
-        """Decode options for a source of this many tokens (and this much committed)."""
+        """Decode options for a source of this many tokens (and this much committed). A
+        partial's hypothesis goes without its score (`DecodeOptions.scores`): its update
+        carries none, and choosing each token by the argmax alone is cheaper; a final keeps
+        `decode` as it is, so that it equals `translate`, score included."""
+        options = self.decode
         if self.forced_length_ratio is not None:
             n = max(1, committed, math.ceil(self.forced_length_ratio * source_tokens))
-            return replace(self.decode, min_new_tokens=n, max_new_tokens=n)
-        if partial and self.partial_length is not None:
+            options = replace(options, min_new_tokens=n, max_new_tokens=n)
+        elif partial and self.partial_length is not None:
             a, b = self.partial_length
             cap = max(committed + 1, math.ceil(a * source_tokens) + b)
-            if self.decode.max_new_tokens is None or cap < self.decode.max_new_tokens:
-                return replace(self.decode, max_new_tokens=cap)
-        return self.decode
+            if options.max_new_tokens is None or cap < options.max_new_tokens:
+                options = replace(options, max_new_tokens=cap)
+        if partial and options.scores:
+            options = replace(options, scores=False)
+        return options
 
 
 def _word_char(ch: str) -> bool:
