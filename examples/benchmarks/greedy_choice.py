@@ -8,7 +8,9 @@ few passes over the vocabulary in one buffer kept per thread); the KV-slot graph
 it where the model runs and return two numbers a position instead of the logits
 (`engine.model.passes.slots._greedy_outputs`, the same float32 operations). On a GPU
 that saves moving the logits to the host; on the CPU the logits are already in memory,
-and what counts is which passes over them are faster.
+and what counts is which passes over them are faster. A third way is the token alone
+(`_greedy_token`, `DecodeOptions.scores` False: the argmax of the logits as they are, one
+pass), which a stream's partials take: their updates carry no score.
 
 This times both on the same logits ([`--positions`, vocabulary] float32, random at the
 spread of a trained model's), on one thread as a lane runs them, in alternated rounds,
@@ -35,7 +37,7 @@ from onnx import TensorProto, helper
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # this checkout's engine, not an installed one
 
-from engine.decoding.search import DecodeOptions, _greedy_choice  # noqa: E402
+from engine.decoding.search import DecodeOptions, _greedy_choice, _greedy_token  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.names import BAN_EOS, LOGITS, NEXT_IDS, NEXT_SCORES  # noqa: E402
 from engine.model.passes.slots import _Builder, _greedy_outputs  # noqa: E402
@@ -105,22 +107,29 @@ def main(argv: list[str] | None = None) -> int:
     def in_graph() -> list[Any]:
         return session.run([NEXT_IDS, NEXT_SCORES], {LOGITS: logits, BAN_EOS: short})
 
+    def token_alone() -> list[int]:
+        return [_greedy_token(logits[0, p], config, 1, options) for p in range(args.positions)]
+
     ids, scores = in_graph()
     mine = in_numpy()
-    same = ids[0].tolist() == [token for token, _ in mine]
+    same = ids[0].tolist() == [token for token, _ in mine] == token_alone()
     worst = max(abs(float(scores[0, p]) - score) for p, (_, score) in enumerate(mine))
-    for way in (in_numpy, in_graph):  # warm-up
+    for way in (in_numpy, in_graph, token_alone):  # warm-up
         _median_ms(way, 3)
-    numpy_ms, graph_ms = [], []
+    numpy_ms, graph_ms, alone_ms = [], [], []
     for _ in range(args.rounds):
         numpy_ms.append(_median_ms(in_numpy, args.reps))
         graph_ms.append(_median_ms(in_graph, args.reps))
+        alone_ms.append(_median_ms(token_alone, args.reps))
     a, b = statistics.median(numpy_ms), statistics.median(graph_ms)
+    c = statistics.median(alone_ms)
     per = 1e3 / args.positions
     print(f"{args.positions} positions x {vocab} logits, one thread, {args.rounds} rounds")
     print(f"  numpy (the searches):    {a * per:7.1f} us a position  ({a:.2f} ms a call)")
     print(f"  in the graph (KV slots): {b * per:7.1f} us a position  ({b:.2f} ms a call)")
-    print(f"  graph / numpy: {b / a:.2f}x; same tokens: {same}; scores differ by {worst:.2g}")
+    print(f"  the token alone (partials): {c * per:4.1f} us a position  ({c:.2f} ms a call)")
+    print(f"  graph / numpy: {b / a:.2f}x; token alone / numpy: {c / a:.2f}x")
+    print(f"  same tokens: {same}; scores differ by {worst:.2g}")
     return 0 if same else 1
 
 
