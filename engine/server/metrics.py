@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from engine.server.admission import Reason
 
 if TYPE_CHECKING:
+    from engine.decoding.scheduler import DecodeScheduler
     from engine.streaming.controller import IncrementalTranslator
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -67,12 +68,22 @@ class _SchedulerStats(Collector):
         yield family
 
 
-class _KvSlotStats(Collector):
-    """Each model's KV slot pool, by target language: its slots, those free, and the
-    bytes it holds (allocated at start: the decoder's state does not grow with load)."""
+class _EngineCollector(Collector):
+    """A collector that reads the engine when scraped (`engine`: None before it is up)."""
 
     def __init__(self, engine: Callable[[], IncrementalTranslator | None]) -> None:
         self._engine = engine
+
+    def _schedulers(self) -> list[tuple[str, DecodeScheduler]]:
+        """Each loaded model's decode scheduler, by target language, sorted."""
+        nmt = self._engine()
+        targets = nmt.targets.items() if nmt is not None else []
+        return sorted((lang, target.scheduler) for lang, target in targets)
+
+
+class _KvSlotStats(_EngineCollector):
+    """Each model's KV slot pool, by target language: its slots, those free, and the
+    bytes it holds (allocated at start: the decoder's state does not grow with load)."""
 
     def collect(self) -> Iterable[Metric]:
         slots = GaugeMetricFamily(
@@ -84,9 +95,8 @@ class _KvSlotStats(Collector):
         size = GaugeMetricFamily(
             "nmt_kv_slot_bytes", "Memory of each model's KV slot pool.", labels=["lang"]
         )
-        nmt = self._engine()
-        for lang, target in sorted(nmt.targets.items() if nmt is not None else []):
-            pool = target.scheduler.kv_slots
+        for lang, scheduler in self._schedulers():
+            pool = scheduler.kv_slots
             if pool is None:
                 continue
             slots.add_metric(["total", lang], pool["total"])
@@ -96,15 +106,12 @@ class _KvSlotStats(Collector):
         yield size
 
 
-class _DecoderState(Collector):
+class _DecoderState(_EngineCollector):
     """Each model's decoder state kept by its lanes (self-attention in place, or copied
     per step), by target language: `live`, what its running rows' positions and sources
     occupy; `reserved`, what the arrays holding them span (buffers for more rows and
     positions, mapped as they are written: resident memory lies between the two). Why:
     under load this state, not per-stream bookkeeping, is what grows with the rows."""
-
-    def __init__(self, engine: Callable[[], IncrementalTranslator | None]) -> None:
-        self._engine = engine
 
     def collect(self) -> Iterable[Metric]:
         family = GaugeMetricFamily(
@@ -113,9 +120,8 @@ class _DecoderState(Collector):
             "as of each lane's last turn.",
             labels=["state", "lang"],
         )
-        nmt = self._engine()
-        for lang, target in sorted(nmt.targets.items() if nmt is not None else []):
-            state = target.scheduler.state_bytes
+        for lang, scheduler in self._schedulers():
+            state = scheduler.state_bytes
             if state is None:
                 continue
             family.add_metric(["live", lang], state.live)
@@ -141,14 +147,11 @@ class _ModelInfo(Collector):
         yield family
 
 
-class _BusStats(Collector):
+class _BusStats(_EngineCollector):
     """The update bus's counters (a shared bus: appends, leases renewed and lost,
     takeovers, finals refused while Redis was down, reconnects, ...), its latencies
     (append: publish to Redis's acknowledgement; read: an entry's time in Redis until a
     node reads it) as quantiles of recent samples, and local viewers (totals)."""
-
-    def __init__(self, engine: Callable[[], IncrementalTranslator | None]) -> None:
-        self._engine = engine
 
     def collect(self) -> Iterable[Metric]:
         nmt = self._engine()
