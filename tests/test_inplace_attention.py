@@ -228,6 +228,12 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
     while bound < 6:  # never more rows than requests in flight
         bound *= 2
     assert INITIAL_ROWS <= held <= bound, (held, most)
+    # Every row has left: what they wrote past the first row was given back (reads zeros);
+    # the first row's pages are kept for the next lone request.
+    assert most > 1 and batch.rows == 0
+    for buffer in (*batch._buffers, *batch._cross):
+        assert not buffer[1:].any()
+        assert buffer[0].any()
 
 
 def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_change() -> None:
@@ -310,6 +316,25 @@ def test_the_buffers_pages_come_as_rows_write_them() -> None:
     grown = _rss_mib() - before
     assert grown < 4, grown
     assert float(buffer.sum()) == 16 * 8 * 10 * 64
+
+
+def test_rows_given_back_take_no_memory_and_read_zeros() -> None:
+    """Rows 2-15 of a 16 MiB buffer, all written, given back: about 14 MiB less
+    resident, those rows zeros, the first two as written; written again, they hold the
+    new values. Arrays that are not such buffers are left alone."""
+    from engine.decoding.inplace_batch import _release, _zeros
+
+    buffer = _zeros((16, 8, 512, 64), np.dtype(np.float32))
+    buffer[:] = 1.0
+    before = _rss_mib()
+    _release(buffer, 2, 16)
+    assert before - _rss_mib() > 12
+    assert not buffer[2:].any() and bool((buffer[:2] == 1.0).all())
+    buffer[5, :, :3] = 2.0
+    assert float(buffer[5].sum()) == 8 * 3 * 64 * 2.0
+    plain = np.ones((4, 1024), dtype=np.float32)
+    _release(plain, 1, 4)
+    assert bool((plain == 1.0).all())
 
 
 @pytest.mark.parametrize("inplace", [True, False], ids=["in-place", "copied"])

@@ -10,7 +10,9 @@ positions first and its length its own, so:
 - a step writes one position per row and copies nothing (and its rows are not padded to
   the longest: each row's attention reads its own positions);
 - a join copies only the newcomers' prefilled positions into the rows after the last;
-- a leave moves the rows after it down by their own positions only;
+- a leave moves the rows after it down by their own positions only, and the rows left
+  behind at the end give their pages back (`_release`), so that the buffers' memory
+  follows the rows a lane runs, not the most it ever ran;
 - the buffers grow (doubling their rows) only when the batch outgrows them, so the state's
   memory is set by the most rows a lane held, not allocated per step.
 
@@ -62,19 +64,47 @@ INITIAL_ROWS = 4
 
 
 def _zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
-    """A zeroed array whose pages the kernel maps as they are written, in pages of 4 KiB.
+    """A zeroed array whose pages the kernel maps as they are written, in pages of 4 KiB,
+    private to the process (`_release` can hand them back).
 
     Why not `np.zeros`: NumPy advises huge pages for large arrays, and a buffer of
     `[rows, heads, positions, head_dim]` is written a few positions per head at a time:
     with 2 MiB pages the first position of each head made the whole buffer resident (a
     32-stream `capacity.py` run grew 300 MiB instead of 100)."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    memory = mmap.mmap(-1, max(size, 1))
+    private = getattr(mmap, "MAP_PRIVATE", None)
+    if private is None:  # no POSIX flags (Windows): an anonymous map as the platform makes it
+        memory = mmap.mmap(-1, max(size, 1))
+    else:
+        memory = mmap.mmap(-1, max(size, 1), flags=private | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
     if advice is not None:
         memory.madvise(advice)
     array: FloatArray = np.frombuffer(memory, dtype=dtype, count=int(np.prod(shape)))
     return array.reshape(shape)
+
+
+def _release(buffer: FloatArray, begin: int, end: int) -> None:
+    """Give rows [begin, end) of a `_zeros` buffer (the whole array, not a view of some
+    of its rows) back to the kernel, in whole pages: they take no memory until written
+    again, and read as zeros. A no-op for other arrays or where the platform cannot.
+
+    Why: rows leave a lane's buffers from the end (`InPlaceBatch._select`), and the pages
+    they wrote stayed resident: a lane's buffers held the memory of the most rows it ever
+    ran, each at the most positions any of its rows reached (up to 12 MiB a row at
+    OPUS-MT's sizes), not of the rows it runs."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    base: Any = buffer.base
+    while base is not None and not isinstance(base, mmap.mmap):  # array -> memoryview -> map
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if advice is None or base is None or end <= begin:
+        return
+    row = buffer[0].nbytes
+    page = mmap.PAGESIZE
+    start = -(-(begin * row) // page) * page  # whole pages inside the rows only
+    stop = end * row // page * page
+    if stop > start:
+        base.madvise(advice, start, stop - start)
 
 
 SOURCE_STEP = 16
@@ -273,6 +303,10 @@ class InPlaceBatch(ContinuousBatch):
             wholes: tuple[npt.NDArray[Any], ...] = (*self._cross, self._mask)
             for whole in wholes:  # a row's whole source width
                 whole[first : order.size] = whole[sources]
+        # The rows left behind give their pages back; the first is kept even when the lane
+        # empties, so that a lone stream's next request does not fault its row in again.
+        for whole in (*self._buffers, *self._cross):
+            _release(whole, max(order.size, 1), len(lengths))
         self._narrow(order.size)
         self._rows = self._views(lengths[order], rows.next[order])
 
