@@ -146,12 +146,11 @@ def run_one(
     from engine.streaming.session import StreamingOptions
 
     lines = make_lines(n, args.sentences, args.seed, first)
-    drafts = {"drafts": False} if args.no_drafts else {}
     partials = sum(1 for line in lines if not line["is_final"])
     scheduler = getattr(translator, "scheduler", None)
     sizes_before: Counter[int] = Counter(getattr(scheduler, "batch_sizes", Counter()))
     options = ReplayOptions(
-        streaming=StreamingOptions(forced_length_ratio=args.ratio, **drafts),
+        streaming=StreamingOptions(forced_length_ratio=args.ratio, drafts=not args.no_drafts),
         realtime=True,
         progress=False,
         max_streams=max(256, n),
@@ -216,7 +215,7 @@ def run_one(
         sizes = [float(k) for k, v in delta.items() for _ in range(v)]
     finals = sum(1 for line in lines if line["is_final"])
     final_updates = sum(1 for t in result.updates if t.update.is_final)
-    if timeline is not None:
+    if timeline is not None and scheduler is not None:
         from engine.decoding.timeline import format_summary, summary
 
         scheduler.timeline = None

@@ -159,7 +159,7 @@ async def burst(url: str, tally: Tally, until: float, name: str) -> None:
 async def flood(url: str, tally: Tally, until: float) -> None:
     async with connect(url) as ws:
         tally.connections += 1
-        seq, sent = 0, set()
+        seq, sent = 0, set[int]()
 
         async def read() -> None:
             while True:

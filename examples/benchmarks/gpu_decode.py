@@ -45,7 +45,7 @@ Timer = Callable[[int, int], float]
 
 TIMELINES: dict[str, Timeline] = {}
 
-LAST: dict[int, list[list[int]]] = {}
+LAST: dict[int, list[tuple[int, ...]]] = {}
 """id(decode) -> the token ids of its last call: fp32 with and without CUDA graphs must
 agree (a replayed graph that wrote elsewhere would leave stale choices)."""
 
@@ -237,10 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, tr in engines.items():
             assert tr.scheduler.timeline is not None
             pool = tr.scheduler.kv
-            graphed = None if pool is None else pool.graphed
-            graphs = "" if graphed is None else f", {graphed.graphs} graphs"
+            replayed = None if pool is None else pool.graphed
+            counted = "" if replayed is None else f", {replayed.graphs} graphs"
             print(
-                f"    {name} per step: {step_parts(tr.scheduler.timeline, b)}{graphs}", flush=True
+                f"    {name} per step: {step_parts(tr.scheduler.timeline, b)}{counted}", flush=True
             )
     if args.profile_rows:
         prefix = str(Path(tempfile.mkdtemp(prefix="gpu-decode-")) / "slot_step")

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         return [_greedy_choice(logits[0, p], config, 1, options) for p in range(args.positions)]
 
     def in_graph() -> list[Any]:
-        return session.run([NEXT_IDS, NEXT_SCORES], {LOGITS: logits, BAN_EOS: short})
+        out: list[Any] = session.run([NEXT_IDS, NEXT_SCORES], {LOGITS: logits, BAN_EOS: short})
+        return out
 
     def token_alone() -> list[int]:
         return [_greedy_token(logits[0, p], config, 1, options) for p in range(args.positions)]

@@ -27,6 +27,7 @@ step's other 22 MB evict: compare the variants with each other, not with step ti
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def _models() -> dict[str, Any]:
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     shared = [
         numpy_helper.from_array(weights, "W"),
-        numpy_helper.from_array(np.int8(0), "wz"),
+        numpy_helper.from_array(np.array(0, np.int8), "wz"),
         numpy_helper.from_array(np.array(scale, np.float32), "ws"),
     ]
 
@@ -128,8 +129,8 @@ def main() -> int:
         alone = np.concatenate([reference.run(None, {"x": rows[i : i + 1]})[0] for i in range(16)])
         for name, session in sessions.items():
             together = session.run(None, {"x": rows})[0]
-            one = median_ms(lambda s=session: s.run(None, {"x": rows[:1]}), 40, warmup=1)
-            many = median_ms(lambda s=session: s.run(None, {"x": rows}), 40, warmup=1)
+            one = median_ms(partial(session.run, None, {"x": rows[:1]}), 40, warmup=1)
+            many = median_ms(partial(session.run, None, {"x": rows}), 40, warmup=1)
             diff = float(np.abs(together - alone).max())
             print(f"{threads:>7} {name:>8} {one:>8.3f} {many:>8.3f} {diff:>9.3g}", flush=True)
     return 0

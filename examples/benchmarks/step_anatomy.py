@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -156,20 +157,20 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             (
                 f"layers alone, {t} thread(s), cached",
-                median_ms(lambda t=t: body[t].run([split.hidden], feed), args.reps),
+                median_ms(partial(body[t].run, [split.hidden], feed), args.reps),
             )
         )
         rows.append(
             (
                 f"projection alone, {t} thread(s), cached",
-                median_ms(lambda t=t: head[t].run(None, hidden), args.reps),
+                median_ms(partial(head[t].run, None, hidden), args.reps),
             )
         )
     for t in counts:
         rows.append(
             (
                 f"step whole, {t} thread(s)",
-                median_ms(lambda t=t: whole[t].run(None, feed), args.reps),
+                median_ms(partial(whole[t].run, None, feed), args.reps),
             )
         )
     rows.append(
