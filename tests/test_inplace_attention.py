@@ -321,7 +321,8 @@ def test_the_buffers_pages_come_as_rows_write_them() -> None:
 def test_rows_given_back_take_no_memory_and_read_zeros() -> None:
     """Rows 2-15 of a 16 MiB buffer, all written, given back: about 14 MiB less
     resident, those rows zeros, the first two as written; written again, they hold the
-    new values. Arrays that are not such buffers are left alone."""
+    new values. A view's rows are its own (offset from the map's start). Arrays that are
+    not such buffers are left alone."""
     from engine.decoding.inplace_batch import _release, _zeros
 
     buffer = _zeros((16, 8, 512, 64), np.dtype(np.float32))
@@ -332,6 +333,11 @@ def test_rows_given_back_take_no_memory_and_read_zeros() -> None:
     assert not buffer[2:].any() and bool((buffer[:2] == 1.0).all())
     buffer[5, :, :3] = 2.0
     assert float(buffer[5].sum()) == 8 * 3 * 64 * 2.0
+    # Rows of a view are its own rows: rows 1-2 of the view from row 4 are rows 5-6.
+    buffer[:] = 3.0
+    _release(buffer[4:], 1, 3)
+    assert not buffer[5:7].any() and bool((buffer[:5] == 3.0).all())
+    assert bool((buffer[7:] == 3.0).all())
     plain = np.ones((4, 1024), dtype=np.float32)
     _release(plain, 1, 4)
     assert bool((plain == 1.0).all())

@@ -85,9 +85,9 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
 
 
 def _release(buffer: FloatArray, begin: int, end: int) -> None:
-    """Give rows [begin, end) of a `_zeros` buffer (the whole array, not a view of some
-    of its rows) back to the kernel, in whole pages: they take no memory until written
-    again, and read as zeros. A no-op for other arrays or where the platform cannot.
+    """Give rows [begin, end) of a `_zeros` buffer back to the kernel, in whole pages:
+    they take no memory until written again, and read as zeros. A no-op for other arrays
+    or where the platform cannot.
 
     Why: rows leave a lane's buffers from the end (`InPlaceBatch._select`), and the pages
     they wrote stayed resident: a lane's buffers held the memory of the most rows it ever
@@ -101,8 +101,9 @@ def _release(buffer: FloatArray, begin: int, end: int) -> None:
         return
     row = buffer[0].nbytes
     page = mmap.PAGESIZE
-    start = -(-(begin * row) // page) * page  # whole pages inside the rows only
-    stop = end * row // page * page
+    at = buffer.ctypes.data - np.frombuffer(base, dtype=np.uint8, count=1).ctypes.data
+    start = -(-(at + begin * row) // page) * page  # whole pages inside the rows only
+    stop = (at + end * row) // page * page
     if stop > start:
         base.madvise(advice, start, stop - start)
 
