@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 
 from engine import DecodeOptions, Translator
 from engine.decoding.batch import ContinuousBatch, Member
-from engine.decoding.inplace_batch import INITIAL_ROWS, SOURCE_STEP, InPlaceBatch
+from engine.decoding.inplace_batch import INITIAL_ROWS, RELEASE_AFTER, SOURCE_STEP, InPlaceBatch
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import make_search
 from engine.model.layouts import InPlaceBinding
@@ -228,9 +228,17 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
     while bound < 6:  # never more rows than requests in flight
         bound *= 2
     assert INITIAL_ROWS <= held <= bound, (held, most)
-    # Every row has left: what they wrote past the first row was given back (reads zeros);
-    # the first row's pages are kept for the next lone request.
+    # Every row has left, within a span of `RELEASE_AFTER`: the rows stay resident (steady
+    # load joins them again every turn). Two spans of single requests later, what the rows
+    # past the first wrote has been given back (reads zeros); the first row is kept.
     assert most > 1 and batch.rows == 0
+    assert any(buffer[1:].any() for buffer in batch._buffers)
+    now = [batch.clock()]
+    batch.clock = lambda: now[0]
+    for _ in range(2):
+        now[0] += RELEASE_AFTER
+        got = tr.decode(encoded[texts[0]], DecodeOptions())[0]
+        assert got.token_ids == expected[texts[0]].token_ids
     for buffer in (*batch._buffers, *batch._cross):
         assert not buffer[1:].any()
         assert buffer[0].any()
