@@ -166,7 +166,8 @@ class InPlaceBatch(ContinuousBatch):
         self._bound = InPlaceBinding()  # this lane's step binding, kept between steps
         # What `_give_back` keeps: the most rows held in the previous span of
         # `RELEASE_AFTER` seconds and in the current one, when the current one began,
-        # and the rows whose pages may be resident (the most held since last given back).
+        # and the rows whose pages may be resident (the most held since last given back);
+        # `clock` gives the time (seconds, monotonic), a test's own where it sets one.
         self.clock = time.monotonic
         self._spans = (0, 0)
         self._span_began = self.clock()
