@@ -29,11 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
 DEFAULT_MODEL = ROOT / ".cache" / "benchmark-model" / "onnx"
 
-
-def rss_mib() -> float:
-    """The process's resident memory, MiB (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+from capacity import rss_mib  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
