@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -242,6 +243,45 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
     for buffer in (*batch._buffers, *batch._cross):
         assert not buffer[1:].any()
         assert buffer[0].any()
+
+
+def test_an_idle_lane_gives_its_rows_back_after_a_quiet_spell_without_a_request() -> None:
+    """After a burst, a lane that gets no more requests still gives the rows past the first
+    back once two spans of `RELEASE_AFTER` have passed: its thread waits for work no
+    longer than the batch's `quiet_in`, then settles. Nothing is decoded meanwhile."""
+    tr = _translator()
+    scheduler = tr.scheduler
+    batch = scheduler._lanes[0].batch
+    assert isinstance(batch, InPlaceBatch)
+    now = [batch.clock()]
+    batch.clock = lambda: now[0]  # the spans' clock; the lane's waits stay real
+    encoded = [tr.encode([tr.source_ids(text)]) for text in SOURCES[:4]]
+    most = 0
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        nonlocal most
+        tr.decode(encoded[i % len(encoded)], DecodeOptions())
+        with lock:
+            most = max(most, batch.rows)
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(one, range(60)))
+    assert most > 1 and batch.rows == 0
+    assert batch.quiet_in() is not None
+    assert any(buffer[1:].any() for buffer in batch._buffers)  # kept within the span
+    steps = scheduler.stats["decoder_steps"]
+    now[0] += 2 * RELEASE_AFTER
+    with scheduler._cond:
+        scheduler._cond.notify_all()  # the lane waits on the real clock: wake it to look
+    deadline = time.monotonic() + 10
+    while any(buffer[1:].any() for buffer in batch._buffers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for buffer in (*batch._buffers, *batch._cross):
+        assert not buffer[1:].any()
+        assert buffer[0].any()
+    assert batch.quiet_in() is None  # nothing left to give back: the lane waits for work
+    assert scheduler.stats["decoder_steps"] == steps
 
 
 def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_change() -> None:

@@ -165,6 +165,18 @@ class DecodeBatch(ABC):
         is the scheduler's `kv_slots`)."""
         return None
 
+    def quiet_in(self) -> float | None:
+        """Seconds after which an idle batch has memory to give back (`settle`), at most
+        0 when it has now; None when it has none (or is not idle). The lane's thread waits
+        no longer than this for work, so that a burst's memory does not stay resident
+        until the lane's next request."""
+        return None
+
+    def settle(self) -> None:
+        """Give back what an idle batch no longer needs, once `quiet_in` says so (a batch
+        that keeps nothing between requests has nothing to give back)."""
+        return None
+
     @property
     @abstractmethod
     def joinable(self) -> bool:

@@ -14,7 +14,9 @@ positions first and its length its own, so:
 - rows past the most the lane held over the last `RELEASE_AFTER` to twice that give their
   pages back (`_release`), so that after a burst the buffers' memory comes down to the
   rows the lane runs, while steady load, whose rows leave and join again every turn,
-  keeps them (a join into given-back pages costs it faulting them in again);
+  keeps them (a join into given-back pages costs it faulting them in again); an idle
+  lane's thread wakes when its spans have passed (`quiet_in`) and gives back all but the
+  first row (`settle`), so a burst's memory does not wait for the lane's next request;
 - the buffers grow (doubling their rows) only when the batch outgrows them, so the state's
   memory is set by the most rows a lane held, not allocated per step.
 
@@ -348,6 +350,18 @@ class InPlaceBatch(ContinuousBatch):
             for whole in (*self._buffers, *self._cross):
                 _release(whole, keep, self._resident)
             self._resident = keep
+
+    def quiet_in(self) -> float | None:
+        """An idle lane's rows past the first give their pages back two spans of
+        `RELEASE_AFTER` after the span in which its last rows left began (`_give_back`:
+        at least one span after they left)."""
+        if self.searches or self._resident <= 1:
+            return None
+        return self._span_began + 2 * RELEASE_AFTER - self.clock()
+
+    def settle(self) -> None:
+        if not self.searches:
+            self._give_back(0, 0)
 
     def _narrow(self, count: int) -> None:
         """Cross-attention buffers as narrow as the first `count` rows' longest source

@@ -19,6 +19,9 @@ vLLM's iteration-level scheduling:
    with the stock decoder graphs only into an empty batch: lockstep);
 4. one decoder call for every live row (`DecodeBatch.execute`).
 
+A lane with nothing to run waits for work, but no longer than its batch's `quiet_in`:
+then it gives back what a burst left (`DecodeBatch.settle`) and waits again.
+
 Lanes: one thread per core by default, each with its own batch and ONNX Runtime calls on
 one intra-op thread: a second ORT thread on these small calls gains little, while two
 lanes run two calls at once.
@@ -435,16 +438,24 @@ class DecodeScheduler:
         while True:
             with self._cond:
                 idle = time.perf_counter()
+                settle = False
                 while not (self._policy.has_work(lane.index) or self._closed):
-                    self._cond.wait()
+                    quiet = lane.batch.quiet_in()  # idle: memory to give back, and when
+                    if quiet is not None and quiet <= 0:
+                        settle = True
+                        break
+                    self._cond.wait(quiet)
                 began = time.perf_counter()
                 lane.stats["idle_ms"] += int((began - idle) * 1000)
                 closed = self._closed
-                if not closed:
+                if not (closed or settle):
                     self._running += 1
                     # Alone, the lane's output projection may take every core; a lane
                     # that wakes meanwhile shares them for the rest of this turn only.
                     lane.batch.alone = self._running == 1
+            if settle:  # outside the lock: giving pages back takes system calls
+                lane.batch.settle()
+                continue
             if closed:
                 self._shut(lane)
                 return
