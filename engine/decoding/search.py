@@ -60,6 +60,13 @@ class DecodeOptions:
         if self.min_new_tokens < 0:
             raise ValueError("min_new_tokens must be >= 0")
 
+    def bans_eos(self, generated: int) -> bool:
+        """Whether eos may not come after `generated` tokens: fewer than `min_new_tokens`.
+        The searches' masks (`_allowed`), their scalar check (`may_follow`) and a KV-slot
+        prefill's per-position flags ask it; a KV-slot step graph compares a row's length
+        with its minimum itself (`SlotBatch`)."""
+        return generated < self.min_new_tokens
+
 
 @dataclass(frozen=True)
 class Hypothesis:
@@ -100,9 +107,17 @@ def _allowed(
         np.copyto(out, logits, casting="same_kind")
     out[:, list(config.bad_token_ids)] = -np.inf
     for r, count in enumerate(generated):
-        if count < options.min_new_tokens:
+        if options.bans_eos(count):
             out[r, config.eos_token_id] = -np.inf
     return out
+
+
+def may_follow(token: int, generated: int, config: ModelConfig, options: DecodeOptions) -> bool:
+    """Whether `token` may come after `generated` tokens: not one of the model's banned
+    tokens, nor eos while `options` bans it (`_allowed` masks the same)."""
+    if token in config.bad_token_ids:
+        return False
+    return not (token == config.eos_token_id and options.bans_eos(generated))
 
 
 def _scores(
@@ -156,9 +171,7 @@ def _greedy_token(
     first of the row's largest values is allowed, so no allowed one comes before it);
     when it may not (a banned token, an early eos), the masked row decides."""
     token = int(logits.argmax())
-    if token in config.bad_token_ids or (
-        token == config.eos_token_id and generated < options.min_new_tokens
-    ):
+    if not may_follow(token, generated, config, options):
         token = _greedy_choice(logits, config, generated, options)[0]
     return token
 

@@ -215,7 +215,7 @@ class SlotBatch(DecodeBatch):
             first = len(reads)
             for t in range(len(search.prefix), fed):
                 reads.append(r * width + t)
-                ban.append(t < search.options.min_new_tokens)
+                ban.append(search.options.bans_eos(t))
             spans.append((first, len(reads)))
         out = self.pool.prefill(
             enc,
