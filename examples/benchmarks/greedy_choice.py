@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,8 @@ from onnx import TensorProto, helper
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # this checkout's engine, not an installed one
+
+from step_anatomy import median_ms  # noqa: E402
 
 from engine.decoding.search import DecodeOptions, _greedy_choice, _greedy_token  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
@@ -70,15 +70,6 @@ def choice_session(vocab: int, bans: list[int], eos: int) -> ort.InferenceSessio
     return ort.InferenceSession(
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
-
-
-def _median_ms(run: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     same = ids[0].tolist() == [token for token, _ in mine] == token_alone()
     worst = max(abs(float(scores[0, p]) - score) for p, (_, score) in enumerate(mine))
     for way in (in_numpy, in_graph, token_alone):  # warm-up
-        _median_ms(way, 3)
+        median_ms(way, 3, warmup=0)
     numpy_ms, graph_ms, alone_ms = [], [], []
     for _ in range(args.rounds):
-        numpy_ms.append(_median_ms(in_numpy, args.reps))
-        graph_ms.append(_median_ms(in_graph, args.reps))
-        alone_ms.append(_median_ms(token_alone, args.reps))
+        numpy_ms.append(median_ms(in_numpy, args.reps, warmup=0))
+        graph_ms.append(median_ms(in_graph, args.reps, warmup=0))
+        alone_ms.append(median_ms(token_alone, args.reps, warmup=0))
     a, b = statistics.median(numpy_ms), statistics.median(graph_ms)
     c = statistics.median(alone_ms)
     per = 1e3 / args.positions

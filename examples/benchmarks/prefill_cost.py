@@ -15,7 +15,6 @@ the scheduler's two lanes slow each other down. Medians over `--reps` calls.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 import time
@@ -29,14 +28,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
 DEFAULT_MODEL = ROOT / ".cache" / "benchmark-model" / "onnx"
 SOURCE_TOKENS = 40
 
-
-def median_ms(call: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+from step_anatomy import median_ms  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = rng.integers(5, 60000, size=(rows, positions))
         mask = np.ones_like(ids)
         needed = np.full(rows, positions - read)
-        return median_ms(lambda: decoder.prefill(enc, ids, mask, needed), args.reps)
+        return median_ms(lambda: decoder.prefill(enc, ids, mask, needed), args.reps, warmup=0)
 
     print(f"prefill (source {SOURCE_TOKENS} tokens), one thread; median ms of {args.reps}")
     print(f"{'rows':>4} {'positions':>9} {'read':>4} {'ms':>7} {'ms/row':>7}")
@@ -94,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"encoder ({SOURCE_TOKENS} tokens per source)")
     for rows in (1, 2, 4):
         ids, mask = source(rows)
-        ms = median_ms(lambda ids=ids, mask=mask: model.encode(ids, mask), args.reps)
+        ms = median_ms(lambda ids=ids, mask=mask: model.encode(ids, mask), args.reps, warmup=0)
         print(f"{rows:>4} rows {ms:>7.2f} ms {ms / rows:>7.2f} per row")
 
     ids0, mask0 = source(1)
