@@ -327,8 +327,8 @@ class InPlaceBatch(ContinuousBatch):
             wholes: tuple[npt.NDArray[Any], ...] = (*self._cross, self._mask)
             for whole in wholes:  # a row's whole source width
                 whole[first : order.size] = whole[sources]
+        self._narrow(order.size)  # first: buffers it replaces need not give pages back
         self._give_back(order.size, len(lengths))
-        self._narrow(order.size)
         self._rows = self._views(lengths[order], rows.next[order])
 
     def _give_back(self, count: int, held: int) -> None:
