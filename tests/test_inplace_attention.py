@@ -245,16 +245,14 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
         assert buffer[0].any()
 
 
-def test_an_idle_lane_gives_its_rows_back_after_a_quiet_spell_without_a_request() -> None:
-    """After a burst, a lane that gets no more requests still gives the rows past the first
-    back once two spans of `RELEASE_AFTER` have passed: its thread waits for work no
-    longer than the batch's `quiet_in`, then settles. Nothing is decoded meanwhile."""
-    tr = _translator()
-    scheduler = tr.scheduler
-    batch = scheduler._lanes[0].batch
+def _after_a_burst(tr: Translator) -> tuple[InPlaceBatch, list[float], list[Any]]:
+    """60 requests from 6 threads on a translator's one lane, its spans on a clock the
+    test moves (the lane's waits stay on the real one). Returns the lane's batch, that
+    clock and the encoded sources; asserts that the rows past the first stay resident."""
+    batch = tr.scheduler._lanes[0].batch
     assert isinstance(batch, InPlaceBatch)
     now = [batch.clock()]
-    batch.clock = lambda: now[0]  # the spans' clock; the lane's waits stay real
+    batch.clock = lambda: now[0]
     encoded = [tr.encode([tr.source_ids(text)]) for text in SOURCES[:4]]
     most = 0
     lock = threading.Lock()
@@ -270,10 +268,23 @@ def test_an_idle_lane_gives_its_rows_back_after_a_quiet_spell_without_a_request(
     assert most > 1 and batch.rows == 0
     assert batch.quiet_in() is not None
     assert any(buffer[1:].any() for buffer in batch._buffers)  # kept within the span
-    steps = scheduler.stats["decoder_steps"]
+    return batch, now, encoded
+
+
+def _wake(tr: Translator) -> None:
+    with tr.scheduler._cond:  # the lane waits on the real clock: wake it to look
+        tr.scheduler._cond.notify_all()
+
+
+def test_an_idle_lane_gives_its_rows_back_after_a_quiet_spell_without_a_request() -> None:
+    """After a burst, a lane that gets no more requests still gives the rows past the first
+    back once two spans of `RELEASE_AFTER` have passed: its thread waits for work no
+    longer than the batch's `quiet_in`, then settles. Nothing is decoded meanwhile."""
+    tr = _translator()
+    batch, now, _ = _after_a_burst(tr)
+    steps = tr.scheduler.stats["decoder_steps"]
     now[0] += 2 * RELEASE_AFTER
-    with scheduler._cond:
-        scheduler._cond.notify_all()  # the lane waits on the real clock: wake it to look
+    _wake(tr)
     deadline = time.monotonic() + 10
     while any(buffer[1:].any() for buffer in batch._buffers) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -281,7 +292,41 @@ def test_an_idle_lane_gives_its_rows_back_after_a_quiet_spell_without_a_request(
         assert not buffer[1:].any()
         assert buffer[0].any()
     assert batch.quiet_in() is None  # nothing left to give back: the lane waits for work
-    assert scheduler.stats["decoder_steps"] == steps
+    assert tr.scheduler.stats["decoder_steps"] == steps
+
+
+def test_an_idle_lane_whose_memory_cannot_be_given_back_serves_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A settle that fails is logged; the lane does not die nor spin on it: it tries again
+    a quiet spell later (the span starts before the release), and its next request is
+    answered as before."""
+    from engine.decoding import inplace_batch
+
+    tr = _translator()
+    batch, now, encoded = _after_a_burst(tr)
+    expected = tr.decode(encoded[0], DecodeOptions())[0]
+    calls: list[int] = []
+
+    def failing(buffer: Any, begin: int, end: int) -> None:
+        calls.append(begin)
+        raise OSError("madvise refused")
+
+    monkeypatch.setattr(inplace_batch, "_release", failing)
+    now[0] += 2 * RELEASE_AFTER
+    with caplog.at_level(logging.ERROR, logger="engine.decoding.scheduler"):
+        _wake(tr)
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # a lane that spun would call it again and again
+    assert len(calls) == 1
+    assert "could not give its memory back" in caplog.text
+    quiet = batch.quiet_in()
+    assert quiet is not None and quiet > RELEASE_AFTER  # tried again a spell later
+    monkeypatch.undo()
+    got = tr.decode(encoded[0], DecodeOptions())[0]
+    assert got.token_ids == expected.token_ids
 
 
 def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_change() -> None:

@@ -360,6 +360,9 @@ class InPlaceBatch(ContinuousBatch):
         return self._span_began + 2 * RELEASE_AFTER - self.clock()
 
     def settle(self) -> None:
+        """Give back the rows past the first (`_give_back` starts a new span before it
+        releases, so a release that fails is tried again a quiet spell later, not in a
+        loop)."""
         if not self.searches:
             self._give_back(0, 0)
 

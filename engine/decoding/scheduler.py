@@ -454,7 +454,10 @@ class DecodeScheduler:
                     # that wakes meanwhile shares them for the rest of this turn only.
                     lane.batch.alone = self._running == 1
             if settle:  # outside the lock: giving pages back takes system calls
-                lane.batch.settle()
+                try:
+                    lane.batch.settle()
+                except Exception:  # memory kept is no reason for a lane to stop serving
+                    log.exception("an idle lane could not give its memory back")
                 continue
             if closed:
                 self._shut(lane)
