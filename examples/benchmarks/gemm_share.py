@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
 DEFAULT_MODEL = ROOT / ".cache" / "benchmark-model" / "onnx"
 
-from step_anatomy import cpu_name  # noqa: E402
+from step_anatomy import cpu_name, seconds  # noqa: E402
 
 PRODUCTS = ("MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")
 
@@ -104,12 +104,6 @@ def timed_ms(run: Callable[[], float], reps: int) -> float:
     """Median of `reps` results of `run`, which times itself (seconds), in ms."""
     run()
     return statistics.median(run() for _ in range(reps)) * 1000
-
-
-def _seconds(run: Callable[[], Any]) -> float:
-    began = time.perf_counter()
-    run()
-    return time.perf_counter() - began
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,11 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         del profiled, runs, masked
 
     engine: dict[str, Callable[[], float]] = {
-        "encoder, one source": partial(_seconds, run["encoder, one source"]),
-        "prefill body": partial(_seconds, run["prefill body"]),
+        "encoder, one source": partial(seconds, run["encoder, one source"]),
+        "prefill body": partial(seconds, run["prefill body"]),
         "projection": projection,
     }
-    alone = {name: partial(_seconds, products_alone(s)) for name, s in shapes.items()}
+    alone = {name: partial(seconds, products_alone(s)) for name, s in shapes.items()}
     rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in engine}
     for _ in range(args.rounds):  # alternated: the machine's speed drifts
         for name in engine:

@@ -54,11 +54,12 @@ def copy_bandwidth(size: int = 256 << 20) -> float:
     """Bytes read per second by one thread copying an array far larger than any cache."""
     src = np.ones(size, dtype=np.uint8)
     dst = np.empty_like(src)
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(8))
+    best = min(seconds(lambda: np.copyto(dst, src)) for _ in range(8))
     return size / best
 
 
-def _timed(run: Callable[[], Any]) -> float:
+def seconds(run: Callable[[], Any]) -> float:
+    """Wall seconds of one call of `run`."""
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
