@@ -270,26 +270,28 @@ async def hand_over(nmt: IncrementalTranslator, writer: Owner) -> None:
 async def test_a_final_resent_after_its_history_was_trimmed_is_not_shown_again(
     translator: Translator,
 ) -> None:
+    """(At seq 1: a seq-0 event that the history cannot place is a writer starting over,
+    `test_writer_restart.py`.)"""
     x, y = Owner("x"), Owner("y")
-    first = PartialTranscript("s1", 0, 0, "I will meet Tom at three", True)
+    first = PartialTranscript("s1", 0, 1, "I will meet Tom at three", True)
     async with IncrementalTranslator(translator, bus=InProcessBus(history=4)) as nmt:
         viewer = nmt.updates("s1")
         await nmt.push(first, x)
-        for seq, words in enumerate(["Tom", "Tom reads", "Tom reads a", "Tom reads a book"], 1):
-            await nmt.push(PartialTranscript("s1", 1, seq, words, seq == 4), x)
+        for seq, words in enumerate(["Tom", "Tom reads", "Tom reads a", "Tom reads a book"], 2):
+            await nmt.push(PartialTranscript("s1", 1, seq, words, seq == 5), x)
             await nmt.wait_idle("s1")
         await hand_over(nmt, x)
         following = nmt.updates("s1", after=viewer.cursor)
         mine = nmt.updates(owner=y)
         await nmt.push(first, y)  # its reply was lost with x; the history kept 4 entries
-        await nmt.push(PartialTranscript("s1", 2, 5, "we will see the film", True), y)
+        await nmt.push(PartialTranscript("s1", 2, 6, "we will see the film", True), y)
         await nmt.wait_idle("s1")
         await nmt.close_stream("s1", y)
         answers = [r for r in mine._items if isinstance(r, TranslationUpdate)]
         seen = [r async for r in viewer] + [r async for r in following]
-    assert [(r.seq, r.is_final) for r in answers] == [(0, True), (5, True)]
+    assert [(r.seq, r.is_final) for r in answers] == [(1, True), (6, True)]
     finals = [r.seq for r in seen if isinstance(r, TranslationUpdate) and r.is_final]
-    assert finals == [0, 4, 5]  # seq 0 once, when it was first answered
+    assert finals == [1, 5, 6]  # seq 1 once, when it was first answered
     assert nmt.stats["resent_unshown"] == 1
 
 

@@ -129,6 +129,14 @@ class UpdateBus(Protocol):
         (`unavailable`) when the bus cannot be reached."""
         ...
 
+    def start_over(self, stream_id: str, epoch: int) -> None:
+        """The writer of life `epoch` started over (numbering from 0 again: a restarted
+        process): mark the stream's histories there (ahead of this life's replies),
+        so that no seq is judged against what came before any more (a later handover
+        resumes this life only) and a late viewer's backlog starts there. Viewers go
+        on (the new `epoch` tells them)."""
+        ...
+
     def watch(self, sub: Subscription, after: str | None = None) -> None:
         """Start a viewer the hub made (`Hub.viewer`): replay its history through the hub
         (after cursor `after`, or its backlog), then feed it live replies."""
@@ -241,6 +249,11 @@ class InProcessBus:
                 Entry(cursor, reply, epoch)
             )
         self._hub.publish(reply, owner, cursor)
+
+    def start_over(self, stream_id: str, epoch: int) -> None:
+        cursor = self._cursors.next()
+        for entries in self._history.get(stream_id, {}).values():
+            entries.append(Entry(cursor, None, epoch, started_over=True))
 
     def watch(self, sub: Subscription, after: str | None = None) -> None:
         if sub.stream_id is None:  # every stream: the backlog of each open one

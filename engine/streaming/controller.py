@@ -478,13 +478,16 @@ class IncrementalTranslator:
     async def _answer_from_history(
         self, stream: Stream, admission: Admission
     ) -> dict[str, StreamSession]:
-        """A final sent again by a writer that lost its connection, decided per language
-        by the stream's history (`resent_final`), answered to the writer only (viewers had
-        it); returns the sessions still to translate it (`stream.unshown`: for the writer)."""
+        """An event at or below the seq the stream's earlier life answered through: a
+        final sent again by a writer that lost its connection, decided per language by
+        the stream's history (`resent_final`), answered to the writer only (viewers had
+        it); or an event of a writer that started over (the lifecycle decides,
+        `starts_over`), after which the history is marked and every event is new.
+        Returns the sessions still to translate it (`stream.unshown`: for the writer)."""
         event = admission.event
         found: dict[str, tuple[Resent, TranslationUpdate | None]] = {}
         try:
-            for lang in stream.sessions:
+            for lang in stream.sessions if event.is_final else ():
                 entries = await self._bus.history(event.stream_id, lang)
                 trimmed = len(entries) >= self._bus.history_size
                 found[lang] = resent_final(
@@ -494,6 +497,12 @@ class IncrementalTranslator:
             found = {}
         if stream.closed:
             return {}
+        if stream.life.starts_over(event, [verdict for verdict, _ in found.values()]):
+            self.stats["started_over"] += 1
+            self._bus.start_over(event.stream_id, stream.life.epoch)
+            return stream.sessions
+        if not event.is_final:
+            return stream.sessions
         stream.unshown = {lang for lang, (v, _) in found.items() if v is Resent.UNKNOWN}
         for lang, (verdict, update) in found.items():
             if verdict is Resent.ANSWERED or verdict is Resent.CONFLICT:
@@ -573,8 +582,7 @@ class IncrementalTranslator:
         stream.current = event
         stream.answered, stream.unshown = set(), set()
         sessions = stream.sessions
-        through = stream.life.answered_through
-        if event.is_final and through is not None and event.seq <= through:
+        if stream.life.resumes(event):
             sessions = await self._answer_from_history(stream, admission)
             if stream.closed:  # aborted meanwhile: `abort` answered it
                 stream.current = None

@@ -50,7 +50,8 @@ class Hub:
     def join(self, sub: Subscription, histories: History, after: str | None = None) -> bool:
         """Replay `histories` to a joining viewer, then deliver it live replies: what came
         after cursor `after`, or (no cursor, or one these histories cannot place) the
-        backlog, each stream's last lines. A close mark among what it missed ends it there.
+        backlog, each stream's last lines. A close mark among what it missed ends it there
+        (a restart mark does not: the stream goes on, its new `epoch` says so).
         Returns whether `after` could not be placed (the viewer has a gap)."""
         if sub in self._joining:
             self._joining.remove(sub)
@@ -68,6 +69,8 @@ class Hub:
             if placed:
                 missed.sort(key=lambda item: item[0].at)
                 for entry, lang in missed:
+                    if entry.started_over:  # the stream goes on, a new life
+                        continue
                     if entry.reply is None:
                         sub.end_at(entry.cursor, lang)
                         return False
@@ -114,7 +117,9 @@ class Hub:
 
     def deliver(self, stream_id: str, lane: str, entry: Entry) -> None:
         """A history entry of (`stream_id`, `lane`) read live, to the stream's viewers of
-        that language; a close mark ends them there."""
+        that language; a close mark ends them there (a restart mark does not)."""
+        if entry.started_over:
+            return
         subs = [s for s in self._viewers.get(stream_id, ()) if s.lang in (None, lane)]
         for sub in subs:
             if entry.reply is None:

@@ -34,12 +34,17 @@ def by_cursor(update: TranslationUpdate) -> Position:
 
 @dataclass(frozen=True)
 class Entry:
-    """One place in a (stream, language) history: a reply, or (`reply` None) the mark
-    that the stream's writer closed it there (`epoch`: the life that wrote it)."""
+    """One place in a (stream, language) history: a reply, or (`reply` None) a mark
+    (`epoch`: the life that wrote it): that the stream's writer closed it there, or
+    (`started_over`) that a writer started over there, numbering from 0 again (a
+    restarted process): what came before is another life's, which its seqs are never
+    judged against. Viewers go on past a restart mark (the new life's `epoch` tells
+    them); a close mark ends them."""
 
     cursor: str
     reply: Reply | None
     epoch: int | None = None
+    started_over: bool = False
 
     @property
     def at(self) -> Position:
@@ -47,8 +52,9 @@ class Entry:
 
 
 def current_life(entries: Sequence[Entry]) -> Sequence[Entry]:
-    """The entries after the last close mark: the stream's lives since its writer last
-    closed it (lives joined by handovers, whose finals a resending writer may find)."""
+    """The entries after the last mark: the stream's lives since its writer last closed
+    it or started over (lives joined by handovers, whose finals a resending writer may
+    find)."""
     for i in range(len(entries) - 1, -1, -1):
         if entries[i].reply is None:
             return entries[i + 1 :]
@@ -81,7 +87,9 @@ def backlog_lines(entries: Sequence[Entry]) -> list[TranslationUpdate]:
 
 class Resent(Enum):
     """What a history says of a final that a writer sends again after a handover (at or
-    below the seq the earlier life answered up to)."""
+    below the seq the earlier life answered up to). Whether the writer rather started
+    over is the stream's lifecycle's decision (`StreamLifecycle.starts_over`), made
+    from this."""
 
     # Each value is the engine counter (`IncrementalTranslator.stats`) it is counted in.
     ANSWERED = "answered_from_history"  # its update is here: the writer gets it again
@@ -96,10 +104,8 @@ def resent_final(
     """Decide on a resent final from its history (`trimmed`: it may have lost older
     entries). Only the current life (`current_life`) is searched: the same seq with the
     same segment and words is the update to answer with (the newest wins); the same seq
-    with anything else was another event, which a seq cannot name twice in a life, except
-    seq 0: a writer that numbers from 0 again with other words is a writer that started
-    over (a restarted client), whose stream is a new one (its own epoch), not a resend. A
-    seq older than all a trimmed history keeps cannot be placed: it may have been shown
+    with anything else was another event, which a seq cannot name twice in a life. A seq
+    older than all a trimmed history keeps cannot be placed: it may have been shown
     already."""
     life = current_life(entries)
     conflict = False
@@ -109,7 +115,7 @@ def resent_final(
             if reply.is_final and reply.segment_id == segment_id and reply.source_text == source:
                 return Resent.ANSWERED, reply
             conflict = True
-    if conflict and seq > 0:
+    if conflict:
         return Resent.CONFLICT, None
     if trimmed and len(life) == len(entries):  # no close mark: where the life began is gone
         kept = [e.reply.seq for e in life if e.reply is not None and e.reply.seq is not None]

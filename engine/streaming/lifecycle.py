@@ -53,12 +53,13 @@ Words for ending things, each with one meaning in the engine and the server:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
 from engine.errors import InputTooLongError
+from engine.streaming.history import Resent
 from protocol import ErrorCode, ErrorMessage, InvalidEvent, PartialTranscript
 
 
@@ -157,6 +158,7 @@ class StreamLifecycle:
         self.owner = owner
         self.epoch = epoch
         self.phase = Phase.OPEN
+        self.first_seq: int | None = None  # the seq of the event that opened this life
         self.last_seq: int | None = None
         self.segment_id: int | None = None
         self.segment_final = False  # the current segment has had its final
@@ -165,7 +167,8 @@ class StreamLifecycle:
         # a stream its writer closed ends its history; one handed over does not.
         self.ending: Trigger | None = None
         # The highest seq an earlier life (whose writer left) answered, when the bus says
-        # so: a final resent at or below it may be answered already.
+        # so: a final resent at or below it may be answered already. None once the
+        # writer started over (`starts_over`): nothing earlier is judged against.
         self.answered_through = answered_through
 
     def __repr__(self) -> str:
@@ -251,8 +254,49 @@ class StreamLifecycle:
             )
         return None
 
+    def resumes(self, event: PartialTranscript) -> bool:
+        """Whether `event` may repeat what an earlier life of the stream (whose writer
+        left without closing it) answered: its seq is at or below the highest one that
+        life answered. Such a final is judged by the history (`resent_final`), and such
+        an event may show that the writer started over (`starts_over`)."""
+        through = self.answered_through
+        return through is not None and event.seq <= through
+
+    def starts_over(self, event: PartialTranscript, found: Collection[Resent]) -> bool:
+        """Whether `event` (one that `resumes`) comes from a writer that started over,
+        numbering from 0 again (a restarted process that lost its count), rather than
+        from one that sends again the finals it had no reply for; `found`: what the
+        history says of it in each language (nothing for a partial, which is never
+        sent again). Such a writer opens this life at seq 0, and:
+
+        - seq 0 starts over, unless it is the earlier life's seq-0 final sent again
+          unchanged (some language found it `ANSWERED`), which is answered from the
+          history;
+        - after such a seq 0, the first event that the writer of the earlier life could
+          not have sent again (a partial, or a final whose seq was answered with other
+          words: `CONFLICT`) starts over: a restarted writer whose first final was the
+          earlier one's words.
+
+        A writer that sends again never does either (partials are not sent again, and a
+        seq names one event), so its resends are still answered once. When it starts
+        over, the stream no longer resumes the earlier life (`answered_through` None):
+        every later seq of this life is new, and the caller marks the history there so
+        that a later life, too, judges seqs only against this one's
+        (`UpdateBus.start_over`)."""
+        if not self.resumes(event) or self.first_seq != 0:
+            return False
+        if event.seq == 0:
+            restart = Resent.ANSWERED not in found
+        else:
+            restart = not event.is_final or Resent.CONFLICT in found
+        if restart:
+            self.answered_through = None
+        return restart
+
     def accept(self, event: PartialTranscript) -> None:
         """Record an admitted event and move by it."""
+        if self.last_seq is None:
+            self.first_seq = event.seq
         self.last_seq = event.seq
         if event.segment_id != self.segment_id:
             self.segment_id = event.segment_id

@@ -11,7 +11,8 @@ and a fencing token for ownership:
   one: a node that was paused past its lease (GC, SIGSTOP, a partition) and wakes up
   has its late replies refused by Redis itself, so no viewer ever sees them.
 - **History.** Each (stream, language) is a Redis Stream (`XADD ... MAXLEN ~`): an entry
-  per reply, and a close mark when the writer closes the stream. An entry's id is the
+  per reply, a close mark when the writer closes the stream, and a restart mark when a
+  writer starts over (numbering from 0 again). An entry's id is the
   update's `cursor`. The owner appends; a writer's own replies go back to it only once
   Redis has them, so a reply the writer saw is one every viewer will see.
 - **Viewers.** Each node reads, with one blocking `XREAD` on one connection, the keys its
@@ -56,6 +57,7 @@ from engine.streaming.redis_store import (
     CLAIM,
     KIND_CLOSED,
     KIND_REPLY,
+    KIND_STARTED_OVER,
     RELEASE,
     RENEW,
     Append,
@@ -464,7 +466,8 @@ class RedisBus:
         writer (which sends the final again), a partial's is dropped (counted)."""
         reply = item.reply
         if reply is None:
-            self.health.lost("close_marks_lost", why)
+            kind = "close_marks_lost" if item.kind == KIND_CLOSED else "restart_marks_lost"
+            self.health.lost(kind, why)
             return
         final = reply.seq if isinstance(reply, ErrorMessage) else None
         if isinstance(reply, TranslationUpdate):
@@ -482,6 +485,23 @@ class RedisBus:
             reply.lang,
         )
         self._hub.to_owner(error, item.owner)
+
+    def start_over(self, stream_id: str, epoch: int) -> None:
+        # Queued like a reply and fenced by its epoch: it lands before the new life's
+        # first reply, and never after another life took the stream.
+        if self.languages:
+            self._queue(
+                Append(
+                    stream_id,
+                    list(self.languages),
+                    epoch,
+                    KIND_STARTED_OVER,
+                    "",
+                    None,
+                    None,
+                    time.perf_counter(),
+                )
+            )
 
     def end_stream(self, stream_id: str, closed: bool = True) -> None:
         epoch = self._held.get(stream_id)

@@ -75,6 +75,7 @@ return released
 
 KIND_REPLY = "r"
 KIND_CLOSED = "c"
+KIND_STARTED_OVER = "s"
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ def redis_errors() -> tuple[type[BaseException], ...]:
 def entry_of(entry_id: str, fields: dict[str, str]) -> Entry:
     """A Redis Stream entry as a history entry."""
     epoch = int(fields["e"]) if fields.get("e") else None
+    if fields.get("k") == KIND_STARTED_OVER:
+        return Entry(entry_id, None, epoch, started_over=True)
     if fields.get("k") != KIND_REPLY:
         return Entry(entry_id, None, epoch)
     message = protocol.parse(fields["m"], max_bytes=1 << 22, max_text_chars=1 << 20)
