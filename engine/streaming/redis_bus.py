@@ -21,8 +21,10 @@ and a fencing token for ownership:
   cursor), read by a task apart from the live reads, so a crowd joining never holds up
   the viewers already watching (`engine.streaming.redis_viewers`).
 - **Faults** (`engine.streaming.redis_health`). Redis unreachable at start:
-  `BusUnavailable` (the server exits 2). Lost later, or refusing writes (out of memory):
-  `ready` is False (`/readyz` says so) until a write goes through; replies that cannot be
+  `BusUnavailable` (the server exits 2). Lost later, or refusing writes (out of memory,
+  found by the node's appends or by the test write it makes every third of a lease term,
+  so a node that writes nothing finds it too): `ready` is False (`/readyz` says so)
+  until a write goes through; replies that cannot be
   appended are not dropped silently (a final's becomes an `unavailable` error to its
   writer saying why, which sends it again; a partial's is counted), and every loop
   reconnects with backoff and resumes from the ids it had: redis-py reconnects a
@@ -83,6 +85,17 @@ stream's epoch with it (renewed while a node holds the stream)."""
 
 SAMPLES = 2048
 """Latency samples kept for the metrics' quantiles."""
+
+CONNECTIONS = 64
+"""Connections a node keeps to Redis for its commands (claims, appends, renewals, history
+reads; the blocking read has its own). A command finding them all busy waits for one
+(up to `CONNECTION_WAIT` seconds) rather than failing: a reconnect storm's claims queue,
+they are not refused as if Redis were unreachable (redis-py's default pool raises past
+100 at once)."""
+
+CONNECTION_WAIT = 10.0
+"""Seconds a command waits for a free connection before it fails (Redis that slow is as
+good as unreachable)."""
 
 
 class RedisBus:
@@ -166,9 +179,15 @@ class RedisBus:
             raise BusUnavailable(
                 "the Redis bus needs the redis package: pip install -e '.[cluster]'"
             ) from exc
-        self._redis = aioredis.Redis.from_url(
-            self.url, decode_responses=True, socket_timeout=5, socket_connect_timeout=3
+        pool = aioredis.BlockingConnectionPool.from_url(
+            self.url,
+            max_connections=CONNECTIONS,
+            timeout=CONNECTION_WAIT,
+            decode_responses=True,
+            socket_timeout=5,
+            socket_connect_timeout=3,
         )
+        self._redis = aioredis.Redis.from_pool(pool)
         self._reader = aioredis.Redis.from_url(
             self.url,
             decode_responses=True,
@@ -326,8 +345,9 @@ class RedisBus:
             held = dict(self._held)
             renewing = self._renewing = anyio.Event()
             try:
-                if self.health.refusing is not None:
-                    await self._probe_write()
+                # Every turn, so that a node that appends nothing (no writer, or silent
+                # ones) learns that Redis refuses writes too (out of memory): not ready.
+                await self._probe_write()
                 if held:
                     async with self._redis.pipeline(transaction=False) as pipe:
                         for stream_id, epoch in held.items():
@@ -338,7 +358,6 @@ class RedisBus:
                             )
                         results = await pipe.execute()
                 else:
-                    await self._redis.ping()
                     results = []
             except redis_errors() as exc:
                 renewing.set()
@@ -359,8 +378,9 @@ class RedisBus:
                     log.warning("Redis bus: stream %r was taken over elsewhere", stream_id)
 
     async def _probe_write(self) -> None:
-        """While Redis refuses writes, whether it takes one again (a key that expires
-        at once): the node is ready again without waiting for a reply to append."""
+        """Whether Redis takes a write (a key that expires at once): a node is not ready
+        while it does not, whether or not it has replies to append, and ready again as
+        soon as it does, without waiting for a reply to append."""
         try:
             await self._redis.set(f"{self.prefix}:probe:{self.node}", "1", px=1000)
         except redis_errors() as exc:

@@ -37,9 +37,17 @@ BLOCK_MS = 5000
 JOINS_PER_TURN = 64
 """Viewers the join loop starts per turn (it yields between viewers, and between turns)."""
 
-READ_KEYS = 256
-"""Histories a burst of joins keeps to share among its viewers (dropped when the burst
-ends or grows past this): one read per key, however many viewers join it."""
+PAGE = 64
+"""History entries read and parsed at a time: redis-py parses a reply in Python and each
+entry's update is JSON, so a whole history (512 entries) held the event loop for tens of
+milliseconds; read a page at a time, a history read yields between pages, and a live
+update waits behind one page at most, not behind a joiner's whole history."""
+
+READ_ENTRIES = 16384
+"""History entries (32 full histories) a burst of joins keeps to share among its viewers:
+one read per key, however many viewers join it. Dropped when the burst ends or holds
+more, so a burst over many streams does not keep a heap of parsed entries that the
+garbage collector then walks (its pauses, too, hold live updates)."""
 
 
 class RedisViewers:
@@ -83,14 +91,31 @@ class RedisViewers:
         self._has_join.set()
 
     async def entries(self, stream_id: str, lang: str, after: str | None = None) -> list[Entry]:
-        """A history from Redis, oldest first (all that is kept, or what follows `after`)."""
+        """A history from Redis, oldest first (all that is kept, or what follows `after`),
+        read in pages of `PAGE` entries, each parsed before the next is asked for: other
+        tasks (the live reads) run between pages. What is appended meanwhile is newer
+        than the first page read, so the result is the history as of that read (a
+        caller catches up from its last cursor)."""
         key = self.keys.history(stream_id, lang)
+        entries: list[Entry] = []
+        start, end = (f"({after}", "+") if after is not None else ("-", "+")
+        while len(entries) < self.history_size:
+            count = min(PAGE, self.history_size - len(entries))
+            if after is None:  # newest first, back to the oldest kept
+                raw = await self._redis.xrevrange(key, end, start, count=count)
+            else:
+                raw = await self._redis.xrange(key, start, end, count=count)
+            entries.extend(entry_of(entry_id, fields) for entry_id, fields in raw)
+            if len(raw) < count:
+                break
+            if after is None:
+                end = f"({raw[-1][0]}"
+            else:
+                start = f"({raw[-1][0]}"
+            await anyio.lowlevel.checkpoint()
         if after is None:
-            raw = await self._redis.xrevrange(key, "+", "-", count=self.history_size)
-            raw.reverse()
-        else:
-            raw = await self._redis.xrange(key, f"({after}", "+", count=self.history_size)
-        return [entry_of(entry_id, fields) for entry_id, fields in raw]
+            entries.reverse()
+        return entries
 
     # -- joining --------------------------------------------------------------------------
 
@@ -98,7 +123,7 @@ class RedisViewers:
         delay = BACKOFF[0]
         read: dict[str, list[Entry]] = {}  # this burst's history reads, by key
         while True:
-            if not self._joining or len(read) > READ_KEYS:
+            if not self._joining or sum(map(len, read.values())) > READ_ENTRIES:
                 read = {}
             if not self._joining:
                 self._has_join = anyio.Event()
