@@ -259,6 +259,40 @@ async def test_after_a_restart_resends_are_judged_against_the_new_life_only(
     assert nmt.stats["answered_from_history"] == 2 and nmt.stats["started_over"] == 1
 
 
+@pytest.mark.anyio
+async def test_over_websocket_a_restarted_writers_finals_0_to_4_are_all_translated(
+    translator: Translator,
+) -> None:
+    """The issue's report as it happened: finals 0-4, the connection drops; a new
+    connection sends finals 0-4 of new speech. Each gets its final update."""
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from tests.conftest import partial_message, wait_for
+    from tests.live_server import serving, ws_url
+
+    async def speak(server: object, sentences: list[str]) -> list[dict[str, object]]:
+        replies = []
+        async with connect(ws_url(server)) as ws:  # type: ignore[arg-type]
+            for seq, text in enumerate(sentences):
+                await ws.send(partial_message("s", seq, text, final=True, segment=seq))
+            with anyio.fail_after(30):
+                while len(replies) < len(sentences):
+                    reply = json.loads(await ws.recv())
+                    if reply.get("type") == "error" or reply.get("is_final"):
+                        replies.append(reply)
+        return replies  # and the connection drops without close_stream
+
+    async with serving(translator) as server:
+        await speak(server, OLD)
+        await wait_for(lambda: "s" not in server.engine.streams)
+        replies = await speak(server, NEW)
+    assert [(r["type"], r["seq"], r.get("source_text", r.get("code"))) for r in replies] == [
+        ("translation_update", seq, text) for seq, text in enumerate(NEW)
+    ]
+
+
 # --- on Redis, across two nodes ------------------------------------------------------------
 
 
