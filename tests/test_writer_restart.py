@@ -152,6 +152,12 @@ def test_a_restart_mark_bounds_the_life_resends_are_judged_against() -> None:
     entries += [Entry(f"{i + 7}-0", final(i, NEW[i]), 2) for i in range(3)]
     assert [e.reply.seq for e in current_life(entries) if e.reply] == [0, 1, 2]
     assert answered_through(entries) == 2
+    # Shown late (its seq 0 was the earlier one's words): its replies before the mark
+    # are its own; a later close mark ends it all the same.
+    late = [*entries[:5], Entry("6-0", final(0, OLD[0]), 2), Entry("6-1", final(1, NEW[1]), 2)]
+    late += [Entry("7-0", None, 2, started_over=True), Entry("8-0", final(2, NEW[2]), 2)]
+    assert [e.reply.source_text for e in current_life(late) if e.reply] == [OLD[0], *NEW[1:3]]
+    assert current_life([*late, Entry("9-0", None, 2)]) == []
 
 
 # --- through the controller, in one process ----------------------------------------------

@@ -54,9 +54,14 @@ class Entry:
 def current_life(entries: Sequence[Entry]) -> Sequence[Entry]:
     """The entries after the last mark: the stream's lives since its writer last closed
     it or started over (lives joined by handovers, whose finals a resending writer may
-    find)."""
+    find). A restart mark may come after replies of the life that started over (it is
+    written when that life shows it, `StreamLifecycle.starts_over`): those are its own."""
     for i in range(len(entries) - 1, -1, -1):
-        if entries[i].reply is None:
+        mark = entries[i]
+        if mark.reply is None:
+            if mark.started_over and mark.epoch is not None:
+                own = [e for e in entries[:i] if e.epoch == mark.epoch and e.reply is not None]
+                return [*own, *entries[i + 1 :]]
             return entries[i + 1 :]
     return entries
 
