@@ -11,7 +11,7 @@ hub offline:
   (`bash .ci/run`: the suite this test is part of) is checked to be `.ci/run`;
 - shell blocks: each line in bash; a `# -> TEXT` comment is the output it must print;
 - a block that starts `nmt-incremental serve` is a live session: the server starts (on a
-  free port: `--port 0`, and the other commands are pointed at it), `replay_client.py`
+  free port: `--port 0`, and the other commands are pointed at it), `send`
   runs until it has printed a final, a viewer subscribes like the page and must receive an
   update, `xdg-open URL` and every server URL the README names are fetched, then SIGTERM;
 - `python` blocks are saved as a script and run; the output shown after one must match.
@@ -341,7 +341,7 @@ def run_live_session(block: Block, workdir: Path, env: dict[str, str]) -> None:
         server.wait_for(r" ready$", 60)
         url, port = base.group(1), base.group(2)
         langs = re.findall(r"--model", serve)
-        writers = [c for c in others if "replay_client.py" in c]
+        writers = [c for c in others if c.startswith("nmt-incremental send ")]
         opened = [c for c in others if c.startswith("xdg-open")]
         assert writers and opened and len(writers) + len(opened) == len(others), others
         for command in writers:

@@ -134,7 +134,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
     fixture = default_model()
     what = (
         "model directory, a catalog name such as en-zh, or a hub repo id (downloaded on first "
-        "use); "
+        "use), or a fixture the package ships (fixture, fixture_de, fixture_offline); "
         + (f"default: the checkout's fixture, {fixture}" if fixture else "required (no checkout)")
     )
     if several:

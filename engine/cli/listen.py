@@ -32,6 +32,7 @@ from engine.cli.args import (
 from engine.cli.listen_session import PROGRESS_MIN_S, ListenSession
 from engine.cli.recognizer import add_recognizer_arguments, sphinx_options
 from engine.cli.serve import DEFAULT_STREAM
+from engine.distribution import install_hint
 from engine.errors import EngineError, unwrapped
 
 SERVE_DEFAULT = "127.0.0.1:8765"
@@ -45,7 +46,7 @@ def add_listen_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "listen",
         help="live subtitles from speech: a WAV file, or raw PCM on stdin",
         description=(
-            "Recognize speech (pocketsphinx: pip install -e '.[asr]') and translate it as "
+            f"Recognize speech (pocketsphinx: {install_hint('asr')}) and translate it as "
             "it is heard. AUDIO is a WAV file, or - for raw 16-bit little-endian mono PCM "
             "on stdin at --rate Hz (e.g. arecord -f S16_LE -c 1 -r 16000 -t raw | "
             "nmt-incremental listen -). On a terminal the subtitles form in place (the "

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 MODEL_HINT = (
-    "a model directory, a catalog name such as en-zh (`nmt-incremental models list`) or a "
-    "hub repo id OWNER/NAME"
+    "a model directory, a catalog name such as en-zh (`nmt-incremental models list`), a "
+    "hub repo id OWNER/NAME, or a fixture the package ships: fixture, fixture_de, "
+    "fixture_offline"
 )
 _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 

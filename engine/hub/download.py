@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.distribution import model_names, packaged_model
 from engine.errors import ModelLoadError
 from engine.hub.cache import (
     all_cached,
@@ -195,13 +196,17 @@ def resolve_model(
 ) -> Path:
     """Turn a `--model` value into a model directory.
 
-    An existing directory is returned as is. Otherwise `spec` is a catalog name (`en-zh`)
+    An existing directory is returned as is, a fixture's name (`fixture`) as the shipped
+    fixture's directory. Otherwise `spec` is a catalog name (`en-zh`)
     or one of its repo ids, resolved through the cache, downloading what is missing unless
     `download` is False or HF_HUB_OFFLINE is set.
     """
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
+    shipped = packaged_model(spec)  # `fixture`, `fixture_de`: the wheel's or the checkout's
+    if shipped is not None:
+        return shipped
     catalog = catalog or load_catalog()
     entry = catalog.find(spec)
     settings = settings or HubSettings.from_env()
@@ -221,7 +226,7 @@ def resolve_model(
     if entry is None:
         if path.exists():
             raise ModelLoadError(f"{spec}: not a model directory")
-        raise UnknownModelError(spec, catalog.names())
+        raise UnknownModelError(spec, [*catalog.names(), *model_names()])
     model_dir = model_dir_for(entry, settings)
     if is_complete(model_dir, quantized):
         return model_dir

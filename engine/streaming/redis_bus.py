@@ -45,6 +45,7 @@ import anyio
 import anyio.abc
 
 import protocol
+from engine.distribution import install_hint
 from engine.replies import Reply
 from engine.streaming.bus import BusUnavailable, Claim
 from engine.streaming.fanout import Hub
@@ -162,7 +163,7 @@ class RedisBus:
             import redis.asyncio as aioredis
         except ImportError as exc:  # pragma: no cover - the extra is not installed
             raise BusUnavailable(
-                "the Redis bus needs the redis package: pip install -e '.[cluster]'"
+                f"the Redis bus needs the redis package: {install_hint('cluster')}"
             ) from exc
         self._redis = aioredis.Redis.from_url(
             self.url, decode_responses=True, socket_timeout=5, socket_connect_timeout=3
