@@ -457,3 +457,25 @@ def test_repository_paths_exist(page: Path) -> None:
         if not (any(ROOT.glob(name)) if "*" in name else (ROOT / name).exists())
     ]
     assert not missing, missing
+
+
+def test_the_readme_fits_in_250_lines() -> None:
+    """A newcomer's page: detail goes to docs/."""
+    assert len(README_TEXT.splitlines()) <= 250
+
+
+def test_inline_commands_name_files_that_exist() -> None:
+    """A command quoted in the text (not a block, so not run) names files of the checkout
+    that are there (`listen talk.wav` named none)."""
+    spans = re.findall(
+        r"`(nmt-incremental [^`]+)`", re.sub(r"```.*?```", "", README_TEXT, flags=re.S)
+    )
+    assert spans
+    missing = []
+    for span in spans:
+        for word in shlex.split(span, comments=True)[1:]:
+            looks_like_file = "/" in word or re.search(r"\.(wav|jsonl|txt|gz|dict)$", word)
+            placeholder = word.upper() == word or "://" in word or word.startswith("-")
+            if looks_like_file and not placeholder and not (ROOT / word).exists():
+                missing.append((span, word))
+    assert not missing, missing
