@@ -479,3 +479,16 @@ def test_inline_commands_name_files_that_exist() -> None:
             if looks_like_file and not placeholder and not (ROOT / word).exists():
                 missing.append((span, word))
     assert not missing, missing
+
+
+def test_manual_cluster_nodes_start_redis_first() -> None:
+    """docs/deployment.md: a block of `serve --bus redis://...` nodes starts Redis before
+    them, and is not the `cluster.py` block (which starts its own)."""
+    text = (ROOT / "docs" / "deployment.md").read_text(encoding="utf-8")
+    manual = [b for b in blocks(text) if "--bus redis://" in b.text and "serve" in b.text]
+    assert manual
+    for block in manual:
+        commands = block.commands
+        first_node = next(i for i, c in enumerate(commands) if "--bus redis://" in c)
+        assert any(c.startswith("redis-server") for c in commands[:first_node]), commands
+        assert "cluster.py" not in block.text, commands

@@ -8,6 +8,7 @@ commands (and the README, which a test compares with them) cannot drift apart.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -56,6 +57,26 @@ class _Repeated(argparse.Action):
         current = getattr(namespace, self.dest, None)
         items = [] if current is None or current is self.default else list(current)
         setattr(namespace, self.dest, [*items, values])
+
+
+class _Once(argparse.Action):
+    """A single-model command's `--model`: given twice, it refuses (argparse would keep
+    the last one silently, where `serve` would translate into both languages)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        if current is not None and current is not self.default:
+            parser.error(
+                f"{option_string} given twice ({current} and {values}): this command "
+                "translates with one model (serve takes several, one per target language)"
+            )
+        setattr(namespace, self.dest, values)
 
 
 def positive_int(value: str) -> int:
@@ -128,6 +149,31 @@ def policy_spec(value: str) -> str:
     return _checked(parse_policy, value)
 
 
+BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL})
+
+
+def is_bind_error(exc: OSError) -> bool:
+    """asyncio's failure to listen (`error while attempting to bind on address ...`)."""
+    return exc.errno in BIND_ERRNOS and "bind" in str(exc)
+
+
+def bind_error(exc: OSError, host: str, port: int, option: str) -> str:
+    """One line for a server that cannot listen: a busy port names the option that picks
+    another (the OS's own words, `[Errno 98] error while attempting to bind ...`, do not)."""
+    if not is_bind_error(exc):
+        return str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use (another server running?): stop it, or "
+            f"choose another port with {option} (0: any free one)"
+        )
+    if exc.errno == errno.EACCES:
+        return f"not allowed to listen on port {port} (below 1024 needs root): {option} 8765"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {host}: no such address on this machine"
+    return str(exc)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     """The model options of every model-using command; `several`: `--model` may be
     repeated, one model per target language (fan-out; `args.model` is then a list)."""
@@ -149,7 +195,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
             "default language)",
         )
     else:
-        parser.add_argument("--model", required=fixture is None, default=fixture, help=what)
+        parser.add_argument(
+            "--model", required=fixture is None, default=fixture, action=_Once, help=what
+        )
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument(
         "--quantized", action="store_true", help="use the *_quantized ONNX files"

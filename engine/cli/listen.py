@@ -26,6 +26,8 @@ from engine.cli.args import (
     add_model_arguments,
     add_policy_argument,
     audio_rate,
+    bind_error,
+    is_bind_error,
     load_translator,
     streaming_options,
 )
@@ -166,6 +168,13 @@ def _run_listen(
         translator = load_translator(args)
         view = not args.out and (stdout.isatty() if terminal is None else terminal)
         session = ListenSession(args, stdout, stderr, view=view, duration_s=source.duration_s)
-        with unwrapped():  # e.g. the port `--serve` asked for is taken: one OSError
-            return anyio.run(session.run, translator, streaming, recognizer, source, serve)
+        try:
+            with unwrapped():  # e.g. the port `--serve` asked for is taken: one OSError
+                return anyio.run(session.run, translator, streaming, recognizer, source, serve)
+        except OSError as exc:
+            if serve is None or not is_bind_error(exc):
+                raise
+            host, port = serve
+            print(f"error: {bind_error(exc, host, port, '--serve')}", file=stderr)
+            return 2
     return 2  # unreachable: the `with` returns (mypy cannot tell)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,9 +100,11 @@ def pull(
             + (" --quantized`" if quantized else "`")
         )
     if required and settings.offline:
+        cached = len(required) < sum(f.required for f in files)
         raise OfflineError(
-            f"{entry.name} is not fully cached and HF_HUB_OFFLINE=1 forbids downloads; "
-            f"missing: {', '.join(required)}; unset HF_HUB_OFFLINE to download, or "
+            f"{entry.name} is {'not fully' if cached else 'not'} in the cache, and "
+            "HF_HUB_OFFLINE=1 forbids downloading it (unset it to download)"
+            + (f"\n  missing: {_by_repo(f for f in missing if f.required)}" if cached else "")
             + settings.offline_help(pull_argument(entry))
         )
     if missing and download and not settings.offline:
@@ -119,6 +121,14 @@ def pull(
     if not is_complete(result.model_dir, quantized):
         raise HubError(f"{result.model_dir}: still incomplete after pulling {entry.name}")
     return result
+
+
+def _by_repo(files: Iterable[HubFile]) -> str:
+    """`owner/repo: a, b; other/repo: c`: the files a message names, shortly."""
+    paths: dict[str, list[str]] = {}
+    for file in files:
+        paths.setdefault(file.ref.repo, []).append(file.path)
+    return "; ".join(f"{repo}: {', '.join(names)}" for repo, names in paths.items())
 
 
 def _fetch(missing: list[HubFile], settings: HubSettings, result: PullResult, log: Log) -> None:
