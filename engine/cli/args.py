@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import errno
-import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from engine.asr.audio import check_rate
+from engine.cli.numbers import non_negative_float as non_negative_float  # re-exported
+from engine.cli.numbers import number as parse_number
+from engine.cli.numbers import positive_float as positive_float  # re-exported
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodeOptions
 from engine.decoding.targets import Targets
@@ -108,29 +110,8 @@ def non_negative_int(value: str) -> int:
     return number
 
 
-def _float(value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-
-
-def positive_float(value: str) -> float:
-    number = _float(value)
-    if not (number > 0 and math.isfinite(number)):
-        raise argparse.ArgumentTypeError("must be a positive number")
-    return number
-
-
-def non_negative_float(value: str) -> float:
-    number = _float(value)
-    if not (number >= 0 and math.isfinite(number)):
-        raise argparse.ArgumentTypeError("must be a number >= 0")
-    return number
-
-
 def probability(value: str) -> float:
-    number = _float(value)
+    number = parse_number(value)
     if not 0.0 <= number <= 1.0:
         raise argparse.ArgumentTypeError("must be between 0 and 1")
     return number

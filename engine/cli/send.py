@@ -15,7 +15,7 @@ from typing import TextIO
 
 from websockets.exceptions import InvalidHandshake
 
-from engine.cli.args import non_negative_float, positive_float
+from engine.cli.numbers import non_negative_float, positive_float
 from engine.distribution import LOGS, packaged_log
 from engine.sender import format_message, page_url, read_log, renamer, replay, summary
 from protocol import ErrorMessage, TranslationUpdate
