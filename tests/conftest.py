@@ -44,6 +44,15 @@ SHARED = ROOT.parent / "shared"
 ZH_EN = SHARED / "opus-mt-zh-en"
 FLORES = SHARED / "flores200-devtest"
 
+
+def shared_absent(folder: Path) -> str:
+    """The skip reason of a test that reads `folder` of ../shared (optional data beside
+    the checkout; a fresh clone has none, and every other test runs)."""
+    return (
+        f"../shared/{folder.name} absent (optional data beside the checkout: "
+        "docs/repository.md, '../shared: data beside the checkout')"
+    )
+
 # Files a model directory needs besides its ONNX files.
 SIDE_FILES = (*TOKENIZER_FILES, *OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG)
 

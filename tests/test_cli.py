@@ -251,7 +251,9 @@ def test_logs_merge(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert [x["emit_ms"] for x in lines] == sorted(x["emit_ms"] for x in lines)
     capsys.readouterr()
     assert main(["logs", "merge", str(a), str(a), "--out", str(merged)]) == 2
-    assert "appears in logs 1 and 2" in capsys.readouterr().err
+    [line] = capsys.readouterr().err.splitlines()  # one line, naming the way out
+    assert line.startswith(f"error: stream 'a' is in both {a} and {a}: ")
+    assert line.endswith("(make one again with `nmt-incremental logs make ... --stream-id OTHER`)")
 
 
 def test_serve_says_where_it_is_and_when_it_is_ready_then_stops_on_sigterm() -> None:

@@ -218,3 +218,15 @@ def test_verify_accepts_what_its_help_says(capsys: pytest.CaptureFixture[str]) -
     """DIR_OR_NAME: a directory works (a name is checked above, through the fake hub)."""
     status, out, err = cli(capsys, "models", "verify", str(FIXTURE_MODEL))
     assert status == 0, out + err
+
+
+def test_install_hints_from_elsewhere_name_the_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-e '.[asr]'` is right only in the checkout: from another directory the hint names
+    the checkout's path (a wheel's hints: tests/test_wheel.py)."""
+    from engine.distribution import install_hint
+
+    assert install_hint("asr") == "pip install -e '.[asr]'"  # the tests run in the checkout
+    monkeypatch.chdir(tmp_path)
+    assert install_hint("asr") == f"pip install -e '{ROOT}[asr]'"

@@ -88,6 +88,9 @@ M = str(FIXTURE_MODEL)
 MISTAKES = [
     (["translate", "--modle", M, "hi"], "unrecognized option --modle (did you mean --model?)"),
     (["translate", "--model", "nope", "hi"], "unknown model 'nope'"),
+    (["translate", "--model", M, "--model", "fixture_de", "hi"],
+     f"--model given twice ({M} and fixture_de): this command translates with one model"),
+    (["replay", str(LOG), "--model", "fixture", "--model", "fixture_de"], "--model given twice"),
     (["translate", "--model", M, "--beam", "0", "hi"], "argument --beam: must be >= 1"),
     (["serve", "--model", M, "--prot", "9000"], "unrecognized option --prot (did you mean --port"),
     (["serve", "--model", M, "stray"], "unrecognized arguments: stray"),
@@ -127,24 +130,41 @@ def test_a_mistake_gets_one_error_line_and_exit_2(
 
 
 @pytest.mark.parametrize(
-    ("argv", "usage", "unknown"),
+    ("argv", "prog", "unknown", "listed"),
     [
-        (["serve", "--prot", "9000"], "usage: nmt-incremental serve ", "--prot"),
-        (["translate", "--modle", "x"], "usage: nmt-incremental translate ", "--modle"),
+        (["serve", "--prot", "9000"], "nmt-incremental serve", "--prot", "options"),
+        (["translate", "--modle", "x"], "nmt-incremental translate", "--modle", "options"),
         (
             ["logs", "hint", "x", "--out", "y", "--lagg", "2"],
-            "usage: nmt-incremental logs hint ",
+            "nmt-incremental logs hint",
             "--lagg",
+            "options",
         ),
-        (["--verison"], "usage: nmt-incremental [-h]", "--verison"),
+        (["--verison"], "nmt-incremental", "--verison", "commands"),
     ],
 )
-def test_an_unknown_option_shows_the_usage_of_the_command_it_was_given_to(
-    argv: list[str], usage: str, unknown: str, capsys: pytest.CaptureFixture[str]
+def test_an_unknown_option_is_one_line_naming_the_command_and_where_its_help_is(
+    argv: list[str], prog: str, unknown: str, listed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No usage block before it (8 lines that buried the one that matters): the error,
+    then where the options are."""
+    status, err = run(argv, capsys)
+    assert_one_error(status, err, f"unrecognized option {unknown} (did you mean")
+    first, *rest = err.splitlines()
+    assert first.startswith(f"{prog}: error: unrecognized option {unknown} (did you mean --")
+    assert rest == [f"(`{prog} --help` lists the {listed})"], err
+
+
+@pytest.mark.parametrize(
+    ("argv", "commands"),
+    [([], "translate, replay, logs, serve, send"), (["models"], "pull, list, verify, fp16")],
+)
+def test_a_missing_command_names_the_commands(
+    argv: list[str], commands: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     status, err = run(argv, capsys)
-    assert err.startswith(usage), err
-    assert_one_error(status, err, f"unrecognized option {unknown} (did you mean")
+    assert_one_error(status, err, f"error: give a command: {commands}")
+    assert len(err.splitlines()) == 2, err
 
 
 def test_an_unknown_option_without_a_close_one_gets_no_guess(
@@ -280,3 +300,26 @@ def test_a_bad_recognizer_json_is_one_error_line(
     write_wav(tmp_path / "a.wav", 16000)
     status, err = run(["listen", str(tmp_path / "a.wav"), "--model", str(tmp_path)], capsys)
     assert_one_error(status, err, "recognizer.json: expected an object of paths")
+
+
+@pytest.mark.parametrize("command", ["serve", "listen"])
+def test_a_busy_port_says_so_and_names_the_option_that_picks_another(
+    command: str, files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not the OS's `[Errno 98] error while attempting to bind on address ...`."""
+    if command == "listen":
+        pytest.importorskip("pocketsphinx")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = (
+            ["serve", "--model", M, "--port", str(port)]
+            if command == "serve"
+            else ["listen", "talk.wav", "--model", M, "--serve", str(port)]
+        )
+        status, err = run(argv, capsys)
+    option = "--port" if command == "serve" else "--serve"
+    line = assert_one_error(status, err, f"error: port {port} on 127.0.0.1 is already in use")
+    assert line.endswith(f"choose another port with {option} (0: any free one)"), line
+    assert "Errno" not in err

@@ -41,6 +41,12 @@ def test_the_client_the_bridges_and_the_protocol_import_without_the_model() -> N
     assert loaded_after("import engine.remote, engine.reconnect, engine.bridges, protocol") == []
 
 
+def test_the_writer_imports_without_the_model() -> None:
+    """`send`'s module and its wrapper `examples/replay_client.py`: a writer, not an engine."""
+    statement = "import sys; sys.path.insert(0, 'examples'); import engine.cli.send, replay_client"
+    assert loaded_after(statement) == []
+
+
 def test_import_engine_alone_loads_no_model() -> None:
     assert loaded_after("import engine") == []
 

@@ -307,4 +307,4 @@ def test_the_client_says_at_once_that_it_waits_for_a_server_and_for_how_long() -
     assert "nmt-incremental serve --model" in said[1]
     assert still_waiting  # said before giving up, not after
     assert client.returncode == 2
-    assert rest.startswith(f"cannot connect to {url}: ") and "(tried for" in rest
+    assert rest.startswith(f"error: cannot connect to {url}: ") and "(tried for" in rest

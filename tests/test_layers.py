@@ -19,6 +19,7 @@ LAYER_OF: dict[str, str] = {
     "engine.errors": "facts",
     "engine.languages": "facts",
     "engine.replies": "facts",
+    "engine.distribution": "facts",  # what the package ships, how it was installed
     "engine.model": "model",
     "engine.decoding": "decoding",
     "engine.streaming": "streaming",
@@ -32,6 +33,7 @@ LAYER_OF: dict[str, str] = {
     "engine.replay": "io",
     "engine.remote": "io",
     "engine.reconnect": "io",
+    "engine.sender": "io",
     "engine.bridges": "io",
     "engine.subtitles": "io",
     "engine": "facade",  # engine/__init__.py: the public names, loaded on first use

@@ -29,7 +29,7 @@ from engine.logs.format import (
 )
 from engine.logs.make import AsrStyle, generate_log, make_log_files
 from engine.logs.merge import interleave_logs
-from tests.conftest import FIXTURE_DIR, ROOT
+from tests.conftest import FIXTURE_DIR, FLORES, ROOT, shared_absent
 
 EN = [
     "I will go home now.",
@@ -42,7 +42,6 @@ ZH = [
     "这项研究仍处在早期阶段，COVID-19 的影响还不清楚。",
     "和其他一些专家一样，他对糖尿病能否治愈持怀疑态度。",
 ]
-FLORES = Path(__file__).resolve().parents[2] / "shared" / "flores200-devtest"
 
 
 def is_prefix(a: list[str], b: list[str]) -> bool:
@@ -247,7 +246,7 @@ def test_make_log_files(tmp_path: Path) -> None:
         make_log_files(src, out, "en", limit=-1)
 
 
-@pytest.mark.skipif(not FLORES.is_dir(), reason="../shared/flores200-devtest not present")
+@pytest.mark.skipif(not FLORES.is_dir(), reason=shared_absent(FLORES))
 @pytest.mark.parametrize(("name", "lang"), [("eng_Latn", "en"), ("zho_Hans", "zh")])
 def test_flores_sentences(name: str, lang: str) -> None:
     sources = read_references(FLORES / f"{name}.devtest")[:20]

@@ -82,3 +82,18 @@ def test_the_readmes_command_list_names_every_subcommand() -> None:
     names = {name.split()[0] for name in commands(build_parser())}
     missing = sorted(name for name in names if f"`{name}`" not in listed)
     assert not missing, f"README.md, section Command line, lacks {missing}"
+
+
+def test_the_readmes_command_list_names_every_subcommand_of_a_group() -> None:
+    """`models` and `logs` have subcommands of their own: their bullet names each."""
+    listed = sections(README.read_text(encoding="utf-8"))["Command line"]
+    groups: dict[str, set[str]] = {}
+    for name in commands(build_parser()):
+        top, _, sub = name.partition(" ")
+        if sub:
+            groups.setdefault(top, set()).add(sub)
+    assert groups.keys() >= {"models", "logs"}
+    for top, subs in groups.items():
+        bullet = next(line for line in listed.splitlines() if line.startswith(f"- `{top}`"))
+        missing = sorted(sub for sub in subs if not re.search(rf"\b{sub}\b", bullet))
+        assert not missing, f"README.md, section Command line, `{top}` lacks {missing}"

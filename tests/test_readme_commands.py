@@ -11,7 +11,7 @@ hub offline:
   (`bash .ci/run`: the suite this test is part of) is checked to be `.ci/run`;
 - shell blocks: each line in bash; a `# -> TEXT` comment is the output it must print;
 - a block that starts `nmt-incremental serve` is a live session: the server starts (on a
-  free port: `--port 0`, and the other commands are pointed at it), `replay_client.py`
+  free port: `--port 0`, and the other commands are pointed at it), `send`
   runs until it has printed a final, a viewer subscribes like the page and must receive an
   update, `xdg-open URL` and every server URL the README names are fetched, then SIGTERM;
 - `python` blocks are saved as a script and run; the output shown after one must match.
@@ -341,7 +341,7 @@ def run_live_session(block: Block, workdir: Path, env: dict[str, str]) -> None:
         server.wait_for(r" ready$", 60)
         url, port = base.group(1), base.group(2)
         langs = re.findall(r"--model", serve)
-        writers = [c for c in others if "replay_client.py" in c]
+        writers = [c for c in others if c.startswith("nmt-incremental send ")]
         opened = [c for c in others if c.startswith("xdg-open")]
         assert writers and opened and len(writers) + len(opened) == len(others), others
         for command in writers:
@@ -457,3 +457,38 @@ def test_repository_paths_exist(page: Path) -> None:
         if not (any(ROOT.glob(name)) if "*" in name else (ROOT / name).exists())
     ]
     assert not missing, missing
+
+
+def test_the_readme_fits_in_250_lines() -> None:
+    """A newcomer's page: detail goes to docs/."""
+    assert len(README_TEXT.splitlines()) <= 250
+
+
+def test_inline_commands_name_files_that_exist() -> None:
+    """A command quoted in the text (not a block, so not run) names files of the checkout
+    that are there (`listen talk.wav` named none)."""
+    spans = re.findall(
+        r"`(nmt-incremental [^`]+)`", re.sub(r"```.*?```", "", README_TEXT, flags=re.S)
+    )
+    assert spans
+    missing = []
+    for span in spans:
+        for word in shlex.split(span, comments=True)[1:]:
+            looks_like_file = "/" in word or re.search(r"\.(wav|jsonl|txt|gz|dict)$", word)
+            placeholder = word.upper() == word or "://" in word or word.startswith("-")
+            if looks_like_file and not placeholder and not (ROOT / word).exists():
+                missing.append((span, word))
+    assert not missing, missing
+
+
+def test_manual_cluster_nodes_start_redis_first() -> None:
+    """docs/deployment.md: a block of `serve --bus redis://...` nodes starts Redis before
+    them, and is not the `cluster.py` block (which starts its own)."""
+    text = (ROOT / "docs" / "deployment.md").read_text(encoding="utf-8")
+    manual = [b for b in blocks(text) if "--bus redis://" in b.text and "serve" in b.text]
+    assert manual
+    for block in manual:
+        commands = block.commands
+        first_node = next(i for i, c in enumerate(commands) if "--bus redis://" in c)
+        assert any(c.startswith("redis-server") for c in commands[:first_node]), commands
+        assert "cluster.py" not in block.text, commands

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine.model.tokenizer import MarianTokenizer
-from tests.conftest import FIXTURE_MODEL, FLORES, ZH_EN
+from tests.conftest import FIXTURE_MODEL, FLORES, ZH_EN, shared_absent
 
 TRICKY = [
     "",
@@ -45,14 +45,14 @@ def _check(model_dir: Path, sources: list[str], targets: list[str]) -> None:
         assert ours.detokenize(ids, skip_special_tokens=False) == with_specials, text
 
 
-@pytest.mark.skipif(not ZH_EN.is_dir(), reason="../shared/opus-mt-zh-en absent")
+@pytest.mark.skipif(not ZH_EN.is_dir(), reason=shared_absent(ZH_EN))
 def test_real_zh_en_tokenizer_matches_marian_tokenizer() -> None:
     zh = (FLORES / "zho_Hans.devtest").read_text(encoding="utf-8").splitlines()[:150]
     en = (FLORES / "eng_Latn.devtest").read_text(encoding="utf-8").splitlines()[:150]
     _check(ZH_EN, zh + TRICKY, en + TRICKY)
 
 
-@pytest.mark.skipif(not ZH_EN.is_dir(), reason="../shared/opus-mt-zh-en absent")
+@pytest.mark.skipif(not ZH_EN.is_dir(), reason=shared_absent(ZH_EN))
 def test_decoding_random_ids_matches_marian_tokenizer() -> None:
     import numpy as np
 

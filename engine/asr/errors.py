@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from engine.distribution import install_hint
 from engine.errors import EngineError
 from protocol import PartialTranscript
 
@@ -64,5 +65,5 @@ def import_extra(module: str, extra: str = "asr", package: str | None = None) ->
     except ImportError as exc:
         raise RecognizerUnavailable(
             f"speech recognition needs {package or module}, which is not installed: "
-            f"pip install -e '.[{extra}]' (or pip install {package or module})"
+            f"{install_hint(extra)}"
         ) from exc

@@ -8,13 +8,16 @@ commands (and the README, which a test compares with them) cannot drift apart.
 from __future__ import annotations
 
 import argparse
-import math
+import errno
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from engine.asr.audio import check_rate
+from engine.cli.numbers import non_negative_float as non_negative_float  # re-exported
+from engine.cli.numbers import number as parse_number
+from engine.cli.numbers import positive_float as positive_float  # re-exported
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodeOptions
 from engine.decoding.targets import Targets
@@ -58,6 +61,26 @@ class _Repeated(argparse.Action):
         setattr(namespace, self.dest, [*items, values])
 
 
+class _Once(argparse.Action):
+    """A single-model command's `--model`: given twice, it refuses (argparse would keep
+    the last one silently, where `serve` would translate into both languages)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        if current is not None and current is not self.default:
+            parser.error(
+                f"{option_string} given twice ({current} and {values}): this command "
+                "translates with one model (serve takes several, one per target language)"
+            )
+        setattr(namespace, self.dest, values)
+
+
 def positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
@@ -87,29 +110,8 @@ def non_negative_int(value: str) -> int:
     return number
 
 
-def _float(value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-
-
-def positive_float(value: str) -> float:
-    number = _float(value)
-    if not (number > 0 and math.isfinite(number)):
-        raise argparse.ArgumentTypeError("must be a positive number")
-    return number
-
-
-def non_negative_float(value: str) -> float:
-    number = _float(value)
-    if not (number >= 0 and math.isfinite(number)):
-        raise argparse.ArgumentTypeError("must be a number >= 0")
-    return number
-
-
 def probability(value: str) -> float:
-    number = _float(value)
+    number = parse_number(value)
     if not 0.0 <= number <= 1.0:
         raise argparse.ArgumentTypeError("must be between 0 and 1")
     return number
@@ -128,13 +130,38 @@ def policy_spec(value: str) -> str:
     return _checked(parse_policy, value)
 
 
+BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL})
+
+
+def is_bind_error(exc: OSError) -> bool:
+    """asyncio's failure to listen (`error while attempting to bind on address ...`)."""
+    return exc.errno in BIND_ERRNOS and "bind" in str(exc)
+
+
+def bind_error(exc: OSError, host: str, port: int, option: str) -> str:
+    """One line for a server that cannot listen: a busy port names the option that picks
+    another (the OS's own words, `[Errno 98] error while attempting to bind ...`, do not)."""
+    if not is_bind_error(exc):
+        return str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use (another server running?): stop it, or "
+            f"choose another port with {option} (0: any free one)"
+        )
+    if exc.errno == errno.EACCES:
+        return f"not allowed to listen on port {port} (below 1024 needs root): {option} 8765"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {host}: no such address on this machine"
+    return str(exc)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     """The model options of every model-using command; `several`: `--model` may be
     repeated, one model per target language (fan-out; `args.model` is then a list)."""
     fixture = default_model()
     what = (
         "model directory, a catalog name such as en-zh, or a hub repo id (downloaded on first "
-        "use); "
+        "use), or a fixture the package ships (fixture, fixture_de, fixture_offline); "
         + (f"default: the checkout's fixture, {fixture}" if fixture else "required (no checkout)")
     )
     if several:
@@ -149,7 +176,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
             "default language)",
         )
     else:
-        parser.add_argument("--model", required=fixture is None, default=fixture, help=what)
+        parser.add_argument(
+            "--model", required=fixture is None, default=fixture, action=_Once, help=what
+        )
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument(
         "--quantized", action="store_true", help="use the *_quantized ONNX files"

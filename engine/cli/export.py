@@ -15,15 +15,17 @@ from typing import Any, TextIO
 
 from engine.conversion import verify
 from engine.conversion.verify import ExportCheck, ExportError, check_export, sample_texts
+from engine.distribution import install_hint
 from engine.errors import EngineError
 from engine.model.config import ModelConfig
 
-EXPORT_INSTALL = "pip install -e '.[export]'"
-"""How to get the `export` extra: the package is installed from its checkout (it is not
-published on PyPI, so `pip install 'nmt-incremental[export]'` finds nothing)."""
+EXPORT_INSTALL = install_hint("export")
+"""How to get the `export` extra, as the package was installed: from its checkout, or the
+extra's requirements for a wheel (it is not published on PyPI, so
+`pip install 'nmt-incremental[export]'` finds nothing)."""
 EXPORT_EXTRA_HINT = (
     "`models export` needs the `export` extra (torch, transformers, optimum-onnx, onnx), "
-    "missing here: {missing}; install it from the project's checkout with: "
+    "missing here: {missing}; install it with: "
     f"{EXPORT_INSTALL} (on CPU-only machines install torch first, alone, from the CPU "
     "wheel index)"
 )

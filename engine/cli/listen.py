@@ -26,12 +26,15 @@ from engine.cli.args import (
     add_model_arguments,
     add_policy_argument,
     audio_rate,
+    bind_error,
+    is_bind_error,
     load_translator,
     streaming_options,
 )
 from engine.cli.listen_session import PROGRESS_MIN_S, ListenSession
 from engine.cli.recognizer import add_recognizer_arguments, sphinx_options
 from engine.cli.serve import DEFAULT_STREAM
+from engine.distribution import install_hint
 from engine.errors import EngineError, unwrapped
 
 SERVE_DEFAULT = "127.0.0.1:8765"
@@ -45,7 +48,7 @@ def add_listen_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "listen",
         help="live subtitles from speech: a WAV file, or raw PCM on stdin",
         description=(
-            "Recognize speech (pocketsphinx: pip install -e '.[asr]') and translate it as "
+            f"Recognize speech (pocketsphinx: {install_hint('asr')}) and translate it as "
             "it is heard. AUDIO is a WAV file, or - for raw 16-bit little-endian mono PCM "
             "on stdin at --rate Hz (e.g. arecord -f S16_LE -c 1 -r 16000 -t raw | "
             "nmt-incremental listen -). On a terminal the subtitles form in place (the "
@@ -165,6 +168,13 @@ def _run_listen(
         translator = load_translator(args)
         view = not args.out and (stdout.isatty() if terminal is None else terminal)
         session = ListenSession(args, stdout, stderr, view=view, duration_s=source.duration_s)
-        with unwrapped():  # e.g. the port `--serve` asked for is taken: one OSError
-            return anyio.run(session.run, translator, streaming, recognizer, source, serve)
+        try:
+            with unwrapped():  # e.g. the port `--serve` asked for is taken: one OSError
+                return anyio.run(session.run, translator, streaming, recognizer, source, serve)
+        except OSError as exc:
+            if serve is None or not is_bind_error(exc):
+                raise
+            host, port = serve
+            print(f"error: {bind_error(exc, host, port, '--serve')}", file=stderr)
+            return 2
     return 2  # unreachable: the `with` returns (mypy cannot tell)

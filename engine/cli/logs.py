@@ -16,7 +16,7 @@ from engine.languages import UNIT_LANGS
 from engine.logs.format import TranscriptLogError, read_log, references_output_path, write_log
 from engine.logs.hints import with_stability_hints
 from engine.logs.make import DEFAULT_STREAM_ID, AsrStyle, make_log_files
-from engine.logs.merge import interleave_logs
+from engine.logs.merge import SharedStreamId, interleave_logs
 
 
 def _stream_id(value: str) -> str:
@@ -150,6 +150,12 @@ def run_logs_hint(args: argparse.Namespace, stderr: TextIO) -> int:
 def run_logs_merge(args: argparse.Namespace, stderr: TextIO) -> int:
     try:
         merged = interleave_logs(*(read_log(path) for path in args.logs))
+    except SharedStreamId as exc:
+        raise TranscriptLogError(
+            f"stream {exc.stream_id!r} is in both {args.logs[exc.first]} and "
+            f"{args.logs[exc.second]}: logs to merge need their own stream ids (make one "
+            "again with `nmt-incremental logs make ... --stream-id OTHER`)"
+        ) from None
     except ValueError as exc:
         if isinstance(exc, TranscriptLogError):
             raise

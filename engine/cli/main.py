@@ -20,6 +20,7 @@ from engine.cli.logs import add_logs_parser, run_logs
 from engine.cli.models import add_models_parser, run_models
 from engine.cli.parser import Parser
 from engine.cli.replay import add_replay_parser, run_replay
+from engine.cli.send import add_send_parser, run_send
 from engine.cli.serve import add_serve_parser, run_serve
 from engine.cli.translate import add_translate_parser, run_translate
 from engine.errors import EngineError, unwrapped
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(commands)
     add_logs_parser(commands)
     add_serve_parser(commands)
+    add_send_parser(commands)
     add_models_parser(commands)
     add_listen_parser(commands)
     add_bridge_parser(commands)
@@ -105,6 +107,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_logs(args, sys.stderr)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "send":
+        return run_send(args, sys.stdout, sys.stderr)
     if args.command == "models":
         return run_models(args)
     if args.command == "bridge":

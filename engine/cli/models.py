@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from engine import distribution
 from engine.cli.export import EXPORT_INSTALL, run_export
 from engine.conversion.verify import sample_texts
 from engine.decoding.translator import Translator
@@ -127,7 +128,7 @@ def add_models_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         description="Export a PyTorch MarianMT checkpoint to an Optimum-layout ONNX model "
         "directory, optionally quantize it to int8, copy the tokenizer files, and compare "
         "ONNX greedy output and first-step logits with PyTorch. Needs the `export` extra, "
-        f"from the project's checkout: {EXPORT_INSTALL}.",
+        f"installed with: {EXPORT_INSTALL}.",
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", type=Path)
     export.add_argument("out", metavar="OUT_DIR", type=Path)
@@ -229,6 +230,7 @@ def _list(out: TextIO) -> int:
     print(f"catalog: {catalog.source}", file=out)
     print(f"hub: {settings.endpoint}{mode}; cache: {settings.hub_cache}", file=out)
     print(f"model directories: {settings.models_root}", file=out)
+    print(distribution.describe(), file=out)
     rows = [("NAME", "PAIR", "ONNX REPO", "TOKENIZER REPO", "CACHED")]
     for entry in catalog.entries:
         status = cache_status(entry, settings)

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 MODEL_HINT = (
-    "a model directory, a catalog name such as en-zh (`nmt-incremental models list`) or a "
-    "hub repo id OWNER/NAME"
+    "a model directory, a catalog name such as en-zh (`nmt-incremental models list`), a "
+    "hub repo id OWNER/NAME, or a fixture the package ships: fixture, fixture_de, "
+    "fixture_offline"
 )
 _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
@@ -72,8 +73,17 @@ class Parser(argparse.ArgumentParser):
         return f"unrecognized option {option}{hint}"
 
     def error(self, message: str) -> NoReturn:
-        """argparse's usage and `error:` line, exit status 2; a missing `--model` (no
-        checkout fixture to default to) says what it takes."""
+        """One `error:` line and where the options are listed, exit status 2: argparse's
+        usage block before it buried the line that matters. A missing `--model` (no
+        checkout fixture to default to) says what it takes; a missing subcommand names
+        them."""
         if message.startswith("the following arguments are required") and "--model" in message:
             message += f" ({MODEL_HINT})"
-        super().error(message)
+        listed = "options"
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                listed = "commands"
+                missing = message.startswith("the following arguments are required")
+                if missing and message.endswith(action.dest):
+                    message = "give a command: " + ", ".join(action.choices)
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the {listed})\n")

@@ -18,6 +18,7 @@ from pathlib import Path
 from engine.asr.domain import build_domain_model
 from engine.asr.sphinx import SphinxOptions
 from engine.cli.args import positive_float
+from engine.distribution import packaged_model
 
 RECOGNIZER_OPTIONS = ("lm", "dict", "jsgf", "domain_text", "acoustic_model")
 """The recognizer options that have no default (given: the user asked for a recognizer)."""
@@ -35,6 +36,8 @@ def model_recognizer(model: str | list[str] | None) -> dict[str, str]:
     if not first:
         return {}
     folder = Path(first).expanduser()
+    if not folder.is_dir():  # a fixture's name (`--model fixture`): the shipped directory
+        folder = packaged_model(first) or folder
     path = folder / MODEL_RECOGNIZER
     if not path.is_file():
         return {}

@@ -23,6 +23,7 @@ import protocol
 from engine.cli.args import (
     add_model_arguments,
     add_policy_argument,
+    bind_error,
     load_targets,
     non_negative_float,
     non_negative_int,
@@ -358,7 +359,8 @@ async def _serve(
         try:
             status = await _serve_until(stop, args, options, streaming)
         except OSError as exc:  # e.g. the port is taken
-            print(f"error: {exc}", file=sys.stderr)
+            why = bind_error(exc, options.host, options.port, "--port")
+            print(f"error: {why}", file=sys.stderr)
             status = 2
         tg.cancel_scope.cancel()
     return status

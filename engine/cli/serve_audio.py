@@ -14,6 +14,7 @@ from engine.asr.memory import measure
 from engine.asr.sphinx import KEEP_IDLE, SphinxOptions, SphinxRecognizer
 from engine.cli.args import non_negative_float, non_negative_int, positive_int
 from engine.cli.recognizer import RECOGNIZER_OPTIONS, add_recognizer_arguments, sphinx_options
+from engine.distribution import install_hint
 from engine.server.audio import ASR_KINDS, AudioInput, pocketsphinx_input
 from engine.server.limits import AUDIO_STREAMS_PER_WORKER, STARTS_PER_WORKER, AudioLimits
 
@@ -41,7 +42,7 @@ def add_audio_arguments(p: argparse.ArgumentParser) -> None:
         choices=ASR_KINDS,
         default=None,
         help="take audio over the WebSocket (start_audio, then binary frames of 16-bit mono "
-        "PCM) and recognize it with this recognizer (pip install -e '.[asr]'); the speaker "
+        f"PCM) and recognize it with this recognizer ({install_hint('asr')}); the speaker "
         "page /speak?stream=ID sends a browser's microphone (default: no audio; writers "
         "send partial_transcript)",
     )

@@ -18,13 +18,14 @@ import numpy as np
 
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
+from engine.distribution import install_hint
 from engine.errors import EngineError
 from engine.model.config import TOKENIZER_FILES, ModelConfig
 
 EXPORT_MODULES = ("torch", "transformers", "optimum.exporters.onnx", "onnx")
 EXPORT_EXTRA_HELP = (
     "`models export` needs the `export` extra (torch, transformers, optimum-onnx, onnx), "
-    "missing here: {missing}; install it with: pip install -e '.[export]' "
+    "missing here: {missing}; install it with: " + install_hint("export") + " "
     "(on CPU-only machines install torch first from the CPU wheel index)"
 )
 CHECKPOINT_WEIGHTS = ("model.safetensors", "pytorch_model.bin")

@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.distribution import model_names, packaged_model
 from engine.errors import ModelLoadError
 from engine.hub.cache import (
     all_cached,
@@ -99,9 +100,11 @@ def pull(
             + (" --quantized`" if quantized else "`")
         )
     if required and settings.offline:
+        cached = len(required) < sum(f.required for f in files)
         raise OfflineError(
-            f"{entry.name} is not fully cached and HF_HUB_OFFLINE=1 forbids downloads; "
-            f"missing: {', '.join(required)}; unset HF_HUB_OFFLINE to download, or "
+            f"{entry.name} is {'not fully' if cached else 'not'} in the cache, and "
+            "HF_HUB_OFFLINE=1 forbids downloading it (unset it to download)"
+            + (f"\n  missing: {_by_repo(f for f in missing if f.required)}" if cached else "")
             + settings.offline_help(pull_argument(entry))
         )
     if missing and download and not settings.offline:
@@ -118,6 +121,14 @@ def pull(
     if not is_complete(result.model_dir, quantized):
         raise HubError(f"{result.model_dir}: still incomplete after pulling {entry.name}")
     return result
+
+
+def _by_repo(files: Iterable[HubFile]) -> str:
+    """`owner/repo: a, b; other/repo: c`: the files a message names, shortly."""
+    paths: dict[str, list[str]] = {}
+    for file in files:
+        paths.setdefault(file.ref.repo, []).append(file.path)
+    return "; ".join(f"{repo}: {', '.join(names)}" for repo, names in paths.items())
 
 
 def _fetch(missing: list[HubFile], settings: HubSettings, result: PullResult, log: Log) -> None:
@@ -195,13 +206,17 @@ def resolve_model(
 ) -> Path:
     """Turn a `--model` value into a model directory.
 
-    An existing directory is returned as is. Otherwise `spec` is a catalog name (`en-zh`)
+    An existing directory is returned as is, a fixture's name (`fixture`) as the shipped
+    fixture's directory. Otherwise `spec` is a catalog name (`en-zh`)
     or one of its repo ids, resolved through the cache, downloading what is missing unless
     `download` is False or HF_HUB_OFFLINE is set.
     """
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
+    shipped = packaged_model(spec)  # `fixture`, `fixture_de`: the wheel's or the checkout's
+    if shipped is not None:
+        return shipped
     catalog = catalog or load_catalog()
     entry = catalog.find(spec)
     settings = settings or HubSettings.from_env()
@@ -221,7 +236,7 @@ def resolve_model(
     if entry is None:
         if path.exists():
             raise ModelLoadError(f"{spec}: not a model directory")
-        raise UnknownModelError(spec, catalog.names())
+        raise UnknownModelError(spec, [*catalog.names(), *model_names()])
     model_dir = model_dir_for(entry, settings)
     if is_complete(model_dir, quantized):
         return model_dir

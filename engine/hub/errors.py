@@ -11,11 +11,14 @@ from collections.abc import Sequence
 from engine.errors import EngineError
 
 OFFLINE_HELP = (
-    "to get models without direct access to the hub: set HF_ENDPOINT to a mirror, or run "
-    "`nmt-incremental models pull {name}` on a machine with internet access, copy its "
-    "Hugging Face cache ({cache}) to the same place here (or point HF_HUB_CACHE at the "
-    "copy) and set HF_HUB_OFFLINE=1"
+    "\n  without the hub: set HF_ENDPOINT to a mirror, or run"
+    "\n  `nmt-incremental models pull {name}` where there is internet, then copy"
+    "\n  its {what} to the same {places} here"
+    "\n  and set HF_HUB_OFFLINE=1 (or point HF_HUB_CACHE at the copy; docs/models.md):"
+    "\n  {paths}"
 )
+"""How to get a model without the hub: the lines under an error's first line (one line
+of 420 characters was hard to read)."""
 
 
 class HubError(EngineError):

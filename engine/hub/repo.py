@@ -39,7 +39,7 @@ def repo_entry(
     name = repo_model_name(repo, subfolder)
     if settings.offline:
         raise OfflineError(
-            f"{repo} is not in the catalog and HF_HUB_OFFLINE=1 forbids listing its files; "
+            f"{repo} is not in the catalog and HF_HUB_OFFLINE=1 forbids listing its files"
             + settings.offline_help(repo_pull_argument(repo, subfolder))
         )
     check_reachable(settings, repo_pull_argument(repo, subfolder))

@@ -57,10 +57,8 @@ class HubSettings:
         catalog does not know needs its model directory copied as well: only that records
         the layout its file listing gave, and listing needs the hub."""
         if "/" not in name:
-            return OFFLINE_HELP.format(cache=self.hub_cache, name=name)
-        both = OFFLINE_HELP.replace(
-            "Hugging Face cache ({cache}) to the same place here",
-            "Hugging Face cache ({cache}) and the model directory it prints (under "
-            f"{self.models_root}) to the same places here",
-        )
-        return both.format(cache=self.hub_cache, name=name)
+            what, places, paths = "Hugging Face cache", "place", f"{self.hub_cache}"
+        else:
+            what = "Hugging Face cache and the model directory it prints"
+            places, paths = "places", f"{self.hub_cache}, {self.models_root}{os.sep}..."
+        return OFFLINE_HELP.format(name=name, what=what, places=places, paths=paths)

@@ -43,7 +43,7 @@ def check_reachable(settings: HubSettings, name: str, timeout: float = 10.0) -> 
             pass
     except OSError as exc:
         raise NetworkError(
-            f"cannot reach {settings.endpoint} ({exc.strerror or exc}); "
+            f"cannot reach {settings.endpoint} ({exc.strerror or exc})"
             + settings.offline_help(name)
         ) from exc
 
@@ -65,11 +65,11 @@ def _map_error(exc: BaseException, file: HubFile, settings: HubSettings) -> HubE
     if isinstance(exc, OfflineModeIsEnabled):
         return OfflineError(
             "huggingface_hub is in offline mode (HF_HUB_OFFLINE was set when it was "
-            f"imported) but {file.label} is not cached; {settings.offline_help(file.model)}"
+            f"imported) but {file.label} is not cached{settings.offline_help(file.model)}"
         )
     if isinstance(exc, LocalEntryNotFoundError):
         return NetworkError(
-            f"cannot download {file.label} from {endpoint} and it is not cached; "
+            f"cannot download {file.label} from {endpoint} and it is not cached"
             f"{settings.offline_help(file.model)}"
         )
     if isinstance(exc, GatedRepoError):

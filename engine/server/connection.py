@@ -18,6 +18,7 @@ from enum import Enum
 from typing import TypeAlias
 
 import protocol
+from engine.distribution import install_hint
 from engine.languages import base_lang
 from engine.server.credentials import Access
 from engine.server.limits import AudioLimits, AudioSlot, Limits, Refused, TokenBucket
@@ -38,7 +39,7 @@ from protocol import (
 
 AUDIO_OFF = (
     "this server takes no audio: start it with `nmt-incremental serve --asr pocketsphinx` "
-    "(needs pip install -e '.[asr]'), or run a recognizer of your own and send what it "
+    f"(needs {install_hint('asr')}), or run a recognizer of your own and send what it "
     "hears as partial_transcript messages"
 )
 """The reply to `start_audio` (and to binary frames) on a server started without a

@@ -48,6 +48,7 @@ import anyio
 import anyio.abc
 
 import protocol
+from engine.distribution import install_hint
 from engine.replies import Reply
 from engine.streaming.bus import BusUnavailable, Claim
 from engine.streaming.fanout import Hub
@@ -177,7 +178,7 @@ class RedisBus:
             import redis.asyncio as aioredis
         except ImportError as exc:  # pragma: no cover - the extra is not installed
             raise BusUnavailable(
-                "the Redis bus needs the redis package: pip install -e '.[cluster]'"
+                f"the Redis bus needs the redis package: {install_hint('cluster')}"
             ) from exc
         pool = aioredis.BlockingConnectionPool.from_url(
             self.url,

@@ -436,7 +436,10 @@ def print_rows(batched: dict[str, dict[str, float]], n: int) -> None:
 
 def _load_source(path: Path, line: int) -> str:
     if not path.is_file():
-        sys.exit(f"error: {path} not found (the FLORES-200 devtest is read from ../shared)")
+        sys.exit(
+            f"error: {path} not found (the FLORES-200 devtest is read from ../shared: "
+            "docs/repository.md)"
+        )
     lines = path.read_text(encoding="utf-8").splitlines()
     if not 0 <= line < len(lines):
         sys.exit(f"error: --line {line} outside 0..{len(lines) - 1}")
