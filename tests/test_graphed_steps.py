@@ -149,9 +149,9 @@ def test_pools_of_one_session_never_share_a_graph_id() -> None:
     tr = Translator.from_dir(
         FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=4), cuda_graphs=True
     )
-    masked = tr.model.masked
-    assert masked is not None and masked.slots is not None
-    pools = [masked.slots.pool(4), masked.slots.pool(4), tr.scheduler.kv]
+    graphs = tr.model.kv
+    assert isinstance(graphs, engine.model.slots.SlotGraphs)
+    pools = [graphs.pool(4), graphs.pool(4), tr.scheduler.kv]
     enc = tr.encode([tr.source_ids(SOURCES[0])])
     for pool in pools[:2]:  # a step of one row in each, from a prefill of its own
         assert pool is not None and pool.graphed is not None

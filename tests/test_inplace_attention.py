@@ -27,11 +27,13 @@ import pytest
 from onnx import TensorProto, helper
 
 from engine import DecodeOptions, Translator
-from engine.decoding.batch import ContinuousBatch, Member
+from engine.decoding.batch import Member
+from engine.decoding.copied import ContinuousBatch
 from engine.decoding.inplace_batch import INITIAL_ROWS, RELEASE_AFTER, SOURCE_STEP, InPlaceBatch
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import make_search
-from engine.model.layouts import InPlaceBinding
+from engine.model.backend import Backend
+from engine.model.inplace import InPlaceBinding, InPlaceSteps
 from engine.model.names import (
     ENCODER_ATTENTION_MASK,
     ENCODER_HIDDEN_STATES,
@@ -70,14 +72,14 @@ def _session(model: bytes) -> ort.InferenceSession:
 
 def _masked_step(tr: Translator) -> bytes:
     """The masked with-past graph of the files `tr` loaded (its layout's: split or merged,
-    fp32 or int8 as the files quantize), as `load._masked_graphs` gives it. Not
+    fp32 or int8 as the files quantize), as `load.masked_graphs` gives it. Not
     `load_batched_decoder`, which always takes the default files."""
-    from engine.model.load import DecoderGraphs, _masked_graphs, _rewrite, choose_files
+    from engine.model.load import DecoderGraphs, choose_files, masked_graphs, rewrite_pair
 
     graphs = DecoderGraphs(choose_files(tr.model.model_dir, tr.model.options))
-    rewritten = _rewrite(graphs)
+    rewritten = rewrite_pair(graphs)
     assert rewritten is not None
-    return _masked_graphs(rewritten, graphs.sources, None, per_token=False).with_past
+    return masked_graphs(rewritten, graphs.sources, None, per_token=False).with_past
 
 
 @pytest.mark.parametrize("name,options", layouts(), ids=[name for name, _ in layouts()])
@@ -86,7 +88,8 @@ def test_every_batchable_layout_steps_with_self_attention_in_place(
 ) -> None:
     tr = _translator(**dict(options))
     masked = tr.model.masked
-    assert masked is not None and masked.inplace is not None, name
+    assert masked is not None and isinstance(tr.model.kv, InPlaceSteps), name
+    assert tr.model.backend.backend is Backend.INPLACE
     assert isinstance(tr.scheduler._lanes[0].batch, InPlaceBatch)
     graph = onnx.load_from_string(rewrite_inplace(_masked_step(tr), name) or b"")
     kinds = [node.op_type for node in graph.graph.node]
@@ -196,7 +199,8 @@ def test_the_copied_state_is_still_there_when_asked_for() -> None:
     batch = tr.scheduler._lanes[0].batch
     assert isinstance(batch, ContinuousBatch) and not isinstance(batch, InPlaceBatch)
     masked = tr.model.masked
-    assert masked is not None and masked.inplace is None  # not even built
+    assert masked is not None and tr.model.kv is None  # not even built
+    assert tr.model.backend.backend is Backend.COPIED
     concurrent_equal_alone(tr, DecodeOptions())
 
 
@@ -312,7 +316,7 @@ def test_an_idle_lane_whose_memory_cannot_be_given_back_serves_on(
         calls.append(begin)
         raise OSError("madvise refused")
 
-    monkeypatch.setattr(inplace_batch, "_release", failing)
+    monkeypatch.setattr(inplace_batch, "release_rows", failing)
     now[0] += 2 * RELEASE_AFTER
     with caplog.at_level(logging.ERROR, logger="engine.decoding.scheduler"):
         _wake(tr)
@@ -337,8 +341,8 @@ def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_cha
     (other buffer views, other cross-attention arrays) it is bound anew, and the two rows
     left still step as with a fresh binding; so too when the buffers move (grow)."""
     tr = _translator()
-    masked = tr.model.masked
-    assert masked is not None and masked.inplace is not None
+    masked, steps = tr.model.masked, tr.model.kv
+    assert masked is not None and isinstance(steps, InPlaceSteps)
     enc = tr.encode([tr.source_ids(text) for text in SOURCES[:3]])
     start = tr.config.decoder_start_token_id
     ids = np.array([[start, 5, 7], [start, 9, 11], [start, 4, 6]], dtype=np.int64)
@@ -352,8 +356,8 @@ def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_cha
     bindings, earlier = [], []
     for step in range(3):
         tokens = np.array([[13 + step], [17 + step], [19 + step]], dtype=np.int64)
-        got = masked.step_in_place(enc, tokens, lengths, kept, cross_kv, bound=bound)
-        want = masked.step_in_place(enc, tokens, lengths, fresh, cross_kv)
+        got = steps.step(enc, tokens, lengths, kept, cross_kv, bound=bound)
+        want = steps.step(enc, tokens, lengths, fresh, cross_kv)
         np.testing.assert_array_equal(got, want)
         earlier.append((got, got.copy()))
         bindings.append(bound.binding)
@@ -369,8 +373,8 @@ def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_cha
     for step in range(2):
         tokens = np.array([[23 + step], [29 + step]], dtype=np.int64)
         views, other = [b[:2] for b in kept], [b[:2] for b in fresh]
-        got = masked.step_in_place(enc, tokens, lengths[:2], views, cross_kv, bound=bound)
-        want = masked.step_in_place(enc, tokens, lengths[:2], other, cross_kv)
+        got = steps.step(enc, tokens, lengths[:2], views, cross_kv, bound=bound)
+        want = steps.step(enc, tokens, lengths[:2], other, cross_kv)
         np.testing.assert_array_equal(got, want)
         lengths = lengths + 1
     assert bound.binding is not bindings[0]
@@ -382,8 +386,8 @@ def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_cha
     fresh = [np.concatenate([b, np.zeros_like(b)], axis=2) for b in fresh]
     tokens = np.array([[31], [37]], dtype=np.int64)
     views, other = [b[:2] for b in kept], [b[:2] for b in fresh]
-    got = masked.step_in_place(enc, tokens, lengths[:2], views, cross_kv, bound=bound)
-    want = masked.step_in_place(enc, tokens, lengths[:2], other, cross_kv)
+    got = steps.step(enc, tokens, lengths[:2], views, cross_kv, bound=bound)
+    want = steps.step(enc, tokens, lengths[:2], other, cross_kv)
     np.testing.assert_array_equal(got, want)
     for buffer, expected in zip(kept, fresh, strict=True):
         np.testing.assert_array_equal(buffer[:2], expected[:2])
@@ -399,9 +403,9 @@ def test_the_buffers_pages_come_as_rows_write_them() -> None:
     """A lane's buffers span every position of every row, but only written positions
     take memory: ten positions of each of 16 rows' 8 heads, in a 16 MiB buffer, take
     about 128 pages (NumPy's own zeros would take 2 MiB pages, the whole buffer)."""
-    from engine.decoding.inplace_batch import _zeros
+    from engine.decoding.inplace_batch import mapped_zeros
 
-    buffer = _zeros((16, 8, 512, 64), np.dtype(np.float32))
+    buffer = mapped_zeros((16, 8, 512, 64), np.dtype(np.float32))
     assert buffer.nbytes == 16 * 2**20 and buffer.flags.writeable
     assert not buffer.any()
     before = _rss_mib()
@@ -411,28 +415,28 @@ def test_the_buffers_pages_come_as_rows_write_them() -> None:
     assert float(buffer.sum()) == 16 * 8 * 10 * 64
 
 
-def test_rows_given_back_take_no_memory_and_read_zeros() -> None:
+def test_rows_given_back_take_no_memory_and_readmapped_zeros() -> None:
     """Rows 2-15 of a 16 MiB buffer, all written, given back: about 14 MiB less
     resident, those rows zeros, the first two as written; written again, they hold the
     new values. A view's rows are its own (offset from the map's start). Arrays that are
     not such buffers are left alone."""
-    from engine.decoding.inplace_batch import _release, _zeros
+    from engine.decoding.inplace_batch import mapped_zeros, release_rows
 
-    buffer = _zeros((16, 8, 512, 64), np.dtype(np.float32))
+    buffer = mapped_zeros((16, 8, 512, 64), np.dtype(np.float32))
     buffer[:] = 1.0
     before = _rss_mib()
-    _release(buffer, 2, 16)
+    release_rows(buffer, 2, 16)
     assert before - _rss_mib() > 12
     assert not buffer[2:].any() and bool((buffer[:2] == 1.0).all())
     buffer[5, :, :3] = 2.0
     assert float(buffer[5].sum()) == 8 * 3 * 64 * 2.0
     # Rows of a view are its own rows: rows 1-2 of the view from row 4 are rows 5-6.
     buffer[:] = 3.0
-    _release(buffer[4:], 1, 3)
+    release_rows(buffer[4:], 1, 3)
     assert not buffer[5:7].any() and bool((buffer[:5] == 3.0).all())
     assert bool((buffer[7:] == 3.0).all())
     plain = np.ones((4, 1024), dtype=np.float32)
-    _release(plain, 1, 4)
+    release_rows(plain, 1, 4)
     assert bool((plain == 1.0).all())
 
 
@@ -502,9 +506,9 @@ def test_cross_attention_state_is_written_once_and_widened_for_a_longer_source()
     the running rows kept, a leave moves rows down; each step binds views of them (no
     copies). Rows driven join by join equal decoding alone."""
     tr = _translator()
-    masked = tr.model.masked
-    assert masked is not None
-    batch = InPlaceBatch(tr.model, masked)
+    masked, steps = tr.model.masked, tr.model.kv
+    assert masked is not None and isinstance(steps, InPlaceSteps)
+    batch = InPlaceBatch(tr.model, masked, steps)
     short, longer = SOURCES[5], f"{SOURCES[4]} and {SOURCES[2]}"
     assert len(tr.source_ids(short)) < SOURCE_STEP < len(tr.source_ids(longer))
     options = DecodeOptions(min_new_tokens=6)  # the first row still runs when the next joins
@@ -542,9 +546,9 @@ def test_cross_attention_buffers_narrow_again_when_the_longer_source_leaves() ->
     aborted) they narrow back to what the rows left need, and the row left still equals
     decoding alone."""
     tr = _translator()
-    masked = tr.model.masked
-    assert masked is not None
-    batch = InPlaceBatch(tr.model, masked)
+    masked, steps = tr.model.masked, tr.model.kv
+    assert masked is not None and isinstance(steps, InPlaceSteps)
+    batch = InPlaceBatch(tr.model, masked, steps)
     short, longer = SOURCES[5], f"{SOURCES[4]} and {SOURCES[2]}"
     options = DecodeOptions(min_new_tokens=6)
     first = make_search(tr.config, [], options)
@@ -572,12 +576,13 @@ def test_an_in_place_step_that_reads_the_hidden_states_is_not_used(
     """The in-place batch keeps no encoder hidden states for its rows: a rewritten step
     that reads them (here: the load told that the mask it reads is that input) is refused
     at load with a reason, and the lanes copy their state, with the same answers."""
-    monkeypatch.setattr("engine.model.load.ENCODER_HIDDEN_STATES", ENCODER_ATTENTION_MASK)
+    monkeypatch.setattr("engine.model.inplace.ENCODER_HIDDEN_STATES", ENCODER_ATTENTION_MASK)
     with caplog.at_level(logging.WARNING):
         tr = _translator()
     assert "reads the encoder's hidden states: not used" in caplog.text
     masked = tr.model.masked
-    assert masked is not None and masked.inplace is None
+    assert masked is not None and tr.model.kv is None
+    assert tr.model.backend.backend is Backend.COPIED
     batch = tr.scheduler._lanes[0].batch
     assert isinstance(batch, ContinuousBatch) and not isinstance(batch, InPlaceBatch)
     concurrent_equal_alone(tr, DecodeOptions())

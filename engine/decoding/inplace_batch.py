@@ -1,6 +1,6 @@
 """A continuous batch whose self-attention keys and values stay where they were written:
 one buffer per layer and kind, `[rows, heads, positions, head_dim]`, that each step reads
-and extends in place (`MaskedDecoder.step_in_place`, `engine.model.passes.inplace`).
+and extends in place (`engine.model.inplace.InPlaceSteps`, `engine.model.passes.inplace`).
 
 `ContinuousBatch` hands every row's keys and values to each step and gets them back one
 position longer: the graph copies the whole state into new arrays at every step, and a
@@ -12,7 +12,7 @@ positions first and its length its own, so:
 - a join copies only the newcomers' prefilled positions into the rows after the last;
 - a leave moves the rows after it down by their own positions only;
 - rows past the most the lane held over the last `RELEASE_AFTER` to twice that give their
-  pages back (`_release`), so that after a burst the buffers' memory comes down to the
+  pages back (`release_rows`), so that after a burst the buffers' memory comes down to the
   rows the lane runs, while steady load, whose rows leave and join again every turn,
   keeps them (a join into given-back pages costs it faulting them in again); an idle
   lane's thread wakes when its spans have passed (`quiet_in`) and gives back all but the
@@ -44,38 +44,27 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engine.decoding.batch import (
-    LOOKAHEAD,
-    ContinuousBatch,
-    Member,
-    StateBytes,
-    _position_bytes,
-    _Slots,
-    _source_width,
-    _spanned,
-)
+from engine.decoding.batch import LOOKAHEAD, Member, StateBytes
+from engine.decoding.copied import ContinuousBatch
+from engine.decoding.rows import RowState, position_bytes, source_width, spanned
 from engine.decoding.search import Search
-from engine.model.layouts import (
-    EncoderOutput,
-    FloatArray,
-    InPlaceBinding,
-    IntArray,
-    MaskedDecoder,
-)
+from engine.model.inplace import InPlaceBinding, InPlaceSteps
+from engine.model.layouts import EncoderOutput, FloatArray, IntArray
 from engine.model.marian import MarianOnnx
+from engine.model.masked import MaskedDecoder
 
 INITIAL_ROWS = 4
 """Rows of a lane's first buffers; they double when the batch outgrows them."""
 
 
-def _zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
+def mapped_zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
     """A zeroed array whose pages the kernel maps as they are written, in pages of 4 KiB,
-    private to the process (`_release` can hand them back).
+    private to the process (`release_rows` can hand them back).
 
     Why not `np.zeros`: NumPy advises huge pages for large arrays, and a buffer of
     `[rows, heads, positions, head_dim]` is written a few positions per head at a time:
-    with 2 MiB pages the first position of each head made the whole buffer resident (a
-    32-stream `capacity.py` run grew 300 MiB instead of 100)."""
+    with huge pages the first position of each head made the whole buffer resident
+    (docs/performance.md#figures-behind-the-codes-choices)."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     private = getattr(mmap, "MAP_PRIVATE", None)
     if private is None:  # no POSIX flags (Windows): an anonymous map as the platform makes it
@@ -89,15 +78,14 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
     return array.reshape(shape)
 
 
-def _release(buffer: FloatArray, begin: int, end: int) -> None:
-    """Give rows [begin, end) of a `_zeros` buffer back to the kernel, in whole pages:
+def release_rows(buffer: FloatArray, begin: int, end: int) -> None:
+    """Give rows [begin, end) of a `mapped_zeros` buffer back to the kernel, in whole pages:
     they take no memory until written again, and read as zeros. A no-op for other arrays
     or where the platform cannot.
 
     Why: rows leave a lane's buffers from the end (`InPlaceBatch._select`), and the pages
     they wrote stayed resident: a lane's buffers held the memory of the most rows it ever
-    ran, each at the most positions any of its rows reached (up to 12 MiB a row at
-    OPUS-MT's sizes), not of the rows it runs."""
+    ran, each at the most positions any of its rows reached, not of the rows it runs."""
     advice = getattr(mmap, "MADV_DONTNEED", None)
     base: Any = buffer.base
     while base is not None and not isinstance(base, mmap.mmap):  # array -> memoryview -> map
@@ -119,9 +107,9 @@ RELEASE_AFTER = 5.0
 rows past the most it held in the last one or two such spans give their pages back.
 
 Why not at once: under steady load rows leave and join a lane every turn, and a join into
-given-back pages faults them in again (about 0.8 ms a row at OPUS-MT's sizes against 34
-us into resident ones; 2-core AMD EPYC Zen 5): given back at every leave, a 56-stream
-`capacity.py` run answered 3-4% fewer partials with no less memory."""
+given-back pages faults them in again, far slower than a join into resident ones: given
+back at every leave, a loaded `capacity.py` run answered fewer partials with no less
+memory (docs/performance.md#figures-behind-the-codes-choices)."""
 
 SOURCE_STEP = 16
 """Source positions the cross-attention buffers widen by at a time (`_reserve`)."""
@@ -150,11 +138,14 @@ class InPlaceBatch(ContinuousBatch):
     """`ContinuousBatch` over self-attention buffers updated in place (module docstring)."""
 
     def __init__(
-        self, model: MarianOnnx, decoder: MaskedDecoder, lookahead_positions: int = 0
+        self,
+        model: MarianOnnx,
+        decoder: MaskedDecoder,
+        steps: InPlaceSteps,
+        lookahead_positions: int = 0,
     ) -> None:
-        if decoder.inplace is None:
-            raise ValueError("the model has no step with self-attention in place")
         super().__init__(model, decoder, lookahead_positions)
+        self.steps = steps
         config = model.config
         # A row's positions: the start token and at most the length limit's tokens.
         self.positions = min(config.max_length, config.max_position_embeddings)
@@ -189,12 +180,12 @@ class InPlaceBatch(ContinuousBatch):
         """The rows' written positions and real source positions (`live`); the buffers at
         the rows they hold now, over the whole position range and the widest source
         (kept while the lane is idle: pages never written are not resident: `reserved`)."""
-        held = _spanned(self._buffers) + _spanned(self._cross)
+        held = spanned(self._buffers) + spanned(self._cross)
         rows = self._rows
         if rows is None or not self.searches:
             return StateBytes(0, held)
-        live = int(rows.lengths.sum()) * _position_bytes(self._buffers)
-        live += int(rows.enc.attention_mask.sum()) * _position_bytes(self._cross)
+        live = int(rows.lengths.sum()) * position_bytes(self._buffers)
+        live += int(rows.enc.attention_mask.sum()) * position_bytes(self._cross)
         return StateBytes(live, held)
 
     def _confirmed(self, confirmed: Sequence[tuple[int, int]]) -> None:
@@ -226,7 +217,7 @@ class InPlaceBatch(ContinuousBatch):
         before = 0 if rows is None else len(rows.lengths)
         count = before + len(slots.lengths)
         mask = slots.enc.attention_mask
-        width = _source_width(mask)
+        width = source_width(mask)
         self._reserve(count, width, slots, before)
         for i, length in enumerate(slots.lengths.tolist()):
             for buffer, prefilled in zip(self._buffers, slots.self_kv, strict=True):
@@ -268,7 +259,7 @@ class InPlaceBatch(ContinuousBatch):
         if self._ahead:  # one row: its next token and those it is expected to go on with
             ids = np.array([[int(rows.next[0, 0]), *self._ahead[0]]], dtype=np.int64)
         self._fed = int(ids.shape[1])
-        logits = self.decoder.step_in_place(
+        logits = self.steps.step(
             rows.enc,
             ids,
             rows.lengths,
@@ -280,14 +271,14 @@ class InPlaceBatch(ContinuousBatch):
         self._logits = logits[:, None, :] if self._fed == 1 else logits
         rows.lengths = rows.lengths + 1
 
-    def _reserve(self, count: int, width: int, joining: _Slots, held: int) -> None:
+    def _reserve(self, count: int, width: int, joining: RowState, held: int) -> None:
         """Buffers of at least `count` rows (doubling) and, for cross-attention, `width`
         source positions (widened by `SOURCE_STEP`s), one per array of the newcomers'
         state `joining` (their heads, head size and type); the first `held` rows kept."""
         rows = max(count, 2 * self.buffer_rows, INITIAL_ROWS)
         if count > self.buffer_rows:
             grown = tuple(
-                _zeros((rows, a.shape[1], self.positions, a.shape[3]), a.dtype)
+                mapped_zeros((rows, a.shape[1], self.positions, a.shape[3]), a.dtype)
                 for a in joining.self_kv
             )
             if held and self._rows is not None:
@@ -334,7 +325,7 @@ class InPlaceBatch(ContinuousBatch):
     def _give_back(self, count: int, held: int) -> None:
         """After rows left (`held` -> `count`): the rows past the most this lane held in
         the last one or two spans of `RELEASE_AFTER` seconds give their pages back
-        (`_release`). The first row is always kept, so that a lone stream's next request
+        (`release_rows`). The first row is always kept, so that a lone stream's next request
         does not fault its row in again."""
         now = self.clock()
         previous, current = self._spans
@@ -348,7 +339,7 @@ class InPlaceBatch(ContinuousBatch):
         keep = max(previous, current, count, 1)
         if keep < self._resident:
             for whole in (*self._buffers, *self._cross):
-                _release(whole, keep, self._resident)
+                release_rows(whole, keep, self._resident)
             self._resident = keep
 
     def quiet_in(self) -> float | None:
@@ -374,7 +365,7 @@ class InPlaceBatch(ContinuousBatch):
         otherwise cost every later row of the lane."""
         if not count:
             return
-        need = _source_width(self._mask[:count])
+        need = source_width(self._mask[:count])
         if 2 * _widened(need) <= self._mask.shape[1]:
             self._relayout(need, count, self._cross)
 
@@ -384,7 +375,7 @@ class InPlaceBatch(ContinuousBatch):
         source positions rounded up (`_widened`); the first `held` rows' sources kept, as
         far as the new width goes (a narrowing keeps what those rows use)."""
         wide, rows = _widened(width), self.buffer_rows
-        cross = tuple(_zeros((rows, a.shape[1], wide, a.shape[3]), a.dtype) for a in like)
+        cross = tuple(mapped_zeros((rows, a.shape[1], wide, a.shape[3]), a.dtype) for a in like)
         mask = np.zeros((rows, wide), dtype=np.int64)
         if held:
             kept = min(wide, int(self._mask.shape[1]))

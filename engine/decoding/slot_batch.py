@@ -24,14 +24,15 @@ from engine.decoding.batch import (
     LOOKAHEAD,
     DecodeBatch,
     Member,
-    _Steps,
+    Steps,
     lookahead_rows,
     prefill_rows,
     stack_encoder_outputs,
 )
 from engine.decoding.search import Extension, GreedySearch, Search
-from engine.model.layouts import IntArray, MaskedDecoder
+from engine.model.layouts import IntArray
 from engine.model.marian import MarianOnnx
+from engine.model.masked import MaskedDecoder
 from engine.model.slots import KvSlots, StepOutput
 
 
@@ -43,7 +44,7 @@ def _take(search: Search, out: StepOutput, row: int, position: int) -> Extension
     return search.observe(out.logits[row : row + 1, position])
 
 
-def _confirm(
+def confirm(
     search: Search, out: StepOutput, row: int, first: int, expected: Sequence[int]
 ) -> tuple[Extension | None, int]:
     """`batch._confirm` on a step's output: the search goes on through `expected` (fed
@@ -110,13 +111,13 @@ class SlotBatch(DecodeBatch):
             return []
         if not self._ahead and out.logits is None and not self._wide:
             return self._take_choices(out)
-        steps = _Steps()
+        steps = Steps()
         row = 0
         ahead = self._ahead
         for search in self.searches:
             width = search.width
             if ahead and ahead[row]:
-                step, taken = _confirm(search, out, row, 0, ahead[row])
+                step, taken = confirm(search, out, row, 0, ahead[row])
                 steps.confirmed.append((row, taken))
             elif width == 1:
                 step = _take(search, out, row, 0)
@@ -167,7 +168,7 @@ class SlotBatch(DecodeBatch):
         if not isinstance(search, GreedySearch):
             self._wide -= 1
 
-    def _arrange(self, steps: _Steps) -> None:
+    def _arrange(self, steps: Steps) -> None:
         """The rows of the searches kept, in their new order: a beam's row continues a
         parent row, whose state is copied into the row's own slot when it is another."""
         rows = self._rows
@@ -227,7 +228,7 @@ class SlotBatch(DecodeBatch):
             np.array(ban, dtype=np.bool_),
             logits=any(search.needs_logits for search in searches),
         )
-        steps = _Steps()
+        steps = Steps()
         lengths: list[int] = []
         for r, search in enumerate(searches):
             start, draft = len(search.prefix), search.draft
@@ -237,7 +238,7 @@ class SlotBatch(DecodeBatch):
                 out.scores[:, k0:k1],
                 None if out.logits is None else out.logits[:, k0:k1],
             )
-            step, accepted = _confirm(search, mine, 0, 0, draft)
+            step, accepted = confirm(search, mine, 0, 0, draft)
             steps.add(search, r, step)
             search.accepted = accepted
             self.stats["draft_offered"] += len(draft)

@@ -23,7 +23,7 @@ check of padding and buckets, which a GPU then only replays.
 
 A capture records one thread's kernels on the session's stream, and CUDA forbids other
 threads' allocations meanwhile: the scheduler uses graphs with one lane only
-(`Scheduler._kv_slots`).
+(`engine.decoding.backends.open_pool`).
 """
 
 from __future__ import annotations

@@ -56,13 +56,11 @@ class RuntimeOptions:
     # lanes idle): all the model's cores, as a session of its own when more than
     # `head_threads` (`MaskedDecoder.step`'s `alone`).
     alone_head_threads: int | None = None
-    # Whether to build the decoder's graphs over KV slots (`engine.model.slots`): None, on a
-    # GPU only, where the scheduler uses them by default (`SchedulerOptions.kv_slots`);
-    # on the CPU they cost a rewrite and three sessions that would go unused.
+    # The KV backend asked for (`engine.model.backend.select_backend`, the one place it is
+    # chosen): `kv_slots`, a pool of KV slots; `inplace_attention`, the state in lane
+    # buffers extended in place. None: the device's default (slots on a GPU, in place on
+    # the CPU); False: not that one.
     kv_slots: bool | None = None
-    # Whether to build the step with self-attention in place (`passes.inplace`): None, on
-    # the CPU, where the scheduler's continuous batches use it (`SchedulerOptions`
-    # `inplace_attention`); a GPU keeps its state in KV slots instead.
     inplace_attention: bool | None = None
     int8_per_token: bool = True
     device_id: int = 0
@@ -104,6 +102,14 @@ def parse_device(device: str) -> tuple[str, int]:
     return ("cuda", int(index or 0))
 
 
+def device_of(options: RuntimeOptions) -> tuple[str, int]:
+    """Where the model's buffers live: ("cuda", N) with the CUDA provider first, else the
+    host."""
+    if options.providers and options.providers[0] == CUDA:
+        return ("cuda", options.device_id)
+    return ("cpu", 0)
+
+
 def device_options(device: str) -> dict[str, Any]:
     """`RuntimeOptions` fields for `device`: "cpu", or "cuda" / "cuda:N" (the CUDA
     provider on GPU N, the CPU provider for what it does not run). Raises
@@ -141,10 +147,9 @@ def shared_cpu_arena() -> bool:
 
     Why: each session's own arena keeps the largest blocks it ever served, for its life,
     so the model's eight or so sessions (encoder, bodies, projections) each held their
-    own peak; shared, they hold the peak of what runs at once. On a 32-stream
-    `examples/benchmarks/capacity.py` run RSS grew 8.3 MiB per stream with one arena each
-    (the projection already bounded, `HEAD_POSITIONS`), 2.8-3.8 shared; arenas turned off
-    instead, glibc kept more (docs/performance.md, memory under load)."""
+    own peak; shared, they hold the peak of what runs at once: RSS under load grows about
+    a third as much; arenas turned off instead, glibc kept more (docs/performance.md,
+    memory under load)."""
     with _shared_arena_lock:
         if not _shared_arena:
             try:
@@ -224,7 +229,7 @@ def open_session(
         # ONNX Runtime's Python session keeps a serialised graph for as long as it lives,
         # to open itself again on another provider if one fails at run time (its own
         # comment calls that holding the memory indefinitely): the rewritten decoder's
-        # graphs are hundreds of MiB. Here a failing provider raises instead.
+        # graphs are as large as the model. Here a failing provider raises instead.
         session.disable_fallback()
         session._model_bytes = None
     return session

@@ -27,7 +27,8 @@ from onnx import TensorProto
 from engine.model.checks import REWRITE_TOLERANCE
 from engine.model.config import ModelConfig
 from engine.model.graphed import GraphedSteps, bind_slot_buffers
-from engine.model.layouts import EncoderOutput, FloatArray, IntArray, MaskedDecoder
+from engine.model.layouts import EncoderOutput, FloatArray, IntArray
+from engine.model.masked import MaskedDecoder
 from engine.model.names import (
     BAN_EOS,
     COPY_POSITIONS,
@@ -51,7 +52,7 @@ from engine.model.passes.slots import (
     rewrite_prefill,
     rewrite_step,
 )
-from engine.model.sessions import RuntimeOptions, open_session
+from engine.model.sessions import RuntimeOptions, device_of, open_session
 
 log = logging.getLogger(__name__)
 
@@ -451,11 +452,3 @@ def _with_graphed_step(
         return opened
     log.info("%s: greedy steps replay CUDA graphs (capture %s)", where, capture)
     return graphed
-
-
-def device_of(options: RuntimeOptions) -> tuple[str, int]:
-    """Where the model's buffers live: ("cuda", N) with the CUDA provider first, else the
-    host."""
-    if options.providers and options.providers[0] == "CUDAExecutionProvider":
-        return ("cuda", options.device_id)
-    return ("cpu", 0)
