@@ -194,16 +194,6 @@ def test_a_graph_it_does_not_know_gives_none_and_a_reason(
     assert "toy: self-attention stays as exported (no self-attention past inputs)" in caplog.text
 
 
-def test_the_copied_state_is_still_there_when_asked_for() -> None:
-    tr = _translator(scheduler=SchedulerOptions(lanes=1, inplace_attention=False))
-    batch = tr.scheduler._lanes[0].batch
-    assert isinstance(batch, ContinuousBatch) and not isinstance(batch, InPlaceBatch)
-    masked = tr.model.masked
-    assert masked is not None and tr.model.kv is None  # not even built
-    assert tr.model.backend.backend is Backend.COPIED
-    concurrent_equal_alone(tr, DecodeOptions())
-
-
 def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() -> None:
     """Requests of four lengths from 6 threads, 600 in all: every answer equals decoding
     alone, and the buffers hold no more rows than the most that ran at once, rounded up
@@ -415,7 +405,7 @@ def test_the_buffers_pages_come_as_rows_write_them() -> None:
     assert float(buffer.sum()) == 16 * 8 * 10 * 64
 
 
-def test_rows_given_back_take_no_memory_and_readmapped_zeros() -> None:
+def test_rows_given_back_take_no_memory_and_read_zeros() -> None:
     """Rows 2-15 of a 16 MiB buffer, all written, given back: about 14 MiB less
     resident, those rows zeros, the first two as written; written again, they hold the
     new values. A view's rows are its own (offset from the map's start). Arrays that are

@@ -29,7 +29,6 @@ from tests.test_scheduler import (
     SCORE_TOLERANCE,
     SOURCES,
     alone,
-    concurrent_equal_alone,
     drafted_searches,
     layouts,
     requests,
@@ -72,30 +71,6 @@ def test_every_batchable_layout_steps_over_kv_slots(translator: Translator) -> N
     assert pool.bytes == pool.slots * slot_bytes(pool.shape, 4)
     assert pool.shape.capacity == config.max_position_embeddings
     assert scheduler.kv_slots == {"total": pool.slots, "free": pool.slots, "bytes": pool.bytes}
-
-
-@pytest.mark.parametrize("beam", [1, 3])
-def test_concurrent_rows_over_slots_equal_decoding_each_alone(
-    translator: Translator, beam: int
-) -> None:
-    """Greedy rows and beams (whose rows reorder: their slots' states are copied between
-    them) sharing steps over slots, each equal to decoding it alone."""
-    concurrent_equal_alone(translator, DecodeOptions(beam_size=beam))
-    assert free(translator) == SLOTS
-
-
-def test_kv_slots_off_copies_the_state_and_gives_the_same_answers() -> None:
-    """0 slots, and the CPU's default: the state copied per step, the same answers."""
-    needs_fixture()
-    off = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=0))
-    default = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
-    on = small_pool(4)
-    assert off.scheduler.kv is None and off.scheduler.kv_slots is None
-    assert default.scheduler.kv is None
-    for text in SOURCES:
-        got, expected = on.translate([text])[0], off.translate([text])[0]
-        assert (got.text, got.token_ids) == (expected.text, expected.token_ids)
-        assert got.score == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
 
 
 def test_slots_go_back_after_finals_and_aborts() -> None:

@@ -320,22 +320,6 @@ def test_an_abort_drops_a_waiting_request_and_refuses_a_later_one() -> None:
     tr.close()
 
 
-def test_lockstep_fallback_gives_the_same_results() -> None:
-    needs_fixture()
-    tr = Translator.from_dir(FIXTURE_MODEL, batchable=False)
-    assert tr.scheduler.batching == "lockstep"
-    todo = requests(tr)
-    expected = [alone(tr, text, prefix, DecodeOptions()) for text, prefix in todo]
-
-    def one(item: tuple[str, list[int]]) -> Hypothesis:
-        text, prefix = item
-        return tr.decode(tr.encode([tr.source_ids(text)]), prefixes=[prefix])[0]
-
-    with ThreadPoolExecutor(len(todo)) as pool:
-        got = list(pool.map(one, todo))
-    assert [h.token_ids for h in got] == [r.token_ids for r in expected]
-
-
 def test_a_closed_scheduler_refuses_work(tmp_path: Path) -> None:
     needs_fixture()
     tr = Translator.from_dir(FIXTURE_MODEL)
