@@ -1,4 +1,4 @@
-"""Self-attention in place (`engine.model.passes.inplace`, `engine.decoding.inplace_batch`):
+"""Self-attention in place (`engine.model.passes.inplace`, `engine.decoding.kv.inplace`):
 the CPU's continuous batches step over buffers that each step extends where they are.
 
 - The rewrite replaces every layer's attention core of each batchable layout's step and
@@ -28,8 +28,8 @@ from onnx import TensorProto, helper
 
 from engine import DecodeOptions, Translator
 from engine.decoding.batch import Member
-from engine.decoding.copied import ContinuousBatch
-from engine.decoding.inplace_batch import INITIAL_ROWS, RELEASE_AFTER, SOURCE_STEP, InPlaceBatch
+from engine.decoding.continuous import ContinuousBatch
+from engine.decoding.kv.inplace import INITIAL_ROWS, RELEASE_AFTER, SOURCE_STEP, InPlaceKv
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import make_search
 from engine.model.backend import Backend
@@ -55,6 +55,12 @@ from tests.test_scheduler import (
 
 Array = np.ndarray[Any, Any]
 FP32_TOLERANCE = 1e-5
+
+
+def in_place(batch: object) -> InPlaceKv:
+    """The in-place KV backend of a lane's batch."""
+    assert isinstance(batch, ContinuousBatch) and isinstance(batch.kv, InPlaceKv)
+    return batch.kv
 
 
 def _translator(**options: Any) -> Translator:
@@ -90,7 +96,7 @@ def test_every_batchable_layout_steps_with_self_attention_in_place(
     masked = tr.model.masked
     assert masked is not None and isinstance(tr.model.kv, InPlaceSteps), name
     assert tr.model.backend.backend is Backend.INPLACE
-    assert isinstance(tr.scheduler._lanes[0].batch, InPlaceBatch)
+    in_place(tr.scheduler._lanes[0].batch)
     graph = onnx.load_from_string(rewrite_inplace(_masked_step(tr), name) or b"")
     kinds = [node.op_type for node in graph.graph.node]
     assert kinds.count("GroupQueryAttention") == tr.config.decoder_layers
@@ -200,7 +206,8 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
     to a doubling of `INITIAL_ROWS`."""
     tr = _translator()
     batch = tr.scheduler._lanes[0].batch
-    assert isinstance(batch, InPlaceBatch)
+    assert isinstance(batch, ContinuousBatch)
+    in_place(batch)
     texts = SOURCES[:4]
     expected = {text: alone(tr, text, [], DecodeOptions()) for text in texts}
     encoded = {text: tr.encode([tr.source_ids(text)]) for text in texts}
@@ -218,7 +225,7 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
 
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(one, range(600)))
-    held = batch.buffer_rows
+    held = batch.kv.buffer_rows
     bound = INITIAL_ROWS
     while bound < 6:  # never more rows than requests in flight
         bound *= 2
@@ -227,26 +234,27 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
     # load joins them again every turn). Two spans of single requests later, what the rows
     # past the first wrote has been given back (reads zeros); the first row is kept.
     assert most > 1 and batch.rows == 0
-    assert any(buffer[1:].any() for buffer in batch._buffers)
-    now = [batch.clock()]
-    batch.clock = lambda: now[0]
+    assert any(buffer[1:].any() for buffer in batch.kv._buffers)
+    now = [batch.kv.clock()]
+    batch.kv.clock = lambda: now[0]
     for _ in range(2):
         now[0] += RELEASE_AFTER
         got = tr.decode(encoded[texts[0]], DecodeOptions())[0]
         assert got.token_ids == expected[texts[0]].token_ids
-    for buffer in (*batch._buffers, *batch._cross):
+    for buffer in (*batch.kv._buffers, *batch.kv._cross):
         assert not buffer[1:].any()
         assert buffer[0].any()
 
 
-def _after_a_burst(tr: Translator) -> tuple[InPlaceBatch, list[float], list[Any]]:
+def _after_a_burst(tr: Translator) -> tuple[ContinuousBatch, list[float], list[Any]]:
     """60 requests from 6 threads on a translator's one lane, its spans on a clock the
     test moves (the lane's waits stay on the real one). Returns the lane's batch, that
     clock and the encoded sources; asserts that the rows past the first stay resident."""
     batch = tr.scheduler._lanes[0].batch
-    assert isinstance(batch, InPlaceBatch)
-    now = [batch.clock()]
-    batch.clock = lambda: now[0]
+    assert isinstance(batch, ContinuousBatch)
+    in_place(batch)
+    now = [batch.kv.clock()]
+    batch.kv.clock = lambda: now[0]
     encoded = [tr.encode([tr.source_ids(text)]) for text in SOURCES[:4]]
     most = 0
     lock = threading.Lock()
@@ -261,7 +269,7 @@ def _after_a_burst(tr: Translator) -> tuple[InPlaceBatch, list[float], list[Any]
         list(pool.map(one, range(60)))
     assert most > 1 and batch.rows == 0
     assert batch.quiet_in() is not None
-    assert any(buffer[1:].any() for buffer in batch._buffers)  # kept within the span
+    assert any(buffer[1:].any() for buffer in batch.kv._buffers)  # kept within the span
     return batch, now, encoded
 
 
@@ -280,9 +288,9 @@ def test_an_idle_lane_gives_its_rows_back_after_a_quiet_spell_without_a_request(
     now[0] += 2 * RELEASE_AFTER
     _wake(tr)
     deadline = time.monotonic() + 10
-    while any(buffer[1:].any() for buffer in batch._buffers) and time.monotonic() < deadline:
+    while any(buffer[1:].any() for buffer in batch.kv._buffers) and time.monotonic() < deadline:
         time.sleep(0.01)
-    for buffer in (*batch._buffers, *batch._cross):
+    for buffer in (*batch.kv._buffers, *batch.kv._cross):
         assert not buffer[1:].any()
         assert buffer[0].any()
     assert batch.quiet_in() is None  # nothing left to give back: the lane waits for work
@@ -295,7 +303,7 @@ def test_an_idle_lane_whose_memory_cannot_be_given_back_serves_on(
     """A settle that fails is logged; the lane does not die nor spin on it: it tries again
     a quiet spell later (the span starts before the release), and its next request is
     answered as before."""
-    from engine.decoding import inplace_batch
+    from engine.decoding.kv import inplace as inplace_batch
 
     tr = _translator()
     batch, now, encoded = _after_a_burst(tr)
@@ -393,7 +401,7 @@ def test_the_buffers_pages_come_as_rows_write_them() -> None:
     """A lane's buffers span every position of every row, but only written positions
     take memory: ten positions of each of 16 rows' 8 heads, in a 16 MiB buffer, take
     about 128 pages (NumPy's own zeros would take 2 MiB pages, the whole buffer)."""
-    from engine.decoding.inplace_batch import mapped_zeros
+    from engine.decoding.kv.inplace import mapped_zeros
 
     buffer = mapped_zeros((16, 8, 512, 64), np.dtype(np.float32))
     assert buffer.nbytes == 16 * 2**20 and buffer.flags.writeable
@@ -410,7 +418,7 @@ def test_rows_given_back_take_no_memory_and_read_zeros() -> None:
     resident, those rows zeros, the first two as written; written again, they hold the
     new values. A view's rows are its own (offset from the map's start). Arrays that are
     not such buffers are left alone."""
-    from engine.decoding.inplace_batch import mapped_zeros, release_rows
+    from engine.decoding.kv.inplace import mapped_zeros, release_rows
 
     buffer = mapped_zeros((16, 8, 512, 64), np.dtype(np.float32))
     buffer[:] = 1.0
@@ -439,7 +447,8 @@ def test_a_lanes_state_counts_its_rows_positions_and_sources(inplace: bool) -> N
     buffers stay reserved for the lane's next rows."""
     tr = _translator(scheduler=SchedulerOptions(lanes=1, inplace_attention=inplace))
     batch = tr.scheduler._lanes[0].batch
-    assert isinstance(batch, InPlaceBatch) == inplace
+    assert isinstance(batch, ContinuousBatch)
+    assert isinstance(batch.kv, InPlaceKv) == inplace
     config = tr.config
     position = 2 * config.decoder_layers * config.d_model * np.dtype(np.float32).itemsize
     source = tr.source_ids(SOURCES[4])
@@ -464,7 +473,7 @@ def test_a_lanes_state_counts_its_rows_positions_and_sources(inplace: bool) -> N
     assert final is not None and final.live == 0
     if inplace:  # self-attention over every position, cross over the source's width
         width = -(-len(source) // SOURCE_STEP) * SOURCE_STEP
-        assert final.reserved == INITIAL_ROWS * (batch.positions + width) * position
+        assert final.reserved == INITIAL_ROWS * (batch.kv.positions + width) * position
     else:
         assert final.reserved == 0
 
@@ -498,7 +507,7 @@ def test_cross_attention_state_is_written_once_and_widened_for_a_longer_source()
     tr = _translator()
     masked, steps = tr.model.masked, tr.model.kv
     assert masked is not None and isinstance(steps, InPlaceSteps)
-    batch = InPlaceBatch(tr.model, masked, steps)
+    batch = ContinuousBatch(tr.model, InPlaceKv(tr.model, masked, steps))
     short, longer = SOURCES[5], f"{SOURCES[4]} and {SOURCES[2]}"
     assert len(tr.source_ids(short)) < SOURCE_STEP < len(tr.source_ids(longer))
     options = DecodeOptions(min_new_tokens=6)  # the first row still runs when the next joins
@@ -510,15 +519,15 @@ def test_cross_attention_state_is_written_once_and_widened_for_a_longer_source()
     first = member(short)
     ended: list[Any] = batch.schedule([first])
     batch.execute()
-    assert batch._mask.shape[1] == SOURCE_STEP  # the short source, rounded up
+    assert batch.kv._mask.shape[1] == SOURCE_STEP  # the short source, rounded up
     ended += batch.update()
     assert first.search in batch.searches  # still running when the longer one joins
     second = member(longer)
     ended += batch.schedule([second])  # wider: the running row is kept in the new buffers
-    assert batch._mask.shape[1] == 2 * SOURCE_STEP
-    rows = batch._rows
+    assert batch.kv._mask.shape[1] == 2 * SOURCE_STEP
+    rows = batch.kv._rows
     assert rows is not None
-    for view, buffer in zip(rows.cross_kv, batch._cross, strict=True):
+    for view, buffer in zip(rows.cross_kv, batch.kv._cross, strict=True):
         assert view.base is not None and np.shares_memory(view, buffer)
         assert view.flags.c_contiguous
     while batch.searches:
@@ -538,7 +547,7 @@ def test_cross_attention_buffers_narrow_again_when_the_longer_source_leaves() ->
     tr = _translator()
     masked, steps = tr.model.masked, tr.model.kv
     assert masked is not None and isinstance(steps, InPlaceSteps)
-    batch = InPlaceBatch(tr.model, masked, steps)
+    batch = ContinuousBatch(tr.model, InPlaceKv(tr.model, masked, steps))
     short, longer = SOURCES[5], f"{SOURCES[4]} and {SOURCES[2]}"
     options = DecodeOptions(min_new_tokens=6)
     first = make_search(tr.config, [], options)
@@ -547,11 +556,11 @@ def test_cross_attention_buffers_narrow_again_when_the_longer_source_leaves() ->
     batch.execute()
     assert not batch.update()
     assert not batch.schedule([Member(second, tr.encode([tr.source_ids(longer)]))])
-    assert batch._mask.shape[1] == 2 * SOURCE_STEP
+    assert batch.kv._mask.shape[1] == 2 * SOURCE_STEP
     batch.execute()
     assert not batch.update()
     batch.schedule([], leaving=[second])
-    assert batch._mask.shape[1] == SOURCE_STEP and batch.searches == [first]
+    assert batch.kv._mask.shape[1] == SOURCE_STEP and batch.searches == [first]
     while batch.searches:
         batch.execute()
         batch.update()
@@ -574,5 +583,5 @@ def test_an_in_place_step_that_reads_the_hidden_states_is_not_used(
     assert masked is not None and tr.model.kv is None
     assert tr.model.backend.backend is Backend.COPIED
     batch = tr.scheduler._lanes[0].batch
-    assert isinstance(batch, ContinuousBatch) and not isinstance(batch, InPlaceBatch)
+    assert isinstance(batch, ContinuousBatch) and not isinstance(batch.kv, InPlaceKv)
     concurrent_equal_alone(tr, DecodeOptions())

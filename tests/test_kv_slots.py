@@ -1,5 +1,5 @@
 """KV slots: every batchable layout steps with its decoder state in preallocated slots
-written in place (`engine.model.slots`, `engine.decoding.slot_batch`), rows still equal
+written in place (`engine.model.slots`, `engine.decoding.kv.slots`), rows still equal
 decoding alone, slots go back to the pool after finals and aborts, a full pool queues and
 a request wider than the whole pool is refused with a clear error.
 
@@ -17,10 +17,11 @@ import pytest
 
 from engine import DecodeOptions, Translator
 from engine.decoding.batch import LOOKAHEAD_POSITIONS, Member
+from engine.decoding.continuous import ContinuousBatch
+from engine.decoding.kv.slots import SlotKv
 from engine.decoding.policy import NotEnoughSlots, Priority, new_request_id
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodingCancelled, Hypothesis
-from engine.decoding.slot_batch import SlotBatch
 from engine.model.config import ModelConfig
 from engine.model.passes.slots import SlotShape, rewrite_step
 from engine.model.slots import slot_bytes
@@ -64,7 +65,8 @@ def test_every_batchable_layout_steps_over_kv_slots(translator: Translator) -> N
     scheduler = translator.scheduler
     pool = scheduler.kv
     assert pool is not None, "the step was not rewritten over KV slots"
-    assert isinstance(scheduler._lanes[0].batch, SlotBatch)
+    batch = scheduler._lanes[0].batch
+    assert isinstance(batch, ContinuousBatch) and isinstance(batch.kv, SlotKv)
     config = translator.config
     # Sized at start as asked, its size known.
     assert pool.slots == SLOTS
@@ -174,15 +176,15 @@ def test_slot_rows_with_lookahead_and_minimum_lengths_equal_decoding_alone(
 
 
 def drafted_rows_over_slots_equal_alone(translator: Translator) -> None:
-    """Drafted searches joining a `SlotBatch` at steps 0, 1, 3 and 6, stepped until all
-    are done: each equals decoding it alone, and some lookahead tokens were accepted and
-    some not (skipped for a layout without lookahead over slots)."""
+    """Drafted searches joining a continuous batch over slots at steps 0, 1, 3 and 6,
+    stepped until all are done: each equals decoding it alone, and some lookahead tokens
+    were accepted and some not (skipped for a layout without lookahead over slots)."""
     model = translator.model
     pool = translator.scheduler.kv
     if model.masked is None or pool is None or not model.masked.lookahead:
         pytest.skip("no lookahead over slots for this layout")
     todo = drafted_searches(translator)
-    batch = SlotBatch(model, model.masked, pool, LOOKAHEAD_POSITIONS)
+    batch = ContinuousBatch(model, SlotKv(model, pool), LOOKAHEAD_POSITIONS)
     joins = {0: todo[:2], 1: todo[2:3], 3: todo[3:6], 6: todo[6:]}
     slots = iter(range(pool.slots))
     step = 0

@@ -767,7 +767,8 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
     decoding it alone gives; rejected lookahead leaves holes in the cache that are
     squeezed out without changing anything."""
     from engine.decoding.batch import Member
-    from engine.decoding.copied import ContinuousBatch
+    from engine.decoding.continuous import ContinuousBatch
+    from engine.decoding.kv.copied import CopiedKv
     from engine.decoding.rows import RowState
 
     model = translator.model
@@ -782,7 +783,7 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
 
     monkeypatch.setattr(RowState, "squeeze", counted)
     todo = drafted_searches(translator)
-    batch = ContinuousBatch(model, model.masked, LOOKAHEAD_POSITIONS)
+    batch = ContinuousBatch(model, CopiedKv(model, model.masked), LOOKAHEAD_POSITIONS)
     joins = {0: todo[:2], 1: todo[2:3], 3: todo[3:6], 6: todo[6:]}
     step = 0
     while step in joins or step < max(joins) or len(batch):

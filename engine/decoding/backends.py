@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 
 from engine.decoding.batch import DecodeBatch
-from engine.decoding.copied import ContinuousBatch
-from engine.decoding.inplace_batch import INITIAL_ROWS, InPlaceBatch
+from engine.decoding.continuous import ContinuousBatch
+from engine.decoding.kv.base import KvBackend
+from engine.decoding.kv.copied import CopiedKv
+from engine.decoding.kv.inplace import INITIAL_ROWS, InPlaceKv
+from engine.decoding.kv.slots import SlotKv
 from engine.decoding.lockstep import LockstepBatch
 from engine.decoding.options import SchedulerOptions
-from engine.decoding.slot_batch import SlotBatch
 from engine.model.backend import Backend
 from engine.model.inplace import InPlaceSteps
 from engine.model.marian import MarianOnnx
@@ -60,34 +62,38 @@ def open_pool(model: MarianOnnx, options: SchedulerOptions, lanes: int) -> KvSlo
 
 
 def new_batch(model: MarianOnnx, options: SchedulerOptions, pool: KvSlots | None) -> DecodeBatch:
-    """An empty batch over the model's KV backend (`pool`: its slots, from `open_pool`).
+    """An empty batch over the model's KV backend (`pool`: its slots, from `open_pool`):
+    the one continuous batch over the backend's rows' state, or the lockstep batch.
     Raises `ValueError` for `inplace_attention=False` over a model loaded with the state
     in place (the choice is the load's: `RuntimeOptions(inplace_attention=False)`)."""
     backend, masked = model.backend.backend, model.masked
-    lookahead = options.lookahead_positions
     if backend is Backend.LOCKSTEP or masked is None:
         return LockstepBatch(model)
+    kv: KvBackend
     if backend is Backend.SLOTS:
         assert pool is not None, "a slots backend runs over its pool (open_pool)"
-        return SlotBatch(model, masked, pool, lookahead)
-    if backend is Backend.INPLACE:
+        kv = SlotKv(model, pool)
+    elif backend is Backend.INPLACE:
         if options.inplace_attention is False:
             raise ValueError(
                 "inplace_attention=False, but the model was loaded with its state in place: "
                 "load it with RuntimeOptions(inplace_attention=False)"
             )
         assert isinstance(model.kv, InPlaceSteps)
-        return InPlaceBatch(model, masked, model.kv, lookahead)
-    return ContinuousBatch(model, masked, lookahead)
+        kv = InPlaceKv(model, masked, model.kv)
+    else:
+        kv = CopiedKv(model, masked)
+    return ContinuousBatch(model, kv, options.lookahead_positions)
 
 
 def log_state(batch: DecodeBatch, max_rows: int) -> None:
     """Say at start what an in-place batch's buffers may hold (the state's memory is
     not allocated per step: /metrics has it as it goes)."""
-    if not isinstance(batch, InPlaceBatch):
+    kv = batch.kv if isinstance(batch, ContinuousBatch) else None
+    if not isinstance(kv, InPlaceKv):
         return
-    config = batch.model.config
-    position = 2 * config.decoder_layers * config.d_model * batch.itemsize
+    config = kv.model.config
+    position = 2 * config.decoder_layers * config.d_model * kv.itemsize
     most = INITIAL_ROWS  # the buffers' rows at most: doubled past `max_rows`
     while most < max_rows:
         most *= 2
@@ -97,7 +103,7 @@ def log_state(batch: DecodeBatch, max_rows: int) -> None:
         "row and double their rows as it needs, up to %d rows (%.0f MiB), mapped as "
         "written (/metrics: nmt_decoder_state_bytes)",
         position / 2**10,
-        batch.positions,
+        kv.positions,
         most,
-        position * batch.positions * most / 2**20,
+        position * kv.positions * most / 2**20,
     )

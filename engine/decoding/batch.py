@@ -12,13 +12,13 @@ The batch's kind follows the model's KV backend, chosen at load
 (`engine.model.backend`; `engine.decoding.backends` builds it):
 `engine.decoding.lockstep.LockstepBatch` runs the stock decoder graphs, which take
 positions from the past length and have no self-attention mask, so all its rows keep one
-length: searches join only an empty batch. `engine.decoding.copied.ContinuousBatch` runs
-the rewritten decoder (`MaskedDecoder`: positions per row, a mask over cache slots), so
-searches join and leave at any step (iteration-level batching, as in Orca and vLLM),
-handing every row's state to each step; `engine.decoding.inplace_batch.InPlaceBatch`
-keeps it in lane buffers extended in place (the CPU's default), and
-`engine.decoding.slot_batch.SlotBatch` in KV slots (a GPU's). The encoder runs once per
-source, before: a search joins with its source's encoder output.
+length: searches join only an empty batch. `engine.decoding.continuous.ContinuousBatch`
+runs the rewritten decoder (`MaskedDecoder`: positions per row, a mask over cache slots),
+so searches join and leave at any step (iteration-level batching, as in Orca and vLLM),
+over one KV backend (`engine.decoding.kv`): the rows' state handed to every step
+(copied), kept in lane buffers extended in place (the CPU's default) or in KV slots (a
+GPU's). The encoder runs once per source, before: a search joins with its source's
+encoder output.
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ from engine.model.layouts import (
     FloatArray,
     IntArray,
 )
-from engine.model.logits import RowRun
 
 
 class Member(NamedTuple):
     """A search joining a batch, with the encoder output of its one source and, for a
-    batch that keeps rows in KV slots (`engine.decoding.slot_batch`), the slots its
+    batch that keeps rows in KV slots (`engine.decoding.kv.slots`), the slots its
     request was given (one per row it may hold)."""
 
     search: Search
@@ -104,23 +103,6 @@ class Steps:
         self.kept.append(search)
         self.select.extend(row + p for p in step.parents)
         self.tokens.extend(step.tokens)
-
-
-def confirm(
-    search: Search, logits: FloatArray | RowRun, expected: Sequence[int]
-) -> tuple[Extension | None, int]:
-    """Let a one-row `search` observe consecutive positions of `logits` [positions, vocab]
-    while the token it picks is the `expected` one fed there (a draft in the prefill, a
-    lookahead in a step: the logits after an expected token are what feeding it one step
-    later would give, attention being causal). Returns its last step (None: it ended) and
-    how many expected tokens it confirmed, whose KV the same call computed. A prefill's
-    `RowRun` projects positions as they are read: none past where this stops."""
-    confirmed = 0
-    while True:
-        step = search.observe(logits[confirmed][None])
-        if step is None or confirmed >= len(expected) or step.tokens != [expected[confirmed]]:
-            return step, confirmed
-        confirmed += 1
 
 
 class StateBytes(NamedTuple):
@@ -196,20 +178,14 @@ class DecodeBatch(ABC):
     def execute(self) -> None:
         """One decoder call over every live row; nothing when none is left."""
 
-    def _observe(self, logits: FloatArray, ahead: Sequence[Sequence[int]]) -> Steps:
-        """Each search observes its rows' logits [rows, positions, vocab]: a greedy row fed
-        `ahead[row]` after its own token confirms them position by position, every other
-        row reads its first position. `searches` keeps the searches still running."""
+    def _observe(self, logits: FloatArray) -> Steps:
+        """Each search observes its rows' logits at their first position [rows, positions,
+        vocab]. `searches` keeps the searches still running."""
         steps = Steps()
         row = 0
         for search in self.searches:
             width = search.width  # before the step: a beam widens
-            if ahead and ahead[row]:  # a greedy row fed tokens ahead
-                step, taken = confirm(search, logits[row], ahead[row])
-                steps.confirmed.append((row, taken))
-            else:
-                step = search.observe(logits[row : row + width, 0])
-            steps.add(search, row, step)
+            steps.add(search, row, search.observe(logits[row : row + width, 0]))
             row += width
         self.searches = steps.kept
         return steps

@@ -36,7 +36,7 @@ class LockstepBatch(DecodeBatch):
         if self._logits is None:
             return []
         logits, self._logits = self._logits, None
-        steps = self._observe(logits, ())
+        steps = self._observe(logits)
         self._select(steps.select)
         self._next = np.array(steps.tokens, dtype=np.int64)[:, None]
         return steps.ended

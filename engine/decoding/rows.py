@@ -110,15 +110,13 @@ def sources_stacked(
 class RowState:
     """A continuous batch's decoder state, row by row: its sources, the self KV of every
     row in one array [rows, heads, slots, dim] whose real slots `real` marks (1), the
-    cross-attention KV, how many tokens each row was fed (start token included) and the
-    token it is fed next."""
+    cross-attention KV and how many tokens each row was fed (start token included)."""
 
     enc: EncoderOutput
     self_kv: tuple[FloatArray, ...]
     cross_kv: tuple[FloatArray, ...]
     real: IntArray  # [rows, slots]
     lengths: IntArray  # [rows]
-    next: IntArray  # [rows, 1]
 
     def select(self, select: list[int]) -> None:
         """Keep these rows, in this order; then cut off the slots no row uses any more (the
@@ -129,7 +127,7 @@ class RowState:
         self.enc = self.enc.select(rows)
         self.self_kv = kept(self.self_kv, rows)
         self.cross_kv = kept(self.cross_kv, rows)
-        self.real, self.lengths, self.next = self.real[rows], self.lengths[rows], self.next[rows]
+        self.real, self.lengths = self.real[rows], self.lengths[rows]
         if not len(select):
             return
         used = np.flatnonzero(self.real.any(axis=0))
@@ -152,7 +150,6 @@ class RowState:
         )
         self.real = stacked((self.real, other.real), slots, axis=1, left=True)
         self.lengths = np.concatenate([self.lengths, other.lengths])
-        self.next = np.concatenate([self.next, other.next])
 
     def squeeze(self) -> None:
         """Drop the holes that rejected lookahead left in the self KV: each row's real
@@ -164,3 +161,22 @@ class RowState:
             np.take_along_axis(a, order[:, None, :, None], axis=2) for a in self.self_kv
         )
         self.real = (np.arange(width)[None, :] >= (width - keep)[:, None]).astype(np.int64)
+
+
+def prefilled(
+    enc: EncoderOutput,
+    self_kv: tuple[FloatArray, ...],
+    cross_kv: tuple[FloatArray, ...],
+    select: Sequence[int],
+    lengths: IntArray,
+) -> RowState:
+    """The state of the prefilled rows a batch keeps: the prefill's rows `select` names
+    (a beam's repeated), each with its first `lengths[k]` positions real (start token,
+    forced prefix, the draft it confirmed), the rest masked out."""
+    width = int(self_kv[0].shape[2]) if self_kv else int(lengths.max(initial=0))
+    real = np.zeros(enc.batch_size, dtype=np.int64)
+    real[np.asarray(select, dtype=np.int64)] = lengths
+    used = (np.arange(width)[None, :] < real[:, None]).astype(np.int64)
+    state = RowState(enc, self_kv, cross_kv, used, real)
+    state.select(list(select))
+    return state

@@ -2,7 +2,7 @@
 buffers that each step reads and extends in place: its sessions (`InPlaceSteps`, the
 step rewritten by `engine.model.passes.inplace`, checked against the masked decoder's
 step at load), its I/O binding kept between steps (`InPlaceBinding`), and how the load
-opens them (`open_inplace`). The rows' bookkeeping is `engine.decoding.inplace_batch`.
+opens them (`open_inplace`). The rows' bookkeeping is `engine.decoding.kv.inplace`.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def _inplace_twin(
         return None
     if ENCODER_HIDDEN_STATES in {i.name for i in opened.get_inputs()}:
         # The in-place batch keeps only the encoder mask and cross-attention keys and
-        # values of its rows (`engine.decoding.inplace_batch`); a step that reads the
+        # values of its rows (`engine.decoding.kv.inplace`); a step that reads the
         # hidden states too keeps the copied state.
         log.warning(
             "%s: %s with self-attention in place reads the encoder's hidden states: not used",

@@ -1,11 +1,12 @@
-"""A continuous batch whose self-attention keys and values stay where they were written:
-one buffer per layer and kind, `[rows, heads, positions, head_dim]`, that each step reads
-and extends in place (`engine.model.inplace.InPlaceSteps`, `engine.model.passes.inplace`).
+"""The KV backend whose self-attention keys and values stay where they were written: one
+buffer per layer and kind, `[rows, heads, positions, head_dim]`, that each step reads and
+extends in place (`engine.model.inplace.InPlaceSteps`, `engine.model.passes.inplace`):
+`engine.model.backend.Backend.INPLACE`, the CPU's default.
 
-`ContinuousBatch` hands every row's keys and values to each step and gets them back one
-position longer: the graph copies the whole state into new arrays at every step, and a
-join pads and copies it again. Here row r of the batch is row r of the buffers, its
-positions first and its length its own, so:
+The copied backend (`engine.decoding.kv.copied`) hands every row's keys and values to
+each step and gets them back one position longer: the graph copies the whole state into
+new arrays at every step, and a join pads and copies it again. Here row r of the batch is
+row r of the buffers, its positions first and its length its own, so:
 
 - a step writes one position per row and copies nothing (and its rows are not padded to
   the longest: each row's attention reads its own positions);
@@ -25,28 +26,27 @@ of `[rows, heads, sources, head_dim]` as wide as the longest source a row brough
 up to `SOURCE_STEP`), each row's source right-padded with mask 0, which attention ignores
 exactly. A join writes the newcomers' rows once; the state is not stacked again at every
 join, nor copied to be bound (the step binds views of the buffers' first rows).
-Drafts are verified in the prefill as in `ContinuousBatch`, and re-aligned drafts in a
-step (lookahead) for a lone row only: `GroupQueryAttention` refuses several new tokens per
-row for several rows, and a lone row is where a saved step is worth the most
-(`LOOKAHEAD_POSITIONS`). A rejected token's position is simply written again.
-Rows equal decoding alone over the same graphs: each row's attention reads its own
-positions only.
+Re-aligned drafts are verified in a step (lookahead) for a lone row only:
+`GroupQueryAttention` refuses several new tokens per row for several rows, and a lone row
+is where a saved step is worth the most (`LOOKAHEAD_POSITIONS`). A rejected token's
+position is simply written again. Rows equal decoding alone over the same graphs: each
+row's attention reads its own positions only.
 """
 
 from __future__ import annotations
 
 import mmap
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from engine.decoding.batch import LOOKAHEAD, Member, StateBytes
-from engine.decoding.copied import ContinuousBatch
-from engine.decoding.rows import RowState, position_bytes, source_width, spanned
+from engine.decoding.batch import Member, StateBytes
+from engine.decoding.kv.base import KvBackend, LogitsRun, Output, Prefill, Run
+from engine.decoding.rows import RowState, position_bytes, prefilled, source_width, spanned
 from engine.decoding.search import Search
 from engine.model.inplace import InPlaceBinding, InPlaceSteps
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray
@@ -83,7 +83,7 @@ def release_rows(buffer: FloatArray, begin: int, end: int) -> None:
     they take no memory until written again, and read as zeros. A no-op for other arrays
     or where the platform cannot.
 
-    Why: rows leave a lane's buffers from the end (`InPlaceBatch._select`), and the pages
+    Why: rows leave a lane's buffers from the end (`InPlaceKv._select`), and the pages
     they wrote stayed resident: a lane's buffers held the memory of the most rows it ever
     ran, each at the most positions any of its rows reached, not of the rows it runs."""
     advice = getattr(mmap, "MADV_DONTNEED", None)
@@ -125,26 +125,19 @@ class _Rows:
     """The batch's rows apart from their keys and values: views of the first rows of the
     lane's buffers (the encoder mask and cross-attention keys and values, each row's
     source right-padded to the buffers' width with mask 0), made when rows join or leave
-    so that a step binds the same arrays as the last; each row's positions so far and its
-    next token."""
+    so that a step binds the same arrays as the last; each row's positions so far."""
 
     enc: EncoderOutput
     cross_kv: tuple[FloatArray, ...]
     lengths: IntArray  # [rows]
-    next: IntArray  # [rows, 1]
 
 
-class InPlaceBatch(ContinuousBatch):
-    """`ContinuousBatch` over self-attention buffers updated in place (module docstring)."""
+class InPlaceKv(KvBackend):
+    """Rows' state in lane buffers updated in place (module docstring)."""
 
-    def __init__(
-        self,
-        model: MarianOnnx,
-        decoder: MaskedDecoder,
-        steps: InPlaceSteps,
-        lookahead_positions: int = 0,
-    ) -> None:
-        super().__init__(model, decoder, lookahead_positions)
+    def __init__(self, model: MarianOnnx, decoder: MaskedDecoder, steps: InPlaceSteps) -> None:
+        self.model = model
+        self.decoder = decoder
         self.steps = steps
         config = model.config
         # A row's positions: the start token and at most the length limit's tokens.
@@ -182,13 +175,18 @@ class InPlaceBatch(ContinuousBatch):
         (kept while the lane is idle: pages never written are not resident: `reserved`)."""
         held = spanned(self._buffers) + spanned(self._cross)
         rows = self._rows
-        if rows is None or not self.searches:
+        if rows is None or not rows.lengths.size:
             return StateBytes(0, held)
         live = int(rows.lengths.sum()) * position_bytes(self._buffers)
         live += int(rows.enc.attention_mask.sum()) * position_bytes(self._cross)
         return StateBytes(live, held)
 
-    def _confirmed(self, confirmed: Sequence[tuple[int, int]]) -> None:
+    def lookahead_most(self, rows: int, budget: int) -> int:
+        """A lone row only: `GroupQueryAttention` refuses several new tokens per row for
+        several rows."""
+        return budget if rows == 1 else 0
+
+    def confirmed(self, confirmed: Sequence[tuple[int, int]]) -> None:
         """A lone row fed tokens ahead: the positions of those it confirmed are written
         (a rejected one's is simply written again by the next step)."""
         rows = self._rows
@@ -196,80 +194,91 @@ class InPlaceBatch(ContinuousBatch):
         for row, taken in confirmed:
             rows.lengths[row] += taken
 
-    def _keep(self, select: list[int], tokens: IntArray) -> None:
+    def keep(self, select: Sequence[int], searches: Sequence[Search]) -> None:
         self._select(select)
-        rows = self._rows
-        assert rows is not None
-        rows.next = tokens
 
-    def schedule(self, joining: Sequence[Member], leaving: Collection[Search] = ()) -> list[Search]:
-        if self._logits is not None:
-            raise RuntimeError("schedule between execute and update")
-        select = self._without(leaving)
-        if select is not None:
-            self._select(select)
-        if not joining:
-            return []
-        ended, kept, slots = self._prefill(joining)
-        if not kept:
-            return ended
-        rows = self._rows if self.searches else None
+    def prefill(
+        self,
+        joining: Sequence[Member],
+        enc: EncoderOutput,
+        ids: IntArray,
+        mask: IntArray,
+        *,
+        alone: bool,
+    ) -> Prefill:
+        needed = np.array([len(member.search.prefix) for member in joining], dtype=np.int64)
+        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed, alone=alone)
+
+        def run(row: int, start: int) -> Run:
+            return LogitsRun(logits.row(row, start))
+
+        return Prefill(run, (enc, self_kv, cross_kv))
+
+    def join(
+        self, prefill: Prefill, select: Sequence[int], lengths: IntArray, kept: Sequence[Search]
+    ) -> None:
+        """The newcomers' prefilled positions copied into the rows after the last."""
+        enc, self_kv, cross_kv = prefill.pending
+        slots = prefilled(enc, self_kv, cross_kv, select, lengths)
+        rows = self._rows if self._rows is not None and self._rows.lengths.size else None
         before = 0 if rows is None else len(rows.lengths)
         count = before + len(slots.lengths)
         mask = slots.enc.attention_mask
         width = source_width(mask)
         self._reserve(count, width, slots, before)
         for i, length in enumerate(slots.lengths.tolist()):
-            for buffer, prefilled in zip(self._buffers, slots.self_kv, strict=True):
-                buffer[before + i, :, :length] = prefilled[i, :, :length]
-        for buffer, prefilled in zip(self._cross, slots.cross_kv, strict=True):
-            buffer[before:count, :, :width] = prefilled[:, :, :width]
+            for buffer, written in zip(self._buffers, slots.self_kv, strict=True):
+                buffer[before + i, :, :length] = written[i, :, :length]
+        for buffer, written in zip(self._cross, slots.cross_kv, strict=True):
+            buffer[before:count, :, :width] = written[:, :, :width]
             buffer[before:count, :, width:] = 0
         self._mask[before:count, :width] = mask[:, :width]
         self._mask[before:count, width:] = 0
         if rows is not None:
-            lengths = np.concatenate([rows.lengths, slots.lengths])
-            tokens = np.concatenate([rows.next, slots.next])
+            held = np.concatenate([rows.lengths, slots.lengths])
         else:
-            lengths, tokens = slots.lengths.copy(), slots.next
-        self._rows = self._views(lengths, tokens)
-        self.searches = [*self.searches, *kept]
-        return ended
+            held = slots.lengths.copy()
+        self._rows = self._views(held)
 
-    def _views(self, lengths: IntArray, tokens: IntArray) -> _Rows:
+    def _views(self, lengths: IntArray) -> _Rows:
         """The rows' state: the buffers' first `len(lengths)` rows (contiguous, so bound
-        as they are), their lengths and next tokens."""
+        as they are) and their lengths."""
         count = len(lengths)
         # The step graphs take no encoder hidden states: an empty one keeps the shape's rows.
         hidden = np.zeros((count, 0, 0), dtype=self.model.float_type)
         enc = EncoderOutput(hidden, self._mask[:count])
-        return _Rows(enc, tuple(b[:count] for b in self._cross), lengths, tokens)
+        return _Rows(enc, tuple(b[:count] for b in self._cross), lengths)
 
-    def execute(self) -> None:
-        if not self.searches:  # nothing kept alive for an idle lane, the binding's arrays too
-            self._rows, self._ahead, self._bound = None, [], InPlaceBinding()
-            return
+    def release(self) -> None:
+        """Nothing kept alive for an idle lane, the binding's arrays too."""
+        self._rows, self._bound = None, InPlaceBinding()
+
+    def step(
+        self,
+        next_ids: IntArray,
+        ahead: Sequence[Sequence[int]],
+        *,
+        logits: bool,
+        alone: bool,
+    ) -> Output:
         rows = self._rows
         assert rows is not None
         count = len(rows.lengths)
-        self._ahead = self._look_ahead(
-            min(LOOKAHEAD, self.lookahead_positions) if count == 1 else 0
-        )
-        ids = rows.next
-        if self._ahead:  # one row: its next token and those it is expected to go on with
-            ids = np.array([[int(rows.next[0, 0]), *self._ahead[0]]], dtype=np.int64)
-        self._fed = int(ids.shape[1])
-        logits = self.steps.step(
+        ids = next_ids[:, None]
+        if ahead:  # one row: its next token and those it is expected to go on with
+            ids = np.array([[int(next_ids[0]), *ahead[0]]], dtype=np.int64)
+        fed = int(ids.shape[1])
+        out = self.steps.step(
             rows.enc,
             ids,
             rows.lengths,
             [buffer[:count] for buffer in self._buffers],
             rows.cross_kv,
-            alone=self.alone,
+            alone=alone,
             bound=self._bound,
         )
-        self._logits = logits[:, None, :] if self._fed == 1 else logits
         rows.lengths = rows.lengths + 1
+        return out[:, None, :] if fed == 1 else out
 
     def _reserve(self, count: int, width: int, joining: RowState, held: int) -> None:
         """Buffers of at least `count` rows (doubling) and, for cross-attention, `width`
@@ -320,7 +329,7 @@ class InPlaceBatch(ContinuousBatch):
                 whole[first : order.size] = whole[sources]
         self._narrow(order.size)  # first: buffers it replaces need not give pages back
         self._give_back(order.size, len(lengths))
-        self._rows = self._views(lengths[order], rows.next[order])
+        self._rows = self._views(lengths[order])
 
     def _give_back(self, count: int, held: int) -> None:
         """After rows left (`held` -> `count`): the rows past the most this lane held in
@@ -346,7 +355,7 @@ class InPlaceBatch(ContinuousBatch):
         """An idle lane's rows past the first give their pages back two spans of
         `RELEASE_AFTER` after the span in which its last rows left began (`_give_back`:
         at least one span after they left)."""
-        if self.searches or self._resident <= 1:
+        if (self._rows is not None and self._rows.lengths.size) or self._resident <= 1:
             return None
         return self._span_began + 2 * RELEASE_AFTER - self.clock()
 
@@ -354,7 +363,7 @@ class InPlaceBatch(ContinuousBatch):
         """Give back the rows past the first (`_give_back` starts a new span before it
         releases, so a release that fails is tried again a quiet spell later, not in a
         loop)."""
-        if not self.searches:
+        if self._rows is None or not self._rows.lengths.size:
             self._give_back(0, 0)
 
     def _narrow(self, count: int) -> None:
