@@ -1,6 +1,6 @@
 """The KV backend is chosen in one place (`engine.model.backend.select_backend`), logged at
 load with its reason, and carried by the model; the KV slot pool's free list is its own
-object (`engine.decoding.kv_manager`), which the policy only asks whether rows fit; the
+object (`engine.model.kv.slots.manager`), which the policy only asks whether rows fit; the
 masked decoder is frozen once loaded; and the decoding and model layers keep to their
 module rules (no module over 600 lines, no private name imported from another module)."""
 
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from engine import Translator
-from engine.decoding.kv_manager import KvSlotManager, SlotsExhausted
 from engine.decoding.scheduler import SchedulerOptions
 from engine.model.backend import Backend, Built, select_backend
+from engine.model.kv.inplace.steps import InPlaceSteps
+from engine.model.kv.slots.manager import KvSlotManager, SlotsExhausted
 from engine.model.sessions import RuntimeOptions
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 
@@ -97,7 +98,7 @@ def test_scheduler_options_that_contradict_the_loaded_backend_are_refused() -> N
         tr.close()
 
 
-def test_the_masked_decoder_is_frozen_once_loaded() -> None:
+def test_the_masked_decoder_and_the_in_place_steps_are_frozen_once_loaded() -> None:
     needs_fixture()
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
     try:
@@ -106,6 +107,10 @@ def test_the_masked_decoder_is_frozen_once_loaded() -> None:
         with pytest.raises(dataclasses.FrozenInstanceError):
             masked.lookahead = False  # type: ignore[misc]
         assert not hasattr(masked, "slots") and not hasattr(masked, "inplace")
+        steps = tr.model.kv
+        assert isinstance(steps, InPlaceSteps)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            steps.one = None  # type: ignore[misc]
     finally:
         tr.close()
 

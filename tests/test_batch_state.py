@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.decoding.rows import kept as kept_rows
-from engine.decoding.rows import stacked
+from engine.model.kv.arrays import kept as kept_rows
+from engine.model.kv.arrays import stacked
 
 Array = np.ndarray[Any, Any]
 

@@ -1,4 +1,4 @@
-"""Self-attention in place (`engine.model.passes.inplace`, `engine.decoding.kv.inplace`):
+"""Self-attention in place (`engine.model.kv.inplace.rewrite`, `engine.model.kv.inplace.rows`):
 the CPU's continuous batches step over buffers that each step extends where they are.
 
 - The rewrite replaces every layer's attention core of each batchable layout's step and
@@ -29,11 +29,12 @@ from onnx import TensorProto, helper
 from engine import DecodeOptions, Translator
 from engine.decoding.batch import Member
 from engine.decoding.continuous import ContinuousBatch
-from engine.decoding.kv.inplace import INITIAL_ROWS, RELEASE_AFTER, SOURCE_STEP, InPlaceKv
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import make_search
 from engine.model.backend import Backend
-from engine.model.inplace import InPlaceBinding, InPlaceSteps
+from engine.model.kv.inplace.rewrite import rewrite_inplace
+from engine.model.kv.inplace.rows import INITIAL_ROWS, RELEASE_AFTER, SOURCE_STEP, InPlaceKv
+from engine.model.kv.inplace.steps import InPlaceBinding, InPlaceSteps
 from engine.model.names import (
     ENCODER_ATTENTION_MASK,
     ENCODER_HIDDEN_STATES,
@@ -43,7 +44,6 @@ from engine.model.names import (
     SEQLENS_INPUT,
     TOTAL_INPUT,
 )
-from engine.model.passes.inplace import rewrite_inplace
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_scheduler import (
     SCORE_TOLERANCE,
@@ -303,7 +303,7 @@ def test_an_idle_lane_whose_memory_cannot_be_given_back_serves_on(
     """A settle that fails is logged; the lane does not die nor spin on it: it tries again
     a quiet spell later (the span starts before the release), and its next request is
     answered as before."""
-    from engine.decoding.kv import inplace as inplace_batch
+    from engine.model.kv.inplace import rows as inplace_batch
 
     tr = _translator()
     batch, now, encoded = _after_a_burst(tr)
@@ -401,7 +401,7 @@ def test_the_buffers_pages_come_as_rows_write_them() -> None:
     """A lane's buffers span every position of every row, but only written positions
     take memory: ten positions of each of 16 rows' 8 heads, in a 16 MiB buffer, take
     about 128 pages (NumPy's own zeros would take 2 MiB pages, the whole buffer)."""
-    from engine.decoding.kv.inplace import mapped_zeros
+    from engine.model.kv.inplace.rows import mapped_zeros
 
     buffer = mapped_zeros((16, 8, 512, 64), np.dtype(np.float32))
     assert buffer.nbytes == 16 * 2**20 and buffer.flags.writeable
@@ -418,7 +418,7 @@ def test_rows_given_back_take_no_memory_and_read_zeros() -> None:
     resident, those rows zeros, the first two as written; written again, they hold the
     new values. A view's rows are its own (offset from the map's start). Arrays that are
     not such buffers are left alone."""
-    from engine.decoding.kv.inplace import mapped_zeros, release_rows
+    from engine.model.kv.inplace.rows import mapped_zeros, release_rows
 
     buffer = mapped_zeros((16, 8, 512, 64), np.dtype(np.float32))
     buffer[:] = 1.0
@@ -575,7 +575,8 @@ def test_an_in_place_step_that_reads_the_hidden_states_is_not_used(
     """The in-place batch keeps no encoder hidden states for its rows: a rewritten step
     that reads them (here: the load told that the mask it reads is that input) is refused
     at load with a reason, and the lanes copy their state, with the same answers."""
-    monkeypatch.setattr("engine.model.inplace.ENCODER_HIDDEN_STATES", ENCODER_ATTENTION_MASK)
+    steps = "engine.model.kv.inplace.steps"
+    monkeypatch.setattr(f"{steps}.ENCODER_HIDDEN_STATES", ENCODER_ATTENTION_MASK)
     with caplog.at_level(logging.WARNING):
         tr = _translator()
     assert "reads the encoder's hidden states: not used" in caplog.text

@@ -1,5 +1,5 @@
 """KV slots: every batchable layout steps with its decoder state in preallocated slots
-written in place (`engine.model.slots`, `engine.decoding.kv.slots`), rows still equal
+written in place (`engine.model.kv.slots.pool`, `engine.model.kv.slots.rows`), rows still equal
 decoding alone, slots go back to the pool after finals and aborts, a full pool queues and
 a request wider than the whole pool is refused with a clear error.
 
@@ -18,13 +18,13 @@ import pytest
 from engine import DecodeOptions, Translator
 from engine.decoding.batch import LOOKAHEAD_POSITIONS, Member
 from engine.decoding.continuous import ContinuousBatch
-from engine.decoding.kv.slots import SlotKv
 from engine.decoding.policy import NotEnoughSlots, Priority, new_request_id
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodingCancelled, Hypothesis
 from engine.model.config import ModelConfig
-from engine.model.passes.slots import SlotShape, rewrite_step
-from engine.model.slots import slot_bytes
+from engine.model.kv.slots.pool import slot_bytes
+from engine.model.kv.slots.rewrite import SlotShape, rewrite_step
+from engine.model.kv.slots.rows import SlotKv
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_scheduler import (
     SCORE_TOLERANCE,

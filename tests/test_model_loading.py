@@ -10,8 +10,8 @@ import pytest
 
 from engine import ModelLoadError, Translator
 from engine.model import files
+from engine.model.kv.slots.pool import SlotGraphs
 from engine.model.layouts import DecoderLayout
-from engine.model.slots import SlotGraphs
 from tests.conftest import FIXTURE_MODEL, model_copy, needs_fixture
 
 

@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 
 from engine import DecodeOptions, Translator
-from engine.decoding.batch import LOOKAHEAD, LOOKAHEAD_POSITIONS
+from engine.decoding.batch import LOOKAHEAD_POSITIONS
 from engine.decoding.policy import PREFILL_PADDING, Priority, new_request_id
 from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
 from engine.decoding.search import DecodingCancelled, Hypothesis, Search, make_search
 from engine.decoding.targets import model_share
-from engine.model.inplace import InPlaceSteps
+from engine.model.kv.base import LOOKAHEAD
+from engine.model.kv.inplace.steps import InPlaceSteps
 from engine.model.layouts import EncoderOutput, FloatArray
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 
@@ -768,8 +769,8 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
     squeezed out without changing anything."""
     from engine.decoding.batch import Member
     from engine.decoding.continuous import ContinuousBatch
-    from engine.decoding.kv.copied import CopiedKv
-    from engine.decoding.rows import RowState
+    from engine.model.kv.arrays import RowState
+    from engine.model.kv.copied import CopiedKv
 
     model = translator.model
     if model.masked is None or not model.masked.lookahead:

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engine.model.checks import probe_feed
 from engine.model.config import ModelConfig
-from engine.model.inplace import InPlaceSteps
+from engine.model.kv.inplace.steps import InPlaceSteps
 from engine.model.load import load_batched_decoder
 from engine.model.names import PER_TOKEN_KEY
 from engine.model.passes.graph import load_model

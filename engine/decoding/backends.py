@@ -10,16 +10,16 @@ import logging
 
 from engine.decoding.batch import DecodeBatch
 from engine.decoding.continuous import ContinuousBatch
-from engine.decoding.kv.base import KvBackend
-from engine.decoding.kv.copied import CopiedKv
-from engine.decoding.kv.inplace import INITIAL_ROWS, InPlaceKv
-from engine.decoding.kv.slots import SlotKv
 from engine.decoding.lockstep import LockstepBatch
 from engine.decoding.options import SchedulerOptions
 from engine.model.backend import Backend
-from engine.model.inplace import InPlaceSteps
+from engine.model.kv.base import KvBackend
+from engine.model.kv.copied import CopiedKv
+from engine.model.kv.inplace.rows import INITIAL_ROWS, InPlaceKv
+from engine.model.kv.inplace.steps import InPlaceSteps
+from engine.model.kv.slots.pool import KvSlots, SlotGraphs
+from engine.model.kv.slots.rows import SlotKv
 from engine.model.marian import MarianOnnx
-from engine.model.slots import KvSlots, SlotGraphs
 
 log = logging.getLogger(__name__)
 

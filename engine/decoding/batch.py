@@ -15,7 +15,7 @@ positions from the past length and have no self-attention mask, so all its rows 
 length: searches join only an empty batch. `engine.decoding.continuous.ContinuousBatch`
 runs the rewritten decoder (`MaskedDecoder`: positions per row, a mask over cache slots),
 so searches join and leave at any step (iteration-level batching, as in Orca and vLLM),
-over one KV backend (`engine.decoding.kv`): the rows' state handed to every step
+over one KV backend (`engine.model.kv`): the rows' state handed to every step
 (copied), kept in lane buffers extended in place (the CPU's default) or in KV slots (a
 GPU's). The encoder runs once per source, before: a search joins with its source's
 encoder output.
@@ -33,6 +33,7 @@ import numpy as np
 
 from engine.decoding.search import Extension, Search
 from engine.model.config import ModelConfig
+from engine.model.kv.base import StateBytes
 from engine.model.layouts import (
     EncoderOutput,
     FloatArray,
@@ -42,18 +43,13 @@ from engine.model.layouts import (
 
 class Member(NamedTuple):
     """A search joining a batch, with the encoder output of its one source and, for a
-    batch that keeps rows in KV slots (`engine.decoding.kv.slots`), the slots its
+    batch that keeps rows in KV slots (`engine.model.kv.slots.rows`), the slots its
     request was given (one per row it may hold)."""
 
     search: Search
     enc: EncoderOutput
     slots: tuple[int, ...] = ()
 
-
-LOOKAHEAD = 4
-"""Draft tokens a greedy row may have verified in one cached step, after the draft was
-re-aligned (`GreedySearch.take_lookahead`): on the committed fixture logs, longer runs
-confirm almost nothing more (examples/benchmarks/draft_bound.py)."""
 
 LOOKAHEAD_POSITIONS = 4
 """Extra positions one cached step may compute for looked-ahead tokens, over all its rows.
@@ -63,23 +59,6 @@ many rows one more position each costs more than the step it could save for one 
 So a lone row looks 4 ahead, 2 rows 2 each, 3-4 rows 1 and a busier step none:
 speculation pays at low load, as in LLM serving; a larger budget gained nothing under
 load (examples/benchmarks/capacity.py measures it)."""
-
-
-def stack_encoder_outputs(outputs: Sequence[EncoderOutput]) -> EncoderOutput:
-    """One batch from single-source outputs of different lengths: right-padded with zeros
-    and `attention_mask` 0, which cross-attention ignores exactly."""
-    width = max(int(o.hidden_states.shape[1]) for o in outputs)
-    rows = sum(o.batch_size for o in outputs)
-    first = outputs[0].hidden_states
-    hidden = np.zeros((rows, width, first.shape[2]), dtype=first.dtype)
-    mask = np.zeros((rows, width), dtype=np.int64)
-    r = 0
-    for o in outputs:
-        n, length = o.batch_size, int(o.hidden_states.shape[1])
-        hidden[r : r + n, :length] = o.hidden_states
-        mask[r : r + n, :length] = o.attention_mask
-        r += n
-    return EncoderOutput(hidden, mask)
 
 
 @dataclass
@@ -103,16 +82,6 @@ class Steps:
         self.kept.append(search)
         self.select.extend(row + p for p in step.parents)
         self.tokens.extend(step.tokens)
-
-
-class StateBytes(NamedTuple):
-    """A batch's decoder state in bytes: `live`, what its rows' positions and sources
-    occupy now; `reserved`, what the arrays holding them span (buffers kept for more rows
-    and positions than run now: their pages are mapped as they are written, so resident
-    memory lies between the two)."""
-
-    live: int
-    reserved: int
 
 
 class DecodeBatch(ABC):
@@ -222,22 +191,6 @@ class DecodeBatch(ABC):
             row += search.width
         self.searches = kept
         return select
-
-
-def lookahead_rows(
-    next_ids: IntArray, ahead: Sequence[Sequence[int]], pad: int
-) -> tuple[IntArray, IntArray]:
-    """What a step with lookahead feeds: each row's next token (`next_ids` [B]) then its
-    `ahead` tokens, right-padded with `pad` (`ids` [B, T]), and `new` [B, T], 1 on the
-    real ones."""
-    rows, fed = len(next_ids), 1 + max(map(len, ahead))
-    ids = np.full((rows, fed), pad, dtype=np.int64)
-    new = np.zeros((rows, fed), dtype=np.int64)
-    ids[:, 0], new[:, 0] = next_ids, 1
-    for r, looked in enumerate(ahead):
-        ids[r, 1 : 1 + len(looked)] = looked
-        new[r, 1 : 1 + len(looked)] = 1
-    return ids, new
 
 
 def prefill_rows(searches: Sequence[Search], config: ModelConfig) -> tuple[IntArray, IntArray]:

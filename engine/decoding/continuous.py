@@ -1,4 +1,4 @@
-"""The continuous batch, written once over any KV backend (`engine.decoding.kv`):
+"""The continuous batch, written once over any KV backend (`engine.model.kv`):
 searches join and leave at any step (iteration-level batching, as in Orca and vLLM).
 
 What it does, whatever keeps the rows' state:
@@ -23,28 +23,38 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from engine.decoding.batch import (
-    LOOKAHEAD,
-    DecodeBatch,
-    Member,
-    StateBytes,
-    Steps,
-    prefill_rows,
-    stack_encoder_outputs,
-)
-from engine.decoding.kv.base import KvBackend, Output, Run, run_of
+from engine.decoding.batch import DecodeBatch, Member, Steps, prefill_rows
 from engine.decoding.search import Extension, GreedySearch, Search
-from engine.model.layouts import IntArray
+from engine.model.kv.base import (
+    LOOKAHEAD,
+    KvBackend,
+    Newcomer,
+    Output,
+    Positions,
+    StateBytes,
+    positions_of,
+)
+from engine.model.kv.slots.pool import StepOutput
+from engine.model.layouts import IntArray, stack_encoder_outputs
 from engine.model.marian import MarianOnnx
-from engine.model.slots import StepOutput
 
-__all__ = ["LOOKAHEAD", "ContinuousBatch", "confirm"]
+__all__ = ["LOOKAHEAD", "ContinuousBatch", "confirm", "take"]
+
+
+def take(search: Search, positions: Positions, index: int) -> Extension | None:
+    """A one-row `search`'s step from position `index` of `positions`: the model's choice
+    where it made one and the search takes it (greedy, no hook), else the logits."""
+    if isinstance(search, GreedySearch) and not search.needs_logits:
+        chosen = positions.choice(index)
+        if chosen is not None:
+            return search.take(*chosen)
+    return search.observe(positions.logits(index))
 
 
 def confirm(
-    search: Search, run: Run, expected: Sequence[int]
+    search: Search, positions: Positions, expected: Sequence[int]
 ) -> tuple[Extension | None, int]:
-    """Let a one-row `search` observe consecutive positions of `run` while the token it
+    """Let a one-row `search` observe consecutive positions of `positions` while the token it
     picks is the `expected` one fed there (a draft in the prefill, a lookahead in a step:
     the outputs after an expected token are what feeding it one step later would give,
     attention being causal). Returns its last step (None: it ended) and how many expected
@@ -52,7 +62,7 @@ def confirm(
     as they are read: none past where this stops."""
     confirmed = 0
     while True:
-        step = run.take(search, confirmed)
+        step = take(search, positions, confirmed)
         if step is None or confirmed >= len(expected) or step.tokens != [expected[confirmed]]:
             return step, confirmed
         confirmed += 1
@@ -101,11 +111,11 @@ class ContinuousBatch(DecodeBatch):
         for search in self.searches:
             width = search.width  # before the step: a beam widens
             if ahead and ahead[row]:  # a greedy row fed tokens ahead
-                step, taken = confirm(search, run_of(out, row), ahead[row])
+                step, taken = confirm(search, positions_of(out, row), ahead[row])
                 steps.confirmed.append((row, taken))
             elif isinstance(out, StepOutput):
                 if width == 1:
-                    step = run_of(out, row).take(search, 0)
+                    step = take(search, positions_of(out, row), 0)
                 else:
                     assert out.logits is not None
                     step = search.observe(out.logits[row : row + width, 0])
@@ -162,12 +172,13 @@ class ContinuousBatch(DecodeBatch):
         searches = [member.search for member in joining]
         ids, mask = prefill_rows(searches, self.model.config)
         enc = stack_encoder_outputs([member.enc for member in joining])
-        prefill = self.kv.prefill(joining, enc, ids, mask, alone=self.alone)
+        newcomers = self._newcomers(joining, mask)
+        prefill = self.kv.prefill(newcomers, enc, ids, mask, alone=self.alone)
         steps = Steps()
         lengths: list[int] = []
         for r, search in enumerate(searches):
             start, draft = len(search.prefix), search.draft
-            step, accepted = confirm(search, prefill.run(r, start), draft)
+            step, accepted = confirm(search, prefill.positions(r, start), draft)
             steps.add(search, r, step)
             search.accepted = accepted
             self.stats["draft_offered"] += len(draft)
@@ -179,6 +190,27 @@ class ContinuousBatch(DecodeBatch):
             self._set_searches([*self.searches, *steps.kept])
             self._next = np.concatenate([self._next, np.array(steps.tokens, dtype=np.int64)])
         return steps.ended
+
+    def _newcomers(self, joining: Sequence[Member], mask: IntArray) -> list[Newcomer]:
+        """What the backend's prefill needs of each newcomer (`Newcomer`): the eos bans
+        at the positions it reads only where the model chooses (the rule is the search
+        options' `bans_eos`)."""
+        fed = mask.sum(axis=1).tolist() if self.kv.chooses else [0] * len(joining)
+        newcomers = []
+        for member, length in zip(joining, fed, strict=True):
+            search = member.search
+            start = len(search.prefix)
+            bans = tuple(search.options.bans_eos(t) for t in range(start, length))
+            newcomers.append(
+                Newcomer(
+                    start,
+                    tuple(member.slots),
+                    search.options.min_new_tokens,
+                    bans,
+                    search.needs_logits,
+                )
+            )
+        return newcomers
 
     def execute(self) -> None:
         if not self.searches:

@@ -8,9 +8,9 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from engine.decoding.batch import DecodeBatch, Member, stack_encoder_outputs
+from engine.decoding.batch import DecodeBatch, Member
 from engine.decoding.search import Search
-from engine.model.layouts import DecoderCache, EncoderOutput, IntArray
+from engine.model.layouts import DecoderCache, EncoderOutput, IntArray, stack_encoder_outputs
 from engine.model.marian import MarianOnnx
 
 

@@ -59,7 +59,7 @@ class SchedulerOptions:
     # docs/performance.md#kv-slots).
     kv_slots: int | None = None
     # Continuous batches on the CPU keep each row's self-attention keys and values in
-    # buffers that steps extend in place (`engine.decoding.kv.inplace`) rather than
+    # buffers that steps extend in place (`engine.model.kv.inplace.rows`) rather than
     # copying them at every step. None: where the model built that step (on the CPU, by
     # default); False: the state copied at every step, with lookahead for up to 4 rows
     # (docs/performance.md#self-attention-in-place).

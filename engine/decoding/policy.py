@@ -27,8 +27,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeAlias, TypeVar, cast
 
-from engine.decoding.kv_manager import KvSlotManager
 from engine.decoding.search import DecodingCancelled
+from engine.model.kv.slots.manager import KvSlotManager
 
 
 class Priority(enum.IntEnum):

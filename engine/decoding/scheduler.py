@@ -43,8 +43,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from engine.decoding.backends import log_state, new_batch, open_pool, replays_cuda_graphs
-from engine.decoding.batch import DecodeBatch, Member, StateBytes
-from engine.decoding.kv_manager import KvSlotManager
+from engine.decoding.batch import DecodeBatch, Member
 from engine.decoding.options import DEVICE_PREFILL_POSITIONS, SchedulerOptions, Threads
 from engine.decoding.policy import (
     PREFILL_POSITIONS,
@@ -64,6 +63,8 @@ from engine.decoding.search import (
     make_search,
 )
 from engine.decoding.timeline import Answered, Step, Timeline
+from engine.model.kv.base import StateBytes
+from engine.model.kv.slots.manager import KvSlotManager
 from engine.model.layouts import EncoderOutput, IntArray
 from engine.model.marian import MarianOnnx
 

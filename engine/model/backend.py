@@ -7,9 +7,9 @@ A backend is where a batch's rows keep their decoder state between calls:
 - `COPIED`: the masked decoder (`engine.model.masked`); every step is handed the rows'
   keys and values and returns them one position longer;
 - `INPLACE`: lane buffers that each step reads and extends in place
-  (`engine.model.inplace`); the CPU's default;
+  (`engine.model.kv.inplace.steps`); the CPU's default;
 - `SLOTS`: a pool of KV slots allocated at start, a slot per running row
-  (`engine.model.slots`); a GPU's default, where they replay CUDA graphs.
+  (`engine.model.kv.slots.pool`); a GPU's default, where they replay CUDA graphs.
 
 The load asks `select_backend` what to build, builds it, and asks again with what it
 could build, so that a backend whose graphs were refused falls back here, and only here;

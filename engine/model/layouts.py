@@ -17,6 +17,7 @@ encoder presents come back empty and are never asked for.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -62,6 +63,23 @@ class EncoderOutput:
 
     def select(self, rows: IntArray) -> EncoderOutput:
         return EncoderOutput(self.hidden_states[rows], self.attention_mask[rows])
+
+
+def stack_encoder_outputs(outputs: Sequence[EncoderOutput]) -> EncoderOutput:
+    """One batch from single-source outputs of different lengths: right-padded with zeros
+    and `attention_mask` 0, which cross-attention ignores exactly."""
+    width = max(int(o.hidden_states.shape[1]) for o in outputs)
+    rows = sum(o.batch_size for o in outputs)
+    first = outputs[0].hidden_states
+    hidden = np.zeros((rows, width, first.shape[2]), dtype=first.dtype)
+    mask = np.zeros((rows, width), dtype=np.int64)
+    r = 0
+    for o in outputs:
+        n, length = o.batch_size, int(o.hidden_states.shape[1])
+        hidden[r : r + n, :length] = o.hidden_states
+        mask[r : r + n, :length] = o.attention_mask
+        r += n
+    return EncoderOutput(hidden, mask)
 
 
 @dataclass(frozen=True)

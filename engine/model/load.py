@@ -51,7 +51,8 @@ from engine.model.files import (
     decoder_session,
     open_file,
 )
-from engine.model.inplace import InPlaceSteps, open_inplace
+from engine.model.kv.inplace.steps import InPlaceSteps, open_inplace
+from engine.model.kv.slots.pool import SlotGraphs, open_slot_graphs
 from engine.model.layouts import LAYOUTS, DecoderLayout, LayoutDecoder, NoCacheLayout
 from engine.model.logits import CutGraph
 from engine.model.masked import MaskedDecoder, MaskedLayout, MaskedSources
@@ -62,7 +63,6 @@ from engine.model.passes.masks import rewrite_decoder
 from engine.model.passes.merged_split import split_merged
 from engine.model.passes.per_token import per_token_graph
 from engine.model.sessions import RuntimeOptions, device_of, open_session
-from engine.model.slots import SlotGraphs, open_slot_graphs
 
 log = logging.getLogger(__name__)
 
@@ -421,8 +421,8 @@ def _release_freed_memory() -> None:
 
 
 KvGraphs = SlotGraphs | InPlaceSteps | None
-"""The chosen KV backend's own graphs: the KV slots' (`engine.model.slots`), the in-place
-steps (`engine.model.inplace`), or none (lockstep, and the state copied per step)."""
+"""The chosen KV backend's own graphs: the KV slots' (`engine.model.kv.slots.pool`), the in-place
+steps (`engine.model.kv.inplace.steps`), or none (lockstep, and the state copied per step)."""
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 (`engine.model.passes.masks`), each row at its own length, so that rows of different
 lengths share a call (continuous batching); `MaskedLayout` runs it as a plain layout for
 rows of equal length (lockstep). Built once by the load and never changed after: the KV
-backends' own graphs (`engine.model.inplace`, `engine.model.slots`) are objects of their
-own beside it (`engine.model.backend`).
+backends' own graphs (`engine.model.kv.inplace.steps`, `engine.model.kv.slots.pool`) are
+objects of their own beside it (`engine.model.backend`).
 """
 
 from __future__ import annotations

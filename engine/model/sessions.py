@@ -66,7 +66,7 @@ class RuntimeOptions:
     device_id: int = 0
     # Where ONNX Runtime writes each session's profile (a file prefix; None: no profile).
     profile: str | None = None
-    # Whether greedy steps over KV slots replay CUDA graphs (`engine.model.graphed`): None,
+    # Whether greedy steps over KV slots replay CUDA graphs (`engine.model.kv.slots.graphed`): None,
     # on a CUDA device. True on the CPU runs the same fixed-shape buckets uncaptured.
     cuda_graphs: bool | None = None
     # One CPU arena for all the process's sessions rather than one each
@@ -218,7 +218,7 @@ def open_session(
 ) -> ort.InferenceSession:
     """A session of a file (its path as a string) or a serialised graph; `per_token`: a
     graph whose int8 activations are quantized per token (see `PER_TOKEN_FUSIONS_OFF`);
-    `graph_capture`: runs may capture and replay CUDA graphs (`engine.model.graphed`)."""
+    `graph_capture`: runs may capture and replay CUDA graphs (`engine.model.kv.slots.graphed`)."""
     session = ort.InferenceSession(
         graph,
         session_options(options, threads),

@@ -1,8 +1,8 @@
 """The KV backend that keeps a continuous batch's self-attention keys and values in lane
 buffers that each step reads and extends in place: its sessions (`InPlaceSteps`, the
-step rewritten by `engine.model.passes.inplace`, checked against the masked decoder's
+step rewritten by `engine.model.kv.inplace.rewrite`, checked against the masked decoder's
 step at load), its I/O binding kept between steps (`InPlaceBinding`), and how the load
-opens them (`open_inplace`). The rows' bookkeeping is `engine.decoding.kv.inplace`.
+opens them (`open_inplace`). The rows' bookkeeping is `engine.model.kv.inplace.rows`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import onnxruntime as ort
 from engine.model.checks import KERNEL_INT8_TOLERANCE, REWRITE_TOLERANCE, check_rewrite
 from engine.model.config import ModelConfig
 from engine.model.cut import cut_graph
+from engine.model.kv.inplace.rewrite import rewrite_inplace
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray, KvNames
 from engine.model.logits import CutGraph, head_logits
 from engine.model.masked import MaskedDecoder, MaskedSources
@@ -31,7 +33,6 @@ from engine.model.names import (
     SEQLENS_INPUT,
     TOTAL_INPUT,
 )
-from engine.model.passes.inplace import rewrite_inplace
 from engine.model.sessions import RuntimeOptions, open_session
 
 log = logging.getLogger(__name__)
@@ -89,23 +90,27 @@ class InPlaceBinding:
         return self._binding
 
 
+@dataclass(frozen=True, eq=False)
 class InPlaceSteps:
     """The in-place step (`graph`) and its one-row, one-token form (`one`, where the model
     has a faster graph for one token), each whole or cut at its projection as the masked
-    decoder's twin is, sharing that twin's projection. Immutable once opened."""
+    decoder's twin is, sharing that twin's projection. Frozen once opened."""
 
-    def __init__(
-        self, graph: CutGraph, one: CutGraph | None, layers: int, calls: Counter[str]
-    ) -> None:
-        self.graph = graph
-        self.one = one
-        self.calls = calls  # the model's call counter, shared
-        self._names = KvNames(layers)
-        self._declared = {
+    graph: CutGraph
+    one: CutGraph | None
+    layers: int
+    calls: Counter[str] = field(compare=False)  # the model's call counter, shared
+    _names: KvNames = field(init=False, repr=False)
+    _declared: dict[int, frozenset[str]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        declared = {
             id(g.session): frozenset(i.name for i in g.session.get_inputs())
-            for g in (graph, one)
+            for g in (self.graph, self.one)
             if g is not None
         }
+        object.__setattr__(self, "_names", KvNames(self.layers))
+        object.__setattr__(self, "_declared", declared)
 
     def step(
         self,
@@ -263,7 +268,7 @@ def _inplace_twin(
         return None
     if ENCODER_HIDDEN_STATES in {i.name for i in opened.get_inputs()}:
         # The in-place batch keeps only the encoder mask and cross-attention keys and
-        # values of its rows (`engine.decoding.kv.inplace`); a step that reads the
+        # values of its rows (`engine.model.kv.inplace.rows`); a step that reads the
         # hidden states too keeps the copied state.
         log.warning(
             "%s: %s with self-attention in place reads the encoder's hidden states: not used",

@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 
+from engine.model.kv.slots.rewrite import SlotShape
 from engine.model.layouts import FloatArray, IntArray
 from engine.model.names import (
     BAN_EOS,
@@ -50,7 +51,6 @@ from engine.model.names import (
     SLOT_ROWS,
     slot_names,
 )
-from engine.model.passes.slots import SlotShape
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The KV backend whose self-attention keys and values stay where they were written: one
 buffer per layer and kind, `[rows, heads, positions, head_dim]`, that each step reads and
-extends in place (`engine.model.inplace.InPlaceSteps`, `engine.model.passes.inplace`):
+extends in place (`engine.model.kv.inplace.steps.InPlaceSteps`, `engine.model.kv.inplace.rewrite`):
 `engine.model.backend.Backend.INPLACE`, the CPU's default.
 
-The copied backend (`engine.decoding.kv.copied`) hands every row's keys and values to
+The copied backend (`engine.model.kv.copied`) hands every row's keys and values to
 each step and gets them back one position longer: the graph copies the whole state into
 new arrays at every step, and a join pads and copies it again. Here row r of the batch is
 row r of the buffers, its positions first and its length its own, so:
@@ -44,11 +44,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engine.decoding.batch import Member, StateBytes
-from engine.decoding.kv.base import KvBackend, LogitsRun, Output, Prefill, Run
-from engine.decoding.rows import RowState, position_bytes, prefilled, source_width, spanned
-from engine.decoding.search import Search
-from engine.model.inplace import InPlaceBinding, InPlaceSteps
+from engine.model.kv.arrays import RowState, position_bytes, prefilled, source_width, spanned
+from engine.model.kv.base import KvBackend, Newcomer, Output, Owner, Prefill, StateBytes
+from engine.model.kv.inplace.steps import InPlaceBinding, InPlaceSteps
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray
 from engine.model.marian import MarianOnnx
 from engine.model.masked import MaskedDecoder
@@ -194,28 +192,28 @@ class InPlaceKv(KvBackend):
         for row, taken in confirmed:
             rows.lengths[row] += taken
 
-    def keep(self, select: Sequence[int], searches: Sequence[Search]) -> None:
+    def keep(self, select: Sequence[int], owners: Sequence[Owner]) -> None:
         self._select(select)
 
     def prefill(
         self,
-        joining: Sequence[Member],
+        newcomers: Sequence[Newcomer],
         enc: EncoderOutput,
         ids: IntArray,
         mask: IntArray,
         *,
         alone: bool,
     ) -> Prefill:
-        needed = np.array([len(member.search.prefix) for member in joining], dtype=np.int64)
+        needed = np.array([newcomer.start for newcomer in newcomers], dtype=np.int64)
         logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed, alone=alone)
-
-        def run(row: int, start: int) -> Run:
-            return LogitsRun(logits.row(row, start))
-
-        return Prefill(run, (enc, self_kv, cross_kv))
+        return Prefill((enc, self_kv, cross_kv), logits=logits)
 
     def join(
-        self, prefill: Prefill, select: Sequence[int], lengths: IntArray, kept: Sequence[Search]
+        self,
+        prefill: Prefill,
+        select: Sequence[int],
+        lengths: IntArray,
+        owners: Sequence[Owner],
     ) -> None:
         """The newcomers' prefilled positions copied into the rows after the last."""
         enc, self_kv, cross_kv = prefill.pending

@@ -2,7 +2,7 @@
 one position longer (the masked decoder's `step`): `engine.model.backend.Backend.COPIED`.
 
 Each row has its own length and its own real slots in one shared self-KV array
-(`engine.decoding.rows.RowState`). Newcomers' slots are placed at the end of the batch's
+(`engine.model.kv.arrays.RowState`). Newcomers' slots are placed at the end of the batch's
 (right-aligned), so that every later step appends one slot for everyone. A step with
 lookahead pads every row to the longest; the slots of rejected tokens are masked out like
 padding, and those holes are squeezed out once they outnumber the real slots.
@@ -14,10 +14,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.decoding.batch import LOOKAHEAD, Member, StateBytes, lookahead_rows
-from engine.decoding.kv.base import KvBackend, LogitsRun, Output, Prefill, Run
-from engine.decoding.rows import RowState, position_bytes, prefilled, spanned
-from engine.decoding.search import Search
+from engine.model.kv.arrays import RowState, position_bytes, prefilled, spanned
+from engine.model.kv.base import (
+    LOOKAHEAD,
+    KvBackend,
+    Newcomer,
+    Output,
+    Owner,
+    Prefill,
+    StateBytes,
+    lookahead_rows,
+)
 from engine.model.layouts import EncoderOutput, IntArray
 from engine.model.marian import MarianOnnx
 from engine.model.masked import MaskedDecoder
@@ -48,23 +55,23 @@ class CopiedKv(KvBackend):
 
     def prefill(
         self,
-        joining: Sequence[Member],
+        newcomers: Sequence[Newcomer],
         enc: EncoderOutput,
         ids: IntArray,
         mask: IntArray,
         *,
         alone: bool,
     ) -> Prefill:
-        needed = np.array([len(member.search.prefix) for member in joining], dtype=np.int64)
+        needed = np.array([newcomer.start for newcomer in newcomers], dtype=np.int64)
         logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed, alone=alone)
-
-        def run(row: int, start: int) -> Run:
-            return LogitsRun(logits.row(row, start))
-
-        return Prefill(run, (enc, self_kv, cross_kv))
+        return Prefill((enc, self_kv, cross_kv), logits=logits)
 
     def join(
-        self, prefill: Prefill, select: Sequence[int], lengths: IntArray, kept: Sequence[Search]
+        self,
+        prefill: Prefill,
+        select: Sequence[int],
+        lengths: IntArray,
+        owners: Sequence[Owner],
     ) -> None:
         enc, self_kv, cross_kv = prefill.pending
         new = prefilled(enc, self_kv, cross_kv, select, lengths)
@@ -119,7 +126,7 @@ class CopiedKv(KvBackend):
             state.real[row, width - fed + 1 + taken :] = 0
             state.lengths[row] += taken
 
-    def keep(self, select: Sequence[int], searches: Sequence[Search]) -> None:
+    def keep(self, select: Sequence[int], owners: Sequence[Owner]) -> None:
         state = self.state
         assert state is not None
         state.select(list(select))

@@ -1,8 +1,8 @@
-"""The KV backend whose rows' decoder state stays in KV slots (`engine.model.slots`):
+"""The KV backend whose rows' decoder state stays in KV slots (`engine.model.kv.slots.pool`):
 `engine.model.backend.Backend.SLOTS`, a GPU's default.
 
 Each running row owns a slot, given by the scheduler's slot manager when its request
-joins (`engine.decoding.kv_manager`): its keys and values are written there by its prefill
+joins (`engine.model.kv.slots.manager`): its keys and values are written there by its prefill
 and by every step, at its own absolute positions, and never move. A step sends each row's
 token, position and slot and gets each row's choice back (the model chooses, eos banned
 below a row's minimum length as `DecodeOptions.bans_eos` says); a search that needs more
@@ -20,12 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.decoding.batch import Member, lookahead_rows
-from engine.decoding.kv.base import ChoiceRun, KvBackend, Output, Prefill, Run
-from engine.decoding.search import Search
+from engine.model.kv.base import KvBackend, Newcomer, Output, Owner, Prefill, lookahead_rows
+from engine.model.kv.slots.pool import KvSlots
 from engine.model.layouts import EncoderOutput, IntArray
 from engine.model.marian import MarianOnnx
-from engine.model.slots import KvSlots
 
 
 @dataclass
@@ -54,21 +52,21 @@ class _Joining:
     """What a prefill keeps for `SlotKv.join`: each newcomer's slots, source length and
     minimum length, by prefill row."""
 
-    owned: dict[Search, tuple[int, ...]]
+    slots: tuple[tuple[int, ...], ...]
     sources: IntArray
     minimum: IntArray
 
 
 class SlotKv(KvBackend):
-    """Rows in KV slots of `pool` (module docstring). The slots of a joining `Member` are
-    its request's, one per row it may hold (a beam's width)."""
+    """Rows in KV slots of `pool` (module docstring). The slots of a `Newcomer` are its
+    request's, one per row it may hold (a beam's width)."""
 
     chooses = True
 
     def __init__(self, model: MarianOnnx, pool: KvSlots) -> None:
         self.model = model
         self.pool = pool
-        self._owned: dict[Search, tuple[int, ...]] = {}  # each search's slots
+        self._owned: dict[Owner, tuple[int, ...]] = {}  # each row group's slots
         self._rows = _Rows()
 
     def lookahead_most(self, rows: int, budget: int) -> int:
@@ -78,7 +76,7 @@ class SlotKv(KvBackend):
 
     def prefill(
         self,
-        joining: Sequence[Member],
+        newcomers: Sequence[Newcomer],
         enc: EncoderOutput,
         ids: IntArray,
         mask: IntArray,
@@ -88,47 +86,46 @@ class SlotKv(KvBackend):
         """The newcomers' keys and values written into every slot they own; what each
         row reads chosen in the graph: its positions from its first free choice (after
         its forced prefix) to its last fed token, flat over rows x width, eos banned
-        below its minimum."""
-        searches = [member.search for member in joining]
+        where its `bans` say."""
         width = ids.shape[1]
-        owned = [tuple(member.slots) for member in joining]
         reads: list[int] = []
         ban: list[bool] = []
         firsts: list[int] = []
-        for r, (search, fed) in enumerate(zip(searches, mask.sum(axis=1).tolist(), strict=True)):
+        for r, newcomer in enumerate(newcomers):
             firsts.append(len(reads))
-            for t in range(len(search.prefix), fed):
-                reads.append(r * width + t)
-                ban.append(search.options.bans_eos(t))
+            reads.extend(r * width + newcomer.start + t for t in range(len(newcomer.bans)))
+            ban.extend(newcomer.bans)
         out = self.pool.prefill(
             enc,
             ids,
             mask,
-            np.array([slot for own in owned for slot in own], dtype=np.int64),
-            np.repeat(np.arange(len(searches)), [len(own) for own in owned]),
+            np.array([slot for n in newcomers for slot in n.slots], dtype=np.int64),
+            np.repeat(np.arange(len(newcomers)), [len(n.slots) for n in newcomers]),
             np.array(reads, dtype=np.int64),
             np.array(ban, dtype=np.bool_),
-            logits=any(search.needs_logits for search in searches),
+            logits=any(newcomer.logits for newcomer in newcomers),
         )
-
-        def run(row: int, start: int) -> Run:
-            return ChoiceRun(out, 0, firsts[row])  # its reads begin at its `start`
-
         pending = _Joining(
-            dict(zip(searches, owned, strict=True)),
+            tuple(newcomer.slots for newcomer in newcomers),
             enc.attention_mask.sum(axis=1).astype(np.int64),
-            np.array([s.options.min_new_tokens for s in searches], dtype=np.int64),
+            np.array([newcomer.minimum for newcomer in newcomers], dtype=np.int64),
         )
-        return Prefill(run, pending)
+        return Prefill(pending, choices=out, firsts=tuple(firsts))
 
     def join(
-        self, prefill: Prefill, select: Sequence[int], lengths: IntArray, kept: Sequence[Search]
+        self,
+        prefill: Prefill,
+        select: Sequence[int],
+        lengths: IntArray,
+        owners: Sequence[Owner],
     ) -> None:
         pending: _Joining = prefill.pending
         slots: list[int] = []
-        for search in kept:
-            own = self._owned[search] = pending.owned[search]
-            slots.extend(own[: search.width])
+        row = 0
+        for owner in owners:  # each owner's rows are consecutive in `select`
+            own = self._owned[owner] = pending.slots[select[row]]
+            slots.extend(own[: owner.width])
+            row += owner.width
         rows = np.asarray(select, dtype=np.int64)
         self._rows.extend(
             _Rows(
@@ -180,16 +177,16 @@ class SlotKv(KvBackend):
         for row, taken in confirmed:
             self._rows.length[row] += taken
 
-    def keep(self, select: Sequence[int], searches: Sequence[Search]) -> None:
-        """The rows of `searches`, in their new order: a beam's row continues a parent
+    def keep(self, select: Sequence[int], owners: Sequence[Owner]) -> None:
+        """The rows of `owners`, in their new order: a beam's row continues a parent
         row, whose state is copied into the row's own slot when it is another."""
         rows = self._rows
-        if len(self._owned) != len(searches):  # searches left: their slots are not theirs
-            self._owned = {search: self._owned[search] for search in searches}
+        if len(self._owned) != len(owners):  # row groups left: their slots are not theirs
+            self._owned = {owner: self._owned[owner] for owner in owners}
         parents = rows.slot[np.asarray(select, dtype=np.int64)]
         rows.take(select)
         rows.slot = np.array(
-            [slot for search in searches for slot in self._owned[search][: search.width]],
+            [slot for owner in owners for slot in self._owned[owner][: owner.width]],
             dtype=np.int64,
         )
         moved = np.flatnonzero(rows.slot != parents)

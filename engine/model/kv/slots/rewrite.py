@@ -505,7 +505,7 @@ def rewrite_step(
     (the reason logged) when its graph lacks the structure this module knows. `bans`:
     tokens never chosen; `eos`: the token `BAN_EOS` bans per row.
 
-    `graphed`: the graph CUDA graphs replay (`engine.model.graphed`): no control flow
+    `graphed`: the graph CUDA graphs replay (`engine.model.kv.slots.graphed`): no control flow
     (the eos ban without its `If`) and no logits output, only the greedy choice, whose
     values are those of the graph without `graphed`, bit for bit."""
     rewrite = partial(_rewrite, graphed=graphed)

@@ -26,7 +26,13 @@ from onnx import TensorProto
 
 from engine.model.checks import REWRITE_TOLERANCE
 from engine.model.config import ModelConfig
-from engine.model.graphed import GraphedSteps, bind_slot_buffers
+from engine.model.kv.slots.graphed import GraphedSteps, bind_slot_buffers
+from engine.model.kv.slots.rewrite import (
+    SlotShape,
+    copy_graph,
+    rewrite_prefill,
+    rewrite_step,
+)
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray
 from engine.model.masked import MaskedDecoder
 from engine.model.names import (
@@ -45,12 +51,6 @@ from engine.model.names import (
     SLOT_ROWS,
     SLOT_SOURCES,
     slot_names,
-)
-from engine.model.passes.slots import (
-    SlotShape,
-    copy_graph,
-    rewrite_prefill,
-    rewrite_step,
 )
 from engine.model.sessions import RuntimeOptions, device_of, open_session
 
@@ -91,7 +91,7 @@ class KvSlots:
     the same for one-token calls where the model has a faster graph for them (int8 per
     token); `copier`: `passes.slots.copy_graph`; `graphed`: the step as CUDA graphs
     replay it (`passes.slots.rewrite_step(..., graphed=True)`), which greedy steps then take
-    (`engine.model.graphed`), captured where `capture`: the pool then has one slot more,
+    (`engine.model.kv.slots.graphed`), captured where `capture`: the pool then has one slot more,
     the scratch slot that rows padding a bucket write into.
     `device`: ("cpu", 0) or ("cuda", N)."""
 
@@ -285,7 +285,7 @@ class SlotGraphs:
     def pool(self, slots: int, *, graphs: bool = True) -> KvSlots:
         """`slots` slots of this model's shape, allocated now; its greedy steps replay
         CUDA graphs where the model has them and `graphs` (one lane: see
-        `engine.model.graphed`)."""
+        `engine.model.kv.slots.graphed`)."""
         return KvSlots(
             self.shape,
             slots,

@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engine.decoding.batch import stack_encoder_outputs
-from engine.model.layouts import EncoderOutput, FloatArray, IntArray
+from engine.model.layouts import EncoderOutput, FloatArray, IntArray, stack_encoder_outputs
 
 
 def stacked(
