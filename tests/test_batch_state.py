@@ -1,5 +1,5 @@
 """A continuous batch's state kept without second copies: rows that only leave move down
-in place (`_kept`), and a join pads and stacks into one new array (`_stacked`); both give
+in place (`kept`), and a join pads and stacks into one new array (`stacked`); both give
 what indexing, padding and concatenating give. That rows still equal decoding alone
 while others leave from anywhere in the batch: tests/test_scheduler.py
 (`test_concurrent_requests_equal_decoding_each_alone`)."""
@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.decoding.batch import _kept, _stacked
+from engine.model.kv.arrays import kept as kept_rows
+from engine.model.kv.arrays import stacked
 
 Array = np.ndarray[Any, Any]
 
@@ -32,7 +33,7 @@ def _state(rows: int, seed: int = 0) -> tuple[Array, Array]:
 def test_rows_that_only_leave_move_down_in_place(rows: list[int]) -> None:
     arrays = _state(5)
     expected = tuple(a[np.array(rows, dtype=np.int64)].copy() for a in arrays)
-    kept = _kept(arrays, np.array(rows, dtype=np.int64))
+    kept = kept_rows(arrays, np.array(rows, dtype=np.int64))
     for got, want, source in zip(kept, expected, arrays, strict=True):
         np.testing.assert_array_equal(got, want)
         if rows:  # no second copy of the state: a view of the batch's own array
@@ -45,7 +46,7 @@ def test_reordered_or_repeated_rows_are_copied(rows: list[int]) -> None:
     still to be read, so they are copied, and the source is left as it was."""
     arrays = _state(3)
     before = tuple(a.copy() for a in arrays)
-    kept = _kept(arrays, np.array(rows, dtype=np.int64))
+    kept = kept_rows(arrays, np.array(rows, dtype=np.int64))
     for got, source, original in zip(kept, arrays, before, strict=True):
         np.testing.assert_array_equal(got, original[rows])
         np.testing.assert_array_equal(source, original)
@@ -56,7 +57,7 @@ def test_reordered_or_repeated_rows_are_copied(rows: list[int]) -> None:
 def test_a_join_pads_and_stacks_in_one_array(left: bool) -> None:
     mine, _ = _state(3, seed=1)
     theirs = np.random.default_rng(2).standard_normal((2, 2, 7, 3)).astype(np.float32)
-    got = _stacked((mine, theirs), 7, axis=2, left=left)
+    got = stacked((mine, theirs), 7, axis=2, left=left)
     pad = [(0, 0), (0, 0), (2, 0) if left else (0, 2), (0, 0)]
     want = np.concatenate([np.pad(mine, pad), theirs])
     np.testing.assert_array_equal(got, want)
@@ -71,5 +72,5 @@ def test_a_join_of_masks_pads_each_side_to_the_widest() -> None:
     # was would read as real slots. Freed just before, a block of ones is likely reused.
     dirty = np.ones((3, 6), dtype=np.int64)
     del dirty
-    got = _stacked((a, b), 6, axis=1, left=True)
+    got = stacked((a, b), 6, axis=1, left=True)
     np.testing.assert_array_equal(got, [[0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1], [1] * 6])

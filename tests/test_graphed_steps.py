@@ -1,4 +1,4 @@
-"""The KV-slot step as CUDA graphs replay it (`engine.model.graphed`): fixed shapes in
+"""The KV-slot step as CUDA graphs replay it (`engine.model.kv.slots.graphed`): fixed shapes in
 buckets, rows padding a bucket in a scratch slot, no control flow and only the greedy
 choice out (`passes.slots.rewrite_step(..., graphed=True)`).
 
@@ -16,14 +16,14 @@ import numpy as np
 import onnx
 import pytest
 
-import engine.model.slots
+import engine.model.kv.slots.pool
 from engine import DecodeOptions, Translator
 from engine.decoding.scheduler import SchedulerOptions
 from engine.model.config import ModelConfig
-from engine.model.graphed import MIN_WIDTH, row_bucket, width_bucket
+from engine.model.kv.slots.graphed import MIN_WIDTH, row_bucket, width_bucket
+from engine.model.kv.slots.pool import slot_bytes
+from engine.model.kv.slots.rewrite import rewrite_step
 from engine.model.names import LOGITS, NEXT_IDS, NEXT_SCORES
-from engine.model.passes.slots import rewrite_step
-from engine.model.slots import slot_bytes
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_kv_slots import drafted_rows_over_slots_equal_alone
 from tests.test_scheduler import (
@@ -75,7 +75,7 @@ def test_the_graphed_step_has_no_control_flow_and_returns_only_the_choice(
             made.append(data)
         return data
 
-    monkeypatch.setattr(engine.model.slots, "rewrite_step", spy)
+    monkeypatch.setattr(engine.model.kv.slots.pool, "rewrite_step", spy)
     scheduler = SchedulerOptions(lanes=1, kv_slots=4)
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=scheduler, cuda_graphs=True)
     assert tr.scheduler.kv is not None and tr.scheduler.kv.graphed is not None
@@ -149,9 +149,9 @@ def test_pools_of_one_session_never_share_a_graph_id() -> None:
     tr = Translator.from_dir(
         FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=4), cuda_graphs=True
     )
-    masked = tr.model.masked
-    assert masked is not None and masked.slots is not None
-    pools = [masked.slots.pool(4), masked.slots.pool(4), tr.scheduler.kv]
+    graphs = tr.model.kv
+    assert isinstance(graphs, engine.model.kv.slots.pool.SlotGraphs)
+    pools = [graphs.pool(4), graphs.pool(4), tr.scheduler.kv]
     enc = tr.encode([tr.source_ids(SOURCES[0])])
     for pool in pools[:2]:  # a step of one row in each, from a prefill of its own
         assert pool is not None and pool.graphed is not None

@@ -1,4 +1,4 @@
-"""Self-attention in place (`engine.model.passes.inplace`, `engine.decoding.inplace_batch`):
+"""Self-attention in place (`engine.model.kv.inplace.rewrite`, `engine.model.kv.inplace.rows`):
 the CPU's continuous batches step over buffers that each step extends where they are.
 
 - The rewrite replaces every layer's attention core of each batchable layout's step and
@@ -27,11 +27,14 @@ import pytest
 from onnx import TensorProto, helper
 
 from engine import DecodeOptions, Translator
-from engine.decoding.batch import ContinuousBatch, Member
-from engine.decoding.inplace_batch import INITIAL_ROWS, RELEASE_AFTER, SOURCE_STEP, InPlaceBatch
+from engine.decoding.batch import Member
+from engine.decoding.continuous import ContinuousBatch
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import make_search
-from engine.model.layouts import InPlaceBinding
+from engine.model.backend import Backend
+from engine.model.kv.inplace.rewrite import rewrite_inplace
+from engine.model.kv.inplace.rows import INITIAL_ROWS, RELEASE_AFTER, SOURCE_STEP, InPlaceKv
+from engine.model.kv.inplace.steps import InPlaceBinding, InPlaceSteps
 from engine.model.names import (
     ENCODER_ATTENTION_MASK,
     ENCODER_HIDDEN_STATES,
@@ -41,7 +44,6 @@ from engine.model.names import (
     SEQLENS_INPUT,
     TOTAL_INPUT,
 )
-from engine.model.passes.inplace import rewrite_inplace
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_scheduler import (
     SCORE_TOLERANCE,
@@ -53,6 +55,12 @@ from tests.test_scheduler import (
 
 Array = np.ndarray[Any, Any]
 FP32_TOLERANCE = 1e-5
+
+
+def in_place(batch: object) -> InPlaceKv:
+    """The in-place KV backend of a lane's batch."""
+    assert isinstance(batch, ContinuousBatch) and isinstance(batch.kv, InPlaceKv)
+    return batch.kv
 
 
 def _translator(**options: Any) -> Translator:
@@ -70,14 +78,14 @@ def _session(model: bytes) -> ort.InferenceSession:
 
 def _masked_step(tr: Translator) -> bytes:
     """The masked with-past graph of the files `tr` loaded (its layout's: split or merged,
-    fp32 or int8 as the files quantize), as `load._masked_graphs` gives it. Not
+    fp32 or int8 as the files quantize), as `load.masked_graphs` gives it. Not
     `load_batched_decoder`, which always takes the default files."""
-    from engine.model.load import DecoderGraphs, _masked_graphs, _rewrite, choose_files
+    from engine.model.load import DecoderGraphs, choose_files, masked_graphs, rewrite_pair
 
     graphs = DecoderGraphs(choose_files(tr.model.model_dir, tr.model.options))
-    rewritten = _rewrite(graphs)
+    rewritten = rewrite_pair(graphs)
     assert rewritten is not None
-    return _masked_graphs(rewritten, graphs.sources, None, per_token=False).with_past
+    return masked_graphs(rewritten, graphs.sources, None, per_token=False).with_past
 
 
 @pytest.mark.parametrize("name,options", layouts(), ids=[name for name, _ in layouts()])
@@ -86,8 +94,9 @@ def test_every_batchable_layout_steps_with_self_attention_in_place(
 ) -> None:
     tr = _translator(**dict(options))
     masked = tr.model.masked
-    assert masked is not None and masked.inplace is not None, name
-    assert isinstance(tr.scheduler._lanes[0].batch, InPlaceBatch)
+    assert masked is not None and isinstance(tr.model.kv, InPlaceSteps), name
+    assert tr.model.backend.backend is Backend.INPLACE
+    in_place(tr.scheduler._lanes[0].batch)
     graph = onnx.load_from_string(rewrite_inplace(_masked_step(tr), name) or b"")
     kinds = [node.op_type for node in graph.graph.node]
     assert kinds.count("GroupQueryAttention") == tr.config.decoder_layers
@@ -191,22 +200,14 @@ def test_a_graph_it_does_not_know_gives_none_and_a_reason(
     assert "toy: self-attention stays as exported (no self-attention past inputs)" in caplog.text
 
 
-def test_the_copied_state_is_still_there_when_asked_for() -> None:
-    tr = _translator(scheduler=SchedulerOptions(lanes=1, inplace_attention=False))
-    batch = tr.scheduler._lanes[0].batch
-    assert isinstance(batch, ContinuousBatch) and not isinstance(batch, InPlaceBatch)
-    masked = tr.model.masked
-    assert masked is not None and masked.inplace is None  # not even built
-    concurrent_equal_alone(tr, DecodeOptions())
-
-
 def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() -> None:
     """Requests of four lengths from 6 threads, 600 in all: every answer equals decoding
     alone, and the buffers hold no more rows than the most that ran at once, rounded up
     to a doubling of `INITIAL_ROWS`."""
     tr = _translator()
     batch = tr.scheduler._lanes[0].batch
-    assert isinstance(batch, InPlaceBatch)
+    assert isinstance(batch, ContinuousBatch)
+    in_place(batch)
     texts = SOURCES[:4]
     expected = {text: alone(tr, text, [], DecodeOptions()) for text in texts}
     encoded = {text: tr.encode([tr.source_ids(text)]) for text in texts}
@@ -224,7 +225,7 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
 
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(one, range(600)))
-    held = batch.buffer_rows
+    held = batch.kv.buffer_rows
     bound = INITIAL_ROWS
     while bound < 6:  # never more rows than requests in flight
         bound *= 2
@@ -233,26 +234,27 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
     # load joins them again every turn). Two spans of single requests later, what the rows
     # past the first wrote has been given back (reads zeros); the first row is kept.
     assert most > 1 and batch.rows == 0
-    assert any(buffer[1:].any() for buffer in batch._buffers)
-    now = [batch.clock()]
-    batch.clock = lambda: now[0]
+    assert any(buffer[1:].any() for buffer in batch.kv._buffers)
+    now = [batch.kv.clock()]
+    batch.kv.clock = lambda: now[0]
     for _ in range(2):
         now[0] += RELEASE_AFTER
         got = tr.decode(encoded[texts[0]], DecodeOptions())[0]
         assert got.token_ids == expected[texts[0]].token_ids
-    for buffer in (*batch._buffers, *batch._cross):
+    for buffer in (*batch.kv._buffers, *batch.kv._cross):
         assert not buffer[1:].any()
         assert buffer[0].any()
 
 
-def _after_a_burst(tr: Translator) -> tuple[InPlaceBatch, list[float], list[Any]]:
+def _after_a_burst(tr: Translator) -> tuple[ContinuousBatch, list[float], list[Any]]:
     """60 requests from 6 threads on a translator's one lane, its spans on a clock the
     test moves (the lane's waits stay on the real one). Returns the lane's batch, that
     clock and the encoded sources; asserts that the rows past the first stay resident."""
     batch = tr.scheduler._lanes[0].batch
-    assert isinstance(batch, InPlaceBatch)
-    now = [batch.clock()]
-    batch.clock = lambda: now[0]
+    assert isinstance(batch, ContinuousBatch)
+    in_place(batch)
+    now = [batch.kv.clock()]
+    batch.kv.clock = lambda: now[0]
     encoded = [tr.encode([tr.source_ids(text)]) for text in SOURCES[:4]]
     most = 0
     lock = threading.Lock()
@@ -267,7 +269,7 @@ def _after_a_burst(tr: Translator) -> tuple[InPlaceBatch, list[float], list[Any]
         list(pool.map(one, range(60)))
     assert most > 1 and batch.rows == 0
     assert batch.quiet_in() is not None
-    assert any(buffer[1:].any() for buffer in batch._buffers)  # kept within the span
+    assert any(buffer[1:].any() for buffer in batch.kv._buffers)  # kept within the span
     return batch, now, encoded
 
 
@@ -286,9 +288,9 @@ def test_an_idle_lane_gives_its_rows_back_after_a_quiet_spell_without_a_request(
     now[0] += 2 * RELEASE_AFTER
     _wake(tr)
     deadline = time.monotonic() + 10
-    while any(buffer[1:].any() for buffer in batch._buffers) and time.monotonic() < deadline:
+    while any(buffer[1:].any() for buffer in batch.kv._buffers) and time.monotonic() < deadline:
         time.sleep(0.01)
-    for buffer in (*batch._buffers, *batch._cross):
+    for buffer in (*batch.kv._buffers, *batch.kv._cross):
         assert not buffer[1:].any()
         assert buffer[0].any()
     assert batch.quiet_in() is None  # nothing left to give back: the lane waits for work
@@ -301,7 +303,7 @@ def test_an_idle_lane_whose_memory_cannot_be_given_back_serves_on(
     """A settle that fails is logged; the lane does not die nor spin on it: it tries again
     a quiet spell later (the span starts before the release), and its next request is
     answered as before."""
-    from engine.decoding import inplace_batch
+    from engine.model.kv.inplace import rows as inplace_batch
 
     tr = _translator()
     batch, now, encoded = _after_a_burst(tr)
@@ -312,7 +314,7 @@ def test_an_idle_lane_whose_memory_cannot_be_given_back_serves_on(
         calls.append(begin)
         raise OSError("madvise refused")
 
-    monkeypatch.setattr(inplace_batch, "_release", failing)
+    monkeypatch.setattr(inplace_batch, "release_rows", failing)
     now[0] += 2 * RELEASE_AFTER
     with caplog.at_level(logging.ERROR, logger="engine.decoding.scheduler"):
         _wake(tr)
@@ -337,8 +339,8 @@ def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_cha
     (other buffer views, other cross-attention arrays) it is bound anew, and the two rows
     left still step as with a fresh binding; so too when the buffers move (grow)."""
     tr = _translator()
-    masked = tr.model.masked
-    assert masked is not None and masked.inplace is not None
+    masked, steps = tr.model.masked, tr.model.kv
+    assert masked is not None and isinstance(steps, InPlaceSteps)
     enc = tr.encode([tr.source_ids(text) for text in SOURCES[:3]])
     start = tr.config.decoder_start_token_id
     ids = np.array([[start, 5, 7], [start, 9, 11], [start, 4, 6]], dtype=np.int64)
@@ -352,8 +354,8 @@ def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_cha
     bindings, earlier = [], []
     for step in range(3):
         tokens = np.array([[13 + step], [17 + step], [19 + step]], dtype=np.int64)
-        got = masked.step_in_place(enc, tokens, lengths, kept, cross_kv, bound=bound)
-        want = masked.step_in_place(enc, tokens, lengths, fresh, cross_kv)
+        got = steps.step(enc, tokens, lengths, kept, cross_kv, bound=bound)
+        want = steps.step(enc, tokens, lengths, fresh, cross_kv)
         np.testing.assert_array_equal(got, want)
         earlier.append((got, got.copy()))
         bindings.append(bound.binding)
@@ -369,8 +371,8 @@ def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_cha
     for step in range(2):
         tokens = np.array([[23 + step], [29 + step]], dtype=np.int64)
         views, other = [b[:2] for b in kept], [b[:2] for b in fresh]
-        got = masked.step_in_place(enc, tokens, lengths[:2], views, cross_kv, bound=bound)
-        want = masked.step_in_place(enc, tokens, lengths[:2], other, cross_kv)
+        got = steps.step(enc, tokens, lengths[:2], views, cross_kv, bound=bound)
+        want = steps.step(enc, tokens, lengths[:2], other, cross_kv)
         np.testing.assert_array_equal(got, want)
         lengths = lengths + 1
     assert bound.binding is not bindings[0]
@@ -382,8 +384,8 @@ def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_cha
     fresh = [np.concatenate([b, np.zeros_like(b)], axis=2) for b in fresh]
     tokens = np.array([[31], [37]], dtype=np.int64)
     views, other = [b[:2] for b in kept], [b[:2] for b in fresh]
-    got = masked.step_in_place(enc, tokens, lengths[:2], views, cross_kv, bound=bound)
-    want = masked.step_in_place(enc, tokens, lengths[:2], other, cross_kv)
+    got = steps.step(enc, tokens, lengths[:2], views, cross_kv, bound=bound)
+    want = steps.step(enc, tokens, lengths[:2], other, cross_kv)
     np.testing.assert_array_equal(got, want)
     for buffer, expected in zip(kept, fresh, strict=True):
         np.testing.assert_array_equal(buffer[:2], expected[:2])
@@ -399,9 +401,9 @@ def test_the_buffers_pages_come_as_rows_write_them() -> None:
     """A lane's buffers span every position of every row, but only written positions
     take memory: ten positions of each of 16 rows' 8 heads, in a 16 MiB buffer, take
     about 128 pages (NumPy's own zeros would take 2 MiB pages, the whole buffer)."""
-    from engine.decoding.inplace_batch import _zeros
+    from engine.model.kv.inplace.rows import mapped_zeros
 
-    buffer = _zeros((16, 8, 512, 64), np.dtype(np.float32))
+    buffer = mapped_zeros((16, 8, 512, 64), np.dtype(np.float32))
     assert buffer.nbytes == 16 * 2**20 and buffer.flags.writeable
     assert not buffer.any()
     before = _rss_mib()
@@ -416,23 +418,23 @@ def test_rows_given_back_take_no_memory_and_read_zeros() -> None:
     resident, those rows zeros, the first two as written; written again, they hold the
     new values. A view's rows are its own (offset from the map's start). Arrays that are
     not such buffers are left alone."""
-    from engine.decoding.inplace_batch import _release, _zeros
+    from engine.model.kv.inplace.rows import mapped_zeros, release_rows
 
-    buffer = _zeros((16, 8, 512, 64), np.dtype(np.float32))
+    buffer = mapped_zeros((16, 8, 512, 64), np.dtype(np.float32))
     buffer[:] = 1.0
     before = _rss_mib()
-    _release(buffer, 2, 16)
+    release_rows(buffer, 2, 16)
     assert before - _rss_mib() > 12
     assert not buffer[2:].any() and bool((buffer[:2] == 1.0).all())
     buffer[5, :, :3] = 2.0
     assert float(buffer[5].sum()) == 8 * 3 * 64 * 2.0
     # Rows of a view are its own rows: rows 1-2 of the view from row 4 are rows 5-6.
     buffer[:] = 3.0
-    _release(buffer[4:], 1, 3)
+    release_rows(buffer[4:], 1, 3)
     assert not buffer[5:7].any() and bool((buffer[:5] == 3.0).all())
     assert bool((buffer[7:] == 3.0).all())
     plain = np.ones((4, 1024), dtype=np.float32)
-    _release(plain, 1, 4)
+    release_rows(plain, 1, 4)
     assert bool((plain == 1.0).all())
 
 
@@ -445,7 +447,8 @@ def test_a_lanes_state_counts_its_rows_positions_and_sources(inplace: bool) -> N
     buffers stay reserved for the lane's next rows."""
     tr = _translator(scheduler=SchedulerOptions(lanes=1, inplace_attention=inplace))
     batch = tr.scheduler._lanes[0].batch
-    assert isinstance(batch, InPlaceBatch) == inplace
+    assert isinstance(batch, ContinuousBatch)
+    assert isinstance(batch.kv, InPlaceKv) == inplace
     config = tr.config
     position = 2 * config.decoder_layers * config.d_model * np.dtype(np.float32).itemsize
     source = tr.source_ids(SOURCES[4])
@@ -470,7 +473,7 @@ def test_a_lanes_state_counts_its_rows_positions_and_sources(inplace: bool) -> N
     assert final is not None and final.live == 0
     if inplace:  # self-attention over every position, cross over the source's width
         width = -(-len(source) // SOURCE_STEP) * SOURCE_STEP
-        assert final.reserved == INITIAL_ROWS * (batch.positions + width) * position
+        assert final.reserved == INITIAL_ROWS * (batch.kv.positions + width) * position
     else:
         assert final.reserved == 0
 
@@ -502,9 +505,9 @@ def test_cross_attention_state_is_written_once_and_widened_for_a_longer_source()
     the running rows kept, a leave moves rows down; each step binds views of them (no
     copies). Rows driven join by join equal decoding alone."""
     tr = _translator()
-    masked = tr.model.masked
-    assert masked is not None
-    batch = InPlaceBatch(tr.model, masked)
+    masked, steps = tr.model.masked, tr.model.kv
+    assert masked is not None and isinstance(steps, InPlaceSteps)
+    batch = ContinuousBatch(tr.model, InPlaceKv(tr.model, masked, steps))
     short, longer = SOURCES[5], f"{SOURCES[4]} and {SOURCES[2]}"
     assert len(tr.source_ids(short)) < SOURCE_STEP < len(tr.source_ids(longer))
     options = DecodeOptions(min_new_tokens=6)  # the first row still runs when the next joins
@@ -516,15 +519,15 @@ def test_cross_attention_state_is_written_once_and_widened_for_a_longer_source()
     first = member(short)
     ended: list[Any] = batch.schedule([first])
     batch.execute()
-    assert batch._mask.shape[1] == SOURCE_STEP  # the short source, rounded up
+    assert batch.kv._mask.shape[1] == SOURCE_STEP  # the short source, rounded up
     ended += batch.update()
     assert first.search in batch.searches  # still running when the longer one joins
     second = member(longer)
     ended += batch.schedule([second])  # wider: the running row is kept in the new buffers
-    assert batch._mask.shape[1] == 2 * SOURCE_STEP
-    rows = batch._rows
+    assert batch.kv._mask.shape[1] == 2 * SOURCE_STEP
+    rows = batch.kv._rows
     assert rows is not None
-    for view, buffer in zip(rows.cross_kv, batch._cross, strict=True):
+    for view, buffer in zip(rows.cross_kv, batch.kv._cross, strict=True):
         assert view.base is not None and np.shares_memory(view, buffer)
         assert view.flags.c_contiguous
     while batch.searches:
@@ -542,9 +545,9 @@ def test_cross_attention_buffers_narrow_again_when_the_longer_source_leaves() ->
     aborted) they narrow back to what the rows left need, and the row left still equals
     decoding alone."""
     tr = _translator()
-    masked = tr.model.masked
-    assert masked is not None
-    batch = InPlaceBatch(tr.model, masked)
+    masked, steps = tr.model.masked, tr.model.kv
+    assert masked is not None and isinstance(steps, InPlaceSteps)
+    batch = ContinuousBatch(tr.model, InPlaceKv(tr.model, masked, steps))
     short, longer = SOURCES[5], f"{SOURCES[4]} and {SOURCES[2]}"
     options = DecodeOptions(min_new_tokens=6)
     first = make_search(tr.config, [], options)
@@ -553,11 +556,11 @@ def test_cross_attention_buffers_narrow_again_when_the_longer_source_leaves() ->
     batch.execute()
     assert not batch.update()
     assert not batch.schedule([Member(second, tr.encode([tr.source_ids(longer)]))])
-    assert batch._mask.shape[1] == 2 * SOURCE_STEP
+    assert batch.kv._mask.shape[1] == 2 * SOURCE_STEP
     batch.execute()
     assert not batch.update()
     batch.schedule([], leaving=[second])
-    assert batch._mask.shape[1] == SOURCE_STEP and batch.searches == [first]
+    assert batch.kv._mask.shape[1] == SOURCE_STEP and batch.searches == [first]
     while batch.searches:
         batch.execute()
         batch.update()
@@ -572,12 +575,14 @@ def test_an_in_place_step_that_reads_the_hidden_states_is_not_used(
     """The in-place batch keeps no encoder hidden states for its rows: a rewritten step
     that reads them (here: the load told that the mask it reads is that input) is refused
     at load with a reason, and the lanes copy their state, with the same answers."""
-    monkeypatch.setattr("engine.model.load.ENCODER_HIDDEN_STATES", ENCODER_ATTENTION_MASK)
+    steps = "engine.model.kv.inplace.steps"
+    monkeypatch.setattr(f"{steps}.ENCODER_HIDDEN_STATES", ENCODER_ATTENTION_MASK)
     with caplog.at_level(logging.WARNING):
         tr = _translator()
     assert "reads the encoder's hidden states: not used" in caplog.text
     masked = tr.model.masked
-    assert masked is not None and masked.inplace is None
+    assert masked is not None and tr.model.kv is None
+    assert tr.model.backend.backend is Backend.COPIED
     batch = tr.scheduler._lanes[0].batch
-    assert isinstance(batch, ContinuousBatch) and not isinstance(batch, InPlaceBatch)
+    assert isinstance(batch, ContinuousBatch) and not isinstance(batch.kv, InPlaceKv)
     concurrent_equal_alone(tr, DecodeOptions())

@@ -1,5 +1,5 @@
 """KV slots: every batchable layout steps with its decoder state in preallocated slots
-written in place (`engine.model.slots`, `engine.decoding.slot_batch`), rows still equal
+written in place (`engine.model.kv.slots.pool`, `engine.model.kv.slots.rows`), rows still equal
 decoding alone, slots go back to the pool after finals and aborts, a full pool queues and
 a request wider than the whole pool is refused with a clear error.
 
@@ -17,19 +17,19 @@ import pytest
 
 from engine import DecodeOptions, Translator
 from engine.decoding.batch import LOOKAHEAD_POSITIONS, Member
+from engine.decoding.continuous import ContinuousBatch
 from engine.decoding.policy import NotEnoughSlots, Priority, new_request_id
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodingCancelled, Hypothesis
-from engine.decoding.slot_batch import SlotBatch
 from engine.model.config import ModelConfig
-from engine.model.passes.slots import SlotShape, rewrite_step
-from engine.model.slots import slot_bytes
+from engine.model.kv.slots.pool import slot_bytes
+from engine.model.kv.slots.rewrite import SlotShape, rewrite_step
+from engine.model.kv.slots.rows import SlotKv
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_scheduler import (
     SCORE_TOLERANCE,
     SOURCES,
     alone,
-    concurrent_equal_alone,
     drafted_searches,
     layouts,
     requests,
@@ -65,37 +65,14 @@ def test_every_batchable_layout_steps_over_kv_slots(translator: Translator) -> N
     scheduler = translator.scheduler
     pool = scheduler.kv
     assert pool is not None, "the step was not rewritten over KV slots"
-    assert isinstance(scheduler._lanes[0].batch, SlotBatch)
+    batch = scheduler._lanes[0].batch
+    assert isinstance(batch, ContinuousBatch) and isinstance(batch.kv, SlotKv)
     config = translator.config
     # Sized at start as asked, its size known.
     assert pool.slots == SLOTS
     assert pool.bytes == pool.slots * slot_bytes(pool.shape, 4)
     assert pool.shape.capacity == config.max_position_embeddings
     assert scheduler.kv_slots == {"total": pool.slots, "free": pool.slots, "bytes": pool.bytes}
-
-
-@pytest.mark.parametrize("beam", [1, 3])
-def test_concurrent_rows_over_slots_equal_decoding_each_alone(
-    translator: Translator, beam: int
-) -> None:
-    """Greedy rows and beams (whose rows reorder: their slots' states are copied between
-    them) sharing steps over slots, each equal to decoding it alone."""
-    concurrent_equal_alone(translator, DecodeOptions(beam_size=beam))
-    assert free(translator) == SLOTS
-
-
-def test_kv_slots_off_copies_the_state_and_gives_the_same_answers() -> None:
-    """0 slots, and the CPU's default: the state copied per step, the same answers."""
-    needs_fixture()
-    off = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=0))
-    default = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
-    on = small_pool(4)
-    assert off.scheduler.kv is None and off.scheduler.kv_slots is None
-    assert default.scheduler.kv is None
-    for text in SOURCES:
-        got, expected = on.translate([text])[0], off.translate([text])[0]
-        assert (got.text, got.token_ids) == (expected.text, expected.token_ids)
-        assert got.score == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
 
 
 def test_slots_go_back_after_finals_and_aborts() -> None:
@@ -131,7 +108,8 @@ def test_slots_go_back_after_finals_and_aborts() -> None:
         assert hyp.token_ids == ref.token_ids, (text, prefix)
         assert hyp.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
     assert free(tr) == 3
-    assert not tr.scheduler._policy._slots_of
+    kv = tr.scheduler._policy.kv
+    assert kv is not None and kv.free == kv.total  # no request holds a slot
 
 
 def test_thousands_of_joins_and_leaves_keep_the_pool_as_it_was() -> None:
@@ -198,15 +176,15 @@ def test_slot_rows_with_lookahead_and_minimum_lengths_equal_decoding_alone(
 
 
 def drafted_rows_over_slots_equal_alone(translator: Translator) -> None:
-    """Drafted searches joining a `SlotBatch` at steps 0, 1, 3 and 6, stepped until all
-    are done: each equals decoding it alone, and some lookahead tokens were accepted and
-    some not (skipped for a layout without lookahead over slots)."""
+    """Drafted searches joining a continuous batch over slots at steps 0, 1, 3 and 6,
+    stepped until all are done: each equals decoding it alone, and some lookahead tokens
+    were accepted and some not (skipped for a layout without lookahead over slots)."""
     model = translator.model
     pool = translator.scheduler.kv
     if model.masked is None or pool is None or not model.masked.lookahead:
         pytest.skip("no lookahead over slots for this layout")
     todo = drafted_searches(translator)
-    batch = SlotBatch(model, model.masked, pool, LOOKAHEAD_POSITIONS)
+    batch = ContinuousBatch(model, SlotKv(model, pool), LOOKAHEAD_POSITIONS)
     joins = {0: todo[:2], 1: todo[2:3], 3: todo[3:6], 6: todo[6:]}
     slots = iter(range(pool.slots))
     step = 0

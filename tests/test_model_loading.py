@@ -9,7 +9,8 @@ import onnx
 import pytest
 
 from engine import ModelLoadError, Translator
-from engine.model import load
+from engine.model import files
+from engine.model.kv.slots.pool import SlotGraphs
 from engine.model.layouts import DecoderLayout
 from tests.conftest import FIXTURE_MODEL, model_copy, needs_fixture
 
@@ -183,7 +184,7 @@ def test_a_split_that_disagrees_with_the_merged_graph_is_refused(
             bias[0, 7] += 100.0
             init.CopyFrom(onnx.numpy_helper.from_array(bias, init.name))
     wrong = ((FIXTURE_MODEL / "decoder_model.onnx").read_bytes(), step.SerializeToString())
-    monkeypatch.setattr(load, "split_merged", lambda path: wrong)
+    monkeypatch.setattr(files, "split_merged", lambda path: wrong)
     names = ("encoder_model.onnx", "decoder_model_merged.onnx")
     model_dir = model_copy(tmp_path / "merged", {n: FIXTURE_MODEL / n for n in names})
     with caplog.at_level("WARNING", logger="engine.model.load"):
@@ -203,13 +204,13 @@ def test_a_merged_decoder_is_split_once_per_load(
     names = ("encoder_model.onnx", "decoder_model_merged.onnx")
     model_dir = model_copy(tmp_path / "merged", {n: FIXTURE_MODEL / n for n in names})
     splits: list[Path] = []
-    real = load.split_merged
+    real = files.split_merged
 
     def counted(path: Path) -> tuple[bytes, bytes] | None:
         splits.append(path)
         return real(path)
 
-    monkeypatch.setattr(load, "split_merged", counted)
+    monkeypatch.setattr(files, "split_merged", counted)
     tr = Translator.from_dir(model_dir, prefer_split=prefer_split)
     assert tr.model.batching == "continuous"
     assert tr.model.split_at_load is prefer_split
@@ -233,14 +234,14 @@ def test_sessions_do_not_keep_the_graphs_they_were_opened_from() -> None:
 
     tr = Translator.from_dir(FIXTURE_MODEL, quantized=True)
     masked = tr.model.masked
-    assert masked is not None and masked.slots is None
+    assert masked is not None and not isinstance(tr.model.kv, SlotGraphs)
     sessions = [o for o in gc.get_objects() if isinstance(o, ort.InferenceSession)]
     assert sessions
     assert all(getattr(s, "_model_bytes", None) is None for s in sessions)
     # Still usable: they run, and the model translates.
     assert tr.translate(["Hello world."])[0].token_ids
     asked = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, kv_slots=2))
-    assert asked.model.masked is not None and asked.model.masked.slots is not None
+    assert isinstance(asked.model.kv, SlotGraphs)
     assert asked.scheduler.kv_slots is not None
 
 

@@ -22,11 +22,13 @@ import numpy as np
 import pytest
 
 from engine import DecodeOptions, Translator
-from engine.decoding.batch import LOOKAHEAD, LOOKAHEAD_POSITIONS
+from engine.decoding.batch import LOOKAHEAD_POSITIONS
 from engine.decoding.policy import PREFILL_PADDING, Priority, new_request_id
 from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
 from engine.decoding.search import DecodingCancelled, Hypothesis, Search, make_search
 from engine.decoding.targets import model_share
+from engine.model.kv.base import LOOKAHEAD
+from engine.model.kv.inplace.steps import InPlaceSteps
 from engine.model.layouts import EncoderOutput, FloatArray
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 
@@ -319,22 +321,6 @@ def test_an_abort_drops_a_waiting_request_and_refuses_a_later_one() -> None:
     tr.close()
 
 
-def test_lockstep_fallback_gives_the_same_results() -> None:
-    needs_fixture()
-    tr = Translator.from_dir(FIXTURE_MODEL, batchable=False)
-    assert tr.scheduler.batching == "lockstep"
-    todo = requests(tr)
-    expected = [alone(tr, text, prefix, DecodeOptions()) for text, prefix in todo]
-
-    def one(item: tuple[str, list[int]]) -> Hypothesis:
-        text, prefix = item
-        return tr.decode(tr.encode([tr.source_ids(text)]), prefixes=[prefix])[0]
-
-    with ThreadPoolExecutor(len(todo)) as pool:
-        got = list(pool.map(one, todo))
-    assert [h.token_ids for h in got] == [r.token_ids for r in expected]
-
-
 def test_a_closed_scheduler_refuses_work(tmp_path: Path) -> None:
     needs_fixture()
     tr = Translator.from_dir(FIXTURE_MODEL)
@@ -444,17 +430,18 @@ def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
     import onnx
     from onnx import numpy_helper
 
-    import engine.model.load as bd
+    import engine.model.cut as bd
+    from engine.model.passes.head import HeadSplit
 
     real = bd.split_output_projection
 
-    def nudged(data: bytes, vocab: int, logits: str = "logits") -> bd.HeadSplit | None:
+    def nudged(data: bytes, vocab: int, logits: str = "logits") -> HeadSplit | None:
         split = real(data, vocab, logits)
         assert split is not None
         head = onnx.load_from_string(split.head)
         bias = next(i for i in head.graph.initializer if "bias" in i.name)
         bias.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(bias) + 0.5, bias.name))
-        return bd.HeadSplit(split.body, head.SerializeToString(), split.hidden)
+        return HeadSplit(split.body, head.SerializeToString(), split.hidden)
 
     monkeypatch.setattr(bd, "split_output_projection", nudged)
     with caplog.at_level("WARNING"):
@@ -462,7 +449,7 @@ def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
     assert tr.scheduler.batching == "continuous"
     assert tr.model.masked is not None and tr.model.masked.head is None
     assert tr.model.masked.prefills.head is None
-    assert tr.model.masked.inplace is not None and tr.model.masked.inplace.head is None
+    assert isinstance(tr.model.kv, InPlaceSteps) and tr.model.kv.graph.head is None
     refusals = sorted(
         r.getMessage().split()[1] for r in caplog.records if "kept whole" in r.getMessage()
     )
@@ -565,7 +552,7 @@ def test_a_shared_head_the_load_check_refuses_gives_way_to_the_graphs_own(
         seen.add(id(head))
         return float(real(whole, body, head, hidden, head_input, **kw))
 
-    monkeypatch.setattr("engine.model.load.check_cut", check)
+    monkeypatch.setattr("engine.model.cut.check_cut", check)
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2, lanes=2))
     masked = tr.model.masked
     assert masked is not None and masked.steps.head is not None
@@ -780,21 +767,24 @@ def test_lookahead_rows_join_and_leave_a_running_batch(
     share steps with rows that take one, join at different steps, and each still gets what
     decoding it alone gives; rejected lookahead leaves holes in the cache that are
     squeezed out without changing anything."""
-    from engine.decoding.batch import ContinuousBatch, Member, _Slots
+    from engine.decoding.batch import Member
+    from engine.decoding.continuous import ContinuousBatch
+    from engine.model.kv.arrays import RowState
+    from engine.model.kv.copied import CopiedKv
 
     model = translator.model
     if model.masked is None or not model.masked.lookahead:
         pytest.skip("no lookahead for this layout")
     squeezed = []
-    squeeze = _Slots.squeeze
+    squeeze = RowState.squeeze
 
-    def counted(self: _Slots) -> None:
+    def counted(self: RowState) -> None:
         squeezed.append(self.real.shape[1])
         squeeze(self)
 
-    monkeypatch.setattr(_Slots, "squeeze", counted)
+    monkeypatch.setattr(RowState, "squeeze", counted)
     todo = drafted_searches(translator)
-    batch = ContinuousBatch(model, model.masked, LOOKAHEAD_POSITIONS)
+    batch = ContinuousBatch(model, CopiedKv(model, model.masked), LOOKAHEAD_POSITIONS)
     joins = {0: todo[:2], 1: todo[2:3], 3: todo[3:6], 6: todo[6:]}
     step = 0
     while step in joins or step < max(joins) or len(batch):
@@ -873,7 +863,7 @@ def test_the_projection_runs_in_bounded_calls_with_the_same_logits(
 ) -> None:
     """A prefill's projection runs `HEAD_POSITIONS` at a time (ONNX Runtime's arena keeps
     the largest buffers it served): more calls, the same logits, packed by row."""
-    from engine.model import layouts
+    from engine.model import logits as layouts
 
     masked = translator.model.masked
     assert masked is not None and masked.prefills.head is not None
@@ -902,7 +892,7 @@ def test_the_projection_runs_in_bounded_calls_with_the_same_logits(
             chunked.row(r, end - 1)[1]
     gaps = np.array([[True, False, True]])
     with pytest.raises(ValueError, match="consecutive"):
-        layouts._project(masked.prefills.head, np.zeros((1, 3, config.d_model), np.float32), gaps)
+        layouts.project(masked.prefills.head, np.zeros((1, 3, config.d_model), np.float32), gaps)
 
 
 def test_a_prefill_projects_a_chunk_when_a_search_first_reads_it(
@@ -914,7 +904,7 @@ def test_a_prefill_projects_a_chunk_when_a_search_first_reads_it(
     values."""
     import threading
 
-    from engine.model import layouts
+    from engine.model import logits as layouts
 
     masked = translator.model.masked
     assert masked is not None

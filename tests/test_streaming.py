@@ -166,11 +166,12 @@ def test_committed_prefix_is_forced_in_one_decoder_call(translator: Translator) 
         seen.append(int(ids.shape[1]))
         return original(enc, ids, *rest, **named)
 
-    setattr(owner, name, spy)
+    # The masked decoder is frozen: the spy goes on this one instance past that.
+    object.__setattr__(owner, name, spy)
     try:
         session.answer(PartialTranscript("s1", 0, 99, " ".join(words) + " today", False))
     finally:
-        delattr(owner, name)
+        object.__delattr__(owner, name)
     assert seen == [len(seg.committed) + 1]
 
 

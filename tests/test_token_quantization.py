@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engine.model.checks import probe_feed
 from engine.model.config import ModelConfig
+from engine.model.kv.inplace.steps import InPlaceSteps
 from engine.model.load import load_batched_decoder
 from engine.model.names import PER_TOKEN_KEY
 from engine.model.passes.graph import load_model
@@ -467,8 +468,9 @@ def test_the_engine_runs_int8_per_token_and_a_lone_token_on_the_files_kernels(
             sessions = {"one": pool.sessions["one_token"], "tokens": pool.sessions["step"]}
             method = "run_with_iobinding"
         elif inplace is None:
-            assert masked.inplace is not None and masked.inplace_one is not None
-            sessions = {"one": masked.inplace_one.session, "tokens": masked.inplace.session}
+            steps = tr.model.kv
+            assert isinstance(steps, InPlaceSteps) and steps.one is not None
+            sessions = {"one": steps.one.session, "tokens": steps.graph.session}
             method = "run_with_iobinding"
         else:
             assert masked.one_token is not None

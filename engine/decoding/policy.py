@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeAlias, TypeVar, cast
 
 from engine.decoding.search import DecodingCancelled
+from engine.model.kv.slots.manager import KvSlotManager
 
 
 class Priority(enum.IntEnum):
@@ -139,9 +140,10 @@ class SchedulingPolicy(Generic[R, J]):
     `max_rows`: decoder rows per step and lane. `prefill_positions`: positions one lane's
     prefill takes per turn (`PREFILL_POSITIONS`). `lockstep`: requests join only a lane
     with no rows (the stock decoder graphs keep one length for the whole batch).
-    `slots`: the model's KV slots (None: its rows keep no slots). A request takes one per
-    row it may hold when it joins a lane and gives them back when it leaves; one that
-    finds too few free waits, as it does for a lane's room."""
+    `kv`: the free list of the model's KV slots (None: its rows keep no slots), which
+    the policy only asks whether a request's rows fit: a request takes one slot per row
+    it may hold when it joins a lane and gives them back when it leaves; one that finds
+    too few free waits, as it does for a lane's room."""
 
     def __init__(
         self,
@@ -150,13 +152,10 @@ class SchedulingPolicy(Generic[R, J]):
         max_rows: int,
         prefill_positions: int = PREFILL_POSITIONS,
         lockstep: bool = False,
-        slots: int | None = None,
+        kv: KvSlotManager[R] | None = None,
     ) -> None:
         self.max_rows = max_rows
-        self.slots = slots
-        # Free slots, the most recently freed last (taken first: its pages are warm).
-        self._free: list[int] = list(range(slots or 0))[::-1]
-        self._slots_of: dict[R, tuple[int, ...]] = {}
+        self.kv = kv
         self.prefill_positions = prefill_positions
         self.lockstep = lockstep
         self.counts: Counter[str] = Counter()  # rows_cancelled, rows_finished_on_abort
@@ -189,11 +188,11 @@ class SchedulingPolicy(Generic[R, J]):
     @property
     def free_slots(self) -> int | None:
         """KV slots no request holds (None: no pool)."""
-        return None if self.slots is None else len(self._free)
+        return None if self.kv is None else self.kv.free
 
     def slots_of(self, request: R) -> tuple[int, ...]:
         """The KV slots a running request holds (none without a pool)."""
-        return self._slots_of.get(request, ())
+        return () if self.kv is None else self.kv.slots_of(request)
 
     def running(self, lane: int) -> list[R]:
         return list(self._running[lane])
@@ -207,12 +206,12 @@ class SchedulingPolicy(Generic[R, J]):
     def add(self, requests: Sequence[R]) -> None:
         """Queue one submission's requests. Raises `DecodingCancelled` when their id was
         aborted before they came."""
-        if self.slots is not None:
+        if self.kv is not None:
             widest = max((r.width for r in requests), default=0)
-            if widest > self.slots:
+            if not self.kv.could_fit(widest):
                 raise NotEnoughSlots(
                     f"a request of {widest} rows needs {widest} KV slots; the pool has "
-                    f"{self.slots} (--kv-slots)"
+                    f"{self.kv.total} (--kv-slots)"
                 )
         ids = {r.request_id for r in requests if r.request_id is not None}
         if any(request_id in self._aborted for request_id in ids):
@@ -272,10 +271,8 @@ class SchedulingPolicy(Generic[R, J]):
         self._joining[lane] = set(plan.joining)
         for request in plan.joining:
             running[request] = None
-            if self.slots is not None:
-                taken = self._free[-request.width :]
-                del self._free[-request.width :]
-                self._slots_of[request] = tuple(taken[::-1])
+            if self.kv is not None:
+                self.kv.allocate(request, request.width)
             job = request.encoding
             if job is not None and not job.claimed:  # a submission may join two lanes
                 job.claimed = True
@@ -324,7 +321,6 @@ class SchedulingPolicy(Generic[R, J]):
         if mine > min(self.rows(other) for other in range(self.lanes)) + 1:
             return []
         room = self.max_rows - mine
-        free = len(self._free) if self.slots is not None else None
         self._waiting.sort(key=lambda r: r.priority)  # stable: by arrival within a priority
         chosen: list[R] = []
         left: list[R] = []
@@ -334,7 +330,7 @@ class SchedulingPolicy(Generic[R, J]):
             if rows + width > room and (chosen or room < self.max_rows):
                 left.extend(self._waiting[index:])
                 break
-            if free is not None and rows + width > free:
+            if self.kv is not None and not self.kv.fits(rows + width):
                 left.extend(self._waiting[index:])
                 break  # the pool is full: it waits for a slot, in its turn
             if chosen and positions + request.positions > self.prefill_positions:
@@ -358,7 +354,8 @@ class SchedulingPolicy(Generic[R, J]):
         return any(request in running for running in self._running)
 
     def _give_back(self, request: R) -> None:
-        self._free.extend(self._slots_of.pop(request, ())[::-1])
+        if self.kv is not None:
+            self.kv.release(request)
 
     def _leave(self, lane: int, request: R) -> None:
         self._give_back(request)

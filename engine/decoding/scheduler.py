@@ -33,27 +33,18 @@ the stream arrived); no lane calls back into its callers.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
-from engine.decoding.batch import (
-    LOOKAHEAD_POSITIONS,
-    ContinuousBatch,
-    DecodeBatch,
-    LockstepBatch,
-    Member,
-    StateBytes,
-)
-from engine.decoding.inplace_batch import INITIAL_ROWS, InPlaceBatch
+from engine.decoding.backends import log_state, new_batch, open_pool, replays_cuda_graphs
+from engine.decoding.batch import DecodeBatch, Member
+from engine.decoding.options import DEVICE_PREFILL_POSITIONS, SchedulerOptions, Threads
 from engine.decoding.policy import (
     PREFILL_POSITIONS,
     Answer,
@@ -71,11 +62,11 @@ from engine.decoding.search import (
     StepHook,
     make_search,
 )
-from engine.decoding.slot_batch import SlotBatch
 from engine.decoding.timeline import Answered, Step, Timeline
+from engine.model.kv.base import StateBytes
+from engine.model.kv.slots.manager import KvSlotManager
 from engine.model.layouts import EncoderOutput, IntArray
 from engine.model.marian import MarianOnnx
-from engine.model.slots import KvSlots
 
 # The policy's names that `submit` and `abort` take are importable from here too.
 __all__ = [
@@ -87,85 +78,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class Threads(NamedTuple):
-    """How a scheduler's `cores` are used: `lanes` batches run at once, each call on
-    `per_lane` ONNX Runtime threads, except a step's output projection on `head`, and on
-    `alone` (all the cores) while the other lanes are idle."""
-
-    lanes: int
-    per_lane: int
-    head: int
-    alone: int
-
-
-DEVICE_PREFILL_POSITIONS = 4096
-"""`PREFILL_POSITIONS` for a model on a GPU (`DecodeScheduler._prefill_budget`)."""
-
-
-@dataclass(frozen=True)
-class SchedulerOptions:
-    """Batch limits and threads of one model's scheduler. Whoever builds the process
-    gives it its share of the machine (`cores`); everything else derives from it here
-    (`resolved`), so lanes and threads together run one call per core."""
-
-    # Decoder rows per step and lane (a beam of 4 is 4 rows); the rest wait their turn.
-    max_rows: int = 32
-    # Extra positions a cached step may compute to verify re-aligned draft tokens, over
-    # all its rows (`engine.decoding.batch.LOOKAHEAD_POSITIONS`; 0 turns lookahead off).
-    lookahead_positions: int = LOOKAHEAD_POSITIONS
-    # Decoder positions one lane's prefill takes per turn (0: `PREFILL_POSITIONS` on the
-    # CPU, `DEVICE_PREFILL_POSITIONS` on a GPU).
-    prefill_positions: int = 0
-    # Threads that each run a batch (default: 2 with 2 cores or more, else 1).
-    lanes: int | None = None
-    # ONNX Runtime intra-op threads per lane (default: cores / lanes); an explicit
-    # `intra_op_threads` given when loading the model wins.
-    threads_per_lane: int | None = None
-    # The cores this scheduler may use (default: all the machine has).
-    cores: int | None = None
-    # Threads of a step's output projection, the one op big enough to share out
-    # (default: the lane's own with several lanes, else all the cores): two lanes that
-    # each spread it over every core oversubscribe them under load.
-    head_threads: int | None = None
-    # KV slots: rows whose decoder state the model keeps in place, allocated at start;
-    # requests beyond them wait, a request wider than all of them is refused. 0: none (the
-    # lanes keep their rows' state: `inplace_attention`). None: one per row the lanes may
-    # hold (lanes x max_rows) where the model has graphs over slots, built by default on a GPU
-    # only (`RuntimeOptions.kv_slots`): on the CPU ONNX Runtime copies the rows' keys and
-    # values out of the slots at every step (Gather), which costs more than it saves (see
-    # docs/performance.md#kv-slots).
-    kv_slots: int | None = None
-    # Continuous batches on the CPU keep each row's self-attention keys and values in
-    # buffers that steps extend in place (`engine.decoding.inplace_batch`) rather than
-    # copying them at every step. None: where the model built that step (on the CPU, by
-    # default); False: the state copied at every step, with lookahead for up to 4 rows
-    # (docs/performance.md#self-attention-in-place).
-    inplace_attention: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_rows < 1:
-            raise ValueError("max_rows must be >= 1")
-        if self.kv_slots is not None and self.kv_slots < 0:
-            raise ValueError("kv_slots must be >= 0")
-        for name in ("lanes", "threads_per_lane", "cores", "head_threads"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.lookahead_positions < 0:
-            raise ValueError("lookahead_positions must be >= 0")
-        if self.prefill_positions < 0:
-            raise ValueError("prefill_positions must be >= 0")
-
-    def resolved(self, cores: int | None = None) -> Threads:
-        """Lanes and threads on `cores` cores (default: `self.cores`, else the
-        machine's): the one place a scheduler's cores are split."""
-        cores = cores or self.cores or os.cpu_count() or 1
-        lanes = self.lanes or (2 if cores >= 2 else 1)
-        threads = self.threads_per_lane or max(1, cores // lanes)
-        head = self.head_threads or (threads if lanes > 1 else max(cores, threads))
-        return Threads(lanes, threads, head, max(cores, head))
 
 
 class SchedulerClosed(RuntimeError):
@@ -208,39 +120,22 @@ class DecodeScheduler:
         # None: nothing kept.
         self.timeline = timeline
         self.lanes, self.threads_per_lane, *_ = self.options.resolved()
-        slots = model.masked.slots if model.masked is not None else None
-        if self.options.lanes is None and slots is not None and slots.graphed is not None:
+        if self.options.lanes is None and replays_cuda_graphs(model):
             # A model whose steps replay CUDA graphs (a GPU's default) runs one lane: a
             # capture forbids other threads' device work, and one lane's graphs step a
             # thousand rows in a few milliseconds (docs/gpu.md).
             self.lanes = 1
         self._cond = threading.Condition()
-        self.kv = self._kv_slots()
+        self.kv = open_pool(self.model, self.options, self.lanes)
         self._policy: SchedulingPolicy[Request, Encoding] = SchedulingPolicy(
             self.lanes,
             max_rows=self.options.max_rows,
             prefill_positions=self.options.prefill_positions or self._prefill_budget(),
             lockstep=model.masked is None,
-            slots=None if self.kv is None else self.kv.slots,
+            kv=None if self.kv is None else KvSlotManager(self.kv.slots),
         )
         self._lanes = [_Lane(i, self._new_batch()) for i in range(self.lanes)]
-        first = self._lanes[0].batch
-        if isinstance(first, InPlaceBatch):
-            config = model.config
-            position = 2 * config.decoder_layers * config.d_model * first.itemsize
-            most = INITIAL_ROWS  # the buffers' rows at most: doubled past `max_rows`
-            while most < self.options.max_rows:
-                most *= 2
-            log.info(
-                "decoder state in place: %.0f KiB a row and position (self-attention), as "
-                "much a row and source position (cross-attention); a lane's buffers hold "
-                "%d positions a row and double their rows as it needs, up to %d rows "
-                "(%.0f MiB), mapped as written (/metrics: nmt_decoder_state_bytes)",
-                position / 2**10,
-                first.positions,
-                most,
-                position * first.positions * most / 2**20,
-            )
+        log_state(self._lanes[0].batch, self.options.max_rows)
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._running = 0  # lanes in a turn (under `_cond`)
@@ -308,38 +203,8 @@ class DecodeScheduler:
         on_device = self.kv is not None and self.kv.device[0] != "cpu"
         return DEVICE_PREFILL_POSITIONS if on_device else PREFILL_POSITIONS
 
-    def _kv_slots(self) -> KvSlots | None:
-        """The model's KV slot pool, allocated now, so that its memory is known at start
-        (None: the model has no graphs over slots, or `kv_slots` is 0). Whether it has
-        them by default is the model load's to say, for its device."""
-        masked = self.model.masked
-        wanted = self.options.kv_slots
-        if masked is None or masked.slots is None or wanted == 0:
-            return None
-        count = wanted if wanted is not None else self.lanes * self.options.max_rows
-        # A CUDA graph's capture forbids other threads' device allocations meanwhile: the
-        # steps replay graphs where one lane runs the model.
-        pool = masked.slots.pool(count, graphs=self.lanes == 1)
-        log.info(
-            "KV slots: %d x %.1f MiB = %.1f MiB (%d positions, %d source positions each)%s",
-            count,
-            masked.slots.slot_bytes() / 2**20,
-            pool.bytes / 2**20,
-            pool.shape.capacity,
-            pool.shape.source_capacity,
-            "; greedy steps replay CUDA graphs" if pool.graphed is not None else "",
-        )
-        return pool
-
     def _new_batch(self) -> DecodeBatch:
-        masked = self.model.masked
-        if masked is None:
-            return LockstepBatch(self.model)
-        if self.kv is not None:
-            return SlotBatch(self.model, masked, self.kv, self.options.lookahead_positions)
-        if masked.inplace is not None and self.options.inplace_attention is not False:
-            return InPlaceBatch(self.model, masked, self.options.lookahead_positions)
-        return ContinuousBatch(self.model, masked, self.options.lookahead_positions)
+        return new_batch(self.model, self.options, self.kv)
 
     # -- API (any thread) ---------------------------------------------------------------
 

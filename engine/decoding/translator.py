@@ -86,7 +86,7 @@ class Translator:
         `DeviceUnavailable` where it cannot run). `fp16`: the `*_fp16.onnx` files
         (`nmt-incremental models fp16`), for a GPU. `cuda_graphs`: greedy steps over KV
         slots replay CUDA graphs (None: on a CUDA device, with one lane;
-        `engine.model.graphed`)."""
+        `engine.model.kv.slots.graphed`)."""
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelLoadError(f"{path}: not a model directory")

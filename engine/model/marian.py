@@ -24,7 +24,8 @@ class MarianOnnx:
 
     `decoder` holds the decoder's calls (one class per layout, `engine.model.layouts`);
     `masked` is the rewritten decoder whose rows each have their own length (continuous
-    batching), None when the model batches in lockstep.
+    batching), None when the model batches in lockstep; `backend` the KV backend chosen
+    at load (`engine.model.backend`), `kv` its own graphs.
     """
 
     def __init__(self, model_dir: Path, config: ModelConfig, options: RuntimeOptions) -> None:
@@ -40,6 +41,9 @@ class MarianOnnx:
         self.files = loaded.files  # by role: encoder, no_past, with_past
         self.split_at_load = loaded.split_at_load  # the merged file's branches run apart
         self.float_type = loaded.float_type
+        # The KV backend chosen at load, and why (`engine.model.backend`), with its graphs.
+        self.backend = loaded.backend
+        self.kv = loaded.kv
 
     @property
     def int8_activations(self) -> str | None:
@@ -59,7 +63,7 @@ class MarianOnnx:
     def batching(self) -> str:
         """How requests share decoder calls: `continuous` (rows join and leave at any
         step: the rewritten decoder) or `lockstep` (rows that start together)."""
-        return "continuous" if self.masked is not None else "lockstep"
+        return self.backend.batching
 
     def encode(self, input_ids: IntArray, attention_mask: IntArray) -> EncoderOutput:
         """Run the encoder for a (padded) batch of sources: in one call, or, for int8 per

@@ -91,7 +91,7 @@ PER_TOKEN_KEY = "nmt_incremental.int8_per_token"
 """Metadata of a rewritten graph: "1" when every activation quantization is per token."""
 
 
-# -- KV slots (`engine.model.passes.slots`) ------------------------------------------------
+# -- KV slots (`engine.model.kv.slots.rewrite`) ------------------------------------------------
 
 SLOT_ROWS = "kv_slot_ids"
 """[rows] int64: the KV slot of each row of a slot-graph call."""
@@ -111,7 +111,7 @@ NEXT_SCORES = "next_token_scores"
 """[B, T] float32: the log-probability of `NEXT_IDS`."""
 
 
-# -- self-attention in place (`engine.model.passes.inplace`) -------------------------------
+# -- self-attention in place (`engine.model.kv.inplace.rewrite`) -------------------------------
 
 SEQLENS_INPUT = "self_kv_lengths"
 """[B] int32: each row's self-attention positions before the step's (where its new one is

@@ -56,19 +56,17 @@ class RuntimeOptions:
     # lanes idle): all the model's cores, as a session of its own when more than
     # `head_threads` (`MaskedDecoder.step`'s `alone`).
     alone_head_threads: int | None = None
-    # Whether to build the decoder's graphs over KV slots (`engine.model.slots`): None, on a
-    # GPU only, where the scheduler uses them by default (`SchedulerOptions.kv_slots`);
-    # on the CPU they cost a rewrite and three sessions that would go unused.
+    # The KV backend asked for (`engine.model.backend.select_backend`, the one place it is
+    # chosen): `kv_slots`, a pool of KV slots; `inplace_attention`, the state in lane
+    # buffers extended in place. None: the device's default (slots on a GPU, in place on
+    # the CPU); False: not that one.
     kv_slots: bool | None = None
-    # Whether to build the step with self-attention in place (`passes.inplace`): None, on
-    # the CPU, where the scheduler's continuous batches use it (`SchedulerOptions`
-    # `inplace_attention`); a GPU keeps its state in KV slots instead.
     inplace_attention: bool | None = None
     int8_per_token: bool = True
     device_id: int = 0
     # Where ONNX Runtime writes each session's profile (a file prefix; None: no profile).
     profile: str | None = None
-    # Whether greedy steps over KV slots replay CUDA graphs (`engine.model.graphed`): None,
+    # Whether greedy steps over KV slots replay CUDA graphs (`engine.model.kv.slots.graphed`): None,
     # on a CUDA device. True on the CPU runs the same fixed-shape buckets uncaptured.
     cuda_graphs: bool | None = None
     # One CPU arena for all the process's sessions rather than one each
@@ -102,6 +100,14 @@ def parse_device(device: str) -> tuple[str, int]:
     if kind != "cuda" or (index and not index.isdigit()):
         raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N")
     return ("cuda", int(index or 0))
+
+
+def device_of(options: RuntimeOptions) -> tuple[str, int]:
+    """Where the model's buffers live: ("cuda", N) with the CUDA provider first, else the
+    host."""
+    if options.providers and options.providers[0] == CUDA:
+        return ("cuda", options.device_id)
+    return ("cpu", 0)
 
 
 def device_options(device: str) -> dict[str, Any]:
@@ -141,10 +147,9 @@ def shared_cpu_arena() -> bool:
 
     Why: each session's own arena keeps the largest blocks it ever served, for its life,
     so the model's eight or so sessions (encoder, bodies, projections) each held their
-    own peak; shared, they hold the peak of what runs at once. On a 32-stream
-    `examples/benchmarks/capacity.py` run RSS grew 8.3 MiB per stream with one arena each
-    (the projection already bounded, `HEAD_POSITIONS`), 2.8-3.8 shared; arenas turned off
-    instead, glibc kept more (docs/performance.md, memory under load)."""
+    own peak; shared, they hold the peak of what runs at once: RSS under load grows about
+    a third as much; arenas turned off instead, glibc kept more (docs/performance.md,
+    memory under load)."""
     with _shared_arena_lock:
         if not _shared_arena:
             try:
@@ -213,7 +218,7 @@ def open_session(
 ) -> ort.InferenceSession:
     """A session of a file (its path as a string) or a serialised graph; `per_token`: a
     graph whose int8 activations are quantized per token (see `PER_TOKEN_FUSIONS_OFF`);
-    `graph_capture`: runs may capture and replay CUDA graphs (`engine.model.graphed`)."""
+    `graph_capture`: runs may capture and replay CUDA graphs (`engine.model.kv.slots.graphed`)."""
     session = ort.InferenceSession(
         graph,
         session_options(options, threads),
@@ -224,7 +229,7 @@ def open_session(
         # ONNX Runtime's Python session keeps a serialised graph for as long as it lives,
         # to open itself again on another provider if one fails at run time (its own
         # comment calls that holding the memory indefinitely): the rewritten decoder's
-        # graphs are hundreds of MiB. Here a failing provider raises instead.
+        # graphs are as large as the model. Here a failing provider raises instead.
         session.disable_fallback()
         session._model_bytes = None
     return session

@@ -3,9 +3,9 @@ has ended, and after lone decodes that follow it.
 
 A captioning node sees bursts (a meeting starts, a room fills) and then quiet. Each of
 the scheduler's lanes keeps its self- and cross-attention state in buffers updated in
-place (`engine/decoding/inplace_batch.py`): rows that leave give their pages back, so the
+place (`engine/model/kv/inplace/rows.py`): rows that leave give their pages back, so the
 buffers' memory comes down to the rows a lane runs once the burst is over (rows past the
-most a lane held in the last `RELEASE_AFTER` seconds or two, `engine/decoding/inplace_batch.py`).
+most a lane held in the last `RELEASE_AFTER` seconds or two, `engine/model/kv/inplace/rows.py`).
 Before that, a lane kept resident every page its rows had written: the most rows it ever
 ran, at the most positions any of them reached, for the life of the process. This loads
 the model, warms it with one decode, then runs `--burst` decodes of `--tokens` forced
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import engine
     from engine import DecodeOptions, Translator
-    from engine.decoding.inplace_batch import RELEASE_AFTER
+    from engine.model.kv.inplace.rows import RELEASE_AFTER
 
     quiet = 2 * RELEASE_AFTER + 1 if args.quiet is None else args.quiet
 

@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-inplace-attention",
         action="store_true",
         help="self-attention keys and values copied at every step (default: extended in "
-        "place, engine/decoding/inplace_batch.py)",
+        "place, engine/model/kv/inplace/rows.py)",
     )
     parser.add_argument(
         "--lookahead-positions",

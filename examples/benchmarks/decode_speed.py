@@ -66,7 +66,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # The decoder state in KV slots (`--kv-slots`; on the CPU the default copies it per step).
     "ours int8 slots": {"engine": "ours", "quantized": True, "use_cache": True, "kv_slots": 64},
     # Self-attention's keys and values copied at every step (`--no-inplace-attention`), as
-    # before the default extended them in place (`engine.decoding.inplace_batch`).
+    # before the default extended them in place (`engine.model.kv.inplace.rows`).
     "ours int8 copied": {
         "engine": "ours",
         "quantized": True,

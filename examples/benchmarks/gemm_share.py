@@ -126,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine import Translator
     from engine.decoding.scheduler import SchedulerOptions
-    from engine.model.layouts import HEAD_POSITIONS, EncoderOutput, MaskedDecoder, RowLogits
+    from engine.model.layouts import EncoderOutput
+    from engine.model.logits import HEAD_POSITIONS, RowLogits
     from engine.model.marian import MarianOnnx
+    from engine.model.masked import MaskedDecoder
 
     one = SchedulerOptions(lanes=1, threads_per_lane=1, head_threads=1)
     translator = Translator.from_dir(args.model, quantized=True, scheduler=one)

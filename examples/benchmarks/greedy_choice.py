@@ -6,7 +6,7 @@ banned tokens, and eos below the minimum length, excluded) and its log-probabili
 searches take it from the logits in NumPy (`engine.decoding.search._greedy_choice`: a
 few passes over the vocabulary in one buffer kept per thread); the KV-slot graphs compute
 it where the model runs and return two numbers a position instead of the logits
-(`engine.model.passes.slots._greedy_outputs`, the same float32 operations). On a GPU
+(`engine.model.kv.slots.rewrite._greedy_outputs`, the same float32 operations). On a GPU
 that saves moving the logits to the host; on the CPU the logits are already in memory,
 and what counts is which passes over them are faster. A third way is the token alone
 (`_greedy_token`, `DecodeOptions.scores` False: the argmax of the logits as they are, one
@@ -39,8 +39,8 @@ from step_anatomy import median_ms  # noqa: E402
 
 from engine.decoding.search import DecodeOptions, _greedy_choice, _greedy_token  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.kv.slots.rewrite import _Builder, _greedy_outputs  # noqa: E402
 from engine.model.names import BAN_EOS, LOGITS, NEXT_IDS, NEXT_SCORES  # noqa: E402
-from engine.model.passes.slots import _Builder, _greedy_outputs  # noqa: E402
 
 DEFAULT_MODEL = REPO_ROOT / ".cache" / "benchmark-model" / "onnx"
 

@@ -1,6 +1,6 @@
 """What self-attention in place saves a step: the engine's rewritten with-past step
 (`engine.model.passes.masks`, int8 per token) against the same graph with its
-self-attention in place (`engine.model.passes.inplace`), whole graphs, no Python around.
+self-attention in place (`engine.model.kv.inplace.rewrite`), whole graphs, no Python around.
 
 The ordinary step takes every row's past keys and values and returns them one position
 longer (`Concat`: the whole state copied into new arrays at every step). The one in place
@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO_ROOT))
+    from engine.model.kv.inplace.rewrite import rewrite_inplace
     from engine.model.load import load_batched_decoder
-    from engine.model.passes.inplace import rewrite_inplace
 
     pair = load_batched_decoder(args.model, quantized=not args.fp32, check=False, per_token=True)
     if pair is None:

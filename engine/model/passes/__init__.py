@@ -7,6 +7,9 @@ or None with a logged reason when the graph is not of a shape it knows.
 - `head`: a decoder cut at its vocabulary projection (run on threads of its own);
 - `graph`: what they share (loading, a view of producers, consumers and constants).
 
+Each KV backend's own rewrites live in its package (`engine.model.kv.inplace.rewrite`,
+`engine.model.kv.slots.rewrite`).
+
 The loader (`engine.model.load`) applies them and `engine.model.checks` compares the result
 with the original before anything runs it.
 """

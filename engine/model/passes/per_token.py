@@ -24,7 +24,7 @@ rewritten matmul runs without it and corrects for it, exactly in int32:
 inside the matmul where it can be (`correction_rows`): the values get a few more columns,
 each the token's zero point (the activations padded with zeros, which quantize to it), and
 the weights as many rows, which hold `-colsum(w - wz)` cut into pieces of the weights' type
-(4-6% more rows on the benchmark model: OPUS-MT's sizes, random weights). A multiply and a
+(a few percent more rows: docs/performance.md#figures-behind-the-codes-choices). A multiply and a
 subtraction over the whole output (two more passes per matmul) become part of the matmul.
 Where the pieces cannot fit (uint8 weights with zero point 0), the column sums are an int32
 initializer and the correction is subtracted after.
@@ -481,7 +481,7 @@ def per_token(model: onnx.ModelProto) -> PerToken:
         graph.node.extend(nodes)
         graph.initializer.extend(added[id(graph)])
     # The widened copies replace their weights: drop those no node reads any more, or
-    # the serialised graph carries both (55 of 145 MiB on OPUS-MT's decoder).
+    # the serialised graph carries both (a third more bytes: docs/performance.md).
     read = {name for graph in graphs for node in graph.node for name in node.input}
     read |= {output.name for graph in graphs for output in graph.output}
     for graph in graphs:

@@ -23,7 +23,7 @@ check of padding and buckets, which a GPU then only replays.
 
 A capture records one thread's kernels on the session's stream, and CUDA forbids other
 threads' allocations meanwhile: the scheduler uses graphs with one lane only
-(`Scheduler._kv_slots`).
+(`engine.decoding.backends.open_pool`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 
+from engine.model.kv.slots.rewrite import SlotShape
 from engine.model.layouts import FloatArray, IntArray
 from engine.model.names import (
     BAN_EOS,
@@ -50,7 +51,6 @@ from engine.model.names import (
     SLOT_ROWS,
     slot_names,
 )
-from engine.model.passes.slots import SlotShape
 
 log = logging.getLogger(__name__)
 

@@ -1,18 +1,19 @@
-"""A continuous batch whose self-attention keys and values stay where they were written:
-one buffer per layer and kind, `[rows, heads, positions, head_dim]`, that each step reads
-and extends in place (`MaskedDecoder.step_in_place`, `engine.model.passes.inplace`).
+"""The KV backend whose self-attention keys and values stay where they were written: one
+buffer per layer and kind, `[rows, heads, positions, head_dim]`, that each step reads and
+extends in place (`engine.model.kv.inplace.steps.InPlaceSteps`, `engine.model.kv.inplace.rewrite`):
+`engine.model.backend.Backend.INPLACE`, the CPU's default.
 
-`ContinuousBatch` hands every row's keys and values to each step and gets them back one
-position longer: the graph copies the whole state into new arrays at every step, and a
-join pads and copies it again. Here row r of the batch is row r of the buffers, its
-positions first and its length its own, so:
+The copied backend (`engine.model.kv.copied`) hands every row's keys and values to
+each step and gets them back one position longer: the graph copies the whole state into
+new arrays at every step, and a join pads and copies it again. Here row r of the batch is
+row r of the buffers, its positions first and its length its own, so:
 
 - a step writes one position per row and copies nothing (and its rows are not padded to
   the longest: each row's attention reads its own positions);
 - a join copies only the newcomers' prefilled positions into the rows after the last;
 - a leave moves the rows after it down by their own positions only;
 - rows past the most the lane held over the last `RELEASE_AFTER` to twice that give their
-  pages back (`_release`), so that after a burst the buffers' memory comes down to the
+  pages back (`release_rows`), so that after a burst the buffers' memory comes down to the
   rows the lane runs, while steady load, whose rows leave and join again every turn,
   keeps them (a join into given-back pages costs it faulting them in again); an idle
   lane's thread wakes when its spans have passed (`quiet_in`) and gives back all but the
@@ -25,57 +26,43 @@ of `[rows, heads, sources, head_dim]` as wide as the longest source a row brough
 up to `SOURCE_STEP`), each row's source right-padded with mask 0, which attention ignores
 exactly. A join writes the newcomers' rows once; the state is not stacked again at every
 join, nor copied to be bound (the step binds views of the buffers' first rows).
-Drafts are verified in the prefill as in `ContinuousBatch`, and re-aligned drafts in a
-step (lookahead) for a lone row only: `GroupQueryAttention` refuses several new tokens per
-row for several rows, and a lone row is where a saved step is worth the most
-(`LOOKAHEAD_POSITIONS`). A rejected token's position is simply written again.
-Rows equal decoding alone over the same graphs: each row's attention reads its own
-positions only.
+Re-aligned drafts are verified in a step (lookahead) for a lone row only:
+`GroupQueryAttention` refuses several new tokens per row for several rows, and a lone row
+is where a saved step is worth the most (`LOOKAHEAD_POSITIONS`). A rejected token's
+position is simply written again. Rows equal decoding alone over the same graphs: each
+row's attention reads its own positions only.
 """
 
 from __future__ import annotations
 
 import mmap
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from engine.decoding.batch import (
-    LOOKAHEAD,
-    ContinuousBatch,
-    Member,
-    StateBytes,
-    _position_bytes,
-    _Slots,
-    _source_width,
-    _spanned,
-)
-from engine.decoding.search import Search
-from engine.model.layouts import (
-    EncoderOutput,
-    FloatArray,
-    InPlaceBinding,
-    IntArray,
-    MaskedDecoder,
-)
+from engine.model.kv.arrays import RowState, position_bytes, prefilled, source_width, spanned
+from engine.model.kv.base import KvBackend, Newcomer, Output, Owner, Prefill, StateBytes
+from engine.model.kv.inplace.steps import InPlaceBinding, InPlaceSteps
+from engine.model.layouts import EncoderOutput, FloatArray, IntArray
 from engine.model.marian import MarianOnnx
+from engine.model.masked import MaskedDecoder
 
 INITIAL_ROWS = 4
 """Rows of a lane's first buffers; they double when the batch outgrows them."""
 
 
-def _zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
+def mapped_zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
     """A zeroed array whose pages the kernel maps as they are written, in pages of 4 KiB,
-    private to the process (`_release` can hand them back).
+    private to the process (`release_rows` can hand them back).
 
     Why not `np.zeros`: NumPy advises huge pages for large arrays, and a buffer of
     `[rows, heads, positions, head_dim]` is written a few positions per head at a time:
-    with 2 MiB pages the first position of each head made the whole buffer resident (a
-    32-stream `capacity.py` run grew 300 MiB instead of 100)."""
+    with huge pages the first position of each head made the whole buffer resident
+    (docs/performance.md#figures-behind-the-codes-choices)."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     private = getattr(mmap, "MAP_PRIVATE", None)
     if private is None:  # no POSIX flags (Windows): an anonymous map as the platform makes it
@@ -89,15 +76,14 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:
     return array.reshape(shape)
 
 
-def _release(buffer: FloatArray, begin: int, end: int) -> None:
-    """Give rows [begin, end) of a `_zeros` buffer back to the kernel, in whole pages:
+def release_rows(buffer: FloatArray, begin: int, end: int) -> None:
+    """Give rows [begin, end) of a `mapped_zeros` buffer back to the kernel, in whole pages:
     they take no memory until written again, and read as zeros. A no-op for other arrays
     or where the platform cannot.
 
-    Why: rows leave a lane's buffers from the end (`InPlaceBatch._select`), and the pages
+    Why: rows leave a lane's buffers from the end (`InPlaceKv._select`), and the pages
     they wrote stayed resident: a lane's buffers held the memory of the most rows it ever
-    ran, each at the most positions any of its rows reached (up to 12 MiB a row at
-    OPUS-MT's sizes), not of the rows it runs."""
+    ran, each at the most positions any of its rows reached, not of the rows it runs."""
     advice = getattr(mmap, "MADV_DONTNEED", None)
     base: Any = buffer.base
     while base is not None and not isinstance(base, mmap.mmap):  # array -> memoryview -> map
@@ -119,9 +105,9 @@ RELEASE_AFTER = 5.0
 rows past the most it held in the last one or two such spans give their pages back.
 
 Why not at once: under steady load rows leave and join a lane every turn, and a join into
-given-back pages faults them in again (about 0.8 ms a row at OPUS-MT's sizes against 34
-us into resident ones; 2-core AMD EPYC Zen 5): given back at every leave, a 56-stream
-`capacity.py` run answered 3-4% fewer partials with no less memory."""
+given-back pages faults them in again, far slower than a join into resident ones: given
+back at every leave, a loaded `capacity.py` run answered fewer partials with no less
+memory (docs/performance.md#figures-behind-the-codes-choices)."""
 
 SOURCE_STEP = 16
 """Source positions the cross-attention buffers widen by at a time (`_reserve`)."""
@@ -137,24 +123,20 @@ class _Rows:
     """The batch's rows apart from their keys and values: views of the first rows of the
     lane's buffers (the encoder mask and cross-attention keys and values, each row's
     source right-padded to the buffers' width with mask 0), made when rows join or leave
-    so that a step binds the same arrays as the last; each row's positions so far and its
-    next token."""
+    so that a step binds the same arrays as the last; each row's positions so far."""
 
     enc: EncoderOutput
     cross_kv: tuple[FloatArray, ...]
     lengths: IntArray  # [rows]
-    next: IntArray  # [rows, 1]
 
 
-class InPlaceBatch(ContinuousBatch):
-    """`ContinuousBatch` over self-attention buffers updated in place (module docstring)."""
+class InPlaceKv(KvBackend):
+    """Rows' state in lane buffers updated in place (module docstring)."""
 
-    def __init__(
-        self, model: MarianOnnx, decoder: MaskedDecoder, lookahead_positions: int = 0
-    ) -> None:
-        if decoder.inplace is None:
-            raise ValueError("the model has no step with self-attention in place")
-        super().__init__(model, decoder, lookahead_positions)
+    def __init__(self, model: MarianOnnx, decoder: MaskedDecoder, steps: InPlaceSteps) -> None:
+        self.model = model
+        self.decoder = decoder
+        self.steps = steps
         config = model.config
         # A row's positions: the start token and at most the length limit's tokens.
         self.positions = min(config.max_length, config.max_position_embeddings)
@@ -189,15 +171,20 @@ class InPlaceBatch(ContinuousBatch):
         """The rows' written positions and real source positions (`live`); the buffers at
         the rows they hold now, over the whole position range and the widest source
         (kept while the lane is idle: pages never written are not resident: `reserved`)."""
-        held = _spanned(self._buffers) + _spanned(self._cross)
+        held = spanned(self._buffers) + spanned(self._cross)
         rows = self._rows
-        if rows is None or not self.searches:
+        if rows is None or not rows.lengths.size:
             return StateBytes(0, held)
-        live = int(rows.lengths.sum()) * _position_bytes(self._buffers)
-        live += int(rows.enc.attention_mask.sum()) * _position_bytes(self._cross)
+        live = int(rows.lengths.sum()) * position_bytes(self._buffers)
+        live += int(rows.enc.attention_mask.sum()) * position_bytes(self._cross)
         return StateBytes(live, held)
 
-    def _confirmed(self, confirmed: Sequence[tuple[int, int]]) -> None:
+    def lookahead_most(self, rows: int, budget: int) -> int:
+        """A lone row only: `GroupQueryAttention` refuses several new tokens per row for
+        several rows."""
+        return budget if rows == 1 else 0
+
+    def confirmed(self, confirmed: Sequence[tuple[int, int]]) -> None:
         """A lone row fed tokens ahead: the positions of those it confirmed are written
         (a rejected one's is simply written again by the next step)."""
         rows = self._rows
@@ -205,89 +192,100 @@ class InPlaceBatch(ContinuousBatch):
         for row, taken in confirmed:
             rows.lengths[row] += taken
 
-    def _keep(self, select: list[int], tokens: IntArray) -> None:
+    def keep(self, select: Sequence[int], owners: Sequence[Owner]) -> None:
         self._select(select)
-        rows = self._rows
-        assert rows is not None
-        rows.next = tokens
 
-    def schedule(self, joining: Sequence[Member], leaving: Collection[Search] = ()) -> list[Search]:
-        if self._logits is not None:
-            raise RuntimeError("schedule between execute and update")
-        select = self._without(leaving)
-        if select is not None:
-            self._select(select)
-        if not joining:
-            return []
-        ended, kept, slots = self._prefill(joining)
-        if not kept:
-            return ended
-        rows = self._rows if self.searches else None
+    def prefill(
+        self,
+        newcomers: Sequence[Newcomer],
+        enc: EncoderOutput,
+        ids: IntArray,
+        mask: IntArray,
+        *,
+        alone: bool,
+    ) -> Prefill:
+        needed = np.array([newcomer.start for newcomer in newcomers], dtype=np.int64)
+        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed, alone=alone)
+        return Prefill((enc, self_kv, cross_kv), logits=logits)
+
+    def join(
+        self,
+        prefill: Prefill,
+        select: Sequence[int],
+        lengths: IntArray,
+        owners: Sequence[Owner],
+    ) -> None:
+        """The newcomers' prefilled positions copied into the rows after the last."""
+        enc, self_kv, cross_kv = prefill.pending
+        slots = prefilled(enc, self_kv, cross_kv, select, lengths)
+        rows = self._rows if self._rows is not None and self._rows.lengths.size else None
         before = 0 if rows is None else len(rows.lengths)
         count = before + len(slots.lengths)
         mask = slots.enc.attention_mask
-        width = _source_width(mask)
+        width = source_width(mask)
         self._reserve(count, width, slots, before)
         for i, length in enumerate(slots.lengths.tolist()):
-            for buffer, prefilled in zip(self._buffers, slots.self_kv, strict=True):
-                buffer[before + i, :, :length] = prefilled[i, :, :length]
-        for buffer, prefilled in zip(self._cross, slots.cross_kv, strict=True):
-            buffer[before:count, :, :width] = prefilled[:, :, :width]
+            for buffer, written in zip(self._buffers, slots.self_kv, strict=True):
+                buffer[before + i, :, :length] = written[i, :, :length]
+        for buffer, written in zip(self._cross, slots.cross_kv, strict=True):
+            buffer[before:count, :, :width] = written[:, :, :width]
             buffer[before:count, :, width:] = 0
         self._mask[before:count, :width] = mask[:, :width]
         self._mask[before:count, width:] = 0
         if rows is not None:
-            lengths = np.concatenate([rows.lengths, slots.lengths])
-            tokens = np.concatenate([rows.next, slots.next])
+            held = np.concatenate([rows.lengths, slots.lengths])
         else:
-            lengths, tokens = slots.lengths.copy(), slots.next
-        self._rows = self._views(lengths, tokens)
-        self.searches = [*self.searches, *kept]
-        return ended
+            held = slots.lengths.copy()
+        self._rows = self._views(held)
 
-    def _views(self, lengths: IntArray, tokens: IntArray) -> _Rows:
+    def _views(self, lengths: IntArray) -> _Rows:
         """The rows' state: the buffers' first `len(lengths)` rows (contiguous, so bound
-        as they are), their lengths and next tokens."""
+        as they are) and their lengths."""
         count = len(lengths)
         # The step graphs take no encoder hidden states: an empty one keeps the shape's rows.
         hidden = np.zeros((count, 0, 0), dtype=self.model.float_type)
         enc = EncoderOutput(hidden, self._mask[:count])
-        return _Rows(enc, tuple(b[:count] for b in self._cross), lengths, tokens)
+        return _Rows(enc, tuple(b[:count] for b in self._cross), lengths)
 
-    def execute(self) -> None:
-        if not self.searches:  # nothing kept alive for an idle lane, the binding's arrays too
-            self._rows, self._ahead, self._bound = None, [], InPlaceBinding()
-            return
+    def release(self) -> None:
+        """Nothing kept alive for an idle lane, the binding's arrays too."""
+        self._rows, self._bound = None, InPlaceBinding()
+
+    def step(
+        self,
+        next_ids: IntArray,
+        ahead: Sequence[Sequence[int]],
+        *,
+        logits: bool,
+        alone: bool,
+    ) -> Output:
         rows = self._rows
         assert rows is not None
         count = len(rows.lengths)
-        self._ahead = self._look_ahead(
-            min(LOOKAHEAD, self.lookahead_positions) if count == 1 else 0
-        )
-        ids = rows.next
-        if self._ahead:  # one row: its next token and those it is expected to go on with
-            ids = np.array([[int(rows.next[0, 0]), *self._ahead[0]]], dtype=np.int64)
-        self._fed = int(ids.shape[1])
-        logits = self.decoder.step_in_place(
+        ids = next_ids[:, None]
+        if ahead:  # one row: its next token and those it is expected to go on with
+            ids = np.array([[int(next_ids[0]), *ahead[0]]], dtype=np.int64)
+        fed = int(ids.shape[1])
+        out = self.steps.step(
             rows.enc,
             ids,
             rows.lengths,
             [buffer[:count] for buffer in self._buffers],
             rows.cross_kv,
-            alone=self.alone,
+            alone=alone,
             bound=self._bound,
         )
-        self._logits = logits[:, None, :] if self._fed == 1 else logits
         rows.lengths = rows.lengths + 1
+        return out[:, None, :] if fed == 1 else out
 
-    def _reserve(self, count: int, width: int, joining: _Slots, held: int) -> None:
+    def _reserve(self, count: int, width: int, joining: RowState, held: int) -> None:
         """Buffers of at least `count` rows (doubling) and, for cross-attention, `width`
         source positions (widened by `SOURCE_STEP`s), one per array of the newcomers'
         state `joining` (their heads, head size and type); the first `held` rows kept."""
         rows = max(count, 2 * self.buffer_rows, INITIAL_ROWS)
         if count > self.buffer_rows:
             grown = tuple(
-                _zeros((rows, a.shape[1], self.positions, a.shape[3]), a.dtype)
+                mapped_zeros((rows, a.shape[1], self.positions, a.shape[3]), a.dtype)
                 for a in joining.self_kv
             )
             if held and self._rows is not None:
@@ -329,12 +327,12 @@ class InPlaceBatch(ContinuousBatch):
                 whole[first : order.size] = whole[sources]
         self._narrow(order.size)  # first: buffers it replaces need not give pages back
         self._give_back(order.size, len(lengths))
-        self._rows = self._views(lengths[order], rows.next[order])
+        self._rows = self._views(lengths[order])
 
     def _give_back(self, count: int, held: int) -> None:
         """After rows left (`held` -> `count`): the rows past the most this lane held in
         the last one or two spans of `RELEASE_AFTER` seconds give their pages back
-        (`_release`). The first row is always kept, so that a lone stream's next request
+        (`release_rows`). The first row is always kept, so that a lone stream's next request
         does not fault its row in again."""
         now = self.clock()
         previous, current = self._spans
@@ -348,14 +346,14 @@ class InPlaceBatch(ContinuousBatch):
         keep = max(previous, current, count, 1)
         if keep < self._resident:
             for whole in (*self._buffers, *self._cross):
-                _release(whole, keep, self._resident)
+                release_rows(whole, keep, self._resident)
             self._resident = keep
 
     def quiet_in(self) -> float | None:
         """An idle lane's rows past the first give their pages back two spans of
         `RELEASE_AFTER` after the span in which its last rows left began (`_give_back`:
         at least one span after they left)."""
-        if self.searches or self._resident <= 1:
+        if (self._rows is not None and self._rows.lengths.size) or self._resident <= 1:
             return None
         return self._span_began + 2 * RELEASE_AFTER - self.clock()
 
@@ -363,7 +361,7 @@ class InPlaceBatch(ContinuousBatch):
         """Give back the rows past the first (`_give_back` starts a new span before it
         releases, so a release that fails is tried again a quiet spell later, not in a
         loop)."""
-        if not self.searches:
+        if self._rows is None or not self._rows.lengths.size:
             self._give_back(0, 0)
 
     def _narrow(self, count: int) -> None:
@@ -374,7 +372,7 @@ class InPlaceBatch(ContinuousBatch):
         otherwise cost every later row of the lane."""
         if not count:
             return
-        need = _source_width(self._mask[:count])
+        need = source_width(self._mask[:count])
         if 2 * _widened(need) <= self._mask.shape[1]:
             self._relayout(need, count, self._cross)
 
@@ -384,7 +382,7 @@ class InPlaceBatch(ContinuousBatch):
         source positions rounded up (`_widened`); the first `held` rows' sources kept, as
         far as the new width goes (a narrowing keeps what those rows use)."""
         wide, rows = _widened(width), self.buffer_rows
-        cross = tuple(_zeros((rows, a.shape[1], wide, a.shape[3]), a.dtype) for a in like)
+        cross = tuple(mapped_zeros((rows, a.shape[1], wide, a.shape[3]), a.dtype) for a in like)
         mask = np.zeros((rows, wide), dtype=np.int64)
         if held:
             kept = min(wide, int(self._mask.shape[1]))

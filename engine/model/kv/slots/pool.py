@@ -26,8 +26,15 @@ from onnx import TensorProto
 
 from engine.model.checks import REWRITE_TOLERANCE
 from engine.model.config import ModelConfig
-from engine.model.graphed import GraphedSteps, bind_slot_buffers
-from engine.model.layouts import EncoderOutput, FloatArray, IntArray, MaskedDecoder
+from engine.model.kv.slots.graphed import GraphedSteps, bind_slot_buffers
+from engine.model.kv.slots.rewrite import (
+    SlotShape,
+    copy_graph,
+    rewrite_prefill,
+    rewrite_step,
+)
+from engine.model.layouts import EncoderOutput, FloatArray, IntArray
+from engine.model.masked import MaskedDecoder
 from engine.model.names import (
     BAN_EOS,
     COPY_POSITIONS,
@@ -45,13 +52,7 @@ from engine.model.names import (
     SLOT_SOURCES,
     slot_names,
 )
-from engine.model.passes.slots import (
-    SlotShape,
-    copy_graph,
-    rewrite_prefill,
-    rewrite_step,
-)
-from engine.model.sessions import RuntimeOptions, open_session
+from engine.model.sessions import RuntimeOptions, device_of, open_session
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class KvSlots:
     the same for one-token calls where the model has a faster graph for them (int8 per
     token); `copier`: `passes.slots.copy_graph`; `graphed`: the step as CUDA graphs
     replay it (`passes.slots.rewrite_step(..., graphed=True)`), which greedy steps then take
-    (`engine.model.graphed`), captured where `capture`: the pool then has one slot more,
+    (`engine.model.kv.slots.graphed`), captured where `capture`: the pool then has one slot more,
     the scratch slot that rows padding a bucket write into.
     `device`: ("cpu", 0) or ("cuda", N)."""
 
@@ -284,7 +285,7 @@ class SlotGraphs:
     def pool(self, slots: int, *, graphs: bool = True) -> KvSlots:
         """`slots` slots of this model's shape, allocated now; its greedy steps replay
         CUDA graphs where the model has them and `graphs` (one lane: see
-        `engine.model.graphed`)."""
+        `engine.model.kv.slots.graphed`)."""
         return KvSlots(
             self.shape,
             slots,
@@ -451,11 +452,3 @@ def _with_graphed_step(
         return opened
     log.info("%s: greedy steps replay CUDA graphs (capture %s)", where, capture)
     return graphed
-
-
-def device_of(options: RuntimeOptions) -> tuple[str, int]:
-    """Where the model's buffers live: ("cuda", N) with the CUDA provider first, else the
-    host."""
-    if options.providers and options.providers[0] == "CUDAExecutionProvider":
-        return ("cuda", options.device_id)
-    return ("cpu", 0)

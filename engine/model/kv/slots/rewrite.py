@@ -192,7 +192,7 @@ def _choose(b: _Builder, scores: str, ids: str, best: str, vocab: int) -> None:
     The maximum and its position are taken in two stages, over chunks of
     `ARGMAX_CHUNK` positions and then over the chunks: ONNX Runtime's CUDA `ArgMax`
     and `ReduceMax` over a whole vocabulary run in cuDNN, which reduced each row of 65k
-    logits serially: 4 ms of a 5 ms step at 16 rows on an H200 (docs/performance.md). A maximum
+    logits serially, most of a step's time on a GPU (docs/performance.md). A maximum
     is exact, so the two stages give the same maximum; the first chunk holding it and
     the first position in that chunk are its first position."""
     chunks = -(-vocab // ARGMAX_CHUNK)
@@ -505,7 +505,7 @@ def rewrite_step(
     (the reason logged) when its graph lacks the structure this module knows. `bans`:
     tokens never chosen; `eos`: the token `BAN_EOS` bans per row.
 
-    `graphed`: the graph CUDA graphs replay (`engine.model.graphed`): no control flow
+    `graphed`: the graph CUDA graphs replay (`engine.model.kv.slots.graphed`): no control flow
     (the eos ban without its `If`) and no logits output, only the greedy choice, whose
     values are those of the graph without `graphed`, bit for bit."""
     rewrite = partial(_rewrite, graphed=graphed)
