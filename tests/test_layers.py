@@ -20,6 +20,7 @@ LAYER_OF: dict[str, str] = {
     "engine.languages": "facts",
     "engine.replies": "facts",
     "engine.distribution": "facts",  # what the package ships, how it was installed
+    "engine.glossary": "facts",  # glossaries: parsing and matching, no model
     "engine.model": "model",
     "engine.decoding": "decoding",
     "engine.streaming": "streaming",
