@@ -44,6 +44,7 @@ import numpy as np
 
 from engine.decoding.backends import log_state, new_batch, open_pool, replays_cuda_graphs
 from engine.decoding.batch import DecodeBatch, Member
+from engine.decoding.constraints import Constraints, new_search
 from engine.decoding.options import DEVICE_PREFILL_POSITIONS, SchedulerOptions, Threads
 from engine.decoding.policy import (
     PREFILL_POSITIONS,
@@ -60,7 +61,6 @@ from engine.decoding.search import (
     Hypothesis,
     Search,
     StepHook,
-    make_search,
 )
 from engine.decoding.timeline import Answered, Step, Timeline
 from engine.model.kv.base import StateBytes
@@ -225,6 +225,7 @@ class DecodeScheduler:
         prefixes: Sequence[Sequence[int]] | None = None,
         hook: StepHook | None = None,
         drafts: Sequence[Sequence[int]] | None = None,
+        constraints: Sequence[Constraints] | None = None,
     ) -> list[Future[Hypothesis]]:
         """Queue each source of `enc` (after its forced prefix) as a request of its own;
         each future gets its answer. `enc`: the sources' states, or an `Encoding` whose
@@ -234,23 +235,27 @@ class DecodeScheduler:
         requests may be aborted (`abort`); raises `DecodingCancelled` at once when it was
         aborted already. `drafts`: tokens each row is expected to continue with (greedy
         only), verified in the prefill call when the batching is continuous; the result
-        is the same.
+        is the same. `constraints`: token sequences each row's output must hold (a
+        glossary's matched targets, `engine.decoding.constraints`); none: the plain search.
         """
         prefixes = prefixes if prefixes is not None else [[] for _ in range(enc.batch_size)]
         drafts = drafts if drafts is not None else [[] for _ in range(enc.batch_size)]
-        if not len(prefixes) == len(drafts) == enc.batch_size:
-            raise ValueError("one prefix (and draft) per source is needed")
+        constraints = constraints if constraints is not None else [()] * enc.batch_size
+        if not len(prefixes) == len(drafts) == len(constraints) == enc.batch_size:
+            raise ValueError("one prefix (and draft and constraints) per source is needed")
         if isinstance(enc, Encoding) and enc.encoded is not None:
             enc = enc.encoded
         requests = [
             Request(
-                make_search(self.model.config, prefix, options, hook, draft),
+                new_search(self.model.config, prefix, options, hook, draft, terms),
                 enc,
                 row,
                 Priority(priority),
                 request_id,
             )
-            for row, (prefix, draft) in enumerate(zip(prefixes, drafts, strict=True))
+            for row, (prefix, draft, terms) in enumerate(
+                zip(prefixes, drafts, constraints, strict=True)
+            )
         ]
         with self._submitting():
             self._policy.add(requests)

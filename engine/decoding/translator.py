@@ -9,23 +9,29 @@ exactly.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from engine.decoding.constraints import Constraints
 from engine.decoding.policy import Priority, RequestId
 from engine.decoding.requests import Encoding
 from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
 from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
+from engine.decoding.terms import TermTokens
 from engine.errors import InputTooLongError, ModelLoadError
+from engine.glossary import Glossary
 from engine.languages import word_joiner
 from engine.model.config import ModelConfig
 from engine.model.layouts import EncoderOutput
 from engine.model.marian import MarianOnnx
 from engine.model.sessions import RuntimeOptions, device_options, threads_from_env
 from engine.model.tokenizer import MarianTokenizer
+
+_NONE = Glossary("en", "en", ())  # no glossary, not even the translator's
 
 _SENTENCE_END = re.compile(r"(?<=[.!?。！？；;])\s*")
 _CLAUSE_END = re.compile(r"(?<=[,，、:：])\s*")
@@ -46,6 +52,9 @@ class Translator:
 
     Every encoder and decoder call goes through the model's one `DecodeScheduler`, so
     calls from many threads (streams, offline batches) share decoder steps.
+
+    `glossary`: terms every translation places (`translate`'s own `glossary` wins);
+    checked against the model's languages and vocabulary when set (`GlossaryError`).
     """
 
     def __init__(
@@ -53,11 +62,54 @@ class Translator:
         model: MarianOnnx,
         tokenizer: MarianTokenizer,
         scheduler: SchedulerOptions | None = None,
+        *,
+        glossary: Glossary | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config: ModelConfig = model.config
         self.scheduler = DecodeScheduler(model, scheduler)
+        self.terms = TermTokens(tokenizer, self.config.source_lang, self.config.target_lang)
+        self._glossary: Glossary | None = None
+        self.glossary = glossary
+        self._renderings: dict[str, str] = {}
+        self._renderings_lock = threading.Lock()
+
+    @property
+    def glossary(self) -> Glossary | None:
+        return self._glossary
+
+    @glossary.setter
+    def glossary(self, glossary: Glossary | None) -> None:
+        if glossary is not None:
+            self.terms.check(glossary)
+        self._glossary = glossary
+
+    def constraints(
+        self, text: str, glossary: Glossary | None = None, *, partial: bool = False
+    ) -> Constraints:
+        """What `text`'s glossary terms require of its translation (`glossary`, else the
+        translator's; checked against the model when it is not the translator's)."""
+        chosen = glossary if glossary is not None else self._glossary
+        if chosen is not None and chosen is not self._glossary:
+            self.terms.check(chosen)
+        return tuple(
+            self.terms.constraint(term.target, self.rendering(term.source))
+            for term in self.terms.matched(chosen, text, partial=partial)
+        )
+
+    def rendering(self, source: str) -> str:
+        """The model's own translation of a term's source, alone (greedy, cached): where
+        the model starts writing it in a sentence is where a constrained greedy search
+        writes the term instead (`engine.decoding.constraints`). One short decode the
+        first time a term is matched."""
+        with self._renderings_lock:
+            found = self._renderings.get(source)
+        if found is None:
+            found = self.translate([source], DecodeOptions(scores=False), glossary=_NONE)[0].text
+            with self._renderings_lock:
+                self._renderings[source] = found
+        return found
 
     def close(self) -> None:
         """Stop the scheduler thread (requests after this raise `SchedulerClosed`)."""
@@ -166,13 +218,15 @@ class Translator:
         drafts: Sequence[Sequence[int]] | None = None,
         priority: Priority = Priority.FINAL,
         request_id: RequestId | None = None,
+        constraints: Sequence[Constraints] | None = None,
     ) -> list[Hypothesis]:
         """Run a search for each source of `enc` through the scheduler and wait for them.
         `enc`: the sources' states, or an `Encoding` (`encoding`) encoded on the way.
 
         `priority`: partials wait behind finals and offline calls. `request_id`: makes
         the searches abortable (`abort`), which raises `DecodingCancelled` here. `drafts`:
-        expected continuations to verify in one call (see `DecodeScheduler.submit`)."""
+        expected continuations to verify in one call (see `DecodeScheduler.submit`).
+        `constraints`: per source, target ids its output must hold (`constraints`)."""
         futures = self.scheduler.submit(
             enc,
             options,
@@ -181,6 +235,7 @@ class Translator:
             prefixes=prefixes,
             hook=hook,
             drafts=drafts,
+            constraints=constraints,
         )
         return [future.result() for future in futures]
 
@@ -200,8 +255,11 @@ class Translator:
         options: DecodeOptions = DecodeOptions(),
         *,
         prefixes: Sequence[Sequence[int]] | None = None,
+        glossary: Glossary | None = None,
     ) -> list[TranslationResult]:
         """Translate a batch of sources; an empty (blank) source translates to ''.
+        `glossary`: its terms matched in a source are placed in its translation (default:
+        the translator's `glossary`); a source with none is translated as without.
 
         Raises `InputTooLongError` for a source longer than the model's positions; use
         `translate_long` to split such text into sentences.
@@ -215,7 +273,15 @@ class Translator:
             sources = [self.source_ids(texts[i].strip()) for i in todo]
             enc = self.encoding(sources)
             chosen = [list(prefixes[i]) for i in todo] if prefixes is not None else None
-            for i, hyp in zip(todo, self.decode(enc, options, prefixes=chosen), strict=True):
+            terms = (
+                [()] * len(todo)
+                if glossary is _NONE
+                else [self.constraints(texts[i].strip(), glossary) for i in todo]
+            )
+            hyps = self.decode(
+                enc, options, prefixes=chosen, constraints=terms if any(terms) else None
+            )
+            for i, hyp in zip(todo, hyps, strict=True):
                 results[i] = TranslationResult(
                     self.detokenize(hyp.token_ids), hyp.token_ids, hyp.score, hyp.finished
                 )
@@ -243,13 +309,17 @@ class Translator:
         return self.split_long(sep.join(words[:half])) + self.split_long(sep.join(words[half:]))
 
     def translate_long(
-        self, text: str, options: DecodeOptions = DecodeOptions()
+        self,
+        text: str,
+        options: DecodeOptions = DecodeOptions(),
+        *,
+        glossary: Glossary | None = None,
     ) -> TranslationResult:
         """Translate text of any length by splitting it where `split_long` says."""
         parts = self.split_long(text)
         if not parts:
             return TranslationResult("", (), 0.0)
-        results = self.translate(parts, options)
+        results = self.translate(parts, options, glossary=glossary)
         joiner = word_joiner(self.config.target_lang)
         return TranslationResult(
             joiner.join(r.text for r in results),

@@ -167,6 +167,10 @@ class MarianTokenizer:
         ids.append(self.eos_id)
         return ids
 
+    def target_pieces(self, text: str) -> list[str]:
+        """Target-side pieces of `text` (a glossary names the ones the vocabulary lacks)."""
+        return self._pieces(text, self.target)
+
     def encode_target(self, text: str) -> list[int]:
         """Target-side ids (no eos), e.g. to force a known translation prefix."""
         return [self.vocab.get(p, self.unk_id) for p in self._pieces(text, self.target)]

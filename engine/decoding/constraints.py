@@ -1,0 +1,346 @@
+"""Lexical constraints: token sequences (a glossary's matched targets) that must appear in a
+search's output, in a place the model chooses.
+
+- **Beam**: dynamic beam allocation (Post and Vilar 2018): each step's candidates are each
+  row's best tokens plus, for every row, the next token of every constraint it has not
+  met; they are grouped into banks by how many constraint tokens they have met, and the
+  beam is filled from the banks in turn, fullest first, best score first within a bank,
+  so that hypotheses that placed more of the terms are not crowded out by the model's
+  preference for its own words. Eos only ends a hypothesis that met every constraint.
+- **Greedy** (`ConstrainedGreedy`): one row, so a term is placed where the model comes
+  closest to starting it: the row starts a pending term when the term's first token is
+  within `START_MARGIN` (log-probability) of the model's best token, when the model's
+  best token is the term's own first token, when the model would end (eos) with the
+  term still pending, or when the room left is what the pending terms need; once
+  started, the term's tokens are forced to its end. The margin's figures are in
+  docs/glossaries.md.
+
+Without constraints neither class is used (`new_search`): a search with no matched term
+is the plain one, bit for bit. A forced prefix (the stable text) that already holds a
+term meets it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from engine.decoding.search import (
+    BeamSearch,
+    DecodeOptions,
+    Extension,
+    GreedySearch,
+    Search,
+    StepHook,
+    make_search,
+)
+from engine.model.config import ModelConfig
+from engine.model.layouts import FloatArray
+
+
+class Constraint(NamedTuple):
+    """A term's target ids inside a sentence (`tokens`) and at its start (`initial`,
+    where a tokenizer marks the start: Chinese pieces), and `cues`: the first ids of the
+    model's own rendering of the term's source (where the greedy search puts the term
+    instead)."""
+
+    tokens: tuple[int, ...]
+    cues: frozenset[int] = frozenset()
+    initial: tuple[int, ...] = ()
+
+    @property
+    def forms(self) -> Terms:
+        if self.initial and self.initial != self.tokens:
+            return (self.tokens, self.initial)
+        return (self.tokens,)
+
+
+Constraints = tuple[Constraint, ...]
+Terms = tuple[tuple[int, ...], ...]
+
+START_MARGIN = 3.0
+"""Greedy: a pending term starts where its first token's log-probability is within this of
+the best token's (docs/glossaries.md: placement and chrF outside the terms by margin)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Which terms a row has met, and the form of one it is in the middle of (`active`,
+    `pos` tokens of it written), as in Hokamp and Liu's grid / Post and Vilar's banks.
+    A term may be written in either of its forms (`Constraint.forms`)."""
+
+    forms: Terms  # every form of every term
+    term: tuple[int, ...]  # each form's term
+    initial: tuple[bool, ...]  # each form: a sentence-start form (written first only)
+    met: tuple[bool, ...]  # per term
+    active: int = -1  # a form
+    pos: int = 0
+
+    @classmethod
+    def start(cls, constraints: Constraints, tokens: Sequence[int] = ()) -> Progress:
+        forms = [(i, f, form) for i, c in enumerate(constraints) for f, form in enumerate(c.forms)]
+        state = cls(
+            tuple(form for _, _, form in forms),
+            tuple(i for i, _, _ in forms),
+            tuple(f > 0 for _, f, _ in forms),
+            (False,) * len(constraints),
+        )
+        for at, token in enumerate(tokens):
+            state = state.advance(token, at == 0)
+        return state
+
+    @property
+    def done(self) -> bool:
+        return all(self.met)
+
+    @property
+    def count(self) -> int:
+        """Terms met, and tokens of the one being written: the bank of a hypothesis
+        (in units of tokens: a met term counts as its first form's length)."""
+        lengths: dict[int, int] = {}
+        for form, term in zip(self.forms, self.term, strict=True):
+            lengths.setdefault(term, len(form))
+        written = sum(lengths[i] for i, met in enumerate(self.met) if met)
+        return written + (self.pos if self.active >= 0 else 0)
+
+    def pending(self) -> list[int]:
+        return [i for i, met in enumerate(self.met) if not met]
+
+    def _opens(self, f: int, at_start: bool) -> bool:
+        """Whether form `f` may begin here: its term pending, a sentence-start form at
+        the start only."""
+        return not self.met[self.term[f]] and (at_start or not self.initial[f])
+
+    def wanted(self, at_start: bool = False) -> list[int]:
+        """Tokens that would advance it: the active form's next one, else the first of
+        every pending term's forms that may begin here."""
+        if self.active >= 0:
+            return [self.forms[self.active][self.pos]]
+        return [form[0] for f, form in enumerate(self.forms) if self._opens(f, at_start)]
+
+    def next_token(self) -> int:
+        """The active form's next token (a form is being written)."""
+        return self.forms[self.active][self.pos]
+
+    def _meet(self, term: int) -> Progress:
+        met = list(self.met)
+        met[term] = True
+        return Progress(self.forms, self.term, self.initial, tuple(met))
+
+    def advance(self, token: int, at_start: bool = False) -> Progress:
+        """The state after `token` (`at_start`: the output's first token)."""
+        if self.active >= 0:
+            form = self.forms[self.active]
+            if form[self.pos] == token:
+                if self.pos + 1 < len(form):
+                    return Progress(
+                        self.forms, self.term, self.initial, self.met, self.active, self.pos + 1
+                    )
+                return self._meet(self.term[self.active])
+        for f, form in enumerate(self.forms):  # not active, or the active form broke off
+            if self._opens(f, at_start) and form[0] == token:
+                if len(form) == 1:
+                    return self._meet(self.term[f])
+                return Progress(self.forms, self.term, self.initial, self.met, f, 1)
+        if self.active >= 0:
+            return Progress(self.forms, self.term, self.initial, self.met)
+        return self
+
+
+class ConstrainedGreedy(GreedySearch):
+    """Greedy decoding that places every constraint (module docstring)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: Sequence[int],
+        options: DecodeOptions,
+        hook: StepHook | None = None,
+        draft: Sequence[int] = (),
+        constraints: Constraints = (),
+    ) -> None:
+        self.constraints = constraints  # read by `_begin`, which `__init__` runs
+        super().__init__(config, prefix, options, hook, draft)
+
+    def _begin(self) -> None:
+        super()._begin()
+        self.progress = Progress.start(self.constraints)
+        self._ending = False  # a term went in where the model would have ended
+
+    def start(self, fed: int) -> None:
+        super().start(fed)
+        self.progress = Progress.start(self.constraints, self.tokens)
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.hook is not None or not self.progress.done or self._ending
+
+    def observe(self, logits: FloatArray) -> Extension | None:
+        state = self.progress
+        if len(self.tokens) < len(self.prefix) or (state.done and not self._ending):
+            return super().observe(logits)
+        step = self.scores(logits)[0]
+        eos = self.config.eos_token_id
+        if state.active >= 0:
+            token = state.next_token()
+            return self.take(token, float(step[token]))
+        best = int(step.argmax())
+        if state.done:  # the last term went in where the model meant to end: it ends
+            self._ending = False
+            token = eos if math.isfinite(float(step[eos])) else best
+            return self.take(token, float(step[token]))
+        pending = state.pending()
+        if best in state.wanted(not self.tokens):
+            return self.take(best, float(step[best]))
+        cued = [i for i in pending if best in self.constraints[i].cues]
+        room = self.limit - len(self.tokens)
+        need = sum(len(self.constraints[i].tokens) for i in pending)
+        at_start = not self.tokens
+        firsts = [self._form(i, at_start)[0] for i in (cued or pending)]
+        candidate = max(firsts, key=lambda token: float(step[token]))
+        self._ending = best == eos
+        if (
+            cued
+            or best == eos
+            or room <= need
+            or float(step[candidate]) >= float(step[best]) - START_MARGIN
+        ):
+            return self.take(candidate, float(step[candidate]))
+        return self.take(best, float(step[best]))
+
+    def take(self, token: int, score: float) -> Extension | None:
+        if len(self.tokens) >= len(self.prefix) and self.progress.active >= 0:
+            # Inside a started term: its next token, whatever the model chose.
+            token = self.progress.next_token()
+        before = len(self.tokens)
+        step = super().take(token, score)
+        if len(self.tokens) > before:
+            self.progress = self.progress.advance(self.tokens[-1], len(self.tokens) == 1)
+        return step
+
+    def _form(self, term: int, at_start: bool) -> tuple[int, ...]:
+        """The form of `term` the search writes: its sentence-start form at the start."""
+        constraint = self.constraints[term]
+        return constraint.initial if at_start and constraint.initial else constraint.tokens
+
+
+class ConstrainedBeam(BeamSearch):
+    """Beam search with dynamic beam allocation (module docstring)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: Sequence[int],
+        options: DecodeOptions,
+        hook: StepHook | None = None,
+        draft: Sequence[int] = (),
+        constraints: Constraints = (),
+    ) -> None:
+        self.constraints = constraints  # read by `_begin`, which `__init__` runs
+        super().__init__(config, prefix, options, hook, draft)
+
+    def _begin(self) -> None:
+        super()._begin()
+        self.states = [Progress.start(self.constraints)]
+
+    def start(self, fed: int) -> None:
+        super().start(fed)
+        self.states = [Progress.start(self.constraints, self.seqs[0])]
+
+    def observe(self, logits: FloatArray) -> Extension | None:
+        beams, eos = self.beams, self.config.eos_token_id
+        cur_len = len(self.seqs[0])
+        if cur_len < len(self.prefix):
+            token = self.prefix[cur_len]
+            self.states = [state.advance(token, cur_len == 0) for state in self.states]
+            return super().observe(logits)
+        step = self.scores(logits).astype(np.float64)
+        total = self.beam_scores[:, None] + step
+        top = min(beams, step.shape[1])
+        candidates: set[tuple[int, int]] = set()
+        # A term's first token where a row's best tokens hold the model's own rendering
+        # of the term's source: scored as that rendering (the term takes its place).
+        instead: dict[tuple[int, int], float] = {}
+        for k, state in enumerate(self.states):
+            best = np.argpartition(-total[k], top - 1)[:top]
+            candidates.update((k, int(t)) for t in best)
+            wanted = state.wanted(cur_len == 0)
+            candidates.update((k, t) for t in wanted)
+            if state.done:
+                candidates.add((k, eos))
+            if state.active < 0:
+                for i in state.pending():
+                    cued = [float(total[k, t]) for t in best if int(t) in self.constraints[i].cues]
+                    if cued:
+                        first = self._form(i, cur_len == 0)[0]
+                        instead[k, first] = max(max(cued), instead.get((k, first), -np.inf))
+        banks: dict[int, list[tuple[float, int, int, Progress]]] = {}
+        for k, token in candidates:
+            score = max(float(total[k, token]), instead.get((k, token), -np.inf))
+            state = self.states[k]
+            if not math.isfinite(score) or (token == eos and not state.done):
+                continue  # only a hypothesis that met every term may end
+            moved = state if token == eos else state.advance(token, cur_len == 0)
+            banks.setdefault(moved.count, []).append((score, k, token, moved))
+        for bank in banks.values():
+            bank.sort(key=lambda c: (-c[0], c[1], c[2]))
+        # Dynamic beam allocation: the banks take turns, the one furthest along first.
+        chosen: list[tuple[float, int, int, Progress]] = []
+        order = sorted(banks, reverse=True)
+        depth = 0
+        while len(chosen) < beams and any(depth < len(banks[b]) for b in order):
+            for b in order:
+                if depth < len(banks[b]) and len(chosen) < beams:
+                    chosen.append(banks[b][depth])
+            depth += 1
+        chosen.sort(key=lambda c: (-c[0], c[1], c[2]))
+        for score, k, _, _ in (c for c in chosen if c[2] == eos):
+            self.done.append((self._norm(score, cur_len + 1), tuple(self.seqs[k]), True))
+        live = [c for c in chosen if c[2] != eos]
+        self.done.sort(key=lambda d: -d[0])
+        del self.done[beams:]
+        scores = [c[0] for c in live]
+        seqs = [[*self.seqs[c[1]], c[2]] for c in live]
+        # Ends once no live hypothesis can beat the best ended one (a live one that has
+        # not met every term still needs tokens, which only lower its score).
+        best_live = max(scores, default=-np.inf)
+        ended = bool(self.done) and (
+            not np.isfinite(best_live) or self._norm(best_live, cur_len + 1) <= self.done[0][0]
+        )
+        if cur_len + 1 >= self.limit:
+            ended = True
+            if not self.done:  # no hypothesis met every term in time: the closest ones
+                for seq, score in zip(seqs, scores, strict=True):
+                    self.done.append((self._norm(score, len(seq)), tuple(seq), False))
+        self.seqs = seqs
+        self.states = [c[3] for c in live]
+        self.beam_scores = np.array(scores, dtype=np.float64)
+        if ended or not seqs:
+            return None
+        return Extension([c[2] for c in live], [c[1] for c in live])
+
+    def _form(self, term: int, at_start: bool) -> tuple[int, ...]:
+        """The form of `term` written here: its sentence-start form at the start."""
+        constraint = self.constraints[term]
+        return constraint.initial if at_start and constraint.initial else constraint.tokens
+
+
+def new_search(
+    config: ModelConfig,
+    prefix: Sequence[int],
+    options: DecodeOptions,
+    hook: StepHook | None = None,
+    draft: Sequence[int] = (),
+    constraints: Constraints = (),
+) -> Search:
+    """`make_search`, or its constrained kind where `constraints` holds any term."""
+    terms = tuple(c for c in constraints if c.tokens)
+    if not terms:
+        return make_search(config, prefix, options, hook, draft)
+    if options.beam_size == 1:
+        return ConstrainedGreedy(config, prefix, options, hook, draft, terms)
+    return ConstrainedBeam(config, prefix, options, hook, (), terms)

@@ -1,0 +1,103 @@
+"""Glossary constraints in the search (engine/decoding/constraints.py): every matched term's
+target is placed, greedy and beam, on both fixture languages; a source with no matched
+term decodes bit for bit as without a glossary, also beside constrained rows in one
+batch; a forced prefix (stable text) that holds a term meets it; do-not-translate keeps
+the source term."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.decoding.constraints import Constraint, Progress
+from engine.decoding.search import DecodeOptions
+from engine.decoding.translator import Translator
+from engine.glossary import Glossary, GlossaryError
+from tests.conftest import FIXTURE_MODEL, needs_fixture
+
+ZH = Glossary.parse("en\tzh\nTom\t杰克\nMary\t莉莉\nbook\t报纸\n")
+SOURCES = [
+    "Tom reads a book in the library",
+    "Does Mary drink water",
+    "I will meet Tom at three",
+]
+PLAIN = ["She reads", "Lucy wants to meet Jack on the train", "do we meet anna at the office"]
+
+
+@pytest.fixture(scope="module")
+def zh() -> Iterator[Translator]:
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL)
+    yield tr
+    tr.close()
+
+
+@pytest.fixture(scope="module")
+def de(german: Path) -> Iterator[Translator]:
+    tr = Translator.from_dir(german)
+    yield tr
+    tr.close()
+
+
+def test_progress_tracks_forms_and_breaks() -> None:
+    terms = (Constraint((5, 6)), Constraint((7,), initial=(8,)))
+    state = Progress.start(terms)
+    assert sorted(state.wanted(at_start=True)) == [5, 7, 8]
+    assert sorted(state.wanted()) == [5, 7]  # a sentence-start form only first
+    state = state.advance(5)
+    assert (state.active, state.wanted(), state.count) == (0, [6], 1)
+    state = state.advance(9)  # broke off: the term is pending again
+    assert (state.active, state.met, state.count) == (-1, (False, False), 0)
+    state = Progress.start(terms, [8, 5, 6])
+    assert state.done and state.count == 3
+    assert not Progress.start(terms, [1, 8]).met[1]  # 8 is a start form, not at the start
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_terms_are_placed(zh: Translator, beam: int) -> None:
+    options = DecodeOptions(beam_size=beam)
+    plain = zh.translate(SOURCES, options)
+    placed = zh.translate(SOURCES, options, glossary=ZH)
+    for source, before, after in zip(SOURCES, plain, placed, strict=True):
+        for target in ZH.targets(source):
+            assert target not in before.text  # the model would not write it by itself
+            assert target in after.text, (source, after.text)
+    # The model's own rendering of the terms' sources gives way to the terms.
+    assert placed[2].text == "我三点见杰克"
+    assert placed[0].text == "杰克在图书馆看报纸"
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_no_term_is_bit_identical_also_beside_constrained_rows(zh: Translator, beam: int) -> None:
+    options = DecodeOptions(beam_size=beam)
+    alone = zh.translate(PLAIN, options)
+    mixed = zh.translate([*PLAIN, *SOURCES], options, glossary=ZH)[: len(PLAIN)]
+    matching_nothing = zh.translate(PLAIN, options, glossary=ZH)
+    for a, b, c in zip(alone, mixed, matching_nothing, strict=True):
+        assert a == b == c  # text, ids and score, bit for bit
+
+
+def test_a_term_in_the_forced_prefix_is_met(zh: Translator) -> None:
+    prefix = list(zh.terms.initial("杰克"))
+    forced = zh.translate(["I will meet Tom at three"], prefixes=[prefix], glossary=ZH)[0]
+    assert forced.token_ids[: len(prefix)] == tuple(prefix)  # stable text kept
+    assert forced.text.count("杰克") == 1  # not placed a second time
+
+
+def test_do_not_translate_and_german_terms(de: Translator) -> None:
+    glossary = Glossary.parse("en\tde\nTom\tPaul\ncoffee\n")
+    for beam in (1, 4):
+        options = DecodeOptions(beam_size=beam)
+        plain = de.translate(["Tom drinks coffee"], options)[0].text
+        kept = de.translate(["Tom drinks coffee"], options, glossary=glossary)[0].text
+        assert "coffee" not in plain and "Paul" not in plain
+        assert "coffee" in kept and "Paul" in kept, kept
+
+
+def test_glossary_checked_against_the_model(zh: Translator) -> None:
+    with pytest.raises(GlossaryError, match="the glossary is en->de, the model translates en->zh"):
+        zh.translate(["Tom"], glossary=Glossary.parse("en\tde\nTom\tThomas\n"))
+    with pytest.raises(GlossaryError, match="target '书籍': the model cannot write '籍'"):
+        zh.glossary = Glossary.parse("en\tzh\nbook\t书籍\n")
