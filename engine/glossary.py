@@ -299,3 +299,11 @@ def merged(glossaries: Sequence[Glossary]) -> Glossary:
         for term in glossary.terms:
             by_key[term.key] = term
     return Glossary(first.source_lang, first.target_lang, tuple(by_key.values()))
+
+
+def holds(text: str, target: str, lang: str | None) -> bool:
+    """Whether a translation `text` in `lang` holds a term's `target` (spaces ignored where
+    the language writes none, as its detokenized text may carry some)."""
+    if written_without_spaces(lang):
+        return "".join(target.split()) in "".join(text.split())
+    return target in text

@@ -40,6 +40,7 @@ from engine.evaluation.metrics import (
 )
 from engine.evaluation.report import StreamingReport, build_report
 from engine.evaluation.revisions import SourceRevisions, source_revisions
+from engine.evaluation.terms import TermAccuracy, term_accuracy
 from engine.languages import in_other_script
 from engine.logs.format import (
     PathLike,
@@ -138,6 +139,7 @@ class ReplayResult:
     other_script: tuple[str, ...] = ()
     traces: tuple[SegmentTrace, ...] = field(default=(), repr=False)  # what the report used
     references: tuple[str, ...] | None = field(default=None, repr=False)
+    terms: TermAccuracy | None = None  # with a glossary (the translator's)
 
     @property
     def latencies_ms(self) -> list[float]:
@@ -180,6 +182,7 @@ class ReplayResult:
             "source": None if self.source is None else asdict(self.source),
             "other_script": list(self.other_script),
             "report": self.report.to_dict(per_segment=True),
+            "terms": None if self.terms is None else self.terms.to_dict(),
         }
 
     def format_table(self) -> str:
@@ -228,6 +231,8 @@ class ReplayResult:
         lines += [f"{name:<{width}}  {value}" for name, value in rows]
         if self.source is not None:
             lines.append(f"{'source (the log)':<{width}}  {self.source.format()}")
+        if self.terms is not None:
+            lines.append(f"{'glossary terms placed':<{width}}  {self.terms.format()}")
         for stream in self.other_script:
             lang = self.settings.get("source_lang") or "?"
             lines.append(
@@ -540,6 +545,11 @@ async def replay_async(
         other_script=_other_script(lines, translator.config.source_lang),
         traces=tuple(traces),
         references=None if references is None else tuple(references),
+        terms=None
+        if translator.glossary is None
+        else term_accuracy(
+            (t.update for t in updates), translator.glossary, translator.config.target_lang
+        ),
     )
 
 

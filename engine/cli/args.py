@@ -22,6 +22,7 @@ from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodeOptions
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
+from engine.glossary import Glossary, GlossaryError
 from engine.hub.download import resolve_model
 from engine.model.sessions import parse_device
 from engine.streaming.policies import parse_policy
@@ -266,6 +267,21 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="stop every decode after N tokens (default: the model's length limit)",
     )
+    parser.add_argument(
+        "--glossary",
+        metavar="FILE",
+        default=None,
+        help="terms to translate one way: TSV, a first line naming the languages "
+        "(en<TAB>de), then source<TAB>target, or one term alone to keep untranslated "
+        "(docs/glossaries.md)",
+    )
+
+
+def read_glossary(args: argparse.Namespace) -> Glossary | None:
+    """The `--glossary` file (`add_decode_arguments`), read before the model is loaded so
+    that a bad line fails fast (`GlossaryError`: the file, the line and what is wrong)."""
+    path = getattr(args, "glossary", None)
+    return None if path is None else Glossary.read(path)
 
 
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
@@ -321,12 +337,19 @@ def streaming_options(args: argparse.Namespace) -> StreamingOptions:
     )
 
 
-def load_translator(args: argparse.Namespace) -> Translator:
+def load_translator(args: argparse.Namespace, glossary: Glossary | None = None) -> Translator:
     """The translator `add_model_arguments`' options ask for (a catalog name or repo id
-    is resolved, and downloaded when missing)."""
-    return Translator.from_dir(
+    is resolved, and downloaded when missing), placing `glossary`'s terms (checked
+    against the model: `GlossaryError`)."""
+    translator = Translator.from_dir(
         resolve_model(args.model, quantized=args.quantized), **_load_options(args)
     )
+    try:
+        translator.glossary = glossary
+    except GlossaryError:
+        translator.close()
+        raise
+    return translator
 
 
 def translation_cores(recognizers: int = 0, machine: int | None = None) -> int:

@@ -29,6 +29,7 @@ from engine.cli.args import (
     bind_error,
     is_bind_error,
     load_translator,
+    read_glossary,
     streaming_options,
 )
 from engine.cli.listen_session import PROGRESS_MIN_S, ListenSession
@@ -165,7 +166,7 @@ def _run_listen(
         recognizer = SphinxRecognizer(options)  # before the model: a missing extra fails fast
         source = open_source(args, stdin)
         stack.callback(source.close)
-        translator = load_translator(args)
+        translator = load_translator(args, read_glossary(args))
         view = not args.out and (stdout.isatty() if terminal is None else terminal)
         session = ListenSession(args, stdout, stderr, view=view, duration_s=source.duration_s)
         try:

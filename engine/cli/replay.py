@@ -30,6 +30,7 @@ from engine.cli.args import (
     add_policy_argument,
     load_translator,
     positive_float,
+    read_glossary,
     streaming_options,
 )
 from engine.evaluation.html_report import render, write_html
@@ -108,6 +109,7 @@ def run_replay(
     live view instead of the JSON Lines.
     """
     lines = read_log(args.log)
+    glossary = read_glossary(args)
     view = not args.out and (stdout.isatty() if terminal is None else terminal)
     references = None
     if args.references:
@@ -120,7 +122,7 @@ def run_replay(
         # the view counts on stdout: a bar on the same terminal would tear it in realtime
         progress=False if view and args.realtime and args.progress is None else args.progress,
     )
-    translator = load_translator(args)
+    translator = load_translator(args, glossary)
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(args.out, "w", encoding="utf-8")) if args.out else stdout
         live = LiveView.for_terminal(stdout, lines) if view else None

@@ -16,6 +16,7 @@ from engine.cli.args import (
     add_model_arguments,
     decode_options,
     load_translator,
+    read_glossary,
 )
 from engine.errors import EngineError
 
@@ -47,7 +48,8 @@ def _stdin_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None]]:
 
 
 def run_translate(args: argparse.Namespace, stdin: BinaryIO, stdout: TextIO) -> int:
-    translator = load_translator(args)
+    glossary = read_glossary(args)
+    translator = load_translator(args, glossary)
     options = decode_options(args)
     status = 0
     lines: Iterator[tuple[int, str | None]] = (

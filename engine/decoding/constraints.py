@@ -7,13 +7,16 @@ search's output, in a place the model chooses.
   beam is filled from the banks in turn, fullest first, best score first within a bank,
   so that hypotheses that placed more of the terms are not crowded out by the model's
   preference for its own words. Eos only ends a hypothesis that met every constraint.
-- **Greedy** (`ConstrainedGreedy`): one row, so a term is placed where the model comes
-  closest to starting it: the row starts a pending term when the term's first token is
-  within `START_MARGIN` (log-probability) of the model's best token, when the model's
-  best token is the term's own first token, when the model would end (eos) with the
-  term still pending, or when the room left is what the pending terms need; once
-  started, the term's tokens are forced to its end. The margin's figures are in
-  docs/glossaries.md.
+- **Greedy** (`ConstrainedGreedy`): one row, no second chance, so a term goes where the
+  model itself shows where it belongs: where the model's best token starts its own
+  rendering of the term's source (`Constraint.cues`: the model's translation of the
+  source alone), the term is written instead; where the model writes the term itself, it
+  is kept; where the model would end with a term still pending, the term goes in there
+  and the output ends after it (`Hypothesis.appended` marks it: a partial shows such a
+  term but does not commit it, the model had not reached it); and when the room left is
+  what the pending terms need. A started term is written to its end, and no piece glues
+  onto its last word. Figures (and a rejected rule: starting a term wherever its first
+  token came near the best one) in docs/glossaries.md.
 
 Without constraints neither class is used (`new_search`): a search with no matched term
 is the plain one, bit for bit. A forced prefix (the stable text) that already holds a
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -34,6 +37,7 @@ from engine.decoding.search import (
     DecodeOptions,
     Extension,
     GreedySearch,
+    Hypothesis,
     Search,
     StepHook,
     make_search,
@@ -51,6 +55,9 @@ class Constraint(NamedTuple):
     tokens: tuple[int, ...]
     cues: frozenset[int] = frozenset()
     initial: tuple[int, ...] = ()
+    # Pieces that would glue onto the term's last word (none where words are not spaced):
+    # none of them comes right after the term.
+    glued: tuple[int, ...] = ()
 
     @property
     def forms(self) -> Terms:
@@ -61,10 +68,6 @@ class Constraint(NamedTuple):
 
 Constraints = tuple[Constraint, ...]
 Terms = tuple[tuple[int, ...], ...]
-
-START_MARGIN = 3.0
-"""Greedy: a pending term starts where its first token's log-probability is within this of
-the best token's (docs/glossaries.md: placement and chrF outside the terms by margin)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Progress:
     met: tuple[bool, ...]  # per term
     active: int = -1  # a form
     pos: int = 0
+    just_met: bool = False  # the last token ended a term
 
     @classmethod
     def start(cls, constraints: Constraints, tokens: Sequence[int] = ()) -> Progress:
@@ -129,7 +133,7 @@ class Progress:
     def _meet(self, term: int) -> Progress:
         met = list(self.met)
         met[term] = True
-        return Progress(self.forms, self.term, self.initial, tuple(met))
+        return Progress(self.forms, self.term, self.initial, tuple(met), just_met=True)
 
     def advance(self, token: int, at_start: bool = False) -> Progress:
         """The state after `token` (`at_start`: the output's first token)."""
@@ -146,7 +150,7 @@ class Progress:
                 if len(form) == 1:
                     return self._meet(self.term[f])
                 return Progress(self.forms, self.term, self.initial, self.met, f, 1)
-        if self.active >= 0:
+        if self.active >= 0 or self.just_met:
             return Progress(self.forms, self.term, self.initial, self.met)
         return self
 
@@ -170,6 +174,7 @@ class ConstrainedGreedy(GreedySearch):
         super()._begin()
         self.progress = Progress.start(self.constraints)
         self._ending = False  # a term went in where the model would have ended
+        self._appended: int | None = None  # where the first such term went in
 
     def start(self, fed: int) -> None:
         super().start(fed)
@@ -177,38 +182,44 @@ class ConstrainedGreedy(GreedySearch):
 
     @property
     def needs_logits(self) -> bool:
-        return self.hook is not None or not self.progress.done or self._ending
+        state = self.progress
+        return self.hook is not None or not state.done or self._ending or state.just_met
 
     def observe(self, logits: FloatArray) -> Extension | None:
         state = self.progress
-        if len(self.tokens) < len(self.prefix) or (state.done and not self._ending):
+        if len(self.tokens) < len(self.prefix) or (
+            state.done and not self._ending and not state.just_met
+        ):
             return super().observe(logits)
         step = self.scores(logits)[0]
+        if state.just_met and self.constraints[0].glued:  # a term ends a word
+            step[list(self.constraints[0].glued)] = -np.inf
         eos = self.config.eos_token_id
         if state.active >= 0:
             token = state.next_token()
             return self.take(token, float(step[token]))
         best = int(step.argmax())
-        if state.done:  # the last term went in where the model meant to end: it ends
-            self._ending = False
-            token = eos if math.isfinite(float(step[eos])) else best
+        if state.done:
+            # The last term went in where the model meant to end: it ends there.
+            ending, self._ending = self._ending, False
+            token = eos if ending and math.isfinite(float(step[eos])) else best
             return self.take(token, float(step[token]))
         pending = state.pending()
-        if best in state.wanted(not self.tokens):
-            return self.take(best, float(step[best]))
+        # Where the model starts its own rendering of a pending term's source, the term
+        # goes in (even when that rendering is another term's target: glossaries that
+        # swap names); else the model's own token where it begins a term.
         cued = [i for i in pending if best in self.constraints[i].cues]
+        if not cued and best in state.wanted(not self.tokens):
+            return self.take(best, float(step[best]))
         room = self.limit - len(self.tokens)
         need = sum(len(self.constraints[i].tokens) for i in pending)
         at_start = not self.tokens
         firsts = [self._form(i, at_start)[0] for i in (cued or pending)]
         candidate = max(firsts, key=lambda token: float(step[token]))
         self._ending = best == eos
-        if (
-            cued
-            or best == eos
-            or room <= need
-            or float(step[candidate]) >= float(step[best]) - START_MARGIN
-        ):
+        if self._ending and self._appended is None:
+            self._appended = len(self.tokens)
+        if cued or best == eos or room <= need:
             return self.take(candidate, float(step[candidate]))
         return self.take(best, float(step[best]))
 
@@ -221,6 +232,9 @@ class ConstrainedGreedy(GreedySearch):
         if len(self.tokens) > before:
             self.progress = self.progress.advance(self.tokens[-1], len(self.tokens) == 1)
         return step
+
+    def result(self) -> Hypothesis:
+        return replace(super().result(), appended=self._appended)
 
     def _form(self, term: int, at_start: bool) -> tuple[int, ...]:
         """The form of `term` the search writes: its sentence-start form at the start."""
@@ -259,6 +273,10 @@ class ConstrainedBeam(BeamSearch):
             self.states = [state.advance(token, cur_len == 0) for state in self.states]
             return super().observe(logits)
         step = self.scores(logits).astype(np.float64)
+        glued = list(self.constraints[0].glued)
+        for k, state in enumerate(self.states):
+            if state.just_met and glued:  # a term ends a word
+                step[k, glued] = -np.inf
         total = self.beam_scores[:, None] + step
         top = min(beams, step.shape[1])
         candidates: set[tuple[int, int]] = set()

@@ -75,6 +75,10 @@ class Hypothesis:
     token_ids: tuple[int, ...]
     score: float
     finished: bool
+    # Where tokens begin that a constrained search added where the model would have ended
+    # (`engine.decoding.constraints`): a glossary term the model had not reached, which a
+    # partial shows but does not commit. None: every token is the model's own choice.
+    appended: int | None = None
 
 
 def log_softmax(logits: FloatArray) -> FloatArray:

@@ -24,6 +24,7 @@ from typing import Any
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.translator import Translator
 from engine.errors import EngineError, ModelLoadError
+from engine.glossary import Glossary, GlossaryError
 from engine.languages import match_lang
 
 
@@ -136,3 +137,25 @@ class Targets(Mapping[str, Translator]):
 
 def _name(translator: Translator) -> str:
     return f"model {str(translator.model.model_dir)!r}"
+
+
+def glossaries_by_language(
+    glossaries: Glossary | Sequence[Glossary], targets: Targets
+) -> dict[str, Glossary]:
+    """Each glossary keyed by the target language whose model it is for, checked against
+    that model (`Translator.constraints`'s rules: languages and vocabulary). Two for one
+    language, or one for a language no model translates into, is a `GlossaryError`."""
+    chosen = [glossaries] if isinstance(glossaries, Glossary) else list(glossaries)
+    by_lang: dict[str, Glossary] = {}
+    for glossary in chosen:
+        lang = match_lang(glossary.target_lang, targets.languages)
+        if lang is None:
+            served = ", ".join(targets.languages)
+            raise GlossaryError(
+                f"a glossary into {glossary.target_lang!r}, but the models translate into {served}"
+            )
+        if lang in by_lang:
+            raise GlossaryError(f"two glossaries into {lang!r}: merge them into one file")
+        targets[lang].terms.check(glossary)
+        by_lang[lang] = glossary
+    return by_lang

@@ -9,12 +9,16 @@ it does not: Chinese pieces carry no marker past a sentence's first).
 
 from __future__ import annotations
 
+import functools
 import threading
 
 from engine.decoding.constraints import Constraint
 from engine.glossary import Glossary, GlossaryError, Term
 from engine.languages import base_lang, written_without_spaces
 from engine.model.tokenizer import PIECE_MARKER, MarianTokenizer
+
+CUE_CHARS = 3
+"""Characters a rendering's first piece needs to cue a term where words are spaced."""
 
 CHECKED = 8
 """Glossaries whose every target a `TermTokens` remembers having checked."""
@@ -94,12 +98,39 @@ class TermTokens:
         initial = self.initial(rendering)
         if initial and self.tokenizer.id_to_piece(initial[0]) == PIECE_MARKER:
             initial = initial[1:]  # a bare start marker cues nothing
-        return frozenset(ids[0] for ids in (inside, initial) if ids)
+        return frozenset(ids[0] for ids in (inside, initial) if self._telling(ids))
+
+    def _telling(self, ids: tuple[int, ...]) -> bool:
+        """Whether a rendering's first piece says the rendering starts: the whole of it,
+        any piece where words are not spaced (Chinese pieces are words or characters),
+        else a piece of at least `CUE_CHARS` characters (a letter or two, "K", "Ka",
+        starts many German words: docs/glossaries.md)."""
+        if not ids:
+            return False
+        piece = self.tokenizer.id_to_piece(ids[0]).lstrip(PIECE_MARKER)
+        spaced = not written_without_spaces(self.target_lang)
+        return len(ids) == 1 or not spaced or len(piece) >= CUE_CHARS
+
+    @functools.cached_property
+    def glued(self) -> tuple[int, ...]:
+        """Pieces that continue a word (no word-start marker, not punctuation): none may
+        follow a term where the language spaces words, so a term stays a whole word."""
+        if written_without_spaces(self.target_lang):
+            return ()
+        tok = self.tokenizer
+        special = set(tok.special_ids)
+        return tuple(
+            i
+            for i in range(len(tok))
+            if i not in special
+            and not (piece := tok.id_to_piece(i)).startswith(PIECE_MARKER)
+            and any(ch.isalnum() for ch in piece)
+        )
 
     def constraint(self, target: str, rendering: str) -> Constraint:
         """The constraint of a term whose target is `target` and whose source the model
         renders by itself as `rendering`."""
-        return Constraint(self.ids(target), self.cues(rendering), self.initial(target))
+        return Constraint(self.ids(target), self.cues(rendering), self.initial(target), self.glued)
 
     def matched(self, glossary: Glossary | None, text: str, *, partial: bool = False) -> list[Term]:
         """`text`'s matched terms, one per target, in order (none without a glossary)."""

@@ -37,9 +37,10 @@ import anyio.abc
 
 from engine.decoding.policy import Priority, new_request_id
 from engine.decoding.search import DecodingCancelled
-from engine.decoding.targets import Targets
+from engine.decoding.targets import Targets, glossaries_by_language
 from engine.decoding.translator import Translator
 from engine.errors import InputTooLongError
+from engine.glossary import Glossary
 from engine.languages import in_other_script
 from engine.replies import Reply
 from engine.streaming.bus import InProcessBus, UpdateBus, subscribe
@@ -97,6 +98,8 @@ class IncrementalTranslator:
     Each stream's life (admission, ownership, closing) is decided by one state machine,
     `engine.streaming.lifecycle`; this class carries out what it decides: it runs the
     translations, publishes their replies and releases a stream when it has drained.
+    `glossaries`: terms every stream's translations place, one glossary per target
+    language (`engine.glossary`; checked against each language's model at start).
     A server passes each connection's `Owner` to `push`, `close_stream` and `owner_left`;
     an embedding caller passes none. Replies go to `bus` (default: an `InProcessBus` whose
     subscriptions hold up to `queue_size` replies each); `updates` subscribes through it.
@@ -112,10 +115,13 @@ class IncrementalTranslator:
         queue_size: int = 256,
         decode_slots: int | None = None,
         bus: UpdateBus | None = None,
+        glossaries: Glossary | Sequence[Glossary] = (),
     ) -> None:
         if isinstance(translator, Translator):
             translator = [translator]
         self.targets = translator if isinstance(translator, Targets) else Targets(translator)
+        # Every stream's terms, per target language (`glossaries`: one per language).
+        self.glossaries = glossaries_by_language(glossaries, self.targets)
         # The default language's model (the only one without fan-out).
         self.translator = self.targets[self.targets.default]
         self.options = options or StreamingOptions()
@@ -412,7 +418,13 @@ class IncrementalTranslator:
 
     def _make_stream(self, life: StreamLifecycle) -> Stream:
         sessions = {
-            lang: StreamSession(life.stream_id, translator, self.options, lang=lang)
+            lang: StreamSession(
+                life.stream_id,
+                translator,
+                self.options,
+                lang=lang,
+                glossary=self.glossaries.get(lang),
+            )
             for lang, translator in self.targets.items()
         }
         return Stream(life, sessions)

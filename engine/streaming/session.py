@@ -19,10 +19,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from engine.decoding.constraints import Constraints
 from engine.decoding.policy import Priority, RequestId
 from engine.decoding.requests import Encoding
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
+from engine.glossary import Glossary, holds
 from engine.languages import drop_fillers, is_cjk
 from engine.model.config import ModelConfig
 from engine.streaming.policies import Policy, common_prefix_length, default_policy
@@ -204,6 +206,13 @@ def settled_source(text: str, stable_chars: int) -> str:
     return cut
 
 
+def _as_heard(source: str, event: PartialTranscript) -> str:
+    """A partial's source as glossary matching reads it: with the space the recognizer
+    wrote after its last word, if any (that word is then complete: `Glossary.match`),
+    which normalising dropped."""
+    return source + " " if event.text[-1:].isspace() else source
+
+
 def _extends_words(before: str, after: str) -> bool:
     """Whether `after` keeps every word of `before`, its last one possibly completed
     ("dr" -> "draw"): the recogniser added to what it showed without rewriting it."""
@@ -223,6 +232,8 @@ class StreamSession:
     A stream translated into several languages (fan-out) has one session per language:
     what is stable, the history and the encoder output are per model and language.
     `lang` is the target language its updates carry (default: the model's own).
+    `glossary`: the terms its translations place (`engine.decoding.constraints`), in
+    partials as soon as a term's source is complete, and in the final.
     """
 
     def __init__(
@@ -232,9 +243,15 @@ class StreamSession:
         options: StreamingOptions | None = None,
         *,
         lang: str | None = None,
+        glossary: Glossary | None = None,
     ) -> None:
         self.stream_id = stream_id
         self.translator = translator
+        # Terms its translations place (None: the translator's own, if any); a term
+        # counts once its source is complete in the partial (`Glossary.match`).
+        self.glossary = glossary
+        self.terms_matched = 0  # over the stream's finals
+        self.terms_placed = 0
         self.lang = lang if lang is not None else translator.config.target_lang
         self.options = options or StreamingOptions()
         self.boundaries = BoundaryFinder(translator.tokenizer.id_to_piece)
@@ -360,6 +377,7 @@ class StreamSession:
             drafts=[draft],
             priority=priority,
             request_id=request_id,
+            constraints=self._constraints(_as_heard(source, event), partial=True),
         )[0]
         tokens = list(hyp.token_ids)
         if self.options.source_agreement is not None:
@@ -385,6 +403,8 @@ class StreamSession:
         bound = self._settled_bound(seg, event, source, tokens, request_id, priority)
         if bound is not None and bound < commit:  # the recogniser's hint: only so far
             commit = self.boundaries.snap(tokens, bound, len(seg.committed), False)
+        if hyp.appended is not None:  # a term the model has not reached: shown, not kept
+            commit = min(commit, max(hyp.appended, len(seg.committed)))
         seg.committed = tokens[:commit]
         stable = self.translator.detokenize(seg.committed)
         if not stable.startswith(seg.stable_text):  # never retract, whatever detok does
@@ -453,6 +473,7 @@ class StreamSession:
                 drafts=[draft if self.options.drafts else []],
                 priority=priority,
                 request_id=request_id,
+                constraints=self._constraints(settled, partial=True),
             )[0]
             seg.settled = (key, list(hyp.token_ids))
         return common_prefix_length([tokens, seg.settled[1]])
@@ -472,11 +493,28 @@ class StreamSession:
             enc = self._encode(seg, source, partial=False, ids=self._admitted)
             options = self.options.decode_for(len(seg.source_ids or ()))
             draft = seg.history[-1] if self.options.drafts and seg.history else []
-            hyp = self.translator.decode(enc, options, drafts=[draft])[0]
+            terms = self._constraints(source, partial=False)
+            hyp = self.translator.decode(enc, options, drafts=[draft], constraints=terms)[0]
             seg.source = source
             text = self.translator.detokenize(hyp.token_ids)
+            self._count_terms(source, text)
         revised = not text.startswith(seg.stable_text)
         return self._update(event, text, "", started, received, source, revised=revised)
+
+    def _constraints(self, source: str, *, partial: bool) -> list[Constraints] | None:
+        """The decode's constraints: what `source`'s matched terms require (None: none
+        matched, the plain search)."""
+        terms = self.translator.constraints(source, self.glossary, partial=partial)
+        return [terms] if terms else None
+
+    def _count_terms(self, source: str, text: str) -> None:
+        """Count a final's matched terms and those its translation holds."""
+        glossary = self.glossary if self.glossary is not None else self.translator.glossary
+        if glossary is None:
+            return
+        targets = glossary.targets(source)
+        self.terms_matched += len(targets)
+        self.terms_placed += sum(holds(text, target, self.lang) for target in targets)
 
     def state_size(self) -> int:
         """Rough count of numbers held for this stream (tests bound it)."""
