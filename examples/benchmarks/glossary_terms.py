@@ -180,9 +180,13 @@ def partials(translator: Translator, g: Glossary, texts: list[str]) -> dict[str,
 
 def cpu_name() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "cpu family", "model\t")):
-                return line.split(":", 1)[1].strip()
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        fields = dict(line.split(":", 1) for line in info if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        return (
+            f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} "
+            f"model {fields.get('model', '?')})"
+        )
     except OSError:
         pass
     return platform.processor() or platform.machine()
