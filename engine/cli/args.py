@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.asr.audio import check_rate
+from engine.decoding.policy import NotEnoughSlots
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodeOptions
 from engine.decoding.targets import Targets
@@ -283,6 +284,12 @@ def decode_options(args: argparse.Namespace) -> DecodeOptions:
     options = DecodeOptions()
     if "beam" in args:
         options = DecodeOptions(beam_size=args.beam, max_new_tokens=args.max_new_tokens)
+        slots = getattr(args, "kv_slots", None)
+        if slots and args.beam > slots:  # refused before the model loads, not per request
+            raise NotEnoughSlots(
+                f"--beam {args.beam} needs {args.beam} KV slots and --kv-slots {slots} "
+                f"gives {slots}: give --kv-slots {args.beam} or more (or 0)"
+            )
     if "max_length_factor" not in args:
         return options
     return replace(
