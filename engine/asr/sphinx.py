@@ -66,9 +66,7 @@ def check_recognizer_file(path: Path, option: str) -> None:
     try:
         found = path.stat()
     except OSError as exc:
-        raise RecognizerUnavailable(
-            f"{path}: {exc.strerror or 'cannot be read'} ({what})"
-        ) from None
+        raise RecognizerUnavailable(f"{path}: {_reason(exc)} ({what})") from None
     if option == "hmm":
         if not stat.S_ISDIR(found.st_mode):
             raise RecognizerUnavailable(f"{path}: not a directory ({what})")
@@ -80,13 +78,17 @@ def check_recognizer_file(path: Path, option: str) -> None:
     _check_regular(path, what, FILE_LIMITS[option])
 
 
+def _reason(exc: OSError) -> str:
+    """ "no such file or directory", as the engine's other errors say it."""
+    reason = exc.strerror or "cannot be read"
+    return reason[:1].lower() + reason[1:]
+
+
 def _check_regular(path: Path, what: str, limit: int) -> None:
     try:
         found = path.stat()
     except OSError as exc:
-        raise RecognizerUnavailable(
-            f"{path}: {exc.strerror or 'cannot be read'} ({what})"
-        ) from None
+        raise RecognizerUnavailable(f"{path}: {_reason(exc)} ({what})") from None
     if not stat.S_ISREG(found.st_mode):
         raise RecognizerUnavailable(f"{path}: not a regular file ({what})")
     if found.st_size > limit:
@@ -103,7 +105,7 @@ def check_dictionary(decoder: Any, path: Path) -> None:
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
-        raise RecognizerUnavailable(f"{path}: {exc.strerror} (dictionary)") from None
+        raise RecognizerUnavailable(f"{path}: {_reason(exc)} (dictionary)") from None
     lines = [
         (n, line.split())
         for n, line in enumerate(text.splitlines(), 1)
