@@ -244,7 +244,14 @@ class DecodeScheduler:
             enc = enc.encoded
         requests = [
             Request(
-                make_search(self.model.config, prefix, options, hook, draft),
+                make_search(
+                    self.model.config,
+                    prefix,
+                    options,
+                    hook,
+                    draft,
+                    source_tokens=int(enc.attention_mask[row].sum()),
+                ),
                 enc,
                 row,
                 Priority(priority),
