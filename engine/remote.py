@@ -65,6 +65,9 @@ from protocol import (
 )
 from protocol.codec import FROM_ENGINE_TYPES
 
+CLOSE_WAIT = 2.0
+"""Seconds `aclose` waits for the server to answer the connection's close."""
+
 RATE = 40.0
 """Messages per second a writer keeps within by default: below the server's default limit
 (50 per second), so that a burst never meets it."""
@@ -209,22 +212,39 @@ class RemoteTranslator:
         if self._closed:
             return
         self._closed = True
-        if self._running:
-            self._running = False
-            for stream_id in sorted(self._open):
-                await self._close(stream_id)
-            with anyio.move_on_after(self.drain_timeout):
-                while self.ledger.pending and not self._stopped:
-                    await anyio.sleep(0.02)
-        self._stop("the translator was closed before this final was answered")
-        group, self._group = self._group, None
-        if group is not None:
-            group.cancel_scope.cancel()
-            await group.__aexit__(None, None, None)
-        ws, self._ws = self._ws, None
-        if ws is not None:
-            with anyio.CancelScope(shield=True):
-                await ws.close()
+        try:
+            if self._running:
+                self._running = False
+                for stream_id in sorted(self._open):
+                    await self._close(stream_id)
+                with anyio.move_on_after(self.drain_timeout):
+                    while self.ledger.pending and not self._stopped:
+                        await anyio.sleep(0.02)
+        finally:
+            # Also when the caller is cancelled meanwhile (a second Ctrl-C): the task
+            # group entered in `__aenter__` must be left here, in this task, or every
+            # cancel scope around it fails to exit ("Attempted to exit a cancel scope").
+            self._stop("the translator was closed before this final was answered")
+            group, self._group = self._group, None
+            ws, self._ws = self._ws, None
+            if group is not None:
+                # Its own scope, shielded: the one current here, so it may be left; and
+                # a cancelled caller still waits (briefly) for its tasks to end.
+                group.cancel_scope.shield = True
+                group.cancel_scope.cancel()
+                await group.__aexit__(None, None, None)
+            if ws is not None:
+                with anyio.move_on_after(CLOSE_WAIT, shield=True):
+                    await ws.close()
+
+    def abandon(self, reason: str) -> None:
+        """Stop waiting for the server now: each final still owed is answered with an
+        `unavailable` error giving `reason` (as after an outage that outlasted
+        `reconnect_for`), the subscriptions end, `push` raises `EngineClosed`, and
+        `aclose` then closes without waiting. For a caller told to stop (`bridge`'s
+        Ctrl-C) whose server keeps refusing or cannot be reached: `ledger.owed()` still
+        names the finals it never answered."""
+        self._stop(reason)
 
     @property
     def stats(self) -> RemoteStats:

@@ -282,13 +282,16 @@ def test_the_fixtures_name_their_domains_language_model() -> None:
     needs_fixture()
     named = model_recognizer(str(FIXTURE_MODEL))
     assert named == {
-        "lm": str(SPEECH / "fixture.lm.gz"),
-        "dict": str(SPEECH / "fixture.dict"),
+        "lm": str(FIXTURE_MODEL / "fixture.lm.gz"),
+        "dict": str(FIXTURE_MODEL / "fixture.dict"),
     }
+    for model in ROOT.glob("models/*/model"):  # inside each model directory: copies, kept equal
+        for name in ("fixture.lm.gz", "fixture.dict"):
+            assert (model / name).read_bytes() == (SPEECH / name).read_bytes()
     serve = build_parser().parse_args(["serve", "--asr", "pocketsphinx"])
     with contextlib.ExitStack() as stack:
         options = sphinx_options(serve, stack, print)
-        assert options.language_model == SPEECH / "fixture.lm.gz"
+        assert options.language_model == FIXTURE_MODEL / "fixture.lm.gz"
         given = build_parser().parse_args(["listen", "x.wav", "--dict", "my.dict"])
         assert sphinx_options(given, stack, print).language_model is None  # the user's choice
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,92 @@ SAMPLE_RATE = 16_000  # the rate of pocketsphinx's en-US acoustic model
 def pocketsphinx() -> Any:
     """The pocketsphinx module (`RecognizerUnavailable` with the install hint if absent)."""
     return import_extra("pocketsphinx", package="'pocketsphinx>=5'")
+
+
+FILE_LIMITS: dict[str, int] = {
+    "lm": 2 * 2**30,
+    "dict": 256 * 2**20,
+    "jsgf": 16 * 2**20,
+    "hmm": 2 * 2**30,
+    "domain_text": 64 * 2**20,
+}
+"""Largest file the recognizer reads, by option (pocketsphinx's en-US model: a 27 MB
+language model, a 3.3 MB dictionary, acoustic model files up to 3 MB). pocketsphinx reads
+what it is given to the end, so a device such as /dev/zero would never load and a huge
+file would take the memory; `check_recognizer_file` refuses both at start."""
+
+_WHAT = {
+    "lm": "language model",
+    "dict": "dictionary",
+    "jsgf": "grammar",
+    "hmm": "acoustic model",
+    "domain_text": "domain text",
+}
+
+
+def check_recognizer_file(path: Path, option: str) -> None:
+    """Refuse (`RecognizerUnavailable`, one line naming `path`) what the recognizer's
+    `option` ("lm", "dict", "jsgf", "domain_text"; "hmm": a directory of such files) may
+    not read: a missing path, anything but a regular file (a directory, a device, a
+    pipe), a file over `FILE_LIMITS`."""
+    what = _WHAT[option]
+    try:
+        found = path.stat()
+    except OSError as exc:
+        raise RecognizerUnavailable(f"{path}: {_reason(exc)} ({what})") from None
+    if option == "hmm":
+        if not stat.S_ISDIR(found.st_mode):
+            raise RecognizerUnavailable(f"{path}: not a directory ({what})")
+        for entry in sorted(path.iterdir()):
+            if entry.is_dir():
+                continue
+            _check_regular(entry, what, FILE_LIMITS[option])
+        return
+    _check_regular(path, what, FILE_LIMITS[option])
+
+
+def _reason(exc: OSError) -> str:
+    """ "no such file or directory", as the engine's other errors say it."""
+    reason = exc.strerror or "cannot be read"
+    return reason[:1].lower() + reason[1:]
+
+
+def _check_regular(path: Path, what: str, limit: int) -> None:
+    try:
+        found = path.stat()
+    except OSError as exc:
+        raise RecognizerUnavailable(f"{path}: {_reason(exc)} ({what})") from None
+    if not stat.S_ISREG(found.st_mode):
+        raise RecognizerUnavailable(f"{path}: not a regular file ({what})")
+    if found.st_size > limit:
+        raise RecognizerUnavailable(
+            f"{path}: {found.st_size / 2**20:.0f} MiB, more than a {what} may be "
+            f"({limit // 2**20} MiB)"
+        )
+
+
+def check_dictionary(decoder: Any, path: Path) -> None:
+    """Refuse a dictionary the decoder loaded none or only part of: pocketsphinx skips,
+    silently, every line that is not WORD PHONE... with its acoustic model's phones, so a
+    text file that is no dictionary made a recognizer that never recognizes a word."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise RecognizerUnavailable(f"{path}: {_reason(exc)} (dictionary)") from None
+    lines = [
+        (n, line.split())
+        for n, line in enumerate(text.splitlines(), 1)
+        if line.strip() and not line.startswith(("##", ";;"))  # its comments
+    ]
+    if not lines:
+        raise RecognizerUnavailable(f"{path}: an empty dictionary")
+    for number, fields in lines:
+        if decoder.lookup_word(fields[0]) is None:
+            shown = " ".join(fields)[:60]
+            raise RecognizerUnavailable(
+                f"{path}: not a pronunciation dictionary: line {number} ({shown!r}) is not "
+                "WORD PHONE... with the acoustic model's phones"
+            )
 
 
 @dataclass(frozen=True)
@@ -89,8 +176,7 @@ class SphinxOptions:
             ("jsgf", self.grammar),
         ):
             if path is not None:
-                if not Path(path).exists():
-                    raise RecognizerUnavailable(f"{path}: no such file or directory")
+                check_recognizer_file(Path(path), key)
                 out[key] = str(path)
         if self.grammar is not None:
             out["lm"] = None  # the grammar replaces the default language model
@@ -146,6 +232,8 @@ class Decoders:
                 decoder.activate_search("shared")
             else:
                 decoder = ps.Decoder(**config)
+                if config.get("dict"):
+                    check_dictionary(decoder, Path(config["dict"]))
                 lm = None if any(k in config for k in _OTHER_SEARCHES) else decoder.get_lm()
                 if lm is not None:
                     with self._lock:

@@ -56,6 +56,7 @@ class BridgeOptions:
     reconnect_for: float = 30.0
     backoff: Backoff | None = None
     drain_timeout: float = 30.0
+    stop_timeout: float = 5.0  # after `stop`: the most time closing the stream may take
     short_session: float = 5.0
     max_short_sessions: int = 5
     rate: float | None = RATE
@@ -76,6 +77,8 @@ class BridgeOptions:
             raise BridgeError("cloud takes results from a forwarder, not audio")
         if self.max_short_sessions < 1 or self.short_session < 0:
             raise BridgeError("max_short_sessions must be >= 1 and short_session >= 0")
+        if not self.stop_timeout >= 0:
+            raise BridgeError("stop_timeout must be >= 0 seconds")
         if self.rate is not None and not self.rate > 0:
             raise BridgeError("rate must be a positive number of messages per second")
 
@@ -99,8 +102,9 @@ class BridgeResult:
     and errors), the recogniser `sessions` it had, and why each ended (`disconnects`: in
     connect mode the sessions lost before the input was over, in listen mode every relayed
     session); `unanswered`: finals our server had not answered when the bridge stopped
-    (answered `unavailable` by `RemoteTranslator` then); `gave_up`: why it stopped before
-    its input ended."""
+    (answered `unavailable` by `RemoteTranslator` then), and those the recogniser gave
+    that a stop or our server's loss kept from being sent; `gave_up`: why it stopped
+    before its input ended."""
 
     events: list[PartialTranscript] = field(default_factory=list)
     replies: list[Reply] = field(default_factory=list)

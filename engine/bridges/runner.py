@@ -90,6 +90,7 @@ class Bridge:
         self._notice = on_notice or (lambda line: logger.info("%s", line))
         self._on_listening = on_listening or (lambda _: None)
         self._nmt: RemoteTranslator | None = None
+        self._unsent: list[PartialTranscript] = []  # finals stopped before `push` took them
         self._busy = False  # a relayed session is on (listen mode: one at a time)
         self._gone = anyio.Event()  # our server was given up: nothing can be pushed
         self._replies_ended = anyio.Event()  # the stream's subscription is over
@@ -134,22 +135,42 @@ class Bridge:
     async def _run(self, audio: AudioSource | None, stop: anyio.Event) -> None:
         options = self.options
         async with RemoteTranslator(
-            options.to, options.token, reconnect_for=options.reconnect_for, rate=options.rate
+            options.to,
+            options.token,
+            reconnect_for=options.reconnect_for,
+            rate=options.rate,
+            drain_timeout=options.drain_timeout,
         ) as nmt:
             self._nmt = nmt
             sub = nmt.updates(options.stream_id)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._collect, sub)
-                try:
-                    with unwrapped():
-                        await self._bridge(audio, stop)
-                    await self._push(self.mapper.end_session())
-                except _OurServerGone:
-                    pass
-                if self._gone.is_set():
-                    self.result.gave_up = "our server could not be reached again"
-                await self._drain(nmt)
-                tg.cancel_scope.cancel()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._collect, sub)
+                    with anyio.CancelScope() as finishing:
+                        tg.start_soon(self._stop_in_time, stop, finishing, nmt)
+                        try:
+                            with unwrapped():
+                                await self._bridge(audio, stop)
+                            await self._push(self.mapper.end_session())
+                        except _OurServerGone:
+                            pass
+                        if self._gone.is_set():
+                            self.result.gave_up = "our server could not be reached again"
+                        await self._drain(nmt)
+                    tg.cancel_scope.cancel()
+            finally:  # cancelled too (a second Ctrl-C): what was never answered is known
+                self.result.unanswered = nmt.ledger.owed(options.stream_id) + self._unsent
+
+    async def _stop_in_time(
+        self, stop: anyio.Event, finishing: anyio.CancelScope, nmt: RemoteTranslator
+    ) -> None:
+        """Once `stop` is set, give closing the stream `stop_timeout` seconds, then stop
+        waiting: a server that keeps answering `rate_limited` or cannot be reached would
+        otherwise hold the bridge for `drain_timeout` and `reconnect_for`."""
+        await stop.wait()
+        await anyio.sleep(self.options.stop_timeout)
+        finishing.cancel()
+        nmt.abandon("the bridge was stopped before this final was answered")
 
     async def _bridge(self, audio: AudioSource | None, stop: anyio.Event) -> None:
         async with anyio.create_task_group() as tg:
@@ -190,12 +211,16 @@ class Bridge:
         nmt = self._nmt
         if nmt is None:
             return
-        for event in events:
+        for n, event in enumerate(events):
             try:
                 await nmt.push(event)
             except EngineClosed:
                 self._gone.set()
+                self._unsent += [e for e in events[n:] if e.is_final]
                 raise _OurServerGone from None
+            except anyio.get_cancelled_exc_class():
+                self._unsent += [e for e in events[n:] if e.is_final]  # never sent
+                raise
             self.result.events.append(event)
 
     async def _feed(self, message: str | bytes) -> bool:

@@ -11,6 +11,7 @@ import argparse
 import errno
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from engine.asr.audio import check_rate
 from engine.cli.numbers import non_negative_float as non_negative_float  # re-exported
 from engine.cli.numbers import number as parse_number
 from engine.cli.numbers import positive_float as positive_float  # re-exported
+from engine.decoding.policy import NotEnoughSlots
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodeOptions
 from engine.decoding.targets import Targets
@@ -275,6 +277,43 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
         "(en<TAB>de), then source<TAB>target, or one term alone to keep untranslated "
         "(docs/glossaries.md)",
     )
+    add_length_arguments(parser)
+
+
+def repeat_limit(value: str) -> int:
+    number = non_negative_int(value)
+    if number == 1:
+        raise argparse.ArgumentTypeError("must be 0 (off) or at least 2")
+    return number
+
+
+def add_length_arguments(parser: argparse.ArgumentParser) -> None:
+    """The guards against a translation that never ends (`DecodeOptions.source_cap`,
+    `DecodeOptions.repeat_limit`): every command that decodes takes them."""
+    defaults = DecodeOptions()
+    parser.add_argument(
+        "--max-length-factor",
+        type=non_negative_float,
+        default=defaults.max_length_factor,
+        metavar="F",
+        help="end a translation at F x its source's tokens + --max-length-extra tokens "
+        f"(default {defaults.max_length_factor}; 0: only the model's limit)",
+    )
+    parser.add_argument(
+        "--max-length-extra",
+        type=non_negative_int,
+        default=defaults.max_length_extra,
+        metavar="N",
+        help=f"tokens allowed beyond the factor's (default {defaults.max_length_extra})",
+    )
+    parser.add_argument(
+        "--repeat-limit",
+        type=repeat_limit,
+        default=defaults.repeat_limit,
+        metavar="N",
+        help="end a translation whose last words are one n-gram N times in a row, after "
+        f"its first (default {defaults.repeat_limit}; 0: off)",
+    )
 
 
 def read_glossary(args: argparse.Namespace) -> Glossary | None:
@@ -285,8 +324,25 @@ def read_glossary(args: argparse.Namespace) -> Glossary | None:
 
 
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
-    """`DecodeOptions` from `add_decode_arguments`' options."""
-    return DecodeOptions(beam_size=args.beam, max_new_tokens=args.max_new_tokens)
+    """`DecodeOptions` from `add_decode_arguments`' options, or `add_length_arguments'`
+    alone (`serve` searches greedily)."""
+    options = DecodeOptions()
+    if "beam" in args:
+        options = DecodeOptions(beam_size=args.beam, max_new_tokens=args.max_new_tokens)
+        slots = getattr(args, "kv_slots", None)
+        if slots and args.beam > slots:  # refused before the model loads, not per request
+            raise NotEnoughSlots(
+                f"--beam {args.beam} needs {args.beam} KV slots and --kv-slots {slots} "
+                f"gives {slots}: give --kv-slots {args.beam} or more (or 0)"
+            )
+    if "max_length_factor" not in args:
+        return options
+    return replace(
+        options,
+        max_length_factor=args.max_length_factor or None,
+        max_length_extra=args.max_length_extra,
+        repeat_limit=args.repeat_limit or None,
+    )
 
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
@@ -326,10 +382,10 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
 
 def streaming_options(args: argparse.Namespace) -> StreamingOptions:
     """`StreamingOptions` from `add_policy_argument`'s options, and `add_decode_arguments`'
-    where the command has them (`serve` decodes with the defaults)."""
+    (or `add_length_arguments`') where the command has them."""
     return StreamingOptions(
         policy=parse_policy(args.policy) if args.policy else None,
-        decode=decode_options(args) if "beam" in args else DecodeOptions(),
+        decode=decode_options(args),
         forced_length_ratio=args.forced_length_ratio,
         source_agreement=args.source_agreement,
         settled_source=args.settled_source,

@@ -25,6 +25,7 @@ from typing import TextIO
 import anyio
 from websockets.exceptions import InvalidHandshake
 
+import protocol
 from engine.bridges.cloud import Dialect
 from engine.bridges.errors import BridgeError
 from engine.bridges.events import Interrupted
@@ -184,6 +185,12 @@ def add_bridge_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     bridge.add_argument(
         "--quiet", action="store_true", help="print no translations, only the summary"
     )
+    bridge.add_argument(
+        "--unanswered",
+        metavar="FILE",
+        help="when the bridge ends, write the finals our server never answered to FILE, "
+        "one partial_transcript message a line (to send again later); empty when none",
+    )
 
 
 def bridge_options(args: argparse.Namespace) -> BridgeOptions:
@@ -231,13 +238,29 @@ def _printer(
 
 
 def summary(result: BridgeResult) -> str:
+    unanswered = {event.seq for event in result.unanswered}
     translated = {update.seq for update in result.translated}
-    refused = {error.seq for error in result.refused}
+    refused = {error.seq for error in result.refused} - unanswered  # each counted once
     return (
         f"{len(result.finals)} finals sent, {len(translated)} translated, {len(refused)} "
         f"refused, {len(result.unanswered)} unanswered; {result.sessions} recogniser "
         f"session(s), {len(result.disconnects)} ended before the input"
     )
+
+
+def unanswered_lines(result: BridgeResult) -> list[str]:
+    """One line per final never answered, naming it (segment, seq, text)."""
+    return [
+        f"unanswered: segment {event.segment_id} seq {event.seq}: {event.text}"
+        for event in result.unanswered
+    ]
+
+
+def write_unanswered(path: str, result: BridgeResult) -> None:
+    """The finals never answered, as `partial_transcript` messages, one a line."""
+    with open(path, "w", encoding="utf-8") as f:
+        for event in result.unanswered:
+            f.write(protocol.serialize(event) + "\n")
 
 
 def exit_status(result: BridgeResult) -> int:
@@ -254,6 +277,12 @@ def run_bridge(
     except (BridgeError, ValueError) as exc:
         print(f"error: {exc}", file=err)
         return 2
+    if args.unanswered:
+        try:  # now, not after the session: a path that cannot be written loses nothing
+            open(args.unanswered, "w", encoding="utf-8").close()
+        except OSError as exc:
+            print(f"error: {args.unanswered}: {exc.strerror or exc}", file=err)
+            return 2
     on_reply, notice = _printer(out, err, args.quiet)
     try:
         bridge = Bridge(options, on_reply=on_reply, on_notice=notice)
@@ -274,7 +303,10 @@ def run_bridge(
                         if stop.is_set():
                             tg.cancel_scope.cancel()  # a second Ctrl-C: stop waiting
                             return
-                        notice("stopping: closing the stream (Ctrl-C again to quit now)")
+                        notice(
+                            "stopping: closing the stream, up to "
+                            f"{options.stop_timeout:g} s (Ctrl-C again to quit now)"
+                        )
                         stop.set()
 
             tg.start_soon(signals)
@@ -297,9 +329,18 @@ def run_bridge(
             file=err,
         )
         return 2
-    if result is None:
-        return 130
+    quit_now = result is None  # a second Ctrl-C: what is known so far
+    result = bridge.result if result is None else result
     if result.gave_up:
         notice(f"gave up: {result.gave_up}")
     notice(summary(result))
-    return exit_status(result)
+    for line in unanswered_lines(result):
+        notice(line)
+    if args.unanswered:
+        try:
+            write_unanswered(args.unanswered, result)
+        except OSError as exc:
+            print(f"error: {args.unanswered}: {exc.strerror or exc}", file=err)
+            return 2
+        notice(f"{len(result.unanswered)} unanswered final(s) written to {args.unanswered}")
+    return 130 if quit_now else exit_status(result)

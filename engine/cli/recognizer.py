@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from engine.asr.domain import build_domain_model
-from engine.asr.sphinx import SphinxOptions
+from engine.asr.sphinx import SphinxOptions, check_recognizer_file
 from engine.cli.args import positive_float
 from engine.distribution import packaged_model
 
@@ -28,29 +30,61 @@ MODEL_RECOGNIZER = "recognizer.json"
 `RECOGNIZER_OPTIONS` keys whose values are paths relative to the directory."""
 
 
+RECOGNIZER_JSON_LIMIT = 64 * 1024
+"""Largest `recognizer.json` read (it holds a few paths)."""
+
+
 def model_recognizer(model: str | list[str] | None) -> dict[str, str]:
     """The recognizer options the model directory `model` (the first of several) names in
-    its `recognizer.json`, as absolute paths; {} when it names none or is no directory.
-    `ValueError` for a file that is not what it should be."""
+    its `recognizer.json`, as absolute paths; {} when it has none or is no directory.
+
+    A model directory may come from anywhere (a hub download), so what it names is
+    checked before anything reads it: `ValueError` for a `recognizer.json` that is not a
+    regular file of JSON within `RECOGNIZER_JSON_LIMIT`, and for a path that resolves
+    (symbolic links followed) outside the directory: such a file is used only when given
+    on the command line (`--lm`, ...). The files themselves are checked like those given
+    (`check_recognizer_file`) when the recognizer is made."""
     first = model[0] if isinstance(model, list) else model
     if not first:
         return {}
     folder = Path(first).expanduser()
     if not folder.is_dir():  # a fixture's name (`--model fixture`): the shipped directory
         folder = packaged_model(first) or folder
-    path = folder / MODEL_RECOGNIZER
-    if not path.is_file():
+    if not folder.is_dir():
         return {}
+    path = folder / MODEL_RECOGNIZER
+    if not os.path.lexists(path):
+        return {}
+    try:
+        found = path.stat()
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror}") from None
+    if not stat.S_ISREG(found.st_mode):
+        raise ValueError(f"{path}: not a regular file")
+    if found.st_size > RECOGNIZER_JSON_LIMIT:
+        raise ValueError(f"{path}: {found.st_size} bytes, more than {RECOGNIZER_JSON_LIMIT}")
     try:
         named = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not readable JSON ({exc})") from None
     if not isinstance(named, dict) or not all(
-        key in RECOGNIZER_OPTIONS and isinstance(value, str) for key, value in named.items()
+        key in RECOGNIZER_OPTIONS and isinstance(value, str) and value
+        for key, value in named.items()
     ):
         keys = ", ".join(RECOGNIZER_OPTIONS)
         raise ValueError(f"{path}: expected an object of paths, with keys among {keys}")
-    return {key: str((folder / value).resolve()) for key, value in named.items()}
+    root = folder.resolve()
+    out = {}
+    for key, value in named.items():
+        resolved = (folder / value).resolve()
+        if not resolved.is_relative_to(root):
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"{path}: {key} {value!r} is outside the model directory (a file there "
+                f"is used only when given as {flag})"
+            )
+        out[key] = str(resolved)
+    return out
 
 
 def add_recognizer_arguments(group: argparse._ArgumentGroup) -> None:
@@ -108,6 +142,9 @@ def sphinx_options(
 
     language_model, dictionary = path(args.lm), path(args.dict)
     if args.domain_text:
+        check_recognizer_file(Path(args.domain_text), "domain_text")
+        if args.dict:
+            check_recognizer_file(Path(args.dict), "dict")
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="nmt-domain-"))
         with open(args.domain_text, encoding="utf-8") as f:
             domain = build_domain_model(f, folder, pronunciations=args.dict)

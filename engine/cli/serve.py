@@ -21,6 +21,7 @@ import anyio
 
 import protocol
 from engine.cli.args import (
+    add_length_arguments,
     add_model_arguments,
     add_policy_argument,
     bind_error,
@@ -126,6 +127,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help=f"the secret /metrics needs (default: ${METRICS_TOKEN_ENV}; none: --token's)",
     )
     add_policy_argument(p)
+    add_length_arguments(p)
     p.add_argument(
         "--allow-origin",
         action="extend",

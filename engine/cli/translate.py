@@ -49,8 +49,8 @@ def _stdin_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None]]:
 
 def run_translate(args: argparse.Namespace, stdin: BinaryIO, stdout: TextIO) -> int:
     glossary = read_glossary(args)
-    translator = load_translator(args, glossary)
     options = decode_options(args)
+    translator = load_translator(args, glossary)
     status = 0
     lines: Iterator[tuple[int, str | None]] = (
         iter(enumerate(args.text, start=1)) if args.text else _stdin_lines(stdin)

@@ -131,6 +131,9 @@ def check_export(
     translator = Translator.from_dir(model_dir, quantized=quantized)
     config = translator.config
     limit = _generation_limit(config)
+    # As PyTorch's generate decodes: without the serving guards against endless output
+    # (`DecodeOptions.source_cap`, `repeat_limit`), which would end a loop it goes on with.
+    unguarded = DecodeOptions(max_new_tokens=limit, max_length_factor=None, repeat_limit=None)
     # Greedy, no forced eos at the length limit (the engine stops there without one).
     generation = {
         "num_beams": 1,
@@ -160,7 +163,7 @@ def check_export(
                 **generation,
             )
         diff = float(np.max(np.abs(onnx_logits[0, -1] - torch_logits[0, -1].numpy())))
-        hyp = translator.translate([text], DecodeOptions(max_new_tokens=limit))[0]
+        hyp = translator.translate([text], unguarded)[0]
         results.append(
             SentenceCheck(
                 text, _strip(generated[0].tolist(), config), hyp.token_ids, hyp.text, diff

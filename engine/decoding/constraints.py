@@ -166,9 +166,10 @@ class ConstrainedGreedy(GreedySearch):
         hook: StepHook | None = None,
         draft: Sequence[int] = (),
         constraints: Constraints = (),
+        source_tokens: int | None = None,
     ) -> None:
         self.constraints = constraints  # read by `_begin`, which `__init__` runs
-        super().__init__(config, prefix, options, hook, draft)
+        super().__init__(config, prefix, options, hook, draft, source_tokens)
 
     def _begin(self) -> None:
         super()._begin()
@@ -253,9 +254,10 @@ class ConstrainedBeam(BeamSearch):
         hook: StepHook | None = None,
         draft: Sequence[int] = (),
         constraints: Constraints = (),
+        source_tokens: int | None = None,
     ) -> None:
         self.constraints = constraints  # read by `_begin`, which `__init__` runs
-        super().__init__(config, prefix, options, hook, draft)
+        super().__init__(config, prefix, options, hook, draft, source_tokens)
 
     def _begin(self) -> None:
         super()._begin()
@@ -303,6 +305,8 @@ class ConstrainedBeam(BeamSearch):
             if not math.isfinite(score) or (token == eos and not state.done):
                 continue  # only a hypothesis that met every term may end
             moved = state if token == eos else state.advance(token, cur_len == 0)
+            if token != eos and self._loop_end([*self.seqs[k], token]) is not None:
+                continue  # a looping row goes no further (`DecodeOptions.repeat_limit`)
             banks.setdefault(moved.count, []).append((score, k, token, moved))
         for bank in banks.values():
             bank.sort(key=lambda c: (-c[0], c[1], c[2]))
@@ -354,11 +358,12 @@ def new_search(
     hook: StepHook | None = None,
     draft: Sequence[int] = (),
     constraints: Constraints = (),
+    source_tokens: int | None = None,
 ) -> Search:
     """`make_search`, or its constrained kind where `constraints` holds any term."""
     terms = tuple(c for c in constraints if c.tokens)
     if not terms:
-        return make_search(config, prefix, options, hook, draft)
+        return make_search(config, prefix, options, hook, draft, source_tokens)
     if options.beam_size == 1:
-        return ConstrainedGreedy(config, prefix, options, hook, draft, terms)
-    return ConstrainedBeam(config, prefix, options, hook, (), terms)
+        return ConstrainedGreedy(config, prefix, options, hook, draft, terms, source_tokens)
+    return ConstrainedBeam(config, prefix, options, hook, (), terms, source_tokens)

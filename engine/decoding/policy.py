@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeAlias, TypeVar, cast
 
 from engine.decoding.search import DecodingCancelled
+from engine.errors import EngineError
 from engine.model.kv.slots.manager import KvSlotManager
 
 
@@ -121,8 +122,9 @@ class Plan(Generic[R, J]):
     leaving: list[R] = field(default_factory=list)
 
 
-class NotEnoughSlots(ValueError):
-    """A request needs more KV slots than the whole pool has: it could never run."""
+class NotEnoughSlots(EngineError, ValueError):
+    """A request needs more KV slots than the whole pool has: it could never run (an
+    `EngineError`: the CLI says so in one line, exit 2)."""
 
 
 @dataclass(frozen=True)

@@ -247,7 +247,15 @@ class DecodeScheduler:
             enc = enc.encoded
         requests = [
             Request(
-                new_search(self.model.config, prefix, options, hook, draft, terms),
+                new_search(
+                    self.model.config,
+                    prefix,
+                    options,
+                    hook,
+                    draft,
+                    terms,
+                    source_tokens=int(enc.attention_mask[row].sum()),
+                ),
                 enc,
                 row,
                 Priority(priority),

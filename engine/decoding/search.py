@@ -51,6 +51,17 @@ class DecodeOptions:
     # load), the same token; the score is nan. The streaming controller's partials, whose
     # updates carry no score, decode so. A beam always scores.
     scores: bool = True
+    # Guards against a model that never ends (noise a recogniser misheard makes real
+    # OPUS-MT models loop: "你不不不..." to the length limit). A hypothesis stops at
+    # ceil(max_length_factor * source tokens) + max_length_extra tokens (the source's
+    # tokens as the encoder sees them, eos and language token included; None: no cap
+    # but the model's), and where its last tokens are one n-gram of up to `LOOP_NGRAM`
+    # tokens `repeat_limit` times in a row it ends after the first of them (None: never).
+    # Neither ends a hypothesis before `min_new_tokens`, nor cuts its forced prefix.
+    # The defaults, and the profile of real translations that chose them: docs/streaming.md.
+    max_length_factor: float | None = 2.0
+    max_length_extra: int = 10
+    repeat_limit: int | None = 4
 
     def __post_init__(self) -> None:
         if self.beam_size < 1:
@@ -59,6 +70,21 @@ class DecodeOptions:
             raise ValueError("max_new_tokens must be >= 1")
         if self.min_new_tokens < 0:
             raise ValueError("min_new_tokens must be >= 0")
+        if self.max_length_factor is not None and not self.max_length_factor > 0:
+            raise ValueError("max_length_factor must be > 0 (None: no cap)")
+        if self.max_length_extra < 0:
+            raise ValueError("max_length_extra must be >= 0")
+        if self.repeat_limit is not None and self.repeat_limit < 2:
+            raise ValueError("repeat_limit must be >= 2 (None: no guard)")
+
+    def source_cap(self, source_tokens: int) -> int | None:
+        """Most tokens a hypothesis of a source of `source_tokens` tokens may have by
+        `max_length_factor` and `max_length_extra` (never below `min_new_tokens`); None
+        without a factor."""
+        if self.max_length_factor is None:
+            return None
+        cap = math.ceil(self.max_length_factor * source_tokens) + self.max_length_extra
+        return max(cap, self.min_new_tokens)
 
     def bans_eos(self, generated: int) -> bool:
         """Whether eos may not come after `generated` tokens: fewer than `min_new_tokens`.
@@ -87,12 +113,42 @@ def log_softmax(logits: FloatArray) -> FloatArray:
     return out
 
 
-def _length_limit(config: ModelConfig, options: DecodeOptions) -> int:
-    """Most tokens the decoder may emit: its position table holds the start token too."""
+def _length_limit(
+    config: ModelConfig, options: DecodeOptions, source_tokens: int | None, prefix: int
+) -> int:
+    """Most tokens the decoder may emit: its position table holds the start token too;
+    `max_new_tokens`, and the source's cap (`DecodeOptions.source_cap`), which never cuts
+    the `prefix` tokens forced."""
     limit = min(config.max_length, config.max_position_embeddings) - 1
     if options.max_new_tokens is not None:
         limit = min(limit, options.max_new_tokens)
+    cap = None if source_tokens is None else options.source_cap(source_tokens)
+    if cap is not None:
+        limit = min(limit, max(cap, prefix))
     return limit
+
+
+LOOP_NGRAM = 8
+"""Longest n-gram whose repeats `DecodeOptions.repeat_limit` looks for; longer loops end
+at the source's length cap."""
+
+
+def loop_start(tokens: Sequence[int], repeats: int, floor: int) -> int | None:
+    """Where `tokens` should end when their last tokens are one n-gram (n <= `LOOP_NGRAM`)
+    `repeats` times in a row: after its first occurrence, never before `floor` (the
+    forced prefix, `min_new_tokens`); None when they are not."""
+    size = len(tokens)
+    last = tokens[-1] if tokens else None
+    for n in range(1, LOOP_NGRAM + 1):
+        span = n * repeats
+        if span > size:
+            break
+        if tokens[size - 1 - n] != last:
+            continue  # cheap reject: the last token does not recur n back
+        gram = tokens[size - n :]
+        if all(tokens[size - k * n : size - (k - 1) * n] == gram for k in range(2, repeats + 1)):
+            return max(size - span + n, floor)
+    return None
 
 
 def _allowed(
@@ -213,12 +269,13 @@ class Search(ABC):
         options: DecodeOptions,
         hook: StepHook | None = None,
         draft: Sequence[int] = (),
+        source_tokens: int | None = None,
     ) -> None:
         self.config = config
         self.prefix = list(prefix)
         self.options = options
         self.hook = hook
-        self.limit = _length_limit(config, options)
+        self.limit = _length_limit(config, options, source_tokens, len(self.prefix))
         # Greedy only (a beam's rows have no single draft to confirm), within the limit.
         room = min(MAX_DRAFT, self.limit - len(self.prefix))
         self.draft = list(draft)[: max(room, 0)] if options.beam_size == 1 else []
@@ -232,6 +289,15 @@ class Search(ABC):
     @abstractmethod
     def _begin(self) -> None:
         """Set up the kind's own state (once, at the end of `__init__`)."""
+
+    def _loop_end(self, tokens: Sequence[int]) -> int | None:
+        """Where a row of these tokens ends by `DecodeOptions.repeat_limit`, else None."""
+        repeats = self.options.repeat_limit
+        if repeats is None or len(tokens) <= len(self.prefix):
+            return None
+        if self.options.bans_eos(len(tokens)):
+            return None
+        return loop_start(tokens, repeats, max(len(self.prefix), self.options.min_new_tokens))
 
     @property
     @abstractmethod
@@ -335,6 +401,10 @@ class GreedySearch(Search):
             self.looked_ahead += 1
         else:
             self._offered = []
+        end = self._loop_end(self.tokens)
+        if end is not None:
+            del self.tokens[end:]
+            return None
         if len(self.tokens) >= self.limit:
             return None
         return Extension([token], [0])
@@ -424,7 +494,14 @@ class BeamSearch(Search):
                 if rank < beams:
                     self.done.append((self._norm(score, cur_len + 1), tuple(self.seqs[k]), True))
                 continue
-            seqs.append([*self.seqs[k], token])
+            seq = [*self.seqs[k], token]
+            end = self._loop_end(seq)
+            if end is not None:
+                # A looping row ends like one at the length limit, its repeats dropped.
+                if rank < beams:
+                    self.done.append((self._norm(score, len(seq)), tuple(seq[:end]), False))
+                continue
+            seqs.append(seq)
             parents.append(k)
             tokens.append(token)
             scores.append(score)
@@ -459,8 +536,10 @@ def make_search(
     options: DecodeOptions,
     hook: StepHook | None = None,
     draft: Sequence[int] = (),
+    source_tokens: int | None = None,
 ) -> Search:
-    """Greedy or beam search, by `options.beam_size` (a beam ignores `draft`)."""
+    """Greedy or beam search, by `options.beam_size` (a beam ignores `draft`).
+    `source_tokens`: the source's length, for `DecodeOptions.source_cap`."""
     if options.beam_size == 1:
-        return GreedySearch(config, prefix, options, hook, draft)
-    return BeamSearch(config, prefix, options, hook)
+        return GreedySearch(config, prefix, options, hook, draft, source_tokens)
+    return BeamSearch(config, prefix, options, hook, source_tokens=source_tokens)

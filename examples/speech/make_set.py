@@ -19,7 +19,9 @@ Writes into `--out`:
   (`engine.asr.build_domain_model`), from the fixture's training sentences (the first
   `LM_SENTENCES` of `corpus.generate(TRAIN_SEED, ...)`) and its fragments ("with Lucy",
   "at three tomorrow": what a clause after a pause starts with), never from the held-out
-  ones spoken here.
+  ones spoken here. With the default `--out`, copied into each fixture's model directory
+  too, which names them in its `recognizer.json` (a model directory's recognizer data
+  must lie inside it).
 
 The voices were chosen for how pocketsphinx's en-US acoustic model hears espeak-ng
 (word error rate of the streaming recognizer with the domain model on held-out sentences
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -158,6 +161,11 @@ def main() -> None:
     items = make_set(args.out, args.count)
     domain = domain_sentences()
     model = build_domain_model(domain, args.out, name="fixture", compress=True)
+    if args.out == HERE:
+        for folder in sorted(HERE.parent.parent.glob("models/*/model")):
+            if (folder / "recognizer.json").is_file():
+                shutil.copy(model.language_model, folder)
+                shutil.copy(model.dictionary, folder)
     spoken = {item.text.lower() for item in items}
     sizes = sum((args.out / item.file).stat().st_size for item in items)
     print(

@@ -23,7 +23,12 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 from onnx import TensorProto
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
+from onnxruntime.capi.onnxruntime_pybind11_state import (
+    RuntimeException as OrtRuntimeException,
+)
 
+from engine.errors import ModelLoadError
 from engine.model.checks import REWRITE_TOLERANCE
 from engine.model.config import ModelConfig
 from engine.model.kv.slots.graphed import GraphedSteps, bind_slot_buffers
@@ -35,6 +40,7 @@ from engine.model.kv.slots.rewrite import (
 )
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray
 from engine.model.masked import MaskedDecoder
+from engine.model.memory import available_memory, size_text
 from engine.model.names import (
     BAN_EOS,
     COPY_POSITIONS,
@@ -285,7 +291,30 @@ class SlotGraphs:
     def pool(self, slots: int, *, graphs: bool = True) -> KvSlots:
         """`slots` slots of this model's shape, allocated now; its greedy steps replay
         CUDA graphs where the model has them and `graphs` (one lane: see
-        `engine.model.kv.slots.graphed`)."""
+        `engine.model.kv.slots.graphed`). Raises `ModelLoadError` (saying how many fit) for a pool
+        larger than the host memory available, and when the allocation fails."""
+        each = self.slot_bytes()
+        allocated = slots + (graphs and self.graphed is not None)
+        where = "cpu" if self.device[0] == "cpu" else f"{self.device[0]}:{self.device[1]}"
+        room = available_memory()
+        # On a GPU the host holds each buffer's zeros once, on the way to the device.
+        host = allocated * each if self.device[0] == "cpu" else each * 2
+        if room is not None and host > room:
+            raise ModelLoadError(
+                f"{slots} KV slots need {size_text(allocated * each)} ({size_text(each)} "
+                f"each) and {size_text(room)} of memory is available, which "
+                f"{max(0, room // each - (allocated - slots))} would fill (--kv-slots)"
+            )
+        try:
+            return self._allocate(slots, graphs)
+        except (MemoryError, RuntimeError, OrtFail, OrtRuntimeException) as exc:
+            raise ModelLoadError(
+                f"{slots} KV slots ({size_text(allocated * each)}, {size_text(each)} each) "
+                f"could not be allocated on {where}: {str(exc).strip().splitlines()[0]} "
+                "(--kv-slots)"
+            ) from exc
+
+    def _allocate(self, slots: int, graphs: bool) -> KvSlots:
         return KvSlots(
             self.shape,
             slots,
