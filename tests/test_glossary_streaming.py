@@ -12,16 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from websockets.asyncio.client import connect
 
 from engine.cli.main import main
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.evaluation.terms import term_accuracy
 from engine.glossary import Glossary, GlossaryError
+from engine.server.app import ServerOptions, SubtitleServer
+from engine.server.limits import Limits
 from engine.streaming.controller import IncrementalTranslator
 from engine.streaming.session import StreamSession
 from protocol import PartialTranscript, TranslationUpdate
-from tests.conftest import FIXTURE_MODEL, needs_fixture
+from tests.conftest import FIXTURE_MODEL, needs_fixture, partial_message
+from tests.live_server import http_get, until_final, ws_url
 
 ZH = Glossary.parse("en\tzh\nEmma\t爱丽丝\nwater\t果汁\n")
 DE = Glossary.parse("en\tde\nEmma\tAlice\ntea\n")
@@ -137,3 +141,38 @@ def test_cli_translate_and_replay_with_a_glossary(
     terms = json.loads(report.read_text(encoding="utf-8"))["terms"]
     assert terms["final_matched"] > 0 and terms["final_share"] == 1.0
     assert terms["stable_revisions"] == 0
+
+
+@pytest.mark.anyio
+async def test_served_streams_place_the_glossary_and_metrics_count_the_terms(
+    zh: Translator,
+) -> None:
+    glossary = Glossary.parse("en\tzh\nTom\t杰克\nbook\t报纸\n")
+    text = "Tom reads a book in the library"
+    parts = text.split()
+    async with (
+        IncrementalTranslator(zh, glossaries=glossary) as nmt,
+        SubtitleServer(nmt, ServerOptions(port=0, limits=Limits(rate_limit=None))) as server,
+    ):
+        async with connect(ws_url(server)) as ws:
+            for n in range(1, len(parts)):
+                partial = " ".join(parts[:n]) + " "
+                await ws.send(partial_message("s1", n - 1, partial, final=False))
+            await ws.send(partial_message("s1", len(parts), text, final=True))
+            replies = await until_final(ws)
+        metrics = (await http_get(server, "/metrics")).body
+    final = replies[-1]
+    assert final["stable_text"] == zh.translate([text], glossary=glossary)[0].text
+    assert "杰克" in final["stable_text"] and "报纸" in final["stable_text"]
+    assert 'nmt_engine_events_total{kind="terms_matched"} 2.0' in metrics
+    assert 'nmt_engine_events_total{kind="terms_placed"} 2.0' in metrics
+
+
+def test_serve_refuses_a_bad_glossary_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("Tom\t杰克\n", encoding="utf-8")
+    assert main(["serve", "--model", str(FIXTURE_MODEL), "--glossary", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {bad}:1: the first line must name the languages")

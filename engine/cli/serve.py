@@ -37,6 +37,7 @@ from engine.cli.serve_audio import add_audio_arguments, audio_input
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.errors import EngineError
+from engine.glossary import Glossary
 from engine.server.admission import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     ConnectionCaps,
@@ -156,6 +157,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         default=256,
         metavar="N",
         help="open streams in total (default %(default)s)",
+    )
+    p.add_argument(
+        "--glossary",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="terms every stream's translations place, one file per target language "
+        "(TSV naming its languages first: docs/glossaries.md); repeat for each language",
     )
     p.add_argument(
         "--rate-limit",
@@ -327,6 +336,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         streaming = streaming_options(args)
         options = options_from_args(args)
+        # Before the models: a bad line fails fast (`GlossaryError` is a ValueError).
+        args.glossaries = [Glossary.read(path) for path in args.glossary]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -440,7 +451,13 @@ async def _serve_with(
         if targets is None:
             return 0 if stop.is_set() else 2
         async with (
-            IncrementalTranslator(targets, streaming, max_streams=args.max_streams, bus=bus) as nmt,
+            IncrementalTranslator(
+                targets,
+                streaming,
+                max_streams=args.max_streams,
+                bus=bus,
+                glossaries=args.glossaries,
+            ) as nmt,
             anyio.create_task_group() as recorders,
         ):
             if args.record:

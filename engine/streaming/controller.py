@@ -453,6 +453,11 @@ class IncrementalTranslator:
         self.stats["updates"] += 1
         if update.is_final:
             self.stats["finals"] += 1
+            session = stream.sessions.get(lang)
+            if session is not None:  # a glossary's terms in this final (`/metrics`)
+                matched, placed = session.final_terms
+                self.stats["terms_matched"] += matched
+                self.stats["terms_placed"] += placed
         self._deliver(update, stream)
 
     def _deliver(self, reply: Reply, stream: Stream) -> None:

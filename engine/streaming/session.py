@@ -252,6 +252,7 @@ class StreamSession:
         self.glossary = glossary
         self.terms_matched = 0  # over the stream's finals
         self.terms_placed = 0
+        self.final_terms = (0, 0)  # the last final's terms: matched, placed
         self.lang = lang if lang is not None else translator.config.target_lang
         self.options = options or StreamingOptions()
         self.boundaries = BoundaryFinder(translator.tokenizer.id_to_piece)
@@ -487,6 +488,7 @@ class StreamSession:
         received: float,
     ) -> TranslationUpdate:
         """The offline translation of the final source: same options, no prefix, no bias."""
+        self.final_terms = (0, 0)
         if not source:
             text = ""
         else:
@@ -513,8 +515,10 @@ class StreamSession:
         if glossary is None:
             return
         targets = glossary.targets(source)
+        placed = sum(holds(text, target, self.lang) for target in targets)
+        self.final_terms = (len(targets), placed)
         self.terms_matched += len(targets)
-        self.terms_placed += sum(holds(text, target, self.lang) for target in targets)
+        self.terms_placed += placed
 
     def state_size(self) -> int:
         """Rough count of numbers held for this stream (tests bound it)."""

@@ -146,6 +146,8 @@ def run_one(
     from engine.streaming.session import StreamingOptions
 
     lines = make_lines(n, args.sentences, args.seed, first)
+    if args.glossary is not None:
+        translator.glossary = synthetic_glossary(lines, args.glossary)
     partials = sum(1 for line in lines if not line["is_final"])
     scheduler = getattr(translator, "scheduler", None)
     sizes_before: Counter[int] = Counter(getattr(scheduler, "batch_sizes", Counter()))
@@ -318,6 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--glossary",
+        choices=["none", "one"],
+        default=None,
+        help=f"every stream with a {GLOSSARY_ENTRIES}-entry glossary matching nothing in "
+        "its sentences (none) or one term in each (one); default: no glossary",
+    )
+    parser.add_argument(
         "--device", default="cpu", help="cpu, or cuda[:N] with the [gpu] extra (fp32/fp16)"
     )
     parser.add_argument("--sources", type=Path, default=FLORES_ZH, help="zh sentences, one a line")
@@ -349,6 +358,31 @@ def build_parser() -> argparse.ArgumentParser:
         "and its share of the N streams, started together; the figures are of all of them",
     )
     return parser
+
+
+GLOSSARY_ENTRIES = 1000
+
+
+def synthetic_glossary(lines: list[dict[str, Any]], kind: str) -> Any:
+    """A `GLOSSARY_ENTRIES`-entry zh->en glossary (`--glossary`): two-character terms that
+    no final of `lines` holds ("none"), or with each final's first two CJK characters
+    among them ("one": one term per sentence); every target is an English word."""
+    from engine.glossary import Glossary
+
+    finals = [line["text"] for line in lines if line["is_final"]]
+    held = {text[i : i + 2] for text in finals for i in range(len(text) - 1)}
+    pairs: dict[str, str] = {}
+    if kind == "one":
+        for text in finals:
+            cjk = [ch for ch in text if "\u4e00" <= ch <= "\u9fff"]
+            pairs.setdefault("".join(cjk[:2]), "glossary")
+    code = 0x4E00
+    while len(pairs) < GLOSSARY_ENTRIES:
+        term = chr(code) + chr(code + 1)
+        code += 2
+        if term not in held:
+            pairs.setdefault(term, "term")
+    return Glossary.from_pairs("zh", "en", list(pairs.items()))
 
 
 def load_translator(args: argparse.Namespace) -> Any:

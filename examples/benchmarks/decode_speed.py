@@ -76,6 +76,46 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ct2 fp32": {"engine": "ct2", "dir": "ct2-float32"},
     "ct2 int8": {"engine": "ct2", "dir": "ct2-int8"},
 }
+# With --glossary: the default int8 variant with a 1,000-entry glossary (`synthetic_glossary`)
+# that matches nothing in the source ("none": the plain search, matching costs only), or
+# one term of it ("one": the constrained greedy search, its term placed at the end).
+GLOSSARY: dict[str, dict[str, Any]] = {
+    "ours int8 glossary none": {
+        "engine": "ours",
+        "quantized": True,
+        "use_cache": True,
+        "glossary": "none",
+    },
+    "ours int8 glossary one": {
+        "engine": "ours",
+        "quantized": True,
+        "use_cache": True,
+        "glossary": "one",
+    },
+}
+GLOSSARY_ENTRIES = 1000
+
+
+def synthetic_glossary(source: str, kind: str) -> Any:
+    """`GLOSSARY_ENTRIES` zh->en terms of two CJK characters that the source does not hold
+    (`kind` "none"), or the same with the source's first two CJK characters as one of them
+    ("one"); every target is an English word."""
+    from engine.glossary import Glossary
+
+    held = {source[i : i + 2] for i in range(len(source) - 1)}
+    pairs: list[tuple[str, str | None]] = []
+    code = 0x4E00
+    while len(pairs) < GLOSSARY_ENTRIES - (kind == "one"):
+        term = chr(code) + chr(code + 1)
+        code += 2
+        if term not in held:
+            pairs.append((term, "term"))
+    if kind == "one":
+        cjk = [ch for ch in source if "\u4e00" <= ch <= "\u9fff"]
+        pairs.append(("".join(cjk[:2]), "glossary"))
+    return Glossary.from_pairs("zh", "en", pairs)
+
+
 # With --tuned: settings the engine does not use by default, for comparison (the
 # merged `If` decoder, ORT worker threads that spin, every op of a step on all --threads,
 # every op of a step on one thread).
@@ -147,12 +187,17 @@ def _ours_runner(spec: dict[str, Any]) -> tuple[Runner, Callable[[], None]]:
     )
     ids = tr.source_ids(spec["source"])
     enc = tr.encode([ids])
+    glossary = synthetic_glossary(spec["source"], spec["glossary"]) if "glossary" in spec else None
 
     def run(n: int, b: int) -> dict[str, float]:
         options = DecodeOptions(beam_size=1, max_new_tokens=n, min_new_tokens=n)
         rows = enc.select(np.zeros(b, dtype=np.int64))  # B copies: one batched decode
         start = time.perf_counter()
-        hyps = tr.decode(rows, options)
+        if glossary is not None:  # matched per call, as a stream's every partial is
+            terms = tr.constraints(spec["source"], glossary)
+            hyps = tr.decode(rows, options, constraints=[terms] * b if terms else None)
+        else:
+            hyps = tr.decode(rows, options)
         elapsed = time.perf_counter() - start
         if any(len(hyp.token_ids) != n for hyp in hyps):
             raise RuntimeError(f"forced length {n}, got {[len(h.token_ids) for h in hyps]}")
@@ -489,10 +534,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=sorted({**VARIANTS, **TUNED}),
+        choices=sorted({**VARIANTS, **TUNED, **GLOSSARY}),
         default=None,
         metavar="VARIANT",
         help=f"variants to run (default: all of {', '.join(repr(v) for v in VARIANTS)})",
+    )
+    parser.add_argument(
+        "--glossary",
+        action="store_true",
+        help=f"also run {', '.join(repr(v) for v in GLOSSARY)} "
+        f"({GLOSSARY_ENTRIES}-entry glossaries)",
     )
     parser.add_argument(
         "--hugepages", action="store_true", help=f"run workers with GLIBC_TUNABLES={HUGEPAGES_ENV}"
@@ -525,8 +576,10 @@ def main(argv: list[str] | None = None) -> int:
     source = _load_source(args.source_file, args.line)
     lengths = sorted({1, *args.lengths})
     longest = max(lengths)
-    specs = {**VARIANTS, **TUNED}
+    specs = {**VARIANTS, **TUNED, **GLOSSARY}
     names = args.only or list(VARIANTS) + (list(TUNED) if args.tuned else [])
+    if args.glossary and not args.only:
+        names += list(GLOSSARY)
 
     sys.path.insert(0, str(REPO_ROOT))
     import ctranslate2
