@@ -23,7 +23,7 @@ from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
 from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
 from engine.decoding.terms import TermTokens
 from engine.errors import InputTooLongError, ModelLoadError
-from engine.glossary import Glossary
+from engine.glossary import MAX_ENTRIES, Glossary
 from engine.languages import word_joiner
 from engine.model.config import ModelConfig
 from engine.model.layouts import EncoderOutput
@@ -108,6 +108,8 @@ class Translator:
         if found is None:
             found = self.translate([source], DecodeOptions(scores=False), glossary=_NONE)[0].text
             with self._renderings_lock:
+                if len(self._renderings) >= MAX_ENTRIES:  # bounded: glossaries change
+                    self._renderings.clear()
                 self._renderings[source] = found
         return found
 
