@@ -250,8 +250,11 @@ def thread_cpu(probes: Probes | None) -> tuple[dict[str, float], dict[str, float
 
 
 def null_decode() -> None:
-    """`Translator.decode` answers at once: each source's ids (eos dropped) after its
-    prefix, as if the model echoed the source; nothing reaches the scheduler."""
+    """`Translator.decode` (and `submit`, where the checkout has it) answers at once: each
+    source's ids (eos dropped) after its prefix, as if the model echoed the source;
+    nothing reaches the scheduler."""
+    from concurrent.futures import Future
+
     from engine.decoding import translator as module
     from engine.decoding.search import Hypothesis
 
@@ -264,7 +267,17 @@ def null_decode() -> None:
             out.append(Hypothesis(tuple(prefix) + tuple(source[len(prefix) :]), 0.0, True))
         return out
 
+    def submit(self: Any, enc: Any, options: Any = None, **kwargs: Any) -> list[Any]:
+        futures = []
+        for hypothesis in decode(self, enc, options, **kwargs):
+            future: Future[Any] = Future()
+            future.set_result(hypothesis)
+            futures.append(future)
+        return futures
+
     module.Translator.decode = decode  # type: ignore[method-assign]
+    if hasattr(module.Translator, "submit"):
+        module.Translator.submit = submit  # type: ignore[method-assign]
 
 
 def snapshot(probes: Probes | None) -> dict[str, Any]:
