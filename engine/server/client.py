@@ -154,7 +154,7 @@ class Client:
             async for data in self.ws:
                 role = core.role
                 action = core.receive(data, time.monotonic())
-                self.metrics.messages_in.labels(core.message_type).inc()
+                self.metrics.received(core.message_type)
                 if core.role is not role:
                     self.metrics.connections.labels(role.value).dec()
                     self.metrics.connections.labels(core.role.value).inc()
@@ -352,7 +352,7 @@ class Client:
                     continue
                 if owner:
                     lang = update.lang or ""
-                    self.metrics.update_latency.labels(lang).observe(update.latency_ms / 1000.0)
+                    self.metrics.latency(lang, update.latency_ms / 1000.0)
                 before = self.outbox.dropped_updates
                 self.outbox.put_update(update)
                 if self.outbox.dropped_updates > before:
@@ -420,11 +420,11 @@ class Client:
     async def _send(self, item: TranslationUpdate | ErrorMessage | PartialTranscript) -> None:
         if isinstance(item, PartialTranscript):  # an echo: sent once, not worth caching
             await self.ws.send(protocol.serialize(item))
-            self.metrics.messages_out.labels("partial_transcript").inc()
+            self.metrics.sent("partial_transcript")
             return
         await self.ws.send(_encoded(item))
         kind = "translation_update" if isinstance(item, TranslationUpdate) else "error"
-        self.metrics.messages_out.labels(kind).inc()
+        self.metrics.sent(kind)
 
     async def _close_going_away(self) -> None:
         """Send the close frame (1001 or 1012) once every message that reached the server before it

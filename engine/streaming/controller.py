@@ -439,7 +439,9 @@ class IncrementalTranslator:
 
     def _make_stream(self, life: StreamLifecycle) -> Stream:
         sessions = {
-            lang: StreamSession(life.stream_id, translator, self.options, lang=lang)
+            lang: StreamSession(
+                life.stream_id, translator, self.options, lang=lang, epoch=life.epoch
+            )
             for lang, translator in self.targets.items()
         }
         return Stream(life, sessions)
@@ -464,7 +466,8 @@ class IncrementalTranslator:
     def _publish(self, stream: Stream, lang: str, update: TranslationUpdate) -> None:
         """Publish `lang`'s update, stamped with the stream's life (`epoch`), which a
         shared bus checks against the stream's current one."""
-        update = dataclasses.replace(update, epoch=stream.life.epoch, lang=lang)
+        if update.epoch != stream.life.epoch or update.lang != lang:  # else made so
+            update = dataclasses.replace(update, epoch=stream.life.epoch, lang=lang)
         self.stats["updates"] += 1
         if update.is_final:
             self.stats["finals"] += 1

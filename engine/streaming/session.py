@@ -271,7 +271,9 @@ class StreamSession:
 
     A stream translated into several languages (fan-out) has one session per language:
     what is stable, the history and the encoder output are per model and language.
-    `lang` is the target language its updates carry (default: the model's own).
+    `lang` is the target language its updates carry (default: the model's own); `epoch`
+    the stream's life they carry (the controller's; None for a session on its own), so
+    that an update is made once, not copied to be stamped.
     """
 
     def __init__(
@@ -281,8 +283,10 @@ class StreamSession:
         options: StreamingOptions | None = None,
         *,
         lang: str | None = None,
+        epoch: int | None = None,
     ) -> None:
         self.stream_id = stream_id
+        self.epoch = epoch
         self.translator = translator
         self.lang = lang if lang is not None else translator.config.target_lang
         self.options = options or StreamingOptions()
@@ -412,6 +416,7 @@ class StreamSession:
             start_ms=event.start_ms,
             end_ms=event.end_ms,
             lang=self.lang,
+            epoch=self.epoch,
         )
 
     def _partial(
