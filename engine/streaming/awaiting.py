@@ -4,9 +4,9 @@ The decode scheduler's lanes resolve `concurrent.futures.Future`s on their own t
 Waiting for them from a worker thread per update (as `StreamSession.answer` does) costs two
 thread hops per update: the loop wakes a worker, the worker wakes the loop. Here the
 session's generator (`StreamSession.steps`) runs on the event loop, its decodes are
-submitted from there, and a lane resolving one wakes the loop directly
-(`call_soon_threadsafe`): no thread waits, and no anyio task, cancel scope or limiter is
-made per update.
+submitted from there, and a lane resolving them wakes the loop directly, once for all the
+futures it resolves meanwhile (`_Inbox`): no thread waits, and no anyio task, cancel scope
+or limiter is made per update.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from types import TracebackType
@@ -86,18 +88,41 @@ async def _resolved(future: Future[Hypothesis]) -> None:
         await anyio.to_thread.run_sync(concurrent.futures.wait, [future])
         return
     waiter: asyncio.Future[None] = loop.create_future()
-
-    def wake(_: Future[Hypothesis]) -> None:  # on the lane's thread
-        with contextlib.suppress(RuntimeError):  # a closed loop: no one waits any more
-            loop.call_soon_threadsafe(_set, waiter)
-
-    future.add_done_callback(wake)
+    inbox = _inboxes.get(loop)
+    if inbox is None:
+        inbox = _inboxes[loop] = _Inbox(loop)
+    future.add_done_callback(lambda _: inbox.put(waiter))
     await waiter
 
 
-def _set(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():  # not cancelled meanwhile
-        waiter.set_result(None)
+class _Inbox:
+    """Waiters to wake on one loop, put from the lanes' threads: the loop is woken (a
+    write to its self-pipe, a system call and a cross-core wake-up) once per batch of
+    them rather than once per future, as a lane answers its turn's rows one after the
+    other (hundreds per step on a GPU)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def put(self, waiter: asyncio.Future[None]) -> None:  # any thread
+        with self._lock:
+            self._waiters.append(waiter)
+            if len(self._waiters) > 1:  # the loop is to drain them already
+                return
+        with contextlib.suppress(RuntimeError):  # a closed loop: no one waits any more
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:  # on the loop
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():  # not cancelled meanwhile
+                waiter.set_result(None)
+
+
+_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] = weakref.WeakKeyDictionary()
 
 
 async def answer(
