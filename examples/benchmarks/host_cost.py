@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import random
@@ -48,7 +49,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,7 @@ PROBES: list[tuple[str, str, str]] = [
     ("normalize", "engine.streaming.session", "StreamingOptions.clean"),
     ("tokenize", "engine.decoding.translator", "Translator.source_ids"),
     ("session and policy", "engine.streaming.session", "StreamSession.answer"),
+    ("session and policy", "engine.streaming.session", "StreamSession.steps"),
     ("submit and wait", "engine.decoding.translator", "Translator.decode"),
     ("submit and wait", "engine.decoding.translator", "Translator.encoding"),
     ("detokenize", "engine.decoding.translator", "Translator.detokenize"),
@@ -172,22 +174,46 @@ class Probes:
         local = self._local
         totals, by_thread = self.totals, self.by_thread
 
-        def probed(*args: Any, **kwargs: Any) -> Any:
+        def enter() -> tuple[list[float], float]:
             stack = getattr(local, "stack", None)
             if stack is None:
                 stack = local.stack = [0.0]
             stack.append(0.0)  # time spent in nested probes
-            start = clock()
+            return stack, clock()
+
+        def leave(stack: list[float], start: float) -> None:
+            spent = clock() - start
+            nested = stack.pop()
+            totals[stage] += spent - nested
+            stack[-1] += spent
+            if len(stack) == 1:
+                by_thread[threading.get_native_id()] += spent
+                stack[0] = 0.0
+
+        def resumed(gen: Generator[Any, Any, Any]) -> Generator[Any, Any, Any]:
+            """A generator (a session's steps) timed at each resumption."""
+            value: Any = None
+            thrown: BaseException | None = None
+            while True:
+                stack, start = enter()
+                try:
+                    item = gen.throw(thrown) if thrown is not None else gen.send(value)
+                except StopIteration as done:
+                    return done.value
+                finally:
+                    leave(stack, start)
+                try:
+                    value, thrown = (yield item), None
+                except BaseException as exc:  # passed on into the generator
+                    value, thrown = None, exc
+
+        def probed(*args: Any, **kwargs: Any) -> Any:
+            stack, start = enter()
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
             finally:
-                spent = clock() - start
-                nested = stack.pop()
-                totals[stage] += spent - nested
-                stack[-1] += spent
-                if len(stack) == 1:
-                    by_thread[threading.get_native_id()] += spent
-                    stack[0] = 0.0
+                leave(stack, start)
+            return resumed(out) if inspect.isgenerator(out) else out
 
         probed.__wrapped__ = fn  # type: ignore[attr-defined]
         return probed
