@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 # are frozen (hashable) and the cache holds the last few thousand, far more than are ever
 # in flight at once.
 _encoded = functools.lru_cache(maxsize=4096)(protocol.serialize)
+
+YIELD_EVERY = 16
+"""Messages a connection's receive loop takes in a row before it lets other tasks run."""
 
 MAX_ECHOES = 64
 """Echoes of heard partials waiting to be sent; past it the oldest non-final one goes (a
@@ -150,8 +154,14 @@ class Client:
 
     async def _receive_loop(self) -> None:
         core = self.core
+        taken = 0
         try:
             async for data in self.ws:
+                # Frames already received are taken without yielding, and pushing an
+                # event does not yield either: let other connections in every few.
+                taken += 1
+                if taken % YIELD_EVERY == 0:
+                    await anyio.lowlevel.checkpoint()
                 role = core.role
                 action = core.receive(data, time.monotonic())
                 self.metrics.received(core.message_type)

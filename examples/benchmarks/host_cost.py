@@ -76,6 +76,7 @@ class Send:
     seq: int
     text: str
     is_final: bool
+    changed: bool = True  # a partial whose text differs from its segment's last one
 
 
 def schedule(writers: int, seconds: float, interval: float, seed: int = 0) -> list[list[Send]]:
@@ -98,7 +99,9 @@ def schedule(writers: int, seconds: float, interval: float, seed: int = 0) -> li
             final = k == FINAL_EVERY - 1
             shown = len(words) if final else max(1, round((k + 1) * len(words) / FINAL_EVERY))
             text = " ".join(words[:shown])
-            sends.append(Send(start + seq * interval, f"w{w}", segment, seq, text, final))
+            changed = k == 0 or text != sends[-1].text
+            at = start + seq * interval
+            sends.append(Send(at, f"w{w}", segment, seq, text, final, changed))
             seq += 1
         plans.append(sends)
     return plans
@@ -112,6 +115,8 @@ class Tally:
     updates: int = 0
     partial_ms: list[float] = field(default_factory=list)
     finals_sent: int = 0
+    partials_changed: int = 0  # partials sent whose text changed (each owes an update)
+    partial_updates: int = 0  # updates of partials received, the whole run
     final_replies: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
     errors: int = 0
 
@@ -122,6 +127,12 @@ class Tally:
                 self.partial_ms.append((now - sent) * 1000.0)
         if final:
             self.final_replies[(stream_id, seq)] += 1
+        else:
+            self.partial_updates += 1
+
+    def sending(self, send: Send) -> None:
+        self.finals_sent += send.is_final
+        self.partials_changed += not send.is_final and send.changed
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -387,7 +398,7 @@ def child_inproc(args: argparse.Namespace) -> int:
                     if delay > 0:
                         await anyio.sleep(delay)
                     sent[(s.stream_id, s.seq)] = time.perf_counter() - t0
-                    tally.finals_sent += s.is_final
+                    tally.sending(s)
                     event = PartialTranscript(s.stream_id, s.segment_id, s.seq, s.text, s.is_final)
                     await nmt.push(event)
                 await nmt.wait_idle()
@@ -417,6 +428,8 @@ def result(
         "ms_per_update": cpu / max(1, tally.updates) * 1000.0,
         "partial_p50_ms": percentile(tally.partial_ms, 50),
         "partial_p95_ms": percentile(tally.partial_ms, 95),
+        # Partials answered: the rest were superseded (latest wins) before an update.
+        "answered": tally.partial_updates / max(1, tally.partials_changed),
         "finals_sent": tally.finals_sent,
         "finals_answered_once": sum(1 for n in finals.values() if n == 1),
         "finals_answered_twice": sum(1 for n in finals.values() if n > 1),
@@ -468,7 +481,7 @@ async def writers(url: str, plans: list[list[Send]], tally: Tally, on_mark: Any)
                 await asyncio.sleep(delay)
             event = PartialTranscript(s.stream_id, s.segment_id, s.seq, s.text, s.is_final)
             sent[s.seq] = time.perf_counter() - t0
-            tally.finals_sent += s.is_final
+            tally.sending(s)
             await ws.send(protocol.serialize(event))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(reader, timeout=30)
@@ -607,15 +620,18 @@ def main(argv: list[str] | None = None) -> int:
             runs[root].append(r)
             print(
                 f"  run {i + 1} {root}: {r['updates']} updates, {r['ms_per_update']:.3f} ms "
-                f"CPU/update, partial p95 {r['partial_p95_ms']:.0f} ms, finals "
+                f"CPU/update, partial p95 {r['partial_p95_ms']:.0f} ms, "
+                f"{r['answered']:.0%} of partials answered, finals "
                 f"{r['finals_answered_once']}/{r['finals_sent']} once "
                 f"({r['finals_answered_twice']} twice), {r['errors']} errors, "
                 f"{r['threads']} threads",
                 flush=True,
             )
     print()
-    print("| checkout | updates/s | ms CPU per update | partial p50 / p95 ms | threads |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| checkout | updates/s | ms CPU per update | partial p50 / p95 ms | answered | threads |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for root, rs in runs.items():
         med = {
             key: statistics.median(r[key] for r in rs)
@@ -624,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(
             f"| {root.name} | {med['updates'] / args.seconds:.0f} | {med['ms_per_update']:.3f} "
-            f"| {med['partial_p50_ms']:.0f} / {med['partial_p95_ms']:.0f} | {med['threads']:.0f} |"
+            f"| {med['partial_p50_ms']:.0f} / {med['partial_p95_ms']:.0f} "
+            f"| {med['answered']:.0%} | {med['threads']:.0f} |"
         )
     if args.stages:
         for root, rs in runs.items():
