@@ -105,7 +105,6 @@ class Client:
     # Where the numbering of each stream this connection wrote goes on (a second audio
     # stream into it, or audio after text).
     clocks: dict[str, Clock] = field(default_factory=dict)
-    _waiting: anyio.CancelScope | None = None  # the sender, waiting on the outbox
     _dropped_audio_ms: float = 0.0
 
     async def serve(self) -> None:
@@ -296,8 +295,7 @@ class Client:
             stale = next((e for e in self.echoes if not e.is_final), self.echoes[0])
             self.echoes.remove(stale)
         self.echoes.append(event)
-        if self._waiting is not None:  # the sender waits on the outbox: send this first
-            self._waiting.cancel()
+        self.outbox.poke()  # the sender may wait on the outbox: send this first
 
     async def _leave_audio(self) -> None:
         """The connection is gone: its audio stream's last utterance still gets its
@@ -416,15 +414,15 @@ class Client:
 
     async def _next(self) -> TranslationUpdate | ErrorMessage | PartialTranscript | None:
         """The next message to send: an echo if one waits, else the outbox's next (None:
-        the outbox has ended). An echo arriving meanwhile interrupts the wait (the
-        outbox's `get` is cancelled before it takes anything)."""
+        the outbox has ended). An echo arriving meanwhile wakes the wait (`Outbox.poke`),
+        which takes nothing from the outbox."""
         while not self.echoes:
-            with anyio.CancelScope() as waiting:
-                self._waiting = waiting
-                try:
-                    return await self.outbox.get()
-                finally:
-                    self._waiting = None
+            item = self.outbox.take()
+            if item is not None:
+                return item
+            if self.outbox.ended:
+                return None
+            await self.outbox.ready()
         return self.echoes.popleft()
 
     async def _send(self, item: TranslationUpdate | ErrorMessage | PartialTranscript) -> None:

@@ -41,7 +41,7 @@ from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.errors import InputTooLongError
 from engine.languages import in_other_script
-from engine.replies import Reply
+from engine.replies import Reply, new_event
 from engine.streaming.awaiting import Slots, answer
 from engine.streaming.bus import InProcessBus, UpdateBus, subscribe
 from engine.streaming.history import Resent, resent_final, seq_reused
@@ -325,7 +325,7 @@ class IncrementalTranslator:
         stream.supersede()  # and so is a partial being decoded
         if not stream.busy:
             stream.busy = True
-            stream.idle = anyio.Event()
+            stream.idle = new_event()
         stream.wake.set()
 
     def _check_script(self, stream: Stream, source: str) -> None:
@@ -487,7 +487,7 @@ class IncrementalTranslator:
                     if not stream.taking_events:
                         break
                     await stream.wake.wait()
-                    stream.wake = anyio.Event()
+                    stream.wake = new_event()
                     continue
                 admission, received = stream.pending.popleft()
                 await self._translate(stream, admission, received)
