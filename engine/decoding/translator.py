@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +157,30 @@ class Translator:
         pending = self.encoding(sources)
         return self.scheduler.encode(pending.input_ids, pending.attention_mask)
 
+    def submit(
+        self,
+        enc: EncoderOutput | Encoding,
+        options: DecodeOptions = DecodeOptions(),
+        *,
+        prefixes: Sequence[Sequence[int]] | None = None,
+        hook: StepHook | None = None,
+        drafts: Sequence[Sequence[int]] | None = None,
+        priority: Priority = Priority.FINAL,
+        request_id: RequestId | None = None,
+    ) -> list[Future[Hypothesis]]:
+        """Queue a search for each source of `enc` and return their futures at once (the
+        arguments as for `decode`), for a caller that waits in its own way: the
+        controller awaits them on its event loop instead of blocking a thread."""
+        return self.scheduler.submit(
+            enc,
+            options,
+            priority=priority,
+            request_id=request_id,
+            prefixes=prefixes,
+            hook=hook,
+            drafts=drafts,
+        )
+
     def decode(
         self,
         enc: EncoderOutput | Encoding,
@@ -173,7 +198,7 @@ class Translator:
         `priority`: partials wait behind finals and offline calls. `request_id`: makes
         the searches abortable (`abort`), which raises `DecodingCancelled` here. `drafts`:
         expected continuations to verify in one call (see `DecodeScheduler.submit`)."""
-        futures = self.scheduler.submit(
+        futures = self.submit(
             enc,
             options,
             priority=priority,
