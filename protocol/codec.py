@@ -128,6 +128,14 @@ _SPECS: dict[str, tuple[_Field, ...]] = {
     name: _wire_fields(cls) for name, cls in MESSAGE_TYPES.items()
 }
 
+_NAMES: dict[str, frozenset[str]] = {
+    name: frozenset(field.name for field in spec) for name, spec in _SPECS.items()
+}
+"""Each message type's field names, for the unknown-field check."""
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+"""One encoder for every message (`json.dumps` with options builds one per call)."""
+
 
 def schema_path() -> Traversable:
     """Locate `wire.schema.json` inside the installed package (zip-safe)."""
@@ -155,7 +163,7 @@ def serialize(message: Message) -> str:
         value = getattr(message, field.name)
         if value is not None:
             obj[field.name] = value
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return _ENCODER.encode(obj)
 
 
 # --- decoding ---------------------------------------------------------------------------
@@ -269,7 +277,8 @@ def parse(
     """
     if max_bytes < 1 or max_text_chars < 0:
         raise ValueError("max_bytes must be positive and max_text_chars non-negative")
-    if accept is not None and not set(accept) <= MESSAGE_TYPES.keys():
+    known = accept is TO_ENGINE_TYPES or accept is FROM_ENGINE_TYPES  # checked once
+    if accept is not None and not known and not set(accept) <= MESSAGE_TYPES.keys():
         unknown = sorted(set(accept) - MESSAGE_TYPES.keys())
         raise ValueError(f"unknown message types in accept: {unknown}")
     try:
@@ -312,7 +321,7 @@ def _decode(
     context = _context(obj)
     type_name = _type_of(obj, accept, context)
     spec = _SPECS[type_name]
-    known = {field.name for field in spec}
+    known = _NAMES[type_name]
     for key in obj:
         if key != "type" and key not in known:
             raise _reject(

@@ -206,3 +206,36 @@ def serving(args: Sequence[str], ready_within: float) -> Iterator[Served]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def slow_decodes(
+    monkeypatch: pytest.MonkeyPatch, delay: float = 0.0, until: threading.Event | None = None
+) -> None:
+    """Slow translations, as a slow model gives them: every decode's answer comes `delay`
+    seconds after it was submitted (and, with `until`, not before that is set), from a
+    thread of its own. The engine awaits its decodes' futures on the event loop, so this
+    slows translating without blocking the loop, as a real model does."""
+    import time
+    from concurrent.futures import Future
+    from typing import Any
+
+    real = Translator.submit
+
+    def submit(self: Translator, *args: Any, **kwargs: Any) -> Any:
+        futures = real(self, *args, **kwargs)
+        held: list[Future[Any]] = [Future() for _ in futures]
+
+        def answer() -> None:
+            time.sleep(delay)
+            if until is not None:
+                until.wait(30)
+            for mine, theirs in zip(held, futures, strict=True):
+                try:
+                    mine.set_result(theirs.result())
+                except BaseException as exc:
+                    mine.set_exception(exc)
+
+        threading.Thread(target=answer, daemon=True).start()
+        return held
+
+    monkeypatch.setattr(Translator, "submit", submit)

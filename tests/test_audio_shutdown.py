@@ -30,8 +30,7 @@ from engine.server import client as client_module
 from engine.server import shutdown
 from engine.server.app import SubtitleServer
 from engine.server.audio import AudioInput
-from engine.streaming.session import StreamSession
-from tests.conftest import wait_for
+from tests.conftest import slow_decodes, wait_for
 from tests.live_server import STREAMING, serving
 from tests.test_audio_ws import (
     SENTENCE,
@@ -173,20 +172,13 @@ async def test_a_speaker_cut_short_by_the_timeout_gets_its_words_and_an_answer(
     progress ends with the words shown, which are translated in the other half, or, when
     translating is slower than that, answered `unavailable`. The speaker hears what was
     not recognized."""
-    if slow_translation:
-        real = StreamSession.answer
-
-        def slow(self: StreamSession, *args: Any, **kwargs: Any) -> Any:
-            time.sleep(1.5)
-            return real(self, *args, **kwargs)
-
     timeout = 2.0
     async with serving(
         translator, audio=sluggish_input(SPEAKERS), shutdown_timeout=timeout
     ) as server:
         writers = await mid_utterance(server, SPEAKERS)
         if slow_translation:
-            monkeypatch.setattr(StreamSession, "answer", slow)
+            slow_decodes(monkeypatch, 1.5)
         started = time.monotonic()
         async with anyio.create_task_group() as group:
             group.start_soon(server.shutdown)

@@ -15,6 +15,7 @@ import signal
 import threading
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -141,14 +142,14 @@ async def test_a_language_that_fails_answers_each_final_with_an_error_naming_it(
     targets: Targets, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     de = targets["de"]
-    decode = de.decode
+    submit = de.submit  # the engine submits its decodes and awaits their futures
 
     def fail_finals(enc: EncoderOutput, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("prefixes") is None:  # finals decode without a committed prefix
             raise RuntimeError("the German decoder broke")
-        return decode(enc, *args, **kwargs)
+        return submit(enc, *args, **kwargs)
 
-    monkeypatch.setattr(de, "decode", fail_finals)
+    monkeypatch.setattr(de, "submit", fail_finals)
     async with IncrementalTranslator(targets) as nmt:
         writer = nmt.updates("s1")
         viewer_zh = nmt.updates("s1", lang="zh")
@@ -313,16 +314,25 @@ async def test_shutdown_past_its_deadline_answers_only_the_languages_still_owed(
     """A final answered in zh while de still decodes, then an abort: de gets its
     `unavailable` error naming it, zh gets nothing more (one reply per language)."""
     de = targets["de"]
-    decode = de.decode
+    submit = de.submit  # the engine submits its decodes and awaits their futures
     started, release = threading.Event(), threading.Event()
 
     def slow_finals(enc: EncoderOutput, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("prefixes") is None:
-            started.set()
-            release.wait(10)
-        return decode(enc, *args, **kwargs)
+        futures = submit(enc, *args, **kwargs)
+        if kwargs.get("prefixes") is not None:
+            return futures
+        started.set()
+        held: list[Future[Any]] = [Future() for _ in futures]
 
-    monkeypatch.setattr(de, "decode", slow_finals)
+        def hold() -> None:  # the final's answer comes only once released
+            release.wait(10)
+            for mine, theirs in zip(held, futures, strict=True):
+                mine.set_result(theirs.result())
+
+        threading.Thread(target=hold, daemon=True).start()
+        return held
+
+    monkeypatch.setattr(de, "submit", slow_finals)
     try:
         async with IncrementalTranslator(targets) as nmt:
             writer = nmt.updates("s1")

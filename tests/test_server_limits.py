@@ -13,6 +13,7 @@ import pytest
 
 from engine.decoding.translator import Translator
 from engine.server.handshake import SINGLE_HEADERS, duplicate_headers
+from tests.conftest import slow_decodes
 from tests.live_server import serving
 
 
@@ -176,14 +177,14 @@ async def test_a_final_that_fails_to_translate_gets_an_internal_error(
     from tests.conftest import partial_message
     from tests.live_server import ws_url
 
-    real = StreamSession.answer
+    real = StreamSession.steps  # what the engine runs, its decodes awaited
 
     def failing(self: StreamSession, event: object, *args: object, **kwargs: object) -> object:
         if getattr(event, "text", "") == "boom":
             raise RuntimeError("a bug in the engine")
         return real(self, event, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(StreamSession, "answer", failing)
+    monkeypatch.setattr(StreamSession, "steps", failing)
     async with serving(translator) as server, connect(ws_url(server)) as ws:
         await ws.send(partial_message("f", 0, "boom", final=True))
         # The next segment (a final ends its segment).
@@ -211,22 +212,14 @@ async def test_shutdown_past_its_timeout_answers_every_final(
     most finals cannot be translated in time. Each still gets exactly one reply, an update
     or `unavailable`, and the shutdown raises nothing."""
     import json
-    import time
 
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
-    from engine.streaming.session import StreamSession
     from tests.conftest import partial_message
     from tests.live_server import ws_url
 
-    real = StreamSession.answer
-
-    def slow(self: StreamSession, *args: object, **kwargs: object) -> object:
-        time.sleep(0.05)
-        return real(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(StreamSession, "answer", slow)
+    slow_decodes(monkeypatch, 0.05)
     replies: dict[str, list[dict[str, object]]] = {}
 
     async def writer(server: object, name: str, ready: anyio.Event) -> None:
@@ -320,17 +313,16 @@ async def test_a_partial_of_a_closing_stream_gets_no_worker(
     from protocol import PartialTranscript
     from tests.live_server import STREAMING
 
-    real = StreamSession.answer
+    real = StreamSession.steps  # what the engine runs, its decodes awaited
     release = threading.Event()
     translated: list[str] = []
 
-    def gated(self: StreamSession, event: PartialTranscript, *args: object, **kw: object) -> object:
+    def seen(self: StreamSession, event: PartialTranscript, *args: object, **kw: object) -> object:
         translated.append(event.stream_id)
-        if event.stream_id == "busy":
-            release.wait(10)
         return real(self, event, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(StreamSession, "answer", gated)
+    monkeypatch.setattr(StreamSession, "steps", seen)
+    slow_decodes(monkeypatch, until=release)  # "busy" holds its slot until released
     async with IncrementalTranslator(translator, STREAMING, decode_slots=1) as nmt:
         await nmt.push(PartialTranscript("busy", 0, 0, "I will meet Tom", is_final=False))
         with anyio.fail_after(10):
@@ -542,6 +534,7 @@ _AT_THE_LIMIT = """
 import anyio, sys
 from engine.server.app import ServerOptions, SubtitleServer
 from engine.server.admission import ConnectionCaps
+from tests.conftest import slow_decodes
 
 async def main() -> None:
     # Caps set past what the descriptor limit holds: accept() itself fails.

@@ -38,9 +38,15 @@ from engine.decoding.translator import Translator
 from engine.server import shutdown
 from engine.server.outbox import Outbox
 from engine.streaming.lifecycle import Owner, StreamLifecycle, StreamTable
-from engine.streaming.session import StreamSession
 from protocol import PartialTranscript
-from tests.conftest import FIXTURE_MODEL, ROOT, needs_fixture, partial_message, wait_for
+from tests.conftest import (
+    FIXTURE_MODEL,
+    ROOT,
+    needs_fixture,
+    partial_message,
+    slow_decodes,
+    wait_for,
+)
 from tests.live_server import serving
 
 
@@ -185,13 +191,7 @@ async def test_finals_sent_at_every_point_of_a_shutdown_get_one_reply_or_a_close
     another writer's slow finals. Each final gets exactly one reply (its update or
     `unavailable`), or it reached the server after the close frame, which the server
     logs: none is lost in between."""
-    real = StreamSession.answer
-
-    def slow(self: StreamSession, *args: Any, **kwargs: Any) -> Any:
-        time.sleep(0.01)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(StreamSession, "answer", slow)
+    slow_decodes(monkeypatch, 0.01)
     caplog.set_level(logging.INFO, logger="engine.server")
     outcomes: list[str] = []
     async with serving(translator, shutdown_timeout=5) as server, raw(server.port) as busy:
@@ -200,9 +200,7 @@ async def test_finals_sent_at_every_point_of_a_shutdown_get_one_reply_or_a_close
             for i, writer in enumerate(writers):
                 await open_segment(writer, f"w{i}")
             for seg in range(3):  # the drain: finals being translated
-                busy.send(
-                    partial_message("busy", seg, "Tom will play tennis", True, segment=seg)
-                )
+                busy.send(partial_message("busy", seg, "Tom will play tennis", True, segment=seg))
 
             async def final_at(i: int, writer: RawClient) -> None:
                 await anyio.sleep(i * 0.005)
@@ -260,13 +258,7 @@ async def test_connections_closing_after_the_shutdown_timeout_log_no_traceback(
     """Translations slowed to 0.5 s, shutdown timeout 0.1 s: the finals are answered
     `unavailable` while their translations still run, and the writers' connections close
     before those return. Each final gets one reply and nothing is logged as an error."""
-    real = StreamSession.answer
-
-    def slow(self: StreamSession, *args: Any, **kwargs: Any) -> Any:
-        time.sleep(0.5)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(StreamSession, "answer", slow)
+    slow_decodes(monkeypatch, 0.5)
     caplog.set_level(logging.INFO)
     async with serving(translator, shutdown_timeout=0.1) as server:
         writers = [await RawClient.connect(server.port) for _ in range(3)]

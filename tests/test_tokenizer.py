@@ -84,3 +84,47 @@ def test_target_language_code_is_kept_whole() -> None:
     ids = tok.encode_source(">>cmn_Hans<< I will meet Tom")
     assert ids[0] == tok.vocab[">>cmn_Hans<<"]
     assert ids[-1] == tok.eos_id
+
+
+def _growing(sentences: list[str]) -> list[str]:
+    """Every word-by-word prefix of each sentence, as a recogniser's partials grow."""
+    out = []
+    for sentence in sentences:
+        words = sentence.split()
+        out.extend(" ".join(words[:k]) for k in range(1, len(words) + 1))
+    return out
+
+
+@pytest.mark.parametrize("model", ["fixture", "zh_en"])
+def test_word_by_word_source_pieces_equal_the_whole_texts(model: str) -> None:
+    """The source pieces of growing partials come from a memo of words: each text must
+    get exactly the pieces sentencepiece gives it whole (language code, partial marker,
+    repeated spaces, punctuation and specials included)."""
+    model_dir = FIXTURE_MODEL if model == "fixture" else ZH_EN
+    if not (model_dir / "source.spm").is_file():
+        pytest.skip(f"{model_dir} absent")
+    tok = MarianTokenizer.from_dir(model_dir)
+    english = FLORES / "eng_Latn.devtest"
+    sentences = english.read_text(encoding="utf-8").splitlines()[:200] if english.is_file() else []
+    if (FIXTURE_MODEL.parent / "heldout.tsv").is_file():
+        rows = (FIXTURE_MODEL.parent / "heldout.tsv").read_text(encoding="utf-8").splitlines()
+        sentences += [row.split("\t")[0] for row in rows]
+    texts = _growing(sentences)
+    texts += [f">>cmn_Hans<< {t}" for t in texts[:500]] + [f"{t} <partial>" for t in texts[:500]]
+    texts += [*TRICKY, "a  b", " a b ", "x\x7fy", "It's 3pm -- ok?!", ">>de<<x y"]
+    for text in texts:
+        whole = [
+            piece
+            for chunk in tok._special_re.split(text)
+            if chunk
+            for piece in ([chunk] if chunk in tok.special_tokens else _code_and_rest(chunk, tok))
+        ]
+        assert tok.source_pieces(text) == whole, text
+    assert tok._words, "the memo was never used"
+
+
+def _code_and_rest(chunk: str, tok: MarianTokenizer) -> list[str]:
+    """sentencepiece on a whole chunk, a leading `>>code<<` kept whole."""
+    if chunk.startswith(">>") and (end := chunk.find("<<")) != -1:
+        return [chunk[: end + 2], *tok.source.EncodeAsPieces(chunk[end + 2 :])]
+    return list(tok.source.EncodeAsPieces(chunk))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,14 @@ _NONE = Glossary("en", "en", ())  # no glossary, not even the translator's
 
 _SENTENCE_END = re.compile(r"(?<=[.!?。！？；;])\s*")
 _CLAUSE_END = re.compile(r"(?<=[,，、:：])\s*")
+
+
+@dataclass(frozen=True)
+class RenderingCall:
+    """The decode of a term's source alone (`Translator.rendering_call`)."""
+
+    source_ids: list[int]
+    options: DecodeOptions
 
 
 @dataclass(frozen=True)
@@ -102,16 +111,37 @@ class Translator:
         """The model's own translation of a term's source, alone (greedy, cached): where
         the model starts writing it in a sentence is where a constrained greedy search
         writes the term instead (`engine.decoding.constraints`). One short decode the
-        first time a term is matched."""
+        first time a term is matched (waited for here: a caller on an event loop decodes
+        it its own way first, `unrendered` / `rendering_call` / `remember_rendering`)."""
         with self._renderings_lock:
             found = self._renderings.get(source)
         if found is None:
-            found = self.translate([source], DecodeOptions(scores=False), glossary=_NONE)[0].text
-            with self._renderings_lock:
-                if len(self._renderings) >= MAX_ENTRIES:  # bounded: glossaries change
-                    self._renderings.clear()
-                self._renderings[source] = found
+            call = self.rendering_call(source)
+            (hyp,) = self.decode(self.encoding([call.source_ids]), call.options)
+            found = self.remember_rendering(source, hyp.token_ids)
         return found
+
+    def unrendered(
+        self, text: str, glossary: Glossary | None = None, *, partial: bool = False
+    ) -> list[str]:
+        """The sources of `text`'s matched terms whose rendering is not known yet."""
+        chosen = glossary if glossary is not None else self._glossary
+        sources = [term.source for term in self.terms.matched(chosen, text, partial=partial)]
+        with self._renderings_lock:
+            return [source for source in sources if source not in self._renderings]
+
+    def rendering_call(self, source: str) -> RenderingCall:
+        """What decoding a term's source alone takes (`rendering`)."""
+        return RenderingCall(self.source_ids(source.strip()), DecodeOptions(scores=False))
+
+    def remember_rendering(self, source: str, token_ids: Sequence[int]) -> str:
+        """Keep the rendering decoded for a term's source (`rendering_call`); its text."""
+        text = self.detokenize(token_ids)
+        with self._renderings_lock:
+            if len(self._renderings) >= MAX_ENTRIES:  # bounded: glossaries change
+                self._renderings.clear()
+            self._renderings[source] = text
+        return text
 
     def close(self) -> None:
         """Stop the scheduler thread (requests after this raise `SchedulerClosed`)."""
@@ -210,6 +240,32 @@ class Translator:
         pending = self.encoding(sources)
         return self.scheduler.encode(pending.input_ids, pending.attention_mask)
 
+    def submit(
+        self,
+        enc: EncoderOutput | Encoding,
+        options: DecodeOptions = DecodeOptions(),
+        *,
+        prefixes: Sequence[Sequence[int]] | None = None,
+        hook: StepHook | None = None,
+        drafts: Sequence[Sequence[int]] | None = None,
+        priority: Priority = Priority.FINAL,
+        request_id: RequestId | None = None,
+        constraints: Sequence[Constraints] | None = None,
+    ) -> list[Future[Hypothesis]]:
+        """Queue a search for each source of `enc` and return their futures at once (the
+        arguments as for `decode`), for a caller that waits in its own way: the
+        controller awaits them on its event loop instead of blocking a thread."""
+        return self.scheduler.submit(
+            enc,
+            options,
+            priority=priority,
+            request_id=request_id,
+            prefixes=prefixes,
+            hook=hook,
+            drafts=drafts,
+            constraints=constraints,
+        )
+
     def decode(
         self,
         enc: EncoderOutput | Encoding,
@@ -229,7 +285,7 @@ class Translator:
         the searches abortable (`abort`), which raises `DecodingCancelled` here. `drafts`:
         expected continuations to verify in one call (see `DecodeScheduler.submit`).
         `constraints`: per source, target ids its output must hold (`constraints`)."""
-        futures = self.scheduler.submit(
+        futures = self.submit(
             enc,
             options,
             priority=priority,

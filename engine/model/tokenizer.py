@@ -21,6 +21,14 @@ from engine.errors import ModelLoadError
 
 PIECE_MARKER = "\u2581"
 
+WORD_MEMO = 1 << 16
+"""Words whose source pieces a tokenizer keeps (`MarianTokenizer.source_pieces`); past it the
+memo starts afresh. A live stream's partials repeat the same words again and again."""
+
+_PROBES = ("a b", "Hello  world, it's 3pm!", " x-ray  ok. ", "1 22 333")
+"""Texts on which a sentencepiece model must tokenize word by word as it does whole for
+the word memo to be used with it."""
+
 
 _NORMALIZER_SPEC = 3  # ModelProto field every trained sentencepiece model writes, after its pieces
 
@@ -65,6 +73,22 @@ def _top_level_fields(data: bytes) -> set[int] | None:
             return None
         fields.add(key >> 3)
     return fields if pos == len(data) else None
+
+
+def _by_words(processor: spm.SentencePieceProcessor) -> bool:
+    """Whether `processor` tokenizes a text of printable ASCII as the concatenation of
+    its words' pieces: no piece holds the word marker past its start (so none spans a
+    space, as sentencepiece trains with `split_by_whitespace`), and on a few probes with
+    spaces, repeated spaces and punctuation, word by word equals whole (the dummy prefix
+    and whitespace rules as assumed)."""
+    size = processor.GetPieceSize()
+    if any(PIECE_MARKER in processor.IdToPiece(i)[1:] for i in range(size)):
+        return False
+    return all(
+        list(processor.EncodeAsPieces(text))
+        == [p for word in text.split() for p in processor.EncodeAsPieces(word)]
+        for text in _PROBES
+    )
 
 
 def _load_spm(path: Path, model_dir: Path) -> spm.SentencePieceProcessor:
@@ -118,6 +142,7 @@ class MarianTokenizer:
         # MarianTokenizer splits the text on its special tokens before sentencepiece runs.
         ordered = sorted(self.special_tokens, key=len, reverse=True)
         self._special_re = re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")")
+        self._words: dict[str, list[str]] | None = {} if _by_words(source) else None
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> MarianTokenizer:
@@ -144,8 +169,30 @@ class MarianTokenizer:
         return len(self.vocab)
 
     def source_pieces(self, text: str) -> list[str]:
-        """Pieces of a source text as MarianTokenizer.tokenize gives them (without eos)."""
-        return self._pieces(text, self.source)
+        """Pieces of a source text as MarianTokenizer.tokenize gives them (without eos).
+
+        Printable ASCII text is tokenized word by word from a memo when the model's
+        pieces never span a space (`_by_words`): the same pieces, without running
+        sentencepiece on the whole text again for every partial of a growing sentence."""
+        words = self._words
+        if (
+            words is None
+            or not (text.isascii() and text.isprintable())
+            or self._special_re.search(text) is not None
+        ):
+            return self._pieces(text, self.source)
+        pieces: list[str] = []
+        if text.startswith(">>") and (end := text.find("<<")) != -1:  # a language code
+            pieces.append(text[: end + 2])
+            text = text[end + 2 :]
+        for word in text.split():
+            found = words.get(word)
+            if found is None:
+                if len(words) >= WORD_MEMO:
+                    words.clear()
+                found = words[word] = list(self.source.EncodeAsPieces(word))
+            pieces.extend(found)
+        return pieces
 
     def _pieces(self, text: str, processor: spm.SentencePieceProcessor) -> list[str]:
         pieces: list[str] = []

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 # are frozen (hashable) and the cache holds the last few thousand, far more than are ever
 # in flight at once.
 _encoded = functools.lru_cache(maxsize=4096)(protocol.serialize)
+
+YIELD_EVERY = 16
+"""Messages a connection's receive loop takes in a row before it lets other tasks run."""
 
 MAX_ECHOES = 64
 """Echoes of heard partials waiting to be sent; past it the oldest non-final one goes (a
@@ -101,7 +105,6 @@ class Client:
     # Where the numbering of each stream this connection wrote goes on (a second audio
     # stream into it, or audio after text).
     clocks: dict[str, Clock] = field(default_factory=dict)
-    _waiting: anyio.CancelScope | None = None  # the sender, waiting on the outbox
     _dropped_audio_ms: float = 0.0
 
     async def serve(self) -> None:
@@ -150,11 +153,17 @@ class Client:
 
     async def _receive_loop(self) -> None:
         core = self.core
+        taken = 0
         try:
             async for data in self.ws:
+                # Frames already received are taken without yielding, and pushing an
+                # event does not yield either: let other connections in every few.
+                taken += 1
+                if taken % YIELD_EVERY == 0:
+                    await anyio.lowlevel.checkpoint()
                 role = core.role
                 action = core.receive(data, time.monotonic())
-                self.metrics.messages_in.labels(core.message_type).inc()
+                self.metrics.received(core.message_type)
                 if core.role is not role:
                     self.metrics.connections.labels(role.value).dec()
                     self.metrics.connections.labels(core.role.value).inc()
@@ -286,8 +295,7 @@ class Client:
             stale = next((e for e in self.echoes if not e.is_final), self.echoes[0])
             self.echoes.remove(stale)
         self.echoes.append(event)
-        if self._waiting is not None:  # the sender waits on the outbox: send this first
-            self._waiting.cancel()
+        self.outbox.poke()  # the sender may wait on the outbox: send this first
 
     async def _leave_audio(self) -> None:
         """The connection is gone: its audio stream's last utterance still gets its
@@ -352,7 +360,7 @@ class Client:
                     continue
                 if owner:
                     lang = update.lang or ""
-                    self.metrics.update_latency.labels(lang).observe(update.latency_ms / 1000.0)
+                    self.metrics.latency(lang, update.latency_ms / 1000.0)
                 before = self.outbox.dropped_updates
                 self.outbox.put_update(update)
                 if self.outbox.dropped_updates > before:
@@ -406,25 +414,25 @@ class Client:
 
     async def _next(self) -> TranslationUpdate | ErrorMessage | PartialTranscript | None:
         """The next message to send: an echo if one waits, else the outbox's next (None:
-        the outbox has ended). An echo arriving meanwhile interrupts the wait (the
-        outbox's `get` is cancelled before it takes anything)."""
+        the outbox has ended). An echo arriving meanwhile wakes the wait (`Outbox.poke`),
+        which takes nothing from the outbox."""
         while not self.echoes:
-            with anyio.CancelScope() as waiting:
-                self._waiting = waiting
-                try:
-                    return await self.outbox.get()
-                finally:
-                    self._waiting = None
+            item = self.outbox.take()
+            if item is not None:
+                return item
+            if self.outbox.ended:
+                return None
+            await self.outbox.ready()
         return self.echoes.popleft()
 
     async def _send(self, item: TranslationUpdate | ErrorMessage | PartialTranscript) -> None:
         if isinstance(item, PartialTranscript):  # an echo: sent once, not worth caching
             await self.ws.send(protocol.serialize(item))
-            self.metrics.messages_out.labels("partial_transcript").inc()
+            self.metrics.sent("partial_transcript")
             return
         await self.ws.send(_encoded(item))
         kind = "translation_update" if isinstance(item, TranslationUpdate) else "error"
-        self.metrics.messages_out.labels(kind).inc()
+        self.metrics.sent(kind)
 
     async def _close_going_away(self) -> None:
         """Send the close frame (1001 or 1012) once every message that reached the server before it

@@ -286,6 +286,32 @@ class ServerMetrics:
         )
         r.register(_SchedulerStats(scheduler_stats))
         r.register(_ModelInfo(models))
+        # The series counted per message, held by label: `labels()` takes a lock and
+        # builds a key on every call, which the message path need not pay.
+        self._received: dict[str, Counter] = {}
+        self._sent: dict[str, Counter] = {}
+        self._latency: dict[str, Histogram] = {}
+
+    def received(self, kind: str) -> None:
+        """One message of `kind` received."""
+        child = self._received.get(kind)
+        if child is None:
+            child = self._received[kind] = self.messages_in.labels(kind)
+        child.inc()
+
+    def sent(self, kind: str) -> None:
+        """One message of `kind` sent."""
+        child = self._sent.get(kind)
+        if child is None:
+            child = self._sent[kind] = self.messages_out.labels(kind)
+        child.inc()
+
+    def latency(self, lang: str, seconds: float) -> None:
+        """An update of `lang` made `seconds` after its partial arrived."""
+        child = self._latency.get(lang)
+        if child is None:
+            child = self._latency[lang] = self.update_latency.labels(lang)
+        child.observe(seconds)
 
     @classmethod
     def watching(cls, engine: Callable[[], IncrementalTranslator | None]) -> ServerMetrics:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TypeAlias
 
-import anyio
-
+from engine.replies import new_event
 from protocol import ErrorMessage, TranslationUpdate
 
 Outgoing: TypeAlias = TranslationUpdate | ErrorMessage
@@ -44,8 +43,9 @@ class Outbox:
         self._kept_flags: deque[bool] = deque()  # per item: a reply about a final
         self._updates = 0
         self._errors = 0
-        self._ready = anyio.Event()
+        self._ready = new_event()
         self._ended = False
+        self._poked = False
 
     def __len__(self) -> int:
         return len(self._items)
@@ -90,11 +90,16 @@ class Outbox:
 
     async def get(self) -> Outgoing | None:
         """The next item to send, waiting for one; None once ended and empty."""
-        while not self._items:
+        while (item := self.take()) is None:
             if self._ended:
                 return None
-            self._ready = anyio.Event()
-            await self._ready.wait()
+            await self.ready()
+        return item
+
+    def take(self) -> Outgoing | None:
+        """The next item to send, or None when none is queued (no wait)."""
+        if not self._items:
+            return None
         item = self._items.popleft()
         if self._kept_flags.popleft():
             self._kept -= 1
@@ -103,6 +108,22 @@ class Outbox:
         else:
             self._updates -= 1
         return item
+
+    async def ready(self) -> None:
+        """Wait until an item is queued, the outbox ends, or `poke` is called (the sender
+        has something else to send first); returns at once if one of them happened since
+        the last wait. Takes nothing, so a sender woken by `poke` loses nothing."""
+        if not (self._items or self._ended or self._poked):
+            self._ready = new_event()
+            await self._ready.wait()
+        self._poked = False
+
+    def poke(self) -> None:
+        """Wake the sender waiting in `ready` without an item: a message kept apart from
+        the outbox (an echo) is to be sent first. Unlike cancelling its wait, this makes
+        no cancel scope per message sent."""
+        self._poked = True
+        self._ready.set()
 
     def _shed_update(self) -> bool:
         oldest: int | None = None

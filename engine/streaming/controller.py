@@ -1,16 +1,17 @@
 """The async incremental translator: many streams, latest partial wins, finals never lost.
 
-One anyio task per stream takes its pending events in order and runs `StreamSession` in a
-worker thread, whose encoder and decoder calls go to the model's one decode scheduler
-(`engine.decoding.scheduler`), where the streams' decodes share batched decoder steps. When a newer
+One anyio task per stream takes its pending events in order and runs its `StreamSession`
+on the event loop, whose encoder and decoder calls go to the model's one decode scheduler
+(`engine.decoding.scheduler`), where the streams' decodes share batched decoder steps; the
+task awaits their futures (`engine.streaming.awaiting`), so no thread waits per update. When a newer
 event arrives while a partial is being decoded, that decode leaves the batch at its next
 step and the newest source is decoded instead, so delay never piles up behind a fast
 talker; finals are never skipped or cancelled.
 
 Fan-out: with several models (`engine.decoding.targets.Targets`, one per target language) a stream
 keeps one lifecycle, one queue and one task, and one session per language. Each admitted
-event is translated into every language at once (one worker thread per language, each
-model's scheduler batching its own rows) and each language's update is published as soon
+event is translated into every language at once (one task per language, each model's
+scheduler batching its own rows) and each language's update is published as soon
 as it is ready. So latest-wins, ownership and the count of finals owed stay one decision
 per stream; a final counts as answered once every language has answered it (its update,
 or an error naming the language). The price: a stream's languages advance event by
@@ -24,7 +25,6 @@ viewers through its hub (`engine.streaming.fanout`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from collections import Counter
@@ -42,7 +42,8 @@ from engine.decoding.translator import Translator
 from engine.errors import InputTooLongError
 from engine.glossary import Glossary
 from engine.languages import in_other_script
-from engine.replies import Reply
+from engine.replies import Reply, new_event
+from engine.streaming.awaiting import Slots, answer
 from engine.streaming.bus import InProcessBus, UpdateBus, subscribe
 from engine.streaming.history import Resent, resent_final, seq_reused
 from engine.streaming.lifecycle import (
@@ -127,14 +128,13 @@ class IncrementalTranslator:
         self.options = options or StreamingOptions()
         self.queue_size = queue_size
         self.stats: Counter[str] = Counter()
-        # Streams translating at once. Their worker threads mostly wait on the model's
-        # decode scheduler, which batches them into shared decoder steps, so this bounds
-        # threads and memory, not compute (that is the scheduler's `max_rows`).
-        # At least as many as the rows the models' batches may hold (on a GPU, thousands).
+        # Streams translating at once. They mostly wait on the model's decode scheduler,
+        # which batches them into shared decoder steps, so this bounds the requests
+        # queued there and their memory, not compute (that is the scheduler's
+        # `max_rows`). At least as many as the rows the models' batches may hold (on a
+        # GPU, thousands).
         held = max(t.scheduler.lanes * t.scheduler.options.max_rows for t in self.targets.values())
-        slots = decode_slots or max(DECODE_SLOTS, held)
-        self._limiter = anyio.CapacityLimiter(slots)
-        self._threads = anyio.CapacityLimiter(slots * len(self.targets))
+        self._limiter = Slots(decode_slots or max(DECODE_SLOTS, held))
         self._table: StreamTable[Stream] = StreamTable(
             max_streams=max_streams, max_pending_finals=max_pending_finals
         )
@@ -221,7 +221,8 @@ class IncrementalTranslator:
         error (a running translation's late result is then dropped, so each final still
         gets exactly one reply), and every subscription ends. Returns how many finals were
         answered so. The engine takes nothing more afterwards; leaving its `async with`
-        still waits for translations already running on worker threads to return."""
+        stops awaiting the translations still running (the scheduler answers them to no
+        one)."""
         answered = 0
         for stream, owed in self._table.abort():
             events = [admission.event for admission, _ in stream.pending]
@@ -311,17 +312,14 @@ class IncrementalTranslator:
                 )
             )
         received = time.perf_counter()
-        sid = event.stream_id
-        lock = self._admitting.setdefault(sid, anyio.Lock())
         try:
-            async with lock:
-                stream, admission, opened = await self._admit(event, owner)
+            admitted = self._admit_now(event, owner)
+            if admitted is None:  # a new life, a handover, or another admission of the id
+                admitted = await self._admit_in_turn(event, owner)
         except InvalidEvent:
             self.stats["rejected"] += 1
             raise
-        finally:
-            if not lock.statistics().tasks_waiting:
-                self._admitting.pop(sid, None)
+        stream, admission, opened = admitted
         if event.is_final and not stream.warned_script:
             self._check_script(stream, admission.source)
         if opened:
@@ -333,7 +331,7 @@ class IncrementalTranslator:
         stream.supersede()  # and so is a partial being decoded
         if not stream.busy:
             stream.busy = True
-            stream.idle = anyio.Event()
+            stream.idle = new_event()
         stream.wake.set()
 
     def _check_script(self, stream: Stream, source: str) -> None:
@@ -351,6 +349,35 @@ class IncrementalTranslator:
                 lang,
                 source[:60],
             )
+
+    def _admit_now(
+        self, event: PartialTranscript, owner: Owner | None
+    ) -> tuple[Stream, Admission, bool] | None:
+        """An event of an open stream, with no other admission of its id under way, is
+        admitted here without waiting (the case of nearly every event); None when it
+        must wait its turn (`_admit_in_turn`). Raises `InvalidEvent` for a refused one."""
+        if event.stream_id in self._admitting:
+            return None
+        decision = self._table.admit(event, owner)
+        if decision.verdict is not Verdict.ACCEPT:
+            return None
+        assert decision.stream is not None
+        admission = self._prepare(event)
+        self._table.accept(decision.stream, event)
+        return decision.stream, admission, False
+
+    async def _admit_in_turn(
+        self, event: PartialTranscript, owner: Owner | None
+    ) -> tuple[Stream, Admission, bool]:
+        """`_admit`, one admission at a time per stream id."""
+        sid = event.stream_id
+        lock = self._admitting.setdefault(sid, anyio.Lock())
+        try:
+            async with lock:
+                return await self._admit(event, owner)
+        finally:
+            if not lock.statistics().tasks_waiting:
+                self._admitting.pop(sid, None)
 
     async def _admit(
         self, event: PartialTranscript, owner: Owner | None
@@ -423,6 +450,7 @@ class IncrementalTranslator:
                 translator,
                 self.options,
                 lang=lang,
+                epoch=life.epoch,
                 glossary=self.glossaries.get(lang),
             )
             for lang, translator in self.targets.items()
@@ -449,7 +477,8 @@ class IncrementalTranslator:
     def _publish(self, stream: Stream, lang: str, update: TranslationUpdate) -> None:
         """Publish `lang`'s update, stamped with the stream's life (`epoch`), which a
         shared bus checks against the stream's current one."""
-        update = dataclasses.replace(update, epoch=stream.life.epoch, lang=lang)
+        if update.epoch != stream.life.epoch or update.lang != lang:  # else made so
+            update = dataclasses.replace(update, epoch=stream.life.epoch, lang=lang)
         self.stats["updates"] += 1
         if update.is_final:
             self.stats["finals"] += 1
@@ -474,7 +503,7 @@ class IncrementalTranslator:
                     if not stream.taking_events:
                         break
                     await stream.wake.wait()
-                    stream.wake = anyio.Event()
+                    stream.wake = new_event()
                     continue
                 admission, received = stream.pending.popleft()
                 await self._translate(stream, admission, received)
@@ -543,17 +572,16 @@ class IncrementalTranslator:
 
         async def one(lang: str, session: StreamSession) -> None:
             nonlocal cancelled
-            work = functools.partial(
-                session.answer,
-                event,
-                request_id=request_id,
-                priority=priority,
-                received=received,
-                source=admission.source,
-                source_ids=admission.source_ids.get(lang),
-            )
             try:
-                update = await anyio.to_thread.run_sync(work, limiter=self._threads)
+                update = await answer(
+                    session,
+                    event,
+                    request_id=request_id,
+                    priority=priority,
+                    received=received,
+                    source=admission.source,
+                    source_ids=admission.source_ids.get(lang),
+                )
             except DecodingCancelled:
                 cancelled = True
                 if not stream.closed:  # else `abort` gave up on it: its result is dropped
@@ -620,9 +648,13 @@ class IncrementalTranslator:
                     return
                 if stream.closed:  # aborted while waiting: answered
                     return
-                async with anyio.create_task_group() as languages:
-                    for lang, session in sessions.items():
-                        languages.start_soon(one, lang, session)
+                if len(sessions) == 1:  # no task of its own: the common case
+                    ((lang, session),) = sessions.items()
+                    await one(lang, session)
+                else:
+                    async with anyio.create_task_group() as languages:
+                        for lang, session in sessions.items():
+                            languages.start_soon(one, lang, session)
         finally:
             stream.current = None
             stream.abortable = None

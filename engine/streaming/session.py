@@ -1,12 +1,16 @@
 """One stream's incremental translation state: a synchronous, I/O-free core.
 
 `StreamSession.answer(event)` turns one partial transcript into one `TranslationUpdate`
-(or None when nothing changed). It holds the segment's encoder output, so an unchanged
+(or None when nothing changed). Its core, `StreamSession.steps`, is a generator that yields
+each decode it needs (`DecodeCall`) and takes the hypotheses back, so that the session
+itself never waits: `answer` runs the decodes one by one on the calling thread, while the
+controller submits them to the scheduler and awaits their futures on its event loop,
+without a worker thread per update. It holds the segment's encoder output, so an unchanged
 source is never re-encoded, and the committed target tokens, which are forced into every
 later decode of the segment so that stable text is never retracted.
 
 The async controller (`engine.streaming.controller`) decides which events reach it (latest
-wins), runs it in a worker thread and aborts a partial's decodes (`Translator.abort`) when
+wins), runs its steps on the event loop and aborts a partial's decodes (`Translator.abort`) when
 a newer event makes them useless; replay and tests may call it directly.
 """
 
@@ -16,13 +20,14 @@ import math
 import time
 import unicodedata
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from engine.decoding.constraints import Constraints
 from engine.decoding.policy import Priority, RequestId
 from engine.decoding.requests import Encoding
-from engine.decoding.search import DecodeOptions
+from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
 from engine.decoding.translator import Translator
 from engine.glossary import Glossary, holds
 from engine.languages import drop_fillers, is_cjk
@@ -86,7 +91,7 @@ class StreamingOptions:
         `source_normalizer` when one is set. That hook is where a casing or punctuation
         restoration model plugs in (recognisers such as Vosk or Kaldi write lowercase
         without punctuation, which OPUS-MT models were not trained on): any function of a
-        text, deterministic and fast, run on every partial in a worker thread. Admission,
+        text, deterministic and fast, run on every partial on the event loop. Admission,
         decoding and the offline check of finals all use this one function."""
         source = normalize_source(text)
         if self.drop_fillers:
@@ -114,6 +119,53 @@ class StreamingOptions:
         if partial and options.scores:
             options = replace(options, scores=False)
         return options
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One decode a session needs, as `Translator.decode` (or `Translator.submit`) takes
+    it: the session's generator (`StreamSession.steps`) yields it and is sent back the
+    hypotheses (or thrown the error, e.g. `DecodingCancelled`)."""
+
+    enc: Encoding
+    options: DecodeOptions
+    prefixes: Sequence[Sequence[int]] | None = None
+    hook: StepHook | None = None
+    drafts: Sequence[Sequence[int]] | None = None
+    priority: Priority = Priority.FINAL
+    request_id: RequestId | None = None
+    constraints: Sequence[Constraints] | None = None  # a glossary's matched terms
+
+    def submit(self, translator: Translator) -> list[Future[Hypothesis]]:
+        """Queue the decode and return its futures at once (`Translator.submit`)."""
+        return translator.submit(
+            self.enc,
+            self.options,
+            prefixes=self.prefixes,
+            hook=self.hook,
+            drafts=self.drafts,
+            priority=self.priority,
+            request_id=self.request_id,
+            constraints=self.constraints,
+        )
+
+    def run(self, translator: Translator) -> list[Hypothesis]:
+        """Decode on this thread, waiting for the scheduler."""
+        return translator.decode(
+            self.enc,
+            self.options,
+            prefixes=self.prefixes,
+            hook=self.hook,
+            drafts=self.drafts,
+            priority=self.priority,
+            request_id=self.request_id,
+            constraints=self.constraints,
+        )
+
+
+Steps = Generator[DecodeCall, list[Hypothesis], "TranslationUpdate | None"]
+"""A session's answer in the making: yields decodes, returns the update (None: nothing
+changed)."""
 
 
 def _word_char(ch: str) -> bool:
@@ -231,7 +283,9 @@ class StreamSession:
 
     A stream translated into several languages (fan-out) has one session per language:
     what is stable, the history and the encoder output are per model and language.
-    `lang` is the target language its updates carry (default: the model's own).
+    `lang` is the target language its updates carry (default: the model's own); `epoch`
+    the stream's life they carry (the controller's; None for a session on its own), so
+    that an update is made once, not copied to be stamped.
     `glossary`: the terms its translations place (`engine.decoding.constraints`), in
     partials as soon as a term's source is complete, and in the final.
     """
@@ -243,9 +297,11 @@ class StreamSession:
         options: StreamingOptions | None = None,
         *,
         lang: str | None = None,
+        epoch: int | None = None,
         glossary: Glossary | None = None,
     ) -> None:
         self.stream_id = stream_id
+        self.epoch = epoch
         self.translator = translator
         # Terms its translations place (None: the translator's own, if any); a term
         # counts once its source is complete in the partial (`Glossary.match`).
@@ -280,7 +336,7 @@ class StreamSession:
         assert seg.encoded is not None
         return seg.encoded
 
-    def answer(
+    def steps(
         self,
         event: PartialTranscript,
         *,
@@ -289,8 +345,10 @@ class StreamSession:
         received: float | None = None,
         source: str | None = None,
         source_ids: list[int] | None = None,
-    ) -> TranslationUpdate | None:
-        """The update answering `event`, or None when its source did not change.
+    ) -> Steps:
+        """The update answering `event`, or None when its source did not change, as a
+        generator that yields each decode it needs and is sent back its hypotheses
+        (`answer` runs it on this thread; the controller awaits the decodes).
 
         `source` and `source_ids`: the event's normalised source and its ids when
         admission computed them already (`lifecycle.Admission`), so that they are not
@@ -315,14 +373,43 @@ class StreamSession:
         started = time.perf_counter()
         self._admitted = source_ids
         if event.is_final:
-            update = self._final(seg, source, event, started, received)
+            update = yield from self._final(seg, source, event, started, received)
             self.segment = None
         elif not source:
             seg.source = ""
             update = self._update(event, seg.stable_text, "", started, received, source)
         else:
-            update = self._partial(seg, source, event, request_id, priority, started, received)
+            update = yield from self._partial(
+                seg, source, event, request_id, priority, started, received
+            )
         return update
+
+    def answer(
+        self,
+        event: PartialTranscript,
+        *,
+        request_id: RequestId | None = None,
+        priority: Priority = Priority.PARTIAL,
+        received: float | None = None,
+        source: str | None = None,
+        source_ids: list[int] | None = None,
+    ) -> TranslationUpdate | None:
+        """`steps`, its decodes run on this thread one after the other."""
+        steps = self.steps(
+            event,
+            request_id=request_id,
+            priority=priority,
+            received=received,
+            source=source,
+            source_ids=source_ids,
+        )
+        try:
+            call = next(steps)
+            while True:
+                call = steps.send(call.run(self.translator))
+        except StopIteration as done:
+            update: TranslationUpdate | None = done.value
+            return update
 
     def _update(
         self,
@@ -350,6 +437,7 @@ class StreamSession:
             start_ms=event.start_ms,
             end_ms=event.end_ms,
             lang=self.lang,
+            epoch=self.epoch,
         )
 
     def _partial(
@@ -361,7 +449,7 @@ class StreamSession:
         priority: Priority,
         started: float,
         received: float,
-    ) -> TranslationUpdate:
+    ) -> Generator[DecodeCall, list[Hypothesis], TranslationUpdate]:
         policy = self.policy
         enc = self._encode(seg, source, partial=True, ids=self._admitted)
         previous = seg.history[-1] if seg.history else None
@@ -370,7 +458,10 @@ class StreamSession:
             done = len(seg.committed)
             if previous[:done] == seg.committed:
                 draft = previous[done:]
-        hyp = self.translator.decode(
+        terms = yield from self._constraints(
+            _as_heard(source, event), priority, request_id, partial=True
+        )
+        (hyp,) = yield DecodeCall(
             enc,
             self.options.decode_for(len(seg.source_ids or ()), len(seg.committed), partial=True),
             prefixes=[seg.committed],
@@ -378,8 +469,8 @@ class StreamSession:
             drafts=[draft],
             priority=priority,
             request_id=request_id,
-            constraints=self._constraints(_as_heard(source, event), partial=True),
-        )[0]
+            constraints=terms,
+        )
         tokens = list(hyp.token_ids)
         if self.options.source_agreement is not None:
             extends = _extends_words(seg.source, source)
@@ -401,7 +492,7 @@ class StreamSession:
         agree = self.options.source_agreement
         if agree is not None and seg.source_settled_at < agree:
             commit = len(seg.committed)  # the source is still being rewritten: wait
-        bound = self._settled_bound(seg, event, source, tokens, request_id, priority)
+        bound = yield from self._settled_bound(seg, event, source, tokens, request_id, priority)
         if bound is not None and bound < commit:  # the recogniser's hint: only so far
             commit = self.boundaries.snap(tokens, bound, len(seg.committed), False)
         if hyp.appended is not None:  # a term the model has not reached: shown, not kept
@@ -445,7 +536,7 @@ class StreamSession:
         tokens: list[int],
         request_id: RequestId | None,
         priority: Priority,
-    ) -> int | None:
+    ) -> Generator[DecodeCall, list[Hypothesis], int | None]:
         """How many of `tokens` the settled source (`_settled`: the recogniser's hint, or
         the words recent partials share) supports, or None when there is none or the
         whole source is settled.
@@ -467,15 +558,16 @@ class StreamSession:
             ids = self.translator.source_ids(settled, partial=True)
             # The settled part's last translation is the natural draft for its next one.
             draft = seg.settled[1][len(seg.committed) :] if seg.settled else []
-            hyp = self.translator.decode(
+            terms = yield from self._constraints(settled, priority, request_id, partial=True)
+            (hyp,) = yield DecodeCall(
                 self.translator.encoding([ids]),
                 self.options.decode_for(len(ids), len(seg.committed), partial=True),
                 prefixes=[seg.committed],
                 drafts=[draft if self.options.drafts else []],
                 priority=priority,
                 request_id=request_id,
-                constraints=self._constraints(settled, partial=True),
-            )[0]
+                constraints=terms,
+            )
             seg.settled = (key, list(hyp.token_ids))
         return common_prefix_length([tokens, seg.settled[1]])
 
@@ -486,7 +578,7 @@ class StreamSession:
         event: PartialTranscript,
         started: float,
         received: float,
-    ) -> TranslationUpdate:
+    ) -> Generator[DecodeCall, list[Hypothesis], TranslationUpdate]:
         """The offline translation of the final source: same options, no prefix, no bias."""
         self.final_terms = (0, 0)
         if not source:
@@ -495,18 +587,37 @@ class StreamSession:
             enc = self._encode(seg, source, partial=False, ids=self._admitted)
             options = self.options.decode_for(len(seg.source_ids or ()))
             draft = seg.history[-1] if self.options.drafts and seg.history else []
-            terms = self._constraints(source, partial=False)
-            hyp = self.translator.decode(enc, options, drafts=[draft], constraints=terms)[0]
+            terms = yield from self._constraints(source, Priority.FINAL, None, partial=False)
+            (hyp,) = yield DecodeCall(enc, options, drafts=[draft], constraints=terms)
             seg.source = source
             text = self.translator.detokenize(hyp.token_ids)
             self._count_terms(source, text)
         revised = not text.startswith(seg.stable_text)
         return self._update(event, text, "", started, received, source, revised=revised)
 
-    def _constraints(self, source: str, *, partial: bool) -> list[Constraints] | None:
+    def _constraints(
+        self,
+        source: str,
+        priority: Priority,
+        request_id: RequestId | None,
+        *,
+        partial: bool,
+    ) -> Generator[DecodeCall, list[Hypothesis], list[Constraints] | None]:
         """The decode's constraints: what `source`'s matched terms require (None: none
-        matched, the plain search)."""
-        terms = self.translator.constraints(source, self.glossary, partial=partial)
+        matched, the plain search). A term matched for the first time needs the model's
+        own rendering of its source (`Translator.rendering`): decoded here first, as a
+        decode of the session's (yielded, never blocking the caller's loop)."""
+        tr = self.translator
+        for term_source in tr.unrendered(source, self.glossary, partial=partial):
+            call = tr.rendering_call(term_source)
+            (hyp,) = yield DecodeCall(
+                tr.encoding([call.source_ids]),
+                call.options,
+                priority=priority,
+                request_id=request_id,
+            )
+            tr.remember_rendering(term_source, hyp.token_ids)
+        terms = tr.constraints(source, self.glossary, partial=partial)
         return [terms] if terms else None
 
     def _count_terms(self, source: str, text: str) -> None:

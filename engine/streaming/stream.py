@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import anyio
 
 from engine.decoding.policy import RequestId
+from engine.replies import new_event
 from engine.streaming.lifecycle import StreamLifecycle
 from engine.streaming.session import StreamSession
 from protocol import PartialTranscript
@@ -36,9 +37,9 @@ class Stream:
         self.sessions = dict(sessions)
         # Admitted events waiting, each with its arrival time.
         self.pending: deque[tuple[Admission, float]] = deque()
-        self.wake = anyio.Event()
+        self.wake = new_event()
         self.done = anyio.Event()
-        self.idle = anyio.Event()
+        self.idle = new_event()
         self.busy = False
         self.current: PartialTranscript | None = None  # the event being translated
         self.answered: set[str] = set()  # languages that answered `current` already
