@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.decoding.constraints import Constraint, Progress
+from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
 from engine.glossary import Glossary, GlossaryError
@@ -101,3 +102,28 @@ def test_glossary_checked_against_the_model(zh: Translator) -> None:
         zh.translate(["Tom"], glossary=Glossary.parse("en\tde\nTom\tThomas\n"))
     with pytest.raises(GlossaryError, match="target '书籍': the model cannot write '籍'"):
         zh.glossary = Glossary.parse("en\tzh\nbook\t书籍\n")
+
+
+def test_a_started_term_is_verified_ahead_with_the_same_output(german: Path) -> None:
+    """A term's later tokens go into one step as lookahead: the same output as one step a
+    token, in fewer decoder steps."""
+    glossary = Glossary.parse("en\tde\nTom\tThomas\nwater\tMineralwasser\n")
+    texts = ["Tom drinks water with Anna", "I will meet Tom at three"]
+    ahead = Translator.from_dir(german)
+    one_by_one = Translator.from_dir(german, scheduler=SchedulerOptions(lookahead_positions=0))
+    try:
+        outputs, steps = [], []
+        for tr in (ahead, one_by_one):
+            before = tr.scheduler.stats["decoder_steps"]
+            outputs.append([tr.translate([t], glossary=glossary)[0] for t in texts])
+            steps.append(tr.scheduler.stats["decoder_steps"] - before)
+        # The same tokens; scores within fp32 rounding (several tokens in one call).
+        assert [r.token_ids for r in outputs[0]] == [r.token_ids for r in outputs[1]]
+        for a, b in zip(outputs[0], outputs[1], strict=True):
+            assert a.score == pytest.approx(b.score, abs=1e-3)
+        assert all("Thomas" in r.text for r in outputs[0])
+        assert steps[0] < steps[1]
+        assert ahead.scheduler.stats["lookahead_accepted"] > 0
+    finally:
+        ahead.close()
+        one_by_one.close()

@@ -234,6 +234,19 @@ class ConstrainedGreedy(GreedySearch):
             self.progress = self.progress.advance(self.tokens[-1], len(self.tokens) == 1)
         return step
 
+    def take_lookahead(self, most: int) -> list[int]:
+        """Inside a started term, its next tokens: the search writes them whatever the
+        model says, so the batch verifies them in the coming step (lookahead) instead of
+        one step each; else the draft's (`GreedySearch.take_lookahead`)."""
+        state = self.progress
+        if state.active >= 0 and len(self.tokens) >= len(self.prefix):
+            most = min(most, self.limit - len(self.tokens))
+            ahead = list(state.forms[state.active][state.pos : state.pos + max(most, 0)])
+            if ahead:
+                self._offered = list(ahead)  # `take` counts (and drops) those confirmed
+                return ahead
+        return super().take_lookahead(most)
+
     def result(self) -> Hypothesis:
         return replace(super().result(), appended=self._appended)
 
