@@ -75,11 +75,12 @@ class Workers:
     def __init__(self, tmp: Path) -> None:
         self.port = free_port()
         self.log = tmp / "serve.log"
+        command = [
+            sys.executable, "-m", "engine.cli", "serve", "--model", str(FIXTURE_MODEL),
+            "--workers", "2", "--port", str(self.port), "--shutdown-timeout", "10",
+        ]  # fmt: skip
         self.process = subprocess.Popen(
-            [
-                sys.executable, "-m", "engine.cli", "serve", "--model", str(FIXTURE_MODEL),
-                "--workers", "2", "--port", str(self.port), "--shutdown-timeout", "10",
-            ],  # fmt: skip
+            command,
             cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=str(ROOT)),
             stdout=subprocess.DEVNULL,
@@ -110,10 +111,8 @@ class Workers:
             self.process.kill()
             self.process.wait()
         for pid in self.workers + self.redis:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.fixture
@@ -141,10 +140,13 @@ def partials(segment: int, first_seq: int) -> list[dict[str, object]]:
     words = SENTENCES[segment].split()
     return [
         {
-            "type": "partial_transcript", "stream_id": STREAM, "segment_id": segment,
-            "seq": first_seq + i, "text": " ".join(words[: i + 1]),
+            "type": "partial_transcript",
+            "stream_id": STREAM,
+            "segment_id": segment,
+            "seq": first_seq + i,
+            "text": " ".join(words[: i + 1]),
             "is_final": i == len(words) - 1,
-        }  # fmt: skip
+        }
         for i in range(len(words))
     ]
 

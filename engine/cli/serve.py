@@ -351,7 +351,7 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     if args.workers > 1:
-        return run_workers(args)
+        return run_workers(args, run_serve)
     if options.host not in LOOPBACK and options.token is None:
         log.warning("listening on %s without --token: anyone reaching it may use it", args.host)
     with contextlib.ExitStack() as stack:

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -71,11 +71,12 @@ class PrivateRedis:
     def start(cls, binary: str) -> PrivateRedis:
         directory = Path(tempfile.mkdtemp(prefix="nmt-workers-"))
         path = directory / "redis.sock"
+        command = [
+            binary, "--port", "0", "--unixsocket", str(path), "--unixsocketperm", "700",
+            "--save", "", "--appendonly", "no", "--dir", str(directory),
+        ]  # fmt: skip
         process = subprocess.Popen(
-            [
-                binary, "--port", "0", "--unixsocket", str(path), "--unixsocketperm", "700",
-                "--save", "", "--appendonly", "no", "--dir", str(directory),
-            ],  # fmt: skip
+            command,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL,
@@ -146,14 +147,12 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _worker(args: argparse.Namespace) -> None:
-    from engine.cli.serve import run_serve
-
-    # Before `serve` sets its level: each line says which worker wrote it.
+def _worker(serve: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> None:
+    # Before `serve` sets its level: each line says which worker wrote it. A terminal's
+    # Ctrl-C reaches the worker too; the supervisor's forwarded signal then only logs
+    # that it is still draining.
     logging.basicConfig(format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
-    # The supervisor forwards SIGINT; a terminal's Ctrl-C reaches the worker too, and a
-    # second signal only logs that it is still draining.
-    sys.exit(run_serve(args))
+    sys.exit(serve(args))
 
 
 @dataclass
@@ -165,8 +164,9 @@ class _Stop:
             self.signum = signum
 
 
-def run_workers(args: argparse.Namespace) -> int:
-    """Run `args.workers` serve processes until a signal or until one exits; 0 after a
+def run_workers(args: argparse.Namespace, serve: Callable[[argparse.Namespace], int]) -> int:
+    """Run `args.workers` processes of `serve` (`run_serve`, passed down by it: the CLI
+    calls this module, not the other way) until a signal or until one exits; 0 after a
     graceful stop of all, 2 when the set cannot start, else the first failure's status."""
     try:
         url = bus_for_workers(args)
@@ -186,7 +186,7 @@ def run_workers(args: argparse.Namespace) -> int:
                 "%d workers on port %d, sharing %s", args.workers, port,
                 "a private redis-server" if url is None else "--bus",
             )  # fmt: skip
-            return _supervise(args, port, bus, stop)
+            return _supervise(args, serve, port, bus, stop)
     except WorkersError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -209,7 +209,13 @@ def _bus(url: str | None) -> Iterator[str]:
         redis.stop()  # after every worker: their drains publish through it
 
 
-def _supervise(args: argparse.Namespace, port: int, bus: str, stop: _Stop) -> int:
+def _supervise(
+    args: argparse.Namespace,
+    serve: Callable[[argparse.Namespace], int],
+    port: int,
+    bus: str,
+    stop: _Stop,
+) -> int:
     context = multiprocessing.get_context("spawn")  # no forked threads or sessions
     ready = [context.Event() for _ in range(args.workers)]
     workers: list[Any] = []
@@ -221,7 +227,7 @@ def _supervise(args: argparse.Namespace, port: int, bus: str, stop: _Stop) -> in
         worker_args.reuse_port = True
         worker_args.worker_ready = ready[i]
         worker_args.worker_cores = max(1, (os.cpu_count() or 1) // args.workers)
-        process = context.Process(target=_worker, args=(worker_args,), name=f"worker-{i + 1}")
+        process = context.Process(target=_worker, args=(serve, worker_args), name=f"worker-{i + 1}")
         process.start()
         workers.append(process)
     status = 0
