@@ -269,3 +269,13 @@ def test_workers_with_a_bus_that_is_not_redis_is_one_line_and_exit_2(
     argv = ["serve", "--model", str(FIXTURE_MODEL), "--workers", "2", "--bus", "http://x"]
     status, err = run(argv, capsys)
     assert "--bus 'http://x': expected redis://HOST:PORT/DB" in one_error(status, err)
+
+
+def test_workers_with_a_bus_out_of_reach_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("redis")
+    bus = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    argv = ["serve", "--model", str(FIXTURE_MODEL), "--workers", "2", "--bus", bus]
+    status, err = run(argv, capsys)
+    assert f"cannot reach Redis at {bus}" in one_error(status, err)

@@ -37,6 +37,7 @@ from types import FrameType
 from typing import Any
 
 from engine.cli.args import bind_error
+from engine.distribution import install_hint
 from engine.streaming.redis_store import redacted
 
 log = logging.getLogger("engine.server")
@@ -109,25 +110,34 @@ class PrivateRedis:
 
 
 def bus_for_workers(args: argparse.Namespace) -> str | None:
-    """The bus URL the workers share: `--bus` when given, else None (a private Redis);
+    """The bus URL the workers share: `--bus` when given (reached and checked here, so
+    that a bad one is one line rather than one per worker), else None (a private Redis);
     a `WorkersError` when neither can work here."""
     try:
-        import redis  # noqa: F401
+        import redis
     except ImportError:
         raise WorkersError(
-            "--workers needs the redis client: pip install 'nmt-incremental[cluster]'"
+            f"--workers needs the redis package: {install_hint('cluster')}"
         ) from None
-    if args.bus:
-        if not args.bus.startswith(BUS_SCHEMES):
-            shown = redacted(args.bus)
-            raise WorkersError(f"--bus {shown!r}: expected redis://HOST:PORT/DB")
-        return str(args.bus)
-    if shutil.which("redis-server") is None:
-        raise WorkersError(
-            "--workers needs a bus: --bus redis://HOST:PORT/DB, or redis-server installed "
-            "(apt-get install redis-server) for a private one"
-        )
-    return None
+    if not args.bus:
+        if shutil.which("redis-server") is None:
+            raise WorkersError(
+                "--workers needs a bus: --bus redis://HOST:PORT/DB, or redis-server installed "
+                "(apt-get install redis-server) for a private one"
+            )
+        return None
+    url, shown = str(args.bus), redacted(str(args.bus))
+    if not url.startswith(BUS_SCHEMES):
+        raise WorkersError(f"--bus {shown!r}: expected redis://HOST:PORT/DB")
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        with client:
+            version = str(client.info("server").get("redis_version", "0"))
+    except (redis.RedisError, OSError, ValueError) as exc:
+        raise WorkersError(f"cannot reach Redis at {shown}: {exc}") from None
+    if int(version.split(".")[0]) < 7:
+        raise WorkersError(f"Redis at {shown} is {version}; the bus needs 7 or later")
+    return url
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
