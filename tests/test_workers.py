@@ -279,3 +279,12 @@ def test_workers_with_a_bus_out_of_reach_is_one_line_and_exit_2(
     argv = ["serve", "--model", str(FIXTURE_MODEL), "--workers", "2", "--bus", bus]
     status, err = run(argv, capsys)
     assert f"cannot reach Redis at {bus}" in one_error(status, err)
+
+
+def test_workers_with_a_model_that_is_not_there_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    pytest.importorskip("redis")
+    missing = str(tmp_path / "nope")
+    status, err = run(["serve", "--model", missing, "--workers", "2"], capsys)
+    assert f"cannot load model {missing!r}" in one_error(status, err)

@@ -38,6 +38,8 @@ from typing import Any
 
 from engine.cli.args import bind_error
 from engine.distribution import install_hint
+from engine.errors import EngineError
+from engine.hub.download import resolve_model
 from engine.streaming.redis_store import redacted
 
 log = logging.getLogger("engine.server")
@@ -140,6 +142,20 @@ def bus_for_workers(args: argparse.Namespace) -> str | None:
     return url
 
 
+def resolved_models(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with each `--model` turned into its directory here, once: a catalog name is
+    downloaded by this process rather than by N workers racing into one cache, and a
+    name that is not there is one line rather than one per worker."""
+    specs = args.model if isinstance(args.model, list) else [args.model]
+    paths = []
+    for spec in specs:
+        try:
+            paths.append(str(resolve_model(str(spec), quantized=args.quantized)))
+        except EngineError as exc:
+            raise WorkersError(f"cannot load model {str(spec)!r}: {exc}") from None
+    return argparse.Namespace(**{**vars(args), "model": paths})
+
+
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound with SO_REUSEPORT to (host, port) and never listening: it picks the
     port when `port` is 0, refuses at once a port another server holds, and keeps the
@@ -180,6 +196,7 @@ def run_workers(args: argparse.Namespace, serve: Callable[[argparse.Namespace], 
     graceful stop of all, 2 when the set cannot start, else the first failure's status."""
     try:
         url = bus_for_workers(args)
+        args = resolved_models(args)
         reserved = reserve_port(args.host, args.port)
     except WorkersError as exc:
         print(f"error: {exc}", file=sys.stderr)
