@@ -438,15 +438,18 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def load_targets(args: argparse.Namespace, *, recognizers: int = 0) -> Targets:
+def load_targets(
+    args: argparse.Namespace, *, recognizers: int = 0, machine: int | None = None
+) -> Targets:
     """Every model of a repeated `--model` (see `add_model_arguments(several=True)`),
     loaded once each with the cores split between them, after `recognizers` cores for
     speech recognition's processes (`serve --asr-workers`); `ModelLoadError` names the
-    one that failed, or the two that conflict."""
+    one that failed, or the two that conflict; `machine`: the cores this process has
+    (a `serve --workers` worker's share), default all."""
     specs = args.model if isinstance(args.model, list) else [args.model]
     return Targets.load(
         specs,
         resolve=lambda spec: resolve_model(spec, quantized=args.quantized),
-        cores=translation_cores(recognizers),
+        cores=translation_cores(recognizers, machine),
         **_load_options(args),
     )

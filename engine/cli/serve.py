@@ -34,6 +34,7 @@ from engine.cli.args import (
 )
 from engine.cli.parser import Parser
 from engine.cli.serve_audio import add_audio_arguments, audio_input
+from engine.cli.workers import BUS_SCHEMES, run_workers
 from engine.decoding.targets import Targets
 from engine.decoding.translator import Translator
 from engine.errors import EngineError
@@ -232,6 +233,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="with --bus: how long a stream stays this node's without renewal; a node "
         "that dies holds its streams this long at most (default %(default)s)",
     )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="serve from N processes on one port (SO_REUSEPORT), each with its own model and "
+        "an equal share of the cores, sharing streams through --bus, or through a private "
+        "redis-server on a unix socket when --bus is not given (needs the [cluster] extra); "
+        "SIGTERM drains them all (default %(default)s: this process alone, no Redis)",
+    )
+    # Set in each worker of `--workers` by engine/cli/workers.py, never on a command line.
+    p.set_defaults(reuse_port=False, worker_ready=None, worker_cores=None)
     add_audio_arguments(p)
     p.add_argument(
         "--log-level",
@@ -270,6 +283,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
             max_per_address=args.max_connections_per_address,
             handshake_timeout=args.handshake_timeout,
         ),
+        reuse_port=args.reuse_port,
     )
 
 
@@ -347,6 +361,8 @@ def run_serve(args: argparse.Namespace) -> int:
         except RecordDirectoryError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if args.workers > 1:
+        return run_workers(args, run_serve)
     if options.host not in LOOPBACK and options.token is None:
         log.warning("listening on %s without --token: anyone reaching it may use it", args.host)
     with contextlib.ExitStack() as stack:
@@ -387,7 +403,7 @@ async def _serve_until(
 ) -> int:
     bus: UpdateBus | None = None
     if args.bus:
-        if not args.bus.startswith(("redis://", "rediss://", "unix://")):
+        if not args.bus.startswith(BUS_SCHEMES):
             shown = redacted(args.bus)
             print(f"error: --bus {shown!r}: expected redis://HOST:PORT/DB", file=sys.stderr)
             return 2
@@ -479,6 +495,8 @@ async def _serve_with(
                     ),
                 )
             log.info("ready")
+            if args.worker_ready is not None:
+                args.worker_ready.set()
             await stop.wait()
             log.info(
                 "shutting down: finishing pending finals (--shutdown-timeout %gs)",
@@ -532,7 +550,7 @@ async def _load(args: argparse.Namespace, stop: anyio.Event, recognizers: int) -
 
     def load() -> Targets:
         # Resolving a catalog name may download: in the thread too, not on the event loop.
-        return load_targets(args, recognizers=recognizers)
+        return load_targets(args, recognizers=recognizers, machine=args.worker_cores)
 
     result: Targets | None = None
     async with anyio.create_task_group() as tg:

@@ -57,7 +57,8 @@ class ServerOptions:
     `too_large` error, above it the connection is closed (1009), because the whole
     frame would have to be buffered. `audio`: take audio over the WebSocket (a writer's
     `start_audio` and binary PCM frames) and recognize it with this input's recognizer;
-    None: `start_audio` is refused with a note on how to enable it.
+    None: `start_audio` is refused with a note on how to enable it. `reuse_port`: listen
+    with SO_REUSEPORT, so that several processes share the port (`serve --workers`).
     """
 
     host: str = "127.0.0.1"
@@ -73,6 +74,7 @@ class ServerOptions:
     metrics_token: str | None = None
     connections: ConnectionCaps = field(default_factory=ConnectionCaps.derive)
     audio: AudioInput | None = None
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         self.credentials  # noqa: B018  (validates the secrets: ValueError)
@@ -157,6 +159,7 @@ class SubtitleServer:
             backlog=accept_burst(descriptor_limit()),
             # The gate drops a connection at the deadline; this is the library's backstop.
             open_timeout=self.options.connections.handshake_timeout + 1.0,
+            reuse_port=self.options.reuse_port or None,
         )
         self._doors.guard(asyncio.get_running_loop(), self._server.sockets)
         if self.audio is not None:  # listening first: a port in use starts no process
