@@ -212,4 +212,11 @@ async def test_embedding_api_refuses_another_owners_stream(translator: Translato
             await nmt.set_glossary(SetGlossary("s1", OWN), Owner("y"))
         assert refused.value.error.code == "forbidden"
         ack = await nmt.set_glossary(SetGlossary("s1", "en\tzh\n"), Owner("x"))  # clears
+        # One waiting for a stream its writer never opened is that writer's only.
+        await nmt.set_glossary(SetGlossary("s2", OWN), Owner("x"))
+        nmt.owner_left(Owner("x"))
+        sub = nmt.updates(owner=Owner("y"))
+        await nmt.push(PartialTranscript("s2", 0, 0, TEXT, is_final=True), Owner("y"))
+        other = await final_update(sub)
     assert ack == GlossarySet("s1", "zh", 0)
+    assert other.stable_text == offline(translator, None)
