@@ -61,9 +61,11 @@ from protocol import (
     Outcome,
     Pacer,
     PartialTranscript,
+    SetGlossary,
     TranslationUpdate,
 )
 from protocol.codec import FROM_ENGINE_TYPES
+from protocol.messages import TooLarge
 
 CLOSE_WAIT = 2.0
 """Seconds `aclose` waits for the server to answer the connection's close."""
@@ -177,6 +179,8 @@ class RemoteTranslator:
         self._here: set[str] = set()
         self._closing: set[str] = set()  # closed, some final still owed
         self._subs: list[RemoteSubscription] = []
+        # Each stream's own glossaries as sent (`set_glossary`), sent again after a reconnect.
+        self._glossaries: dict[str, dict[str, SetGlossary]] = {}
         # (stream, language) -> recent updates, for a new subscription's first lines.
         self._recent: dict[str, dict[str | None, deque[TranslationUpdate]]] = {}
 
@@ -306,6 +310,34 @@ class RemoteTranslator:
             self.ledger.sent(event)
             self._here.add(event.stream_id)
 
+    async def set_glossary(self, stream_id: str, glossary: str) -> None:
+        """Give a stream its own glossary for one target language (`glossary`: the text
+        of a glossary file, docs/glossaries.md): the server applies it from the
+        stream's next partial. Sent again on every new connection (before the finals
+        resent there), so a server that lost the stream still applies it; the server's
+        refusal (a bad line, `too_large`, ...) arrives in `updates()` as an error naming
+        the stream. Raises `InvalidEvent` for text past the protocol's bounds,
+        `EngineClosed` when not running."""
+        if not self._running:
+            raise EngineClosed("RemoteTranslator is not running (use `async with`)")
+        try:
+            message = SetGlossary(stream_id, glossary)
+        except InvalidMessage as exc:
+            code = ErrorCode.TOO_LARGE if isinstance(exc, TooLarge) else ErrorCode.INVALID_MESSAGE
+            raise InvalidEvent(ErrorMessage(code, exc.message, exc.field, stream_id)) from None
+        header = next(
+            (line for line in glossary.split("\n") if line.strip() and not line.startswith("#")),
+            "",
+        )
+        self._glossaries.setdefault(message.stream_id, {})[header.strip()] = message
+        if self._pacer is not None:
+            await self._turn(self._pacer)
+        async with self._send_lock:
+            ws = self._ws
+            if self._ready and ws is not None:  # else it goes out with the resends
+                with contextlib.suppress(ConnectionClosed):
+                    await ws.send(protocol.serialize(message))
+
     def updates(self, stream_id: str | None = None) -> RemoteSubscription:
         """Subscribe now to the replies of one of this writer's streams, or of all of them
         (None): updates, duplicates dropped, and the errors that refuse its events. It
@@ -390,6 +422,12 @@ class RemoteTranslator:
                 owed = self.ledger.owed()
                 self._here = set()
                 try:
+                    # The streams' glossaries first: they apply to what is sent after.
+                    for stream_id in sorted(self._open | {e.stream_id for e in owed}):
+                        for glossary in self._glossaries.get(stream_id, {}).values():
+                            if self._pacer is not None:
+                                await self._turn(self._pacer)
+                            await ws.send(protocol.serialize(glossary))
                     for event in owed:
                         if self._pacer is not None:
                             await self._turn(self._pacer)

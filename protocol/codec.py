@@ -21,11 +21,14 @@ from protocol.messages import (
     EndAudio,
     ErrorCode,
     ErrorMessage,
+    GlossarySet,
     InvalidMessage,
     Message,
     PartialTranscript,
+    SetGlossary,
     StartAudio,
     Subscribe,
+    TooLarge,
     TranslationUpdate,
     _check_count,
     _check_name,
@@ -50,20 +53,30 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = MappingProxyType(
         "close_stream": CloseStream,
         "start_audio": StartAudio,
         "end_audio": EndAudio,
+        "set_glossary": SetGlossary,
+        "glossary_set": GlossarySet,
     }
 )
 """Wire `type` tag -> message class."""
 
 TO_ENGINE_TYPES: frozenset[str] = frozenset(
-    {"partial_transcript", "subscribe", "close_stream", "start_audio", "end_audio"}
+    {
+        "partial_transcript",
+        "subscribe",
+        "close_stream",
+        "start_audio",
+        "end_audio",
+        "set_glossary",
+    }
 )
 """What a client may send; pass as `parse(..., accept=...)` on the engine side so that any
 `ErrorMessage` returned is a decoding failure, not an echoed "error" message. (After
 `start_audio`, a writer also sends binary frames of PCM, which are not messages.)"""
 
-FROM_ENGINE_TYPES: frozenset[str] = frozenset({"translation_update", "error"})
-"""What the engine sends. A writer streaming audio (`start_audio`) also gets what the
-server heard, as `partial_transcript` messages: it parses with
+FROM_ENGINE_TYPES: frozenset[str] = frozenset({"translation_update", "error", "glossary_set"})
+"""What the engine sends (`glossary_set` only to a writer that sent `set_glossary`). A
+writer streaming audio (`start_audio`) also gets what the server heard, as
+`partial_transcript` messages: it parses with
 `accept=FROM_ENGINE_TYPES | {"partial_transcript"}`."""
 
 SCHEMA_RESOURCE = "wire.schema.json"
@@ -96,6 +109,8 @@ _KINDS: dict[str, _Kind] = {
     "cursor": "string",
     "after": "string",
     "sample_rate": "integer",
+    "glossary": "string",
+    "entries": "integer",
 }
 
 # Free text, bounded by max_text_chars (identifiers have fixed limits in messages.py).
@@ -363,6 +378,8 @@ def _decode(
 
     try:
         return MESSAGE_TYPES[type_name](**kwargs)
+    except TooLarge as exc:
+        raise _reject(ErrorCode.TOO_LARGE, exc.message, exc.field, context) from None
     except InvalidMessage as exc:
         raise _reject(ErrorCode.INVALID_MESSAGE, exc.message, exc.field, context) from None
 

@@ -22,6 +22,13 @@ MAX_STREAM_ID_CHARS = 128
 MAX_FIELD_NAME_CHARS = 128
 MAX_LANG_CHARS = 35
 
+MAX_GLOSSARY_BYTES = 32 * 1024
+"""Largest `SetGlossary.glossary`, in UTF-8 bytes: a stream's own terms (a talk's names),
+not a terminology database (that is the server's `--glossary`)."""
+MAX_GLOSSARY_ENTRIES = 1000
+"""Most entries (lines other than the header, blank lines and comments) a
+`SetGlossary` holds."""
+
 MIN_SAMPLE_RATE = 8000
 """Lowest audio rate `StartAudio` takes: telephone audio; below it speech loses the band a
 recognizer needs, so a lower rate is a mistake rather than audio."""
@@ -58,6 +65,10 @@ class InvalidMessage(ValueError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class TooLarge(InvalidMessage):
+    """A field past one of the protocol's size limits (the wire code `too_large`)."""
 
 
 class ErrorCode(str, Enum):
@@ -429,6 +440,61 @@ class EndAudio:
         _set(self, "stream_id", _check_stream_id(self.stream_id))
 
 
+@dataclass(frozen=True, slots=True)
+class SetGlossary:
+    """A writer gives its stream its own glossary for one target language: `glossary` is
+    the text of a glossary file (TSV whose first line names the languages,
+    source<TAB>target; docs/glossaries.md), at most `MAX_GLOSSARY_BYTES` and
+    `MAX_GLOSSARY_ENTRIES` entries. The engine checks each entry (a bad one is refused
+    with its line number), merges it with its own glossary for that language (the
+    stream's entries win) and answers `GlossarySet`; it replaces the stream's earlier one
+    for that language (a header alone clears it) and applies to every translation that
+    starts after the answer, from the writer's next partial."""
+
+    stream_id: str
+    glossary: str
+
+    def __post_init__(self) -> None:
+        _set(self, "stream_id", _check_stream_id(self.stream_id))
+        _check_str("glossary", self.glossary)
+        size = len(self.glossary.encode("utf-8", "surrogatepass"))
+        if size > MAX_GLOSSARY_BYTES:
+            raise TooLarge(
+                "glossary", f"glossary is {size} bytes; the limit is {MAX_GLOSSARY_BYTES}"
+            )
+        entries = glossary_entries(self.glossary)
+        if entries > MAX_GLOSSARY_ENTRIES:
+            raise TooLarge(
+                "glossary",
+                f"glossary holds {entries} entries; the limit is {MAX_GLOSSARY_ENTRIES}",
+            )
+
+
+def glossary_entries(text: str) -> int:
+    """Entries in a glossary file's text: lines that are not blank, not comments (`#`),
+    and not the first such line (the header naming the languages)."""
+    lines = [
+        line for line in text.split("\n") if line.strip() and not line.lstrip().startswith("#")
+    ]
+    return max(0, len(lines) - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class GlossarySet:
+    """The engine's acknowledgement of `SetGlossary`: stream `stream_id` now translates
+    into `lang` with its own `entries` terms (merged over the server's), from its
+    writer's next partial on."""
+
+    stream_id: str
+    lang: str
+    entries: int
+
+    def __post_init__(self) -> None:
+        _set(self, "stream_id", _check_stream_id(self.stream_id))
+        _check_optional_lang(self.lang)
+        _check_count("entries", self.entries)
+
+
 Message: TypeAlias = (
     PartialTranscript
     | TranslationUpdate
@@ -437,5 +503,7 @@ Message: TypeAlias = (
     | CloseStream
     | StartAudio
     | EndAudio
+    | SetGlossary
+    | GlossarySet
 )
 """Any message of the protocol."""

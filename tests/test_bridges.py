@@ -42,6 +42,7 @@ from engine.bridges.whisper_streaming import LineSplitter, Segmentation
 from engine.bridges.whisperlive import WhisperLiveMapper, float32_audio
 from engine.cli.bridge import add_bridge_parser, bridge_options, exit_status, run_bridge
 from engine.decoding.translator import Translator
+from engine.glossary import Glossary
 from engine.server.app import SubtitleServer
 from engine.server.limits import Limits
 from protocol import Backoff, ErrorMessage, PartialTranscript
@@ -589,6 +590,39 @@ async def test_the_command_prints_each_final_translation(translator: Translator)
         for segment, text, t in zip([0, 1, 2], finals, translations, strict=True)
     ]
     assert "3 finals sent, 3 translated, 0 refused, 0 unanswered" in err.text
+
+
+@pytest.mark.anyio
+async def test_the_command_sends_the_streams_glossary_first(
+    translator: Translator, tmp_path: Path
+) -> None:
+    terms = "en\tzh\nTom\t爱丽丝\nbook\t报纸\n"
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text(terms, encoding="utf-8")
+    parser = argparse.ArgumentParser()
+    add_bridge_parser(parser.add_subparsers(dest="command"))
+    out, err = _Lines(), _Lines()
+    argv = ["bridge", "cloud", "--stream-id", "mic-1", "--dialect", "azure", "--glossary"]
+    async with (
+        serving(translator) as server,
+        fake_recogniser(Kind.CLOUD, "cloud_azure.jsonl") as fake,
+    ):
+        to = ["--to", f"ws://127.0.0.1:{server.port}/ws", "--reconnect-for", "5"]
+        args = parser.parse_args([*argv[:2], fake.url, *argv[2:], str(glossary), *to])
+        status = await anyio.to_thread.run_sync(run_bridge, args, out, err)
+    finals = finals_of(AZURE)
+    translations = translator.translate(finals, STREAMING.decode, glossary=Glossary.parse(terms))
+    assert status == 0, err.text
+    assert [line.split("  <- ")[0] for line in out.text.splitlines()] == [
+        f"[{segment} zh] {t.text}" for segment, t in zip([0, 1, 2], translations, strict=True)
+    ]
+    assert "爱丽丝" in out.text and "报纸" in out.text
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("en\tzh\nTom\n\tx\n", encoding="utf-8")
+    args = parser.parse_args([*argv[:2], "ws://h:1", *argv[2:], str(bad)])
+    err = _Lines()
+    assert run_bridge(args, _Lines(), err) == 2
+    assert err.text.strip() == f"error: {bad}:3: empty source term"
 
 
 # --- end to end, listen mode --------------------------------------------------------------

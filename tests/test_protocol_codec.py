@@ -13,8 +13,10 @@ from protocol import (
     EndAudio,
     ErrorCode,
     ErrorMessage,
+    GlossarySet,
     Message,
     PartialTranscript,
+    SetGlossary,
     StartAudio,
     Subscribe,
     TranslationUpdate,
@@ -49,6 +51,8 @@ MESSAGES: list[Message] = [
     StartAudio("会议 🎤", MIN_SAMPLE_RATE, lang="en-US"),
     StartAudio("s", MAX_SAMPLE_RATE),
     EndAudio("mic-1"),
+    SetGlossary("mic-1", "en\tde\nTom\tThomas\nAcme\n"),
+    GlossarySet("mic-1", "de", 2),
 ]
 
 
@@ -461,3 +465,38 @@ def test_randomised_inputs_never_raise() -> None:
         obj = _mutate_object(rng, rng.choice(originals))
         _check_decodes_safely(json.dumps(obj, ensure_ascii=rng.random() < 0.5))
         _check_decodes_safely(_mutate_bytes(rng, serialize(rng.choice(MESSAGES)).encode("utf-8")))
+
+
+# --- set_glossary: bounded in bytes and entries ----------------------------------------
+
+
+def test_set_glossary_past_its_bytes_is_too_large() -> None:
+    from protocol.messages import MAX_GLOSSARY_BYTES
+
+    text = "en\tde\n" + "#" * MAX_GLOSSARY_BYTES
+    reply = parse(json.dumps({"type": "set_glossary", "stream_id": "s", "glossary": text}))
+    assert isinstance(reply, ErrorMessage)
+    assert (reply.code, reply.field, reply.stream_id) == ("too_large", "glossary", "s")
+    assert f"limit is {MAX_GLOSSARY_BYTES}" in reply.message
+
+
+def test_set_glossary_past_its_entries_is_too_large() -> None:
+    from protocol.messages import MAX_GLOSSARY_ENTRIES
+
+    lines = [f"term{i}\tT{i}" for i in range(MAX_GLOSSARY_ENTRIES + 1)]
+    ok = "en\tde\n# comment\n\n" + "\n".join(lines[:-1])
+    assert isinstance(parse(serialize(SetGlossary("s", ok))), SetGlossary)
+    reply = parse(
+        json.dumps(
+            {"type": "set_glossary", "stream_id": "s", "glossary": "en\tde\n" + "\n".join(lines)}
+        )
+    )
+    assert isinstance(reply, ErrorMessage)
+    assert (reply.code, reply.field) == ("too_large", "glossary")
+    assert f"{MAX_GLOSSARY_ENTRIES + 1} entries" in reply.message
+
+
+def test_set_glossary_needs_its_text() -> None:
+    reply = parse(json.dumps({"type": "set_glossary", "stream_id": "s", "glossary": 3}))
+    assert isinstance(reply, ErrorMessage)
+    assert (reply.code, reply.field) == ("invalid_message", "glossary")

@@ -75,14 +75,17 @@ class Fake:
     langs: tuple[str | None, ...] = (None,)
     received: list[list[PartialTranscript]] = field(default_factory=list)  # per connection
     closes: list[list[str]] = field(default_factory=list)
+    everything: list[list[protocol.Message]] = field(default_factory=list)  # per connection
     port: int = 0
 
     async def handler(self, ws: ServerConnection) -> None:
         n = len(self.received)
         self.received.append([])
         self.closes.append([])
+        self.everything.append([])
         async for data in ws:
             message = protocol.parse(data)
+            self.everything[n].append(message)
             if isinstance(message, protocol.CloseStream):
                 self.closes[n].append(message.stream_id)
             if not isinstance(message, PartialTranscript):
@@ -184,6 +187,26 @@ async def test_a_final_met_with_close_1012_is_resent_and_answered_once() -> None
     assert fake.received[1][0] == final(1)
     assert stats.disconnects == ["close 1012 service restart"]
     assert (stats.reconnects, stats.resent, stats.duplicates) == (1, 1, 0)
+
+
+@pytest.mark.anyio
+async def test_a_streams_glossary_goes_again_ahead_of_the_resends() -> None:
+    async def restart(ws: ServerConnection, event: PartialTranscript) -> None:
+        await ws.close(1012, "service restart")
+
+    glossary = protocol.SetGlossary("s", "en\tzh\nTom\t爱丽丝\n")
+    async with (
+        fake_server(on_first_final(restart)) as fake,
+        RemoteTranslator(fake.url, backoff=QUICK) as nmt,
+    ):
+        with pytest.raises(InvalidEvent) as too_large:
+            await nmt.set_glossary("s", "en\tzh\n" + "x\ty\n" * 1001)
+        await nmt.set_glossary("s", glossary.glossary)
+        replies = await talk(nmt, [partial(0), final(1)])
+    assert too_large.value.error.code == "too_large"
+    assert finals_of(replies) == [(1, None)]
+    assert fake.everything[0] == [glossary, partial(0), final(1)]
+    assert fake.everything[1][:2] == [glossary, final(1)]  # the glossary first, then the resend
 
 
 @pytest.mark.anyio

@@ -33,7 +33,9 @@ class BridgeOptions:
     `WhisperStreamingMapper.idle`. `short_session`, `max_short_sessions`: in connect mode
     a recogniser session that ends within this many seconds is a failure (it does not end
     an outage), and this many in a row give up. `rate`: the messages per second to our
-    server that the bridge keeps within (`RemoteTranslator`'s `rate`)."""
+    server that the bridge keeps within (`RemoteTranslator`'s `rate`). `glossary`: the
+    text of a glossary file, sent as the stream's own (`set_glossary`) before its first
+    partial, and again after each reconnect."""
 
     kind: Kind
     url: str | None
@@ -60,6 +62,7 @@ class BridgeOptions:
     short_session: float = 5.0
     max_short_sessions: int = 5
     rate: float | None = RATE
+    glossary: str | None = None  # the stream's own glossary (a file's text), sent first
 
     def __post_init__(self) -> None:
         if self.listen is None and self.url is None:

@@ -143,6 +143,8 @@ class Bridge:
         ) as nmt:
             self._nmt = nmt
             sub = nmt.updates(options.stream_id)
+            if options.glossary is not None:
+                await nmt.set_glossary(options.stream_id, options.glossary)
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._collect, sub)

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TextIO
 
 import anyio
@@ -41,8 +42,9 @@ from engine.cli.args import (
     probability,
 )
 from engine.errors import unwrapped
+from engine.glossary import Glossary, GlossaryError
 from engine.remote import RATE
-from protocol import ErrorMessage, TranslationUpdate
+from protocol import ErrorMessage, InvalidMessage, SetGlossary, TranslationUpdate
 
 
 def _host_port(value: str) -> tuple[str, int]:
@@ -183,6 +185,12 @@ def add_bridge_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "keep it within the server's --rate-limit; default: %(default)g)",
     )
     bridge.add_argument(
+        "--glossary",
+        metavar="FILE",
+        help="the stream's own glossary (TSV naming its languages first: docs/glossaries.md), "
+        "sent to our server before the first partial; merged over the server's --glossary",
+    )
+    bridge.add_argument(
         "--quiet", action="store_true", help="print no translations, only the summary"
     )
     bridge.add_argument(
@@ -216,7 +224,23 @@ def bridge_options(args: argparse.Namespace) -> BridgeOptions:
         end_wait=args.end_wait,
         reconnect_for=args.reconnect_for,
         rate=args.rate,
+        glossary=_glossary_text(args.glossary),
     )
+
+
+def _glossary_text(path: str | None) -> str | None:
+    """The glossary file's text, checked here as our server will (a bad line, or a file
+    past what one stream may send, is a `GlossaryError` naming it, before anything
+    connects)."""
+    if path is None:
+        return None
+    Glossary.read(path)
+    text = Path(path).read_bytes().decode("utf-8-sig")
+    try:
+        SetGlossary("stream", text)
+    except InvalidMessage as exc:
+        raise GlossaryError(f"{path}: {exc.message} (a stream's own glossary)") from None
+    return text
 
 
 def _printer(

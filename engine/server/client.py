@@ -34,6 +34,7 @@ from engine.server.connection import (
     OpenAudio,
     Push,
     Reply,
+    SetOwnGlossary,
     Watch,
 )
 from engine.server.metrics import ServerMetrics
@@ -44,6 +45,7 @@ from engine.streaming.subscriptions import Subscription
 from protocol import (
     EngineClosed,
     ErrorMessage,
+    GlossarySet,
     InvalidEvent,
     PartialTranscript,
     TranslationUpdate,
@@ -101,7 +103,8 @@ class Client:
     audio: AudioService | None = None
     feed: AudioFeed | None = None
     feeds: set[AudioFeed] = field(default_factory=set)
-    echoes: deque[PartialTranscript] = field(default_factory=deque)
+    # What is sent ahead of the outbox: echoes of what was heard, and `glossary_set`s.
+    echoes: deque[PartialTranscript | GlossarySet] = field(default_factory=deque)
     # Where the numbering of each stream this connection wrote goes on (a second audio
     # stream into it, or audio after text).
     clocks: dict[str, Clock] = field(default_factory=dict)
@@ -187,6 +190,8 @@ class Client:
                         self.engine.begin_close(action.stream_id, core.owner)
                     except InvalidEvent as exc:
                         self._reply(exc.error)
+                elif isinstance(action, SetOwnGlossary):
+                    await self._set_glossary(action)
                 elif isinstance(action, Watch):
                     assert self.io is not None
                     self.io.start_soon(self._view, action.stream_id, action.lang, action.after)
@@ -288,11 +293,25 @@ class Client:
             self._echo(event)
             await self._push_event(event)
 
-    def _echo(self, event: PartialTranscript) -> None:
+    async def _set_glossary(self, action: SetOwnGlossary) -> None:
+        """The writer's stream gets its own glossary; `glossary_set` or the refusal."""
+        try:
+            ack = await self.engine.set_glossary(action.message, self.core.owner)
+        except InvalidEvent as exc:
+            self._reply(exc.error)
+        except EngineClosed:
+            self._reply(self.state.shutting_down(action.message))
+        else:
+            self._echo(ack)
+
+    def _echo(self, event: PartialTranscript | GlossarySet) -> None:
         if self.gone or self.outbox.ended:
             return
         if len(self.echoes) >= MAX_ECHOES:
-            stale = next((e for e in self.echoes if not e.is_final), self.echoes[0])
+            stale = next(
+                (e for e in self.echoes if isinstance(e, PartialTranscript) and not e.is_final),
+                self.echoes[0],
+            )
             self.echoes.remove(stale)
         self.echoes.append(event)
         self.outbox.poke()  # the sender may wait on the outbox: send this first
@@ -412,7 +431,9 @@ class Client:
         finally:
             self.sent.set()
 
-    async def _next(self) -> TranslationUpdate | ErrorMessage | PartialTranscript | None:
+    async def _next(
+        self,
+    ) -> TranslationUpdate | ErrorMessage | PartialTranscript | GlossarySet | None:
         """The next message to send: an echo if one waits, else the outbox's next (None:
         the outbox has ended). An echo arriving meanwhile wakes the wait (`Outbox.poke`),
         which takes nothing from the outbox."""
@@ -425,10 +446,16 @@ class Client:
             await self.outbox.ready()
         return self.echoes.popleft()
 
-    async def _send(self, item: TranslationUpdate | ErrorMessage | PartialTranscript) -> None:
+    async def _send(
+        self, item: TranslationUpdate | ErrorMessage | PartialTranscript | GlossarySet
+    ) -> None:
         if isinstance(item, PartialTranscript):  # an echo: sent once, not worth caching
             await self.ws.send(protocol.serialize(item))
             self.metrics.sent("partial_transcript")
+            return
+        if isinstance(item, GlossarySet):
+            await self.ws.send(protocol.serialize(item))
+            self.metrics.sent("glossary_set")
             return
         await self.ws.send(_encoded(item))
         kind = "translation_update" if isinstance(item, TranslationUpdate) else "error"

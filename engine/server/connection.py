@@ -33,6 +33,7 @@ from protocol import (
     InvalidEvent,
     Message,
     PartialTranscript,
+    SetGlossary,
     StartAudio,
     Subscribe,
 )
@@ -84,6 +85,14 @@ class Watch:
 
 
 @dataclass(frozen=True)
+class SetOwnGlossary:
+    """Give the writer's stream its own glossary (`SetGlossary`); the engine checks the
+    text and ownership, and the connection answers `glossary_set` or the error."""
+
+    message: SetGlossary
+
+
+@dataclass(frozen=True)
 class Ignore:
     """Nothing to do (e.g. a repeated subscribe, or audio dropped after its error)."""
 
@@ -118,7 +127,9 @@ class FinishAudio:
     close: bool = False
 
 
-Action: TypeAlias = Reply | Push | Close | Watch | Ignore | OpenAudio | FeedAudio | FinishAudio
+Action: TypeAlias = (
+    Reply | Push | Close | Watch | Ignore | OpenAudio | FeedAudio | FinishAudio | SetOwnGlossary
+)
 
 
 _MESSAGE_TYPES: dict[type, str] = {
@@ -127,6 +138,7 @@ _MESSAGE_TYPES: dict[type, str] = {
     Subscribe: "subscribe",
     StartAudio: "start_audio",
     EndAudio: "end_audio",
+    SetGlossary: "set_glossary",
 }
 """The metrics' name of each message type a client may send."""
 
@@ -241,6 +253,8 @@ class ConnectionCore:
             return self._start_audio(message, now)
         if isinstance(message, EndAudio):
             return self._end_audio(message)
+        if isinstance(message, SetGlossary):
+            return self._set_glossary(message)
         assert isinstance(message, Subscribe)
         return self._subscribe(message)
 
@@ -416,6 +430,21 @@ class ConnectionCore:
             )
         self.role = Role.WRITER
         return Push(event)
+
+    def _set_glossary(self, message: SetGlossary) -> Action:
+        if not self.access.may_write(message.stream_id):
+            return Reply(self._unauthorized("giving a glossary to", message))
+        if self.role is Role.VIEWER:
+            return Reply(
+                _error(
+                    ErrorCode.FORBIDDEN,
+                    "this connection is a viewer (it subscribed); only a stream's writer "
+                    "gives it a glossary: send set_glossary from the writer's connection",
+                    context=message,
+                )
+            )
+        self.role = Role.WRITER
+        return SetOwnGlossary(message)
 
     def _subscribe(self, message: Subscribe) -> Action:
         if self.role is Role.WRITER:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
@@ -137,6 +137,20 @@ class UpdateBus(Protocol):
         on (the new `epoch` tells them)."""
         ...
 
+    async def keep_glossaries(self, stream_id: str, epoch: int, texts: Mapping[str, str]) -> None:
+        """Record the stream's own glossaries of life `epoch` (target language -> the
+        glossary file's text, as its writer sent it; empty: none), replacing what was
+        kept, beside its histories and for as long: a life that resumes the stream
+        (`Claim.resumed`, on any process) applies them (`kept_glossaries`). Fenced like
+        `publish`: ignored once another life holds the stream. Raises `InvalidEvent`
+        (`unavailable`) when the bus cannot be reached."""
+        ...
+
+    async def kept_glossaries(self, stream_id: str) -> dict[str, str]:
+        """What `keep_glossaries` recorded last for the stream (empty: none). Raises
+        `InvalidEvent` (`unavailable`) when the bus cannot be reached."""
+        ...
+
     def watch(self, sub: Subscription, after: str | None = None) -> None:
         """Start a viewer the hub made (`Hub.viewer`): replay its history through the hub
         (after cursor `after`, or its backlog), then feed it live replies."""
@@ -200,6 +214,7 @@ class InProcessBus:
         self._cursors = _Cursors()
         self._epochs = 0
         self._stats: Counter[str] = Counter()
+        self._glossaries: dict[str, dict[str, str]] = {}  # stream -> language -> text
 
     @property
     def hub(self) -> Hub:
@@ -223,6 +238,7 @@ class InProcessBus:
     async def aclose(self) -> None:
         self._history.clear()
         self._handed_over.clear()
+        self._glossaries.clear()
 
     async def claim(self, stream_id: str) -> Claim:
         self._epochs += 1
@@ -249,6 +265,15 @@ class InProcessBus:
                 Entry(cursor, reply, epoch)
             )
         self._hub.publish(reply, owner, cursor)
+
+    async def keep_glossaries(self, stream_id: str, epoch: int, texts: Mapping[str, str]) -> None:
+        if texts:
+            self._glossaries[stream_id] = dict(texts)
+        else:
+            self._glossaries.pop(stream_id, None)
+
+    async def kept_glossaries(self, stream_id: str) -> dict[str, str]:
+        return dict(self._glossaries.get(stream_id, {}))
 
     def start_over(self, stream_id: str, epoch: int) -> None:
         cursor = self._cursors.next()
@@ -288,10 +313,12 @@ class InProcessBus:
         if closed:
             self._history.pop(stream_id, None)
             self._handed_over.pop(stream_id, None)
+            self._glossaries.pop(stream_id, None)
         elif stream_id in self._history:
             self._handed_over[stream_id] = None
             self._handed_over.move_to_end(stream_id)
             while len(self._handed_over) > HANDED_OVER:
                 oldest, _ = self._handed_over.popitem(last=False)
                 self._history.pop(oldest, None)
+                self._glossaries.pop(oldest, None)
         self._hub.end_stream(stream_id)

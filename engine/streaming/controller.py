@@ -43,8 +43,9 @@ from engine.errors import InputTooLongError
 from engine.glossary import Glossary
 from engine.languages import in_other_script
 from engine.replies import Reply, new_event
+from engine.streaming import own_glossary
 from engine.streaming.awaiting import Slots, answer
-from engine.streaming.bus import InProcessBus, UpdateBus, subscribe
+from engine.streaming.bus import Claim, InProcessBus, UpdateBus, subscribe
 from engine.streaming.history import Resent, resent_final, seq_reused
 from engine.streaming.lifecycle import (
     Owner,
@@ -61,8 +62,10 @@ from protocol import (
     EngineClosed,
     ErrorCode,
     ErrorMessage,
+    GlossarySet,
     InvalidEvent,
     PartialTranscript,
+    SetGlossary,
     TranslationUpdate,
 )
 
@@ -143,6 +146,8 @@ class IncrementalTranslator:
         # One admission at a time per stream id, so two writers opening it cannot both
         # claim a life from the bus (the second one's would fence out the first one's).
         self._admitting: dict[str, anyio.Lock] = {}
+        # Writers' glossaries for streams they have not opened yet (`set_glossary`).
+        self._waiting = own_glossary.Waiting()
 
     @classmethod
     def from_dir(
@@ -334,6 +339,43 @@ class IncrementalTranslator:
             stream.idle = new_event()
         stream.wake.set()
 
+    async def set_glossary(self, message: SetGlossary, owner: Owner | None = None) -> GlossarySet:
+        """Give a stream its own glossary for the target language the text's header
+        names (`SetGlossary`): merged over the engine's (`glossaries`), the stream's
+        entries winning, it applies to every translation that starts after this returns
+        (from the writer's next partial), replaces the stream's earlier one for that
+        language (one without entries clears it) and is kept with the stream's history,
+        so a life that resumes the stream (a writer back after a drop, on any node, or
+        restarted) applies it too; closing the stream ends it. Sent before the stream's
+        first partial, it waits for that partial (from the same `owner`). Returns the
+        acknowledgement; raises `InvalidEvent`: `invalid_message` (field `glossary`)
+        naming a bad line or a language the models do not take, `forbidden` for another
+        owner's stream, `unavailable` when a shared bus cannot keep it."""
+        if self._table.closed or self._group is None:
+            raise EngineClosed("IncrementalTranslator is not running (use `async with`)")
+        sid = message.stream_id
+        lang, glossary = own_glossary.read(message, self.targets)
+        refusal = self._table.held_by_another(sid, owner)
+        if refusal is not None:
+            raise InvalidEvent(refusal)
+        stream = self._table.get(sid)
+        if stream is None or not stream.taking_events or stream.life.owner != owner:
+            self._waiting.hold(owner, sid, lang, message.glossary, glossary)
+        else:
+            own = own_glossary.update(stream.own_glossaries, lang, message.glossary, glossary)
+            await self._bus.keep_glossaries(sid, stream.life.epoch, own_glossary.texts_of(own))
+            own_glossary.apply(stream, own, self.glossaries)
+        self.stats["glossaries_set"] += 1
+        return GlossarySet(sid, lang, len(glossary))
+
+    def stream_terms(self, stream_id: str) -> dict[str, tuple[int, int]]:
+        """An open stream's glossary terms over its finals so far, per target language:
+        (matched, placed); empty when the stream is not open."""
+        stream = self._table.get(stream_id)
+        if stream is None:
+            return {}
+        return {lang: (s.terms_matched, s.terms_placed) for lang, s in stream.sessions.items()}
+
     def _check_script(self, stream: Stream, source: str) -> None:
         """One warning per stream whose final is mostly in another script than the models'
         source language (e.g. Chinese into an English -> Chinese model): the models
@@ -401,11 +443,29 @@ class IncrementalTranslator:
         claim = await self._bus.claim(event.stream_id)
         life = StreamLifecycle(event.stream_id, owner, claim.epoch, claim.answered_through)
         try:
+            own = await self._own_glossaries(event.stream_id, owner, claim)
             stream = self._table.open(self._make_stream(life), event)
         except InvalidEvent:  # the engine stopped or filled up while the bus answered
             self._bus.release(event.stream_id)
             raise
+        own_glossary.apply(stream, own, self.glossaries)
         return stream, admission, True
+
+    async def _own_glossaries(
+        self, stream_id: str, owner: Owner | None, claim: Claim
+    ) -> own_glossary.Own:
+        """A new life's own glossaries: a resumed life's kept ones, then what its writer
+        sent before this first partial; recorded for the new life (a new stream's, even
+        when none, so that a closed life's are never resumed)."""
+        own: own_glossary.Own = {}
+        if claim.resumed:
+            kept = await self._bus.kept_glossaries(stream_id)
+            own = own_glossary.parse_kept(stream_id, kept, self.targets)
+        sent = self._waiting.take(owner, stream_id)
+        own.update(sent)
+        if sent or (not claim.resumed and self._bus.shared):
+            await self._bus.keep_glossaries(stream_id, claim.epoch, own_glossary.texts_of(own))
+        return own
 
     async def wait_idle(self, stream_id: str | None = None) -> None:
         """Wait until a stream (or every stream) has nothing pending or running."""
@@ -434,6 +494,7 @@ class IncrementalTranslator:
         """The owner is gone (its connection closed): every stream it holds closes as if
         it had sent `close_stream`, so viewers still get its accepted finals and the
         stream then frees its slot. Returns how many streams began closing."""
+        self._waiting.forget(owner)
         streams = self._table.owner_left(owner)
         for stream in streams:
             self.stats["superseded"] += stream.drop_partials()

@@ -41,7 +41,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -58,6 +58,7 @@ from engine.streaming.redis_health import BACKOFF, UNREACHABLE, Health, describe
 from engine.streaming.redis_store import (
     APPEND,
     CLAIM,
+    KEEP_GLOSSARIES,
     KIND_CLOSED,
     KIND_REPLY,
     KIND_STARTED_OVER,
@@ -216,6 +217,7 @@ class RedisBus:
                 ("append", APPEND),
                 ("renew", RENEW),
                 ("release", RELEASE),
+                ("keep_glossaries", KEEP_GLOSSARIES),
             )
         }
         self.health.reachable = True
@@ -506,6 +508,27 @@ class RedisBus:
             reply.lang,
         )
         self._hub.to_owner(error, item.owner)
+
+    async def keep_glossaries(self, stream_id: str, epoch: int, texts: Mapping[str, str]) -> None:
+        pairs = [part for lang, text in sorted(texts.items()) for part in (lang, text)]
+        try:
+            await self._scripts["keep_glossaries"](
+                keys=[self.keys.epoch(stream_id), self.keys.glossaries(stream_id)],
+                args=[epoch, HISTORY_TTL_MS, *pairs],
+            )
+        except redis_errors() as exc:
+            why = self.health.failed("keeping a stream's glossary", exc)
+            raise self._unavailable(stream_id, f"{why}: send it again shortly") from None
+        self.health.succeeded()
+
+    async def kept_glossaries(self, stream_id: str) -> dict[str, str]:
+        try:
+            raw = await self._redis.hgetall(self.keys.glossaries(stream_id))
+        except redis_errors() as exc:
+            why = self.health.failed("reading a stream's glossary", exc)
+            raise self._unavailable(stream_id, f"{why}: try again shortly") from None
+        self.health.succeeded()
+        return {str(lang): str(text) for lang, text in raw.items()}  # decode_responses
 
     def start_over(self, stream_id: str, epoch: int) -> None:
         # Queued like a reply and fenced by its epoch: it lands before the new life's

@@ -73,6 +73,19 @@ return released
 # ARGV[2]: the epoch of a claim that made the counter and opened no stream (else ''):
 # deleted while still that claim's, as nothing was ever stamped with it.
 
+KEEP_GLOSSARIES = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[2])
+if #ARGV > 2 then
+  redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+end
+return 1
+"""
+# KEYS[1]: the stream's epoch, KEYS[2]: its glossaries (language -> text); ARGV[1]: the
+# life writing them (a life that lost the stream writes nothing), ARGV[2]: their time to
+# live (the histories'), then language, text pairs (none: the stream has none).
+
 KIND_REPLY = "r"
 KIND_CLOSED = "c"
 KIND_STARTED_OVER = "s"
@@ -89,6 +102,9 @@ class Keys:
 
     def epoch(self, stream_id: str) -> str:
         return f"{self.prefix}:epoch:{stream_id}"
+
+    def glossaries(self, stream_id: str) -> str:
+        return f"{self.prefix}:g:{stream_id}"
 
     def history(self, stream_id: str, lang: str) -> str:
         # The language is last and never holds a colon: any stream id maps to one key.

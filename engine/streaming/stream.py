@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import anyio
 
 from engine.decoding.policy import RequestId
+from engine.glossary import Glossary
 from engine.replies import new_event
 from engine.streaming.lifecycle import StreamLifecycle
 from engine.streaming.session import StreamSession
@@ -48,6 +49,8 @@ class Stream:
         # The id of the current partial's decodes while a newer event may abort them.
         self.abortable: RequestId | None = None
         self.warned_script = False  # said once that its text is in another script
+        # Its writer's glossaries (`engine.streaming.own_glossary`): language -> (text, glossary).
+        self.own_glossaries: dict[str, tuple[str, Glossary]] = {}
 
     def __repr__(self) -> str:
         return repr(self.life)
