@@ -13,7 +13,7 @@ from engine.evaluation.peers import simuleval_instances
 from engine.evaluation.report import build_report
 from engine.languages import CJK_RANGES, base_lang, is_cjk
 from engine.model.config import _lang_code
-from engine.streaming import session
+from engine.streaming import boundaries
 
 
 @pytest.mark.parametrize(
@@ -46,8 +46,8 @@ def test_cjk_characters_are_units_and_commit_boundaries_alike() -> None:
     for ch in samples:
         assert is_cjk(ch), hex(ord(ch))
         assert units.split_units(f"ab{ch}{ch}cd", "zh") == ["ab", ch, ch, "cd"], hex(ord(ch))
-        assert not session._word_char(ch)  # a CJK character never extends a word
-    assert session._word_char("a") and session._word_char("7")
+        assert not boundaries.word_char(ch)  # a CJK character never extends a word
+    assert boundaries.word_char("a") and boundaries.word_char("7")
 
 
 def test_one_table_says_which_languages_are_written_without_spaces(

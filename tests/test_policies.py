@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.streaming.boundaries import BoundaryFinder
 from engine.streaming.policies import (
     BiasedDecoding,
     FirstWord,
@@ -15,7 +16,7 @@ from engine.streaming.policies import (
     default_policy,
     parse_policy,
 )
-from engine.streaming.session import BoundaryFinder, normalize_source
+from engine.streaming.session import normalize_source
 
 PIECES = {
     1: "\u2581I",

@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 
 from engine import Translator
-from engine.streaming.session import StreamingOptions, StreamSession, settled_source
+from engine.streaming.boundaries import settled_source
+from engine.streaming.session import StreamingOptions, StreamSession
 from protocol import InvalidMessage, PartialTranscript, TranslationUpdate, parse, serialize
 from protocol.codec import load_schema
 
@@ -141,7 +142,7 @@ def test_without_a_hint_the_words_partials_share_are_the_settled_source(
     """`settled_source=2`: the recogniser keeps rewriting the verb, so only the words both
     of the last two partials show are settled, and no committed text may depend on the
     verb: each update's stable text is a prefix of those shared words' own translation."""
-    from engine.streaming.session import shared_words
+    from engine.streaming.boundaries import shared_words
 
     shown = [
         "Tom will",

@@ -11,7 +11,8 @@ later decode of the segment so that stable text is never retracted.
 
 The async controller (`engine.streaming.controller`) decides which events reach it (latest
 wins), runs its steps on the event loop and aborts a partial's decodes (`Translator.abort`) when
-a newer event makes them useless; replay and tests may call it directly.
+a newer event makes them useless; replay and tests may call it directly. The rules of
+where it may commit (word boundaries, settled source words) are `engine.streaming.boundaries`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from engine.decoding.requests import Encoding
 from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
 from engine.decoding.translator import Translator
 from engine.glossary import Glossary, holds
-from engine.languages import drop_fillers, is_cjk
+from engine.languages import drop_fillers
 from engine.model.config import ModelConfig
+from engine.streaming.boundaries import BoundaryFinder, extends_words, settled_source, shared_words
 from engine.streaming.policies import Policy, common_prefix_length, default_policy
 from protocol import PartialTranscript, TranslationUpdate
 
@@ -168,58 +170,6 @@ Steps = Generator[DecodeCall, list[Hypothesis], "TranslationUpdate | None"]
 changed)."""
 
 
-def _word_char(ch: str) -> bool:
-    """A character that belongs to a space-delimited word (CJK characters stand alone)."""
-    return ch.isalnum() and not is_cjk(ch)
-
-
-def _is_byte_piece(piece: str) -> bool:
-    return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
-
-
-class BoundaryFinder:
-    """Where a target token sequence may be cut without splitting a word or character."""
-
-    def __init__(self, pieces: Callable[[int], str]) -> None:
-        self._piece = pieces
-
-    def ok(self, tokens: Sequence[int], k: int, finished: bool) -> bool:
-        """May the first `k` tokens be committed? `finished`: eos followed the tokens."""
-        if k <= 0:
-            return True
-        if k >= len(tokens):
-            return finished and k == len(tokens)
-        prev, nxt = self._piece(tokens[k - 1]), self._piece(tokens[k])
-        if not prev.strip("\u2581 "):
-            # A lone word-start marker shows nothing, yet committing it forces every later
-            # hypothesis of the segment to start its next word without the marker: the
-            # usual piece ("\u2581你") can no longer come, and the model drops or garbles the
-            # word (the offline fixture lost its subjects this way).
-            return False
-        if _is_byte_piece(nxt):
-            # Byte-fallback pieces spell one character over several tokens: cut only where
-            # a new character starts (a UTF-8 lead byte, not a 10xxxxxx continuation byte).
-            return not 0x80 <= int(nxt[3:5], 16) <= 0xBF
-        if nxt.startswith("\u2581"):
-            return True
-        return not (prev and nxt and _word_char(prev[-1]) and _word_char(nxt[0]))
-
-    def first_word_end(self, tokens: Sequence[int], floor: int, finished: bool) -> int:
-        """The shortest cut past `floor`: where the first word after it ends (a Chinese
-        character, or a piece such as "\u2581凯特"); `floor` when there is none yet."""
-        for k in range(floor + 1, len(tokens) + 1):
-            if self.ok(tokens, k, finished):
-                return k
-        return floor
-
-    def snap(self, tokens: Sequence[int], k: int, floor: int, finished: bool) -> int:
-        """Largest allowed cut in [floor, k]; `floor` (already committed) always is."""
-        k = min(k, len(tokens))
-        while k > floor and not self.ok(tokens, k, finished):
-            k -= 1
-        return max(k, floor)
-
-
 @dataclass
 class SegmentState:
     """What a live segment keeps between partials; dropped at its final."""
@@ -238,44 +188,11 @@ class SegmentState:
     recent: deque[str] = field(default_factory=deque)  # the last partials' sources
 
 
-def shared_words(sources: Sequence[str]) -> str:
-    """The words every one of `sources` starts with (local agreement on the source)."""
-    split = [source.split() for source in sources]
-    return " ".join(split[0][: common_prefix_length(split)]) if split else ""
-
-
-def settled_source(text: str, stable_chars: int) -> str:
-    """The part of `text` a recogniser's `stable_chars` settles, cut back to the last word
-    boundary when the count ends inside a word (a half-confirmed word is not confirmed);
-    texts without spaces (Chinese, Japanese) are cut at the character."""
-    cut = text[:stable_chars]
-    if stable_chars < len(text) and not text[stable_chars].isspace() and not cut.endswith(" "):
-        space = max(cut.rfind(" "), cut.rfind("\t"))
-        if space >= 0:
-            cut = cut[:space]
-        elif " " in text:
-            cut = ""  # the first word itself is not settled
-    return cut
-
-
 def _as_heard(source: str, event: PartialTranscript) -> str:
     """A partial's source as glossary matching reads it: with the space the recognizer
     wrote after its last word, if any (that word is then complete: `Glossary.match`),
     which normalising dropped."""
     return source + " " if event.text[-1:].isspace() else source
-
-
-def _extends_words(before: str, after: str) -> bool:
-    """Whether `after` keeps every word of `before`, its last one possibly completed
-    ("dr" -> "draw"): the recogniser added to what it showed without rewriting it."""
-    old, new = before.split(), after.split()
-    if not old:
-        return False  # nothing was shown yet, so nothing was confirmed
-    if len(new) < len(old):
-        return False
-    if old[:-1] != new[: len(old) - 1]:
-        return False
-    return new[len(old) - 1].startswith(old[-1])
 
 
 class StreamSession:
@@ -473,7 +390,7 @@ class StreamSession:
         )
         tokens = list(hyp.token_ids)
         if self.options.source_agreement is not None:
-            extends = _extends_words(seg.source, source)
+            extends = extends_words(seg.source, source)
             seg.source_settled_at = seg.source_settled_at + 1 if extends else 0
         seg.source = source  # only now: a cancelled decode leaves the source untranslated
         seg.history.append(tokens)
