@@ -18,10 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine import DecodeOptions, Translator
+from engine.decoding.backends import new_batch
+from engine.decoding.batch import Member
+from engine.decoding.continuous import ContinuousBatch
 from engine.decoding.policy import Priority, new_request_id
 from engine.decoding.scheduler import SchedulerOptions
-from engine.decoding.search import DecodingCancelled, Hypothesis
+from engine.decoding.search import DecodingCancelled, Hypothesis, Search, make_search
 from engine.model.backend import Backend
+from engine.model.kv.lockstep import LockstepKv
 from engine.model.layouts import FloatArray
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 from tests.test_scheduler import SCORE_TOLERANCE, SOURCES, _drafts, alone, requests
@@ -174,3 +178,42 @@ def test_hundreds_of_joins_and_leaves_stay_exact(translator: Translator) -> None
         _equal(hyp, expected[(text, tuple(prefix))], (text, prefix))
     if translator.scheduler.kv_slots is not None:
         assert translator.scheduler.kv_slots["free"] == translator.scheduler.kv_slots["total"]
+
+
+def test_lockstep_is_a_backend_of_the_one_batch() -> None:
+    """Over the stock graphs the lane's batch is the one batch over a backend that is not
+    `ragged`: newcomers with prefixes of different lengths and a draft start together
+    (their common prefix prefilled, the rest forced, the draft not fed) and equal decoding
+    alone; once rows run, the batch is not joinable and refuses a newcomer."""
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1), batchable=False)
+    batch = new_batch(tr.model, SchedulerOptions(), None)
+    assert isinstance(batch, ContinuousBatch) and isinstance(batch.kv, LockstepKv)
+    assert not batch.kv.ragged and batch.joinable
+    options = DecodeOptions(min_new_tokens=6, max_new_tokens=12)
+    todo = requests(tr)[len(SOURCES) : len(SOURCES) + 3]  # forced prefixes of 1 to 3 tokens
+    expected = [alone(tr, text, prefix, options) for text, prefix in todo]
+
+    def member(text: str, prefix: list[int], draft: Sequence[int] = ()) -> Member:
+        search = make_search(tr.config, prefix, options, draft=draft)
+        return Member(search, tr.encode([tr.source_ids(text)]))
+
+    joining = [
+        member(text, prefix, ref.token_ids[len(prefix) :])
+        for (text, prefix), ref in zip(todo, expected, strict=True)
+    ]
+    assert batch.schedule(joining) == []
+    assert not batch.joinable
+    with pytest.raises(RuntimeError, match="only takes searches when empty"):
+        batch.schedule([member(*todo[0])])
+    done: list[Search] = []
+    while batch.searches:
+        batch.execute()
+        done += batch.update()
+    assert batch.stats["draft_offered"] == 0  # rows of one length: no draft is fed
+    by_search = {id(m.search): ref for m, ref in zip(joining, expected, strict=True)}
+    assert len(done) == len(joining)
+    for search in done:
+        _equal(search.result(), by_search[id(search)], search.prefix)
+    batch.execute()  # no row left: the backend lets its cache go
+    assert batch.joinable

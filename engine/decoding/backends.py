@@ -10,13 +10,13 @@ import logging
 
 from engine.decoding.batch import DecodeBatch
 from engine.decoding.continuous import ContinuousBatch
-from engine.decoding.lockstep import LockstepBatch
 from engine.decoding.options import SchedulerOptions
 from engine.model.backend import Backend
 from engine.model.kv.base import KvBackend
 from engine.model.kv.copied import CopiedKv
 from engine.model.kv.inplace.rows import INITIAL_ROWS, InPlaceKv
 from engine.model.kv.inplace.steps import InPlaceSteps
+from engine.model.kv.lockstep import LockstepKv
 from engine.model.kv.slots.pool import KvSlots, SlotGraphs
 from engine.model.kv.slots.rows import SlotKv
 from engine.model.marian import MarianOnnx
@@ -63,14 +63,15 @@ def open_pool(model: MarianOnnx, options: SchedulerOptions, lanes: int) -> KvSlo
 
 def new_batch(model: MarianOnnx, options: SchedulerOptions, pool: KvSlots | None) -> DecodeBatch:
     """An empty batch over the model's KV backend (`pool`: its slots, from `open_pool`):
-    the one continuous batch over the backend's rows' state, or the lockstep batch.
+    the one batch over the backend's rows' state (the stock graphs' too: lockstep is a
+    backend whose rows advance together, `KvBackend.ragged`).
     Raises `ValueError` for `inplace_attention=False` over a model loaded with the state
     in place (the choice is the load's: `RuntimeOptions(inplace_attention=False)`)."""
     backend, masked = model.backend.backend, model.masked
-    if backend is Backend.LOCKSTEP or masked is None:
-        return LockstepBatch(model)
     kv: KvBackend
-    if backend is Backend.SLOTS:
+    if backend is Backend.LOCKSTEP or masked is None:
+        kv = LockstepKv(model)
+    elif backend is Backend.SLOTS:
         assert pool is not None, "a slots backend runs over its pool (open_pool)"
         kv = SlotKv(model, pool)
     elif backend is Backend.INPLACE:

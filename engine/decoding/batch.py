@@ -8,17 +8,16 @@ A scheduler lane drives its batch through the same cycle whatever its kind
    (prefilled in one call: start token, forced prefix, draft) and take their first step;
 3. `execute()`: one decoder call over every live row.
 
-The batch's kind follows the model's KV backend, chosen at load
-(`engine.model.backend`; `engine.decoding.backends` builds it):
-`engine.decoding.lockstep.LockstepBatch` runs the stock decoder graphs, which take
-positions from the past length and have no self-attention mask, so all its rows keep one
-length: searches join only an empty batch. `engine.decoding.continuous.ContinuousBatch`
-runs the rewritten decoder (`MaskedDecoder`: positions per row, a mask over cache slots),
-so searches join and leave at any step (iteration-level batching, as in Orca and vLLM),
-over one KV backend (`engine.model.kv`): the rows' state handed to every step
-(copied), kept in lane buffers extended in place (the CPU's default) or in KV slots (a
-GPU's). The encoder runs once per source, before: a search joins with its source's
-encoder output.
+One batch class, `engine.decoding.continuous.ContinuousBatch`, runs over the model's KV
+backend, chosen at load (`engine.model.backend`; `engine.decoding.backends` builds it).
+Over the rewritten decoder (`MaskedDecoder`: positions per row, a mask over cache slots)
+searches join and leave at any step (iteration-level batching, as in Orca and vLLM), the
+rows' state handed to every step (copied), kept in lane buffers extended in place (the
+CPU's default) or in KV slots (a GPU's). Over the stock decoder graphs
+(`engine.model.kv.lockstep`), which take positions from the past length and have no
+self-attention mask, all rows keep one length (the backend is not `ragged`): searches
+join only an empty batch. The encoder runs once per source, before: a search joins with
+its source's encoder output.
 """
 
 from __future__ import annotations
@@ -191,6 +190,22 @@ class DecodeBatch(ABC):
             row += search.width
         self.searches = kept
         return select
+
+
+def common_prefill_rows(
+    searches: Sequence[Search], config: ModelConfig
+) -> tuple[IntArray, IntArray]:
+    """What a batch over rows of one length (a backend that is not `ragged`: the stock
+    graphs) prefills its newcomers with: the start token and the prefix they all share
+    the length of (`ids`, unpadded; `mask` all 1); each search forces the rest of its
+    prefix step by step (`Search.start`), and no draft is fed."""
+    common = min(len(s.prefix) for s in searches)
+    for search in searches:
+        search.start(common)
+    ids = np.array(
+        [[config.decoder_start_token_id, *s.prefix[:common]] for s in searches], dtype=np.int64
+    )
+    return ids, np.ones_like(ids)
 
 
 def prefill_rows(searches: Sequence[Search], config: ModelConfig) -> tuple[IntArray, IntArray]:

@@ -1,5 +1,8 @@
-"""The continuous batch, written once over any KV backend (`engine.model.kv`):
-searches join and leave at any step (iteration-level batching, as in Orca and vLLM).
+"""The one batch, written once over any KV backend (`engine.model.kv`): over a `ragged`
+backend searches join and leave at any step (iteration-level batching, as in Orca and
+vLLM); over the stock graphs' (`engine.model.kv.lockstep`), whose rows advance together,
+the same batch honours the backend's flag: newcomers join only an empty batch and are
+fed their common prefix, the rest forced step by step, with neither draft nor lookahead.
 
 What it does, whatever keeps the rows' state:
 
@@ -23,7 +26,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from engine.decoding.batch import DecodeBatch, Member, Steps, prefill_rows
+from engine.decoding.batch import DecodeBatch, Member, Steps, common_prefill_rows, prefill_rows
 from engine.decoding.search import Extension, GreedySearch, Search
 from engine.model.kv.base import (
     LOOKAHEAD,
@@ -87,7 +90,7 @@ class ContinuousBatch(DecodeBatch):
 
     @property
     def joinable(self) -> bool:
-        return self._out is None
+        return self._out is None and (self.kv.ragged or not self.searches)
 
     def state_bytes(self) -> StateBytes | None:
         return self.kv.state_bytes()
@@ -169,15 +172,20 @@ class ContinuousBatch(DecodeBatch):
             self.kv.keep(select, self.searches)
         if not joining:
             return []
+        ragged = self.kv.ragged
+        if not ragged and self.searches:
+            raise RuntimeError("a lockstep batch only takes searches when empty")
         searches = [member.search for member in joining]
-        ids, mask = prefill_rows(searches, self.model.config)
+        rows = prefill_rows if ragged else common_prefill_rows
+        ids, mask = rows(searches, self.model.config)
         enc = stack_encoder_outputs([member.enc for member in joining])
         newcomers = self._newcomers(joining, mask)
         prefill = self.kv.prefill(newcomers, enc, ids, mask, alone=self.alone)
         steps = Steps()
         lengths: list[int] = []
-        for r, search in enumerate(searches):
-            start, draft = len(search.prefix), search.draft
+        for r, (search, newcomer) in enumerate(zip(searches, newcomers, strict=True)):
+            start = newcomer.start
+            draft = search.draft if ragged else []
             step, accepted = confirm(search, prefill.positions(r, start), draft)
             steps.add(search, r, step)
             search.accepted = accepted
@@ -196,10 +204,12 @@ class ContinuousBatch(DecodeBatch):
         at the positions it reads only where the model chooses (the rule is the search
         options' `bans_eos`)."""
         fed = mask.sum(axis=1).tolist() if self.kv.chooses else [0] * len(joining)
+        start = len(mask[0]) - 1  # not ragged: every newcomer's common prefix
         newcomers = []
         for member, length in zip(joining, fed, strict=True):
             search = member.search
-            start = len(search.prefix)
+            if self.kv.ragged:
+                start = len(search.prefix)
             bans = tuple(search.options.bans_eos(t) for t in range(start, length))
             newcomers.append(
                 Newcomer(

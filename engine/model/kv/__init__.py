@@ -6,6 +6,8 @@ bytes, settle, and how many tokens a step may feed ahead.
 
     base.py      the interface, what its calls take (`Newcomer`) and return (logits, or
                  the model's choice: `Positions`)
+    lockstep.py  the stock decoder graphs, whose rows advance together (not `ragged`:
+                 the batch joins newcomers only when empty, no draft, no lookahead)
     copied.py    the state handed to every step and returned one position longer (the
                  masked decoder's own step; arrays.py: its rows' arrays)
     inplace/     lane buffers each step reads and extends in place, the CPU's default:

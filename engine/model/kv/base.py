@@ -162,11 +162,21 @@ class KvBackend(ABC):
     - `confirmed`: what each row fed ahead confirmed (the rest is not the row's);
     - `keep` rows in a new order (rows left, a beam reordered and widened);
     - `release` once no row is left.
+
+    A backend that is not `ragged` takes newcomers only while it holds no row.
     """
 
     chooses = False
     """Whether a call returns the model's own greedy choice (the batch then gives each
     newcomer's `bans`, and asks for logits where a search needs them)."""
+
+    ragged = True
+    """Whether rows keep lengths of their own (positions per row, a mask over slots): the
+    batch then prefills newcomers right-padded with their whole prefix and draft, joins
+    them to running rows at any step, and may feed tokens ahead. False (the stock graphs:
+    `lockstep`): rows advance together, so the batch joins newcomers only when it is
+    empty, feeds them their common prefix unpadded (the rest forced step by step, no
+    draft), and `lookahead_most` is 0."""
 
     @abstractmethod
     def lookahead_most(self, rows: int, budget: int) -> int:
