@@ -61,6 +61,13 @@ def open_pool(model: MarianOnnx, options: SchedulerOptions, lanes: int) -> KvSlo
     return pool
 
 
+def runs_lockstep(model: MarianOnnx) -> bool:
+    """Whether the model's rows advance together (the lockstep backend, or no batchable
+    decoder): the one answer that both the scheduling policy (which plans joins) and
+    `new_batch` (which builds the batch that refuses a join while rows run) read."""
+    return model.backend.backend is Backend.LOCKSTEP or model.masked is None
+
+
 def new_batch(model: MarianOnnx, options: SchedulerOptions, pool: KvSlots | None) -> DecodeBatch:
     """An empty batch over the model's KV backend (`pool`: its slots, from `open_pool`):
     the one batch over the backend's rows' state (the stock graphs' too: lockstep is a
@@ -69,7 +76,7 @@ def new_batch(model: MarianOnnx, options: SchedulerOptions, pool: KvSlots | None
     in place (the choice is the load's: `RuntimeOptions(inplace_attention=False)`)."""
     backend, masked = model.backend.backend, model.masked
     kv: KvBackend
-    if backend is Backend.LOCKSTEP or masked is None:
+    if runs_lockstep(model) or masked is None:
         kv = LockstepKv(model)
     elif backend is Backend.SLOTS:
         assert pool is not None, "a slots backend runs over its pool (open_pool)"

@@ -42,7 +42,13 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from engine.decoding.backends import log_state, new_batch, open_pool, replays_cuda_graphs
+from engine.decoding.backends import (
+    log_state,
+    new_batch,
+    open_pool,
+    replays_cuda_graphs,
+    runs_lockstep,
+)
 from engine.decoding.batch import DecodeBatch, Member
 from engine.decoding.constraints import Constraints, new_search
 from engine.decoding.options import DEVICE_PREFILL_POSITIONS, SchedulerOptions, Threads
@@ -131,7 +137,7 @@ class DecodeScheduler:
             self.lanes,
             max_rows=self.options.max_rows,
             prefill_positions=self.options.prefill_positions or self._prefill_budget(),
-            lockstep=model.masked is None,
+            lockstep=runs_lockstep(model),
             kv=None if self.kv is None else KvSlotManager(self.kv.slots),
         )
         self._lanes = [_Lane(i, self._new_batch()) for i in range(self.lanes)]
