@@ -175,7 +175,7 @@ class SubtitleServer:
     def _attach_state(self, engine: IncrementalTranslator) -> None:
         self.state.bus_ready = lambda: engine.ready
         self.state.close_code = 1012 if engine.bus.shared else 1001
-        self.state.attach(engine.languages)
+        self.state.attach(engine.languages, engine.targets.source_lang)
 
     @property
     def port(self) -> int:

@@ -132,13 +132,15 @@ class HttpRoutes:
 
     def info(self) -> bytes:
         """`/info`: what a client may ask of this server before it connects: the target
-        languages (the default first; empty while loading) and whether it takes audio,
-        with what to do instead when it does not (`no_audio`, the reply `start_audio`
-        would get). Nothing in it is secret: it needs no token."""
-        body: dict[str, object] = {
-            "languages": list(self.state.languages),
-            "audio": self.takes_audio,
-        }
+        languages (the default first; empty while loading), the models' source language
+        (`source`, when known: a glossary's header names it, so the speaker page can
+        write one) and whether it takes audio, with what to do instead when it does not
+        (`no_audio`, the reply `start_audio` would get). Nothing in it is secret: it needs
+        no token."""
+        body: dict[str, object] = {"languages": list(self.state.languages)}
+        if self.state.source_language:
+            body["source"] = self.state.source_language
+        body["audio"] = self.takes_audio
         if not self.takes_audio:
             body["no_audio"] = AUDIO_OFF
         return json.dumps(body).encode("utf-8")

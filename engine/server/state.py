@@ -33,6 +33,8 @@ class ServerState:
 
     phase: ServerPhase = ServerPhase.LOADING
     languages: tuple[str, ...] = ()
+    # The models' source language (None: unknown): a glossary's header names it first.
+    source_language: str | None = None
     # Whether the update bus publishes now (a shared one: Redis reachable); set when an
     # engine is attached. A node cut off from it is not ready: a load balancer sends
     # writers elsewhere.
@@ -44,9 +46,10 @@ class ServerState:
     # gone (`AudioLimits` caps them).
     audio: AudioSlots = field(default_factory=AudioSlots)
 
-    def attach(self, languages: Iterable[str]) -> None:
+    def attach(self, languages: Iterable[str], source_language: str | None = None) -> None:
         """A model is loaded: ready, unless a shutdown began meanwhile."""
         self.languages = tuple(languages)
+        self.source_language = source_language
         if self.phase is ServerPhase.LOADING:
             self.phase = ServerPhase.READY
 
