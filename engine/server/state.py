@@ -42,6 +42,11 @@ class ServerState:
     # The close code a stopping server sends: 1001 (going away) alone, 1012 (service
     # restart: reconnect, to another node) when other nodes serve the same streams.
     close_code: int = 1001
+    # An open stream's glossary terms over its finals, per target language: (matched,
+    # placed); empty for a stream not open here. Set when an engine is attached.
+    stream_terms: Callable[[str], dict[str, tuple[int, int]]] | None = field(
+        default=None, repr=False
+    )
     # Audio streams on all connections, from each start_audio until its recognizer is
     # gone (`AudioLimits` caps them).
     audio: AudioSlots = field(default_factory=AudioSlots)
