@@ -316,6 +316,8 @@ async def test_the_speaker_page_gives_its_stream_a_glossary_and_again_after_a_dr
         await wait_until(page, f"() => ({READ_GLOSSARY_STATUS})().includes('1 term into zh')")
         placed = f"() => ({READ_SPEAK_LINES})().some(l => l[0].includes('爱丽丝') && l[2])"
         await wait_until(page, placed)
+        # How it did so far, from the server's /terms: Tom, matched and placed.
+        await wait_until(page, f"() => ({READ_GLOSSARY_STATUS})().endsWith('1 matched, 1 placed.')")
         assert [m["type"] for m in sent[0][:2]] == ["set_glossary", "start_audio"]
         assert sent[0][0]["glossary"] == "en\tzh\nTom\t爱丽丝"
         assert sent[0][0]["stream_id"] == "demo"

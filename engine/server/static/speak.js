@@ -73,6 +73,7 @@
   let glossary = ""; // the glossary text given: sent on every connection before start_audio
   let accepted = ""; // the last one the server acknowledged (a refused one leaves it in use)
   let inFlight = []; // the texts sent on this connection and not answered yet, oldest first
+  let glossaryLine = ""; // what the last acknowledgement said
   let languages = { source: "", targets: [] }; // from /info: a glossary's header names them
   // Lines by segment id, oldest first; segment ids are numbered per connection, so a new
   // connection starts a new generation of keys.
@@ -269,9 +270,10 @@
     } else if (message.type === "glossary_set") {
       if (inFlight.length) accepted = inFlight.shift();
       const terms = message.entries === 1 ? "1 term" : `${message.entries} terms`;
-      sayGlossary(message.entries
-        ? `Glossary in use: ${terms} into ${message.lang}, from what is said next.`
-        : `No glossary into ${message.lang} now.`);
+      glossaryLine = message.entries
+        ? `Glossary in use: ${terms} into ${message.lang}.`
+        : `No glossary into ${message.lang} now.`;
+      sayGlossary(glossaryLine);
     } else if (message.type === "partial_transcript") {
       const line = lineFor(message.segment_id);
       line.source.textContent = message.text; // never HTML: it is what was heard
@@ -283,6 +285,7 @@
       line.tentative.textContent = message.unstable_text;
       line.el.classList.toggle("final", message.is_final);
       render();
+      if (message.is_final && accepted) showTerms(message.lang);
     }
   }
 
@@ -393,6 +396,24 @@
   function sayGlossary(text, problem) {
     glossaryStatus.textContent = text;
     glossaryStatus.classList.toggle("problem", Boolean(problem));
+  }
+
+  // After a final, how the glossary did in the stream so far (the server's /terms).
+  async function showTerms(lang) {
+    const query = new URLSearchParams({ stream: config.stream });
+    if (config.token) query.set("token", config.token);
+    try {
+      const response = await fetch("terms?" + query.toString(), { cache: "no-store" });
+      if (!response.ok) return;
+      const counts = (await response.json()).terms[lang];
+      // A refusal shown stays until the next acknowledgement.
+      if (counts && !glossaryStatus.classList.contains("problem")) {
+        sayGlossary(`${glossaryLine} In what was said so far: ${counts.matched} ` +
+          `matched, ${counts.placed} placed.`);
+      }
+    } catch (error) {
+      console.warn("speak: /terms:", error);
+    }
   }
 
   // The first line that is not blank nor a comment: the languages, source<TAB>target.
