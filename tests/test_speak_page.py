@@ -194,11 +194,11 @@ async def test_info_says_whether_the_server_takes_audio(translator: Translator) 
         answer = await http_get(server, "/info")
     assert answer.status == 200 and answer.headers["Content-Type"] == "application/json"
     info = json.loads(answer.body)
-    assert info["audio"] is False and info["languages"] == ["zh"]
+    assert info["audio"] is False and info["languages"] == ["zh"] and info["source"] == "en"
     assert info["no_audio"] == AUDIO_OFF  # what start_audio would be answered
     async with serving(translator, audio=scripted_input(meeting_tom())) as server:
         info = json.loads((await http_get(server, "/info")).body)
-    assert info == {"languages": ["zh"], "audio": True}
+    assert info == {"languages": ["zh"], "source": "en", "audio": True}
 
 
 @pytest.mark.anyio
@@ -267,3 +267,98 @@ async def test_the_speaker_page_starts_again_after_the_recognizer_fails(
                 <= line.querySelector('.translation').getBoundingClientRect().top + 1)"""
         )
         assert above and all(above), above
+
+
+READ_GLOSSARY_STATUS = "() => document.getElementById('glossary-status').textContent"
+
+
+@pytest.mark.anyio
+async def test_the_speaker_page_gives_its_stream_a_glossary_and_again_after_a_drop(
+    translator: Translator, microphone: Path, tmp_path: Path
+) -> None:
+    """The glossary typed on the page (its languages' line from /info, Tab between the
+    columns) goes as set_glossary ahead of start_audio, on the first connection and on the
+    one after a drop; its acknowledgement shows, the translation places the term; a file
+    replaces it; a refused one is said under the box and the audio goes on."""
+    from tests.test_audio_ws import Scripted, said, scripted_input
+
+    assert "爱丽丝" not in translator.translate([SENTENCE], STREAMING.decode)[0].text
+    heard = [Scripted([(8000, said(SENTENCE.lower(), True))]) for _ in range(3)]
+    async with (
+        serving(translator, audio=scripted_input(*heard)) as server,
+        chromium(microphone) as browser,
+    ):
+        page = await browser.new_page(viewport={"width": 1100, "height": 700})
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        sent: list[list[dict[str, Any]]] = []  # per connection, the JSON frames sent
+
+        def on_socket(ws: Any) -> None:
+            frames: list[dict[str, Any]] = []
+            sent.append(frames)
+            ws.on(
+                "framesent",
+                lambda data: frames.append(json.loads(data)) if isinstance(data, str) else None,
+            )
+
+        page.on("websocket", on_socket)
+        await page.goto(f"{server.url}speak?stream=demo")
+        await page.wait_for_selector("#start:not([disabled])")
+        assert await page.text_content("#glossary-note") == "(en \u2192 zh)"
+        await page.click("#glossary-panel summary")
+        await page.focus("#glossary")  # an empty box starts with the languages' line
+        assert await page.input_value("#glossary") == "en\tzh\n"
+        await page.keyboard.type("Tom")
+        await page.keyboard.press("Tab")  # types the column separator
+        await page.keyboard.type("爱丽丝")
+        assert await page.input_value("#glossary") == "en\tzh\nTom\t爱丽丝"
+        await page.click("#start")
+        await wait_until(page, f"() => ({READ_GLOSSARY_STATUS})().includes('1 term into zh')")
+        placed = f"() => ({READ_SPEAK_LINES})().some(l => l[0].includes('爱丽丝') && l[2])"
+        await wait_until(page, placed)
+        # How it did so far, from the server's /terms: Tom, matched and placed.
+        await wait_until(page, f"() => ({READ_GLOSSARY_STATUS})().endsWith('1 matched, 1 placed.')")
+        assert [m["type"] for m in sent[0][:2]] == ["set_glossary", "start_audio"]
+        assert sent[0][0]["glossary"] == "en\tzh\nTom\t爱丽丝"
+        assert sent[0][0]["stream_id"] == "demo"
+        await screenshot(page, "speak-glossary.png", tmp_path)
+
+        # A drop: the new connection sends the glossary again before its audio.
+        (client,) = writers(server)
+        client.ws.transport.abort()
+        await page.wait_for_selector("body[data-state=listening]", timeout=15_000)
+        await wait_for(lambda: len(sent) == 2 and len(sent[1]) >= 2)
+        assert [m["type"] for m in sent[1][:2]] == ["set_glossary", "start_audio"]
+        assert sent[1][0]["glossary"] == sent[0][0]["glossary"]
+        await wait_until(page, f"() => ({READ_GLOSSARY_STATUS})().includes('1 term into zh')")
+
+        # A file replaces it, sent at once.
+        await page.set_input_files(
+            "#glossary-file",
+            files=[
+                {
+                    "name": "terms.tsv",
+                    "mimeType": "text/tab-separated-values",
+                    "buffer": "en\tzh\nTom\t爱丽丝\nbook\t报纸\n".encode(),
+                }
+            ],
+        )
+        await wait_until(page, f"() => ({READ_GLOSSARY_STATUS})().includes('2 terms into zh')")
+        assert sent[1][-1]["type"] == "set_glossary" and "报纸" in sent[1][-1]["glossary"]
+
+        # A bad line: the server's refusal, under the box; the page keeps listening.
+        await page.fill("#glossary", "en\tzh\n\tx\n")
+        await page.click("#glossary-send")
+        await wait_until(page, f"() => ({READ_GLOSSARY_STATUS})().includes('glossary:2')")
+        status = await page.evaluate(READ_GLOSSARY_STATUS)
+        assert status.startswith("The server did not take the glossary")
+        assert await page.get_attribute("#glossary-status", "class") == "problem"
+        assert status.endswith("the one given before stays in use.")
+        assert await page.get_attribute("body", "data-state") == "listening"
+        # ... and a drop now sends the one in use, not the refused one.
+        (client,) = writers(server)
+        client.ws.transport.abort()
+        await wait_for(lambda: len(sent) == 3 and len(sent[2]) >= 2)
+        assert [m["type"] for m in sent[2][:2]] == ["set_glossary", "start_audio"]
+        assert "报纸" in sent[2][0]["glossary"]
+        assert errors == []

@@ -220,3 +220,39 @@ async def test_embedding_api_refuses_another_owners_stream(translator: Translato
         other = await final_update(sub)
     assert ack == GlossarySet("s1", "zh", 0)
     assert other.stable_text == offline(translator, None)
+
+
+@pytest.mark.anyio
+async def test_a_streams_terms_on_the_servers_terms_route(translator: Translator) -> None:
+    """`/terms?stream=ID`: what `stream_terms` counts, for whoever may watch the stream."""
+    from tests.live_server import http_get
+
+    options = ServerOptions(
+        port=0, limits=Limits(rate_limit=None), token="wr1te", viewer_token="v1ew"
+    )
+    async with (
+        IncrementalTranslator(translator, glossaries=SERVER) as nmt,
+        SubtitleServer(nmt, options) as server,
+        connect(ws_url(server, "?token=wr1te")) as ws,
+    ):
+        await ws.send(set_glossary("s1", OWN))
+        assert (await recv(ws))["type"] == "glossary_set"
+        await ws.send(partial_message("s1", 0, TEXT, final=True))
+        await final_of(ws)
+        viewer = await http_get(server, "/terms?stream=s1&token=v1ew")
+        writer = await http_get(server, "/terms?stream=s1", Authorization="Bearer wr1te")
+        anyone = await http_get(server, "/terms?stream=s1")
+        wrong = await http_get(server, "/terms?stream=s1&token=nope")
+        other = await http_get(server, "/terms?stream=s2&token=v1ew")
+        no_stream = await http_get(server, "/terms?token=v1ew")
+        counted = nmt.stream_terms("s1")
+    assert viewer.status == 200 and viewer.headers["Content-Type"] == "application/json"
+    assert json.loads(viewer.body) == {
+        "stream_id": "s1",
+        "terms": {"zh": {"matched": 2, "placed": 2}},  # Tom and book, both placed
+    }
+    assert counted == {"zh": (2, 2)}
+    assert writer.status == 200 and json.loads(writer.body) == json.loads(viewer.body)
+    assert anyone.status == 401 and wrong.status == 401  # watching needs a token here
+    assert other.status == 404 and "'s2' is not open" in other.body
+    assert no_stream.status == 400

@@ -23,6 +23,7 @@ class Route(Enum):
     TRANSCRIPT = "transcript"
     SPEAK = "speak"
     INFO = "info"
+    TERMS = "terms"
     STATIC = "static"
     HEALTHZ = "healthz"
     READYZ = "readyz"
@@ -37,6 +38,7 @@ _ROUTES = {
     "/transcript": Route.TRANSCRIPT,
     "/speak": Route.SPEAK,
     "/info": Route.INFO,
+    "/terms": Route.TERMS,
     "/healthz": Route.HEALTHZ,
     "/readyz": Route.READYZ,
     "/metrics": Route.METRICS,

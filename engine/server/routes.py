@@ -13,6 +13,7 @@ import http
 import json
 from collections.abc import Iterable
 from importlib.resources import files
+from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
@@ -33,6 +34,7 @@ from engine.server.handshake import (
 )
 from engine.server.metrics import ServerMetrics
 from engine.server.state import ServerState
+from protocol.messages import MAX_STREAM_ID_CHARS
 
 _PAGE_HEADERS = (
     # The page needs nothing but itself and a WebSocket back to this server.
@@ -46,6 +48,8 @@ _PAGE_HEADERS = (
     ("X-Content-Type-Options", "nosniff"),
     ("Cache-Control", "no-cache"),
 )
+
+_NO_CACHE = (("Cache-Control", "no-cache"),)  # what `/info` and `/terms` say changes
 
 _PAGE_EXTRA: dict[Route, tuple[tuple[str, str], ...]] = {
     # The speaker page asks for the microphone: this origin may, no frame of another may.
@@ -117,7 +121,9 @@ class HttpRoutes:
             path = request_path(request.path)
             return _response(200, self._assets[path], STATIC_FILES[path], _PAGE_HEADERS)
         if kind is Route.INFO:
-            return _response(200, self.info(), "application/json", (("Cache-Control", "no-cache"),))
+            return _response(200, self.info(), "application/json", _NO_CACHE)
+        if kind is Route.TERMS:
+            return self.terms(request)
         if kind is Route.HEALTHZ:
             return _text(200, "ok\n")
         if kind is Route.READYZ:
@@ -132,16 +138,44 @@ class HttpRoutes:
 
     def info(self) -> bytes:
         """`/info`: what a client may ask of this server before it connects: the target
-        languages (the default first; empty while loading) and whether it takes audio,
-        with what to do instead when it does not (`no_audio`, the reply `start_audio`
-        would get). Nothing in it is secret: it needs no token."""
-        body: dict[str, object] = {
-            "languages": list(self.state.languages),
-            "audio": self.takes_audio,
-        }
+        languages (the default first; empty while loading), the models' source language
+        (`source`, when known: a glossary's header names it, so the speaker page can
+        write one) and whether it takes audio, with what to do instead when it does not
+        (`no_audio`, the reply `start_audio` would get). Nothing in it is secret: it needs
+        no token."""
+        body: dict[str, object] = {"languages": list(self.state.languages)}
+        if self.state.source_language:
+            body["source"] = self.state.source_language
+        body["audio"] = self.takes_audio
         if not self.takes_audio:
             body["no_audio"] = AUDIO_OFF
         return json.dumps(body).encode("utf-8")
+
+    def terms(self, request: Request) -> Response:
+        """`/terms?stream=ID`: an open stream's glossary terms over its finals so far, per
+        target language, matched and placed (`/metrics` sums every stream's: a series
+        per stream id would grow without bound). Whoever may watch the stream may ask
+        (the viewer token, the writer's, or its key). Only the node its writer is on
+        counts them: elsewhere, and for a stream not open, 404."""
+        presented = presented_token(request.path, request.headers.get("Authorization"))
+        access = self.credentials.access(presented)
+        values = parse_qs(urlsplit(request.path).query).get("stream", [])
+        if len(values) != 1 or not 0 < len(values[0]) <= MAX_STREAM_ID_CHARS:
+            return _text(400, "Give one stream id: /terms?stream=ID.\n")
+        stream_id = values[0]
+        if access is None or not access.may_view(stream_id):
+            return _text(UNAUTHORIZED.status, UNAUTHORIZED.reason, UNAUTHORIZED.headers)
+        counts = self.state.stream_terms(stream_id) if self.state.stream_terms else {}
+        if not counts:
+            return _text(404, f"Stream {stream_id!r} is not open on this server.\n")
+        body = {
+            "stream_id": stream_id,
+            "terms": {
+                lang: {"matched": matched, "placed": placed}
+                for lang, (matched, placed) in counts.items()
+            },
+        }
+        return _response(200, json.dumps(body).encode("utf-8"), "application/json", _NO_CACHE)
 
     def access(self, request: Request) -> Access | None:
         """What the connection of an accepted handshake may do (its credential's rights)."""

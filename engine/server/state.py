@@ -33,6 +33,8 @@ class ServerState:
 
     phase: ServerPhase = ServerPhase.LOADING
     languages: tuple[str, ...] = ()
+    # The models' source language (None: unknown): a glossary's header names it first.
+    source_language: str | None = None
     # Whether the update bus publishes now (a shared one: Redis reachable); set when an
     # engine is attached. A node cut off from it is not ready: a load balancer sends
     # writers elsewhere.
@@ -40,13 +42,19 @@ class ServerState:
     # The close code a stopping server sends: 1001 (going away) alone, 1012 (service
     # restart: reconnect, to another node) when other nodes serve the same streams.
     close_code: int = 1001
+    # An open stream's glossary terms over its finals, per target language: (matched,
+    # placed); empty for a stream not open here. Set when an engine is attached.
+    stream_terms: Callable[[str], dict[str, tuple[int, int]]] | None = field(
+        default=None, repr=False
+    )
     # Audio streams on all connections, from each start_audio until its recognizer is
     # gone (`AudioLimits` caps them).
     audio: AudioSlots = field(default_factory=AudioSlots)
 
-    def attach(self, languages: Iterable[str]) -> None:
+    def attach(self, languages: Iterable[str], source_language: str | None = None) -> None:
         """A model is loaded: ready, unless a shutdown began meanwhile."""
         self.languages = tuple(languages)
+        self.source_language = source_language
         if self.phase is ServerPhase.LOADING:
             self.phase = ServerPhase.READY
 

@@ -11,6 +11,11 @@
 // pages under a Content-Security-Policy that lets them load nothing from elsewhere, and
 // the page has to be readable by whoever runs the server.
 //
+// The speaker may give the stream a glossary of its own (its text typed in the box, or a
+// file's): sent as set_glossary before the audio starts on every connection (so the server
+// has it before the first partial, and again after a drop), its acknowledgement
+// (glossary_set) or refusal shown under the box.
+//
 // A dropped connection is reconnected (backoff with jitter, as the viewer pages do) and
 // the audio stream started again on the new one; what is said while there is no
 // connection is not kept (sending it late would only delay what follows).
@@ -36,6 +41,11 @@
   const stopButton = document.getElementById("stop");
   const level = document.getElementById("level");
   const view = document.getElementById("lines");
+  const glossaryBox = document.getElementById("glossary");
+  const glossaryFile = document.getElementById("glossary-file");
+  const glossaryButton = document.getElementById("glossary-send");
+  const glossaryStatus = document.getElementById("glossary-status");
+  const MAX_GLOSSARY_BYTES = 32768; // what set_glossary takes (docs/protocol.md)
 
   document.getElementById("title").textContent = "Speak into " + quoted(config.stream);
   document.title = "Speak: " + config.stream;
@@ -60,6 +70,11 @@
   let shownLevel = 0;
   let shownLang = null; // the target language shown, when the page's URL names none
   let lastRestart = -Infinity; // when the audio stream was last started again after a failure
+  let glossary = ""; // the glossary text given: sent on every connection before start_audio
+  let accepted = ""; // the last one the server acknowledged (a refused one leaves it in use)
+  let inFlight = []; // the texts sent on this connection and not answered yet, oldest first
+  let glossaryLine = ""; // what the last acknowledgement said
+  let languages = { source: "", targets: [] }; // from /info: a glossary's header names them
   // Lines by segment id, oldest first; segment ids are numbered per connection, so a new
   // connection starts a new generation of keys.
   let generation = 0;
@@ -195,6 +210,8 @@
       everOpened = true;
       attempt = 0;
       generation += 1;
+      inFlight = [];
+      sendGlossary();
       if (wanted) startAudio();
     });
     ws.addEventListener("message", (event) => {
@@ -239,10 +256,24 @@
   }
 
   function receive(message) {
-    if (message.type === "error") {
+    if (message.type === "error" && message.field === "glossary") {
+      // Refused (a bad line, too large): the server keeps the one before, and so does the
+      // page for the next connection; the audio goes on.
+      inFlight.shift();
+      glossary = accepted;
+      sayGlossary("The server did not take the glossary: " + message.message +
+        (accepted ? "; the one given before stays in use." : "."), true);
+    } else if (message.type === "error") {
       onError(message);
     } else if (message.stream_id !== config.stream) {
       return;
+    } else if (message.type === "glossary_set") {
+      if (inFlight.length) accepted = inFlight.shift();
+      const terms = message.entries === 1 ? "1 term" : `${message.entries} terms`;
+      glossaryLine = message.entries
+        ? `Glossary in use: ${terms} into ${message.lang}.`
+        : `No glossary into ${message.lang} now.`;
+      sayGlossary(glossaryLine);
     } else if (message.type === "partial_transcript") {
       const line = lineFor(message.segment_id);
       line.source.textContent = message.text; // never HTML: it is what was heard
@@ -254,6 +285,7 @@
       line.tentative.textContent = message.unstable_text;
       line.el.classList.toggle("final", message.is_final);
       render();
+      if (message.is_final && accepted) showTerms(message.lang);
     }
   }
 
@@ -359,11 +391,105 @@
     return line;
   }
 
+  // --- the glossary ------------------------------------------------------------------------------
+
+  function sayGlossary(text, problem) {
+    glossaryStatus.textContent = text;
+    glossaryStatus.classList.toggle("problem", Boolean(problem));
+  }
+
+  // After a final, how the glossary did in the stream so far (the server's /terms).
+  async function showTerms(lang) {
+    const query = new URLSearchParams({ stream: config.stream });
+    if (config.token) query.set("token", config.token);
+    try {
+      const response = await fetch("terms?" + query.toString(), { cache: "no-store" });
+      if (!response.ok) return;
+      const counts = (await response.json()).terms[lang];
+      // A refusal shown stays until the next acknowledgement.
+      if (counts && !glossaryStatus.classList.contains("problem")) {
+        sayGlossary(`${glossaryLine} In what was said so far: ${counts.matched} ` +
+          `matched, ${counts.placed} placed.`);
+      }
+    } catch (error) {
+      console.warn("speak: /terms:", error);
+    }
+  }
+
+  // The first line that is not blank nor a comment: the languages, source<TAB>target.
+  function headerOf(text) {
+    return text.split("\n").find((line) => line.trim() && !line.trim().startsWith("#")) || "";
+  }
+
+  // Take the box's text as the stream's glossary (an emptied box: the languages alone,
+  // which clears the one given before) and send it now if connected.
+  function useGlossary() {
+    const text = glossaryBox.value.trim() ? glossaryBox.value : headerOf(glossary);
+    if (!text) {
+      sayGlossary("No glossary: type one in the box, or pick a file.", true);
+      return;
+    }
+    const size = new TextEncoder().encode(text).length;
+    if (size > MAX_GLOSSARY_BYTES) {
+      sayGlossary(`The glossary is ${size} bytes; the server takes at most ` +
+        `${MAX_GLOSSARY_BYTES}.`, true);
+      return;
+    }
+    glossary = text;
+    if (socket && socket.readyState === WebSocket.OPEN) sendGlossary();
+    else sayGlossary("The glossary is sent when you press Start.");
+  }
+
+  function sendGlossary() {
+    if (!glossary || !socket || socket.readyState !== WebSocket.OPEN) return;
+    socket.send(JSON.stringify({ type: "set_glossary", stream_id: config.stream, glossary }));
+    inFlight.push(glossary);
+    sayGlossary("sending the glossary\u2026");
+  }
+
+  // An empty box starts with the languages' line, as the server's /info names them.
+  glossaryBox.addEventListener("focus", () => {
+    const target = config.lang || languages.targets[0];
+    if (!glossaryBox.value && languages.source && target) {
+      glossaryBox.value = `${languages.source}\t${target}\n`;
+    }
+  });
+
+  // Tab types a tab (the column separator); Esc, then Tab, leaves the box as usual.
+  let escaped = false;
+  glossaryBox.addEventListener("keydown", (event) => {
+    if (event.key === "Escape") {
+      escaped = true;
+      return;
+    }
+    if (event.key === "Tab" && !event.shiftKey && !escaped && !event.ctrlKey && !event.altKey) {
+      event.preventDefault();
+      glossaryBox.setRangeText("\t", glossaryBox.selectionStart, glossaryBox.selectionEnd, "end");
+    }
+    escaped = false;
+  });
+
+  glossaryFile.addEventListener("change", async () => {
+    const file = glossaryFile.files && glossaryFile.files[0];
+    if (!file) return;
+    if (file.size > MAX_GLOSSARY_BYTES) {
+      sayGlossary(`${file.name} is ${file.size} bytes; the server takes at most ` +
+        `${MAX_GLOSSARY_BYTES}.`, true);
+      return;
+    }
+    glossaryBox.value = await file.text();
+    useGlossary();
+  });
+
+  glossaryButton.addEventListener("click", useGlossary);
+
   // --- the buttons ------------------------------------------------------------------------------
 
   startButton.addEventListener("click", async () => {
     if (wanted) return;
     wanted = true;
+    // What the box holds when Start is pressed is the glossary, unless one was given.
+    if (glossaryBox.value.trim() && !glossary) useGlossary();
     setState("starting", "asking for the microphone\u2026");
     try {
       await openMicrophone();
@@ -399,6 +525,11 @@
       const response = await fetch("info", { cache: "no-store" });
       if (response.ok) {
         const info = await response.json();
+        languages = { source: info.source || "", targets: info.languages || [] };
+        if (languages.source && languages.targets.length) {
+          document.getElementById("glossary-note").textContent =
+            `(${languages.source} \u2192 ${languages.targets.join(", ")})`;
+        }
         if (info.audio === false) {
           noAudio = true;
           return `Cannot speak into stream ${quoted(config.stream)}: ${info.no_audio}.`;
