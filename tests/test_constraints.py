@@ -127,3 +127,47 @@ def test_a_started_term_is_verified_ahead_with_the_same_output(german: Path) -> 
     finally:
         ahead.close()
         one_by_one.close()
+
+
+def test_a_term_put_in_by_the_room_rule_leaves_a_draft_the_next_partial_confirms() -> None:
+    """The room rule puts a term the model never reached in the output's last positions,
+    which move on as the next partial's forced length grows: the hypothesis's draft is
+    the model's own token there, then the term, so the next, longer decode confirms its
+    whole draft (the previous output was rejected at the term), with the same output."""
+    import numpy as np
+
+    from engine.decoding.constraints import ConstrainedGreedy
+    from engine.model.config import ModelConfig
+
+    config = ModelConfig(0, 1, 2, 16, 8, 1, 1, 64, 64)
+    own, term = 5, 9  # the model writes `own` over and over, never the term
+    logits = np.zeros((1, 16), dtype=np.float32)
+    logits[0, own] = 3.0
+    constraints = (Constraint((term,)),)
+
+    def decode(length: int) -> ConstrainedGreedy:
+        search = ConstrainedGreedy(
+            config, [], DecodeOptions(max_new_tokens=length), constraints=constraints
+        )
+        search.start(0)
+        while search.observe(logits) is not None:
+            pass
+        return search
+
+    def confirmed(tokens: tuple[int, ...], draft: tuple[int, ...]) -> int:
+        """Draft tokens a prefill confirms: those the search itself writes, up to the first
+        other one (`engine.decoding.continuous.confirm`)."""
+        same = 0
+        while same < min(len(tokens), len(draft)) and tokens[same] == draft[same]:
+            same += 1
+        return same
+
+    hyp = decode(3).result()
+    assert hyp.token_ids == (own, own, term)
+    assert hyp.draft == (own, own, own, term)
+    # The next partial, one token longer, writes exactly that draft; the previous output
+    # as the draft is rejected at the term.
+    longer = decode(4).result().token_ids
+    assert longer == hyp.draft
+    assert confirmed(longer, hyp.draft) == 4
+    assert confirmed(longer, hyp.token_ids) == 2

@@ -176,6 +176,9 @@ class ConstrainedGreedy(GreedySearch):
         self.progress = Progress.start(self.constraints)
         self._ending = False  # a term went in where the model would have ended
         self._appended: int | None = None  # where the first such term went in
+        # Where the room rule first put a term in instead of the model's own token, and
+        # that token (`result`'s draft).
+        self._displaced: tuple[int, int] | None = None
 
     def start(self, fed: int) -> None:
         super().start(fed)
@@ -221,6 +224,8 @@ class ConstrainedGreedy(GreedySearch):
         if self._ending and self._appended is None:
             self._appended = len(self.tokens)
         if cued or best == eos or room <= need:
+            if not cued and best != eos and best != candidate and self._displaced is None:
+                self._displaced = (len(self.tokens), best)
             return self.take(candidate, float(step[candidate]))
         return self.take(best, float(step[best]))
 
@@ -248,7 +253,17 @@ class ConstrainedGreedy(GreedySearch):
         return super().take_lookahead(most)
 
     def result(self) -> Hypothesis:
-        return replace(super().result(), appended=self._appended)
+        """With `draft` where the room rule put a term in: the model's own token there,
+        then the output's tokens from there on. The room rule fills the output's last
+        positions, which move on as a partial's source (and its forced length) grows; the
+        model's own token is what the next partial most likely writes there, and the term
+        comes after it. Without it that partial's draft was rejected at the term and the
+        term cost one more step at the new end (docs/glossaries.md, Cost)."""
+        draft = None
+        if self._displaced is not None:
+            at, own = self._displaced
+            draft = (*self.tokens[:at], own, *self.tokens[at:])
+        return replace(super().result(), appended=self._appended, draft=draft)
 
     def _form(self, term: int, at_start: bool) -> tuple[int, ...]:
         """The form of `term` the search writes: its sentence-start form at the start."""

@@ -105,6 +105,10 @@ class Hypothesis:
     # (`engine.decoding.constraints`): a glossary term the model had not reached, which a
     # partial shows but does not commit. None: every token is the model's own choice.
     appended: int | None = None
+    # What a later decode of a longer source is expected to write, where that is not
+    # `token_ids` (its draft: `engine.decoding.constraints`, a term put in by the room
+    # rule). Drafts only verify: the output does not depend on it.
+    draft: tuple[int, ...] | None = None
 
 
 def log_softmax(logits: FloatArray) -> FloatArray:

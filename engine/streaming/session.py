@@ -181,6 +181,9 @@ class SegmentState:
     committed: list[int] = field(default_factory=list)
     stable_text: str = ""
     history: deque[list[int]] = field(default_factory=deque)
+    # The next decode's draft where the last hypothesis named a better one than its own
+    # tokens (`Hypothesis.draft`); None: the last hypothesis.
+    draft: list[int] | None = None
     source_settled_at: int = 0  # partials answered since the source last revised shown words
     # The recogniser's settled source (`PartialTranscript.stable_chars`), with the committed
     # prefix it was decoded after, and its hypothesis: decoded once per change.
@@ -371,10 +374,11 @@ class StreamSession:
         enc = self._encode(seg, source, partial=True, ids=self._admitted)
         previous = seg.history[-1] if seg.history else None
         draft: list[int] = []
-        if self.options.drafts and previous is not None:
+        expected = seg.draft if seg.draft is not None else previous
+        if self.options.drafts and expected is not None:
             done = len(seg.committed)
-            if previous[:done] == seg.committed:
-                draft = previous[done:]
+            if expected[:done] == seg.committed:
+                draft = expected[done:]
         terms = yield from self._constraints(
             _as_heard(source, event), priority, request_id, partial=True
         )
@@ -394,6 +398,7 @@ class StreamSession:
             seg.source_settled_at = seg.source_settled_at + 1 if extends else 0
         seg.source = source  # only now: a cancelled decode leaves the source untranslated
         seg.history.append(tokens)
+        seg.draft = list(hyp.draft) if hyp.draft is not None else None
         while len(seg.history) > self.options.history:
             seg.history.popleft()
         proposal = policy.propose(list(seg.history), len(seg.committed))
@@ -503,7 +508,8 @@ class StreamSession:
         else:
             enc = self._encode(seg, source, partial=False, ids=self._admitted)
             options = self.options.decode_for(len(seg.source_ids or ()))
-            draft = seg.history[-1] if self.options.drafts and seg.history else []
+            last = seg.draft if seg.draft is not None else (seg.history or [None])[-1]
+            draft = last if self.options.drafts and last is not None else []
             terms = yield from self._constraints(source, Priority.FINAL, None, partial=False)
             (hyp,) = yield DecodeCall(enc, options, drafts=[draft], constraints=terms)
             seg.source = source
