@@ -117,13 +117,19 @@ class Viewer:
     def finals(self) -> list[int]:
         return [u.seq for u in self.seen if u.is_final]
 
-    def check_order(self) -> None:
-        """Every update once (cursors strictly increase) and a final once per seq."""
+    def check_order(self, *, finals_by_seq: bool = True) -> None:
+        """Every update once (cursors strictly increase) and a final once per seq; the
+        finals in seq order too unless `finals_by_seq` is False: across a Redis outage a
+        final whose append failed is answered `unavailable` and sent again by its writer
+        (docs/protocol.md, the writer's rule), so it may land in the history after
+        finals that went through meanwhile; it is still there once, in history order."""
         cursors = [tuple(map(int, u.cursor.split("-"))) for u in self.seen if u.cursor]
         assert len(cursors) == len(self.seen)
         assert cursors == sorted(set(cursors)), f"viewer {self.index}: repeated or out of order"
         finals = self.finals()
-        assert finals == sorted(set(finals)), f"viewer {self.index}: finals {finals}"
+        assert len(finals) == len(set(finals)), f"viewer {self.index}: finals {finals}"
+        if finals_by_seq:
+            assert finals == sorted(finals), f"viewer {self.index}: finals {finals}"
 
 
 class Talk:
@@ -430,7 +436,7 @@ async def test_redis_dying_mid_talk_loses_no_final_and_everything_recovers(
     assert ready == [0.0, 0.0, 0.0]  # every node said so while Redis was gone
     check_writer(talk, updates, offline)
     for viewer in viewers:
-        viewer.check_order()
+        viewer.check_order(finals_by_seq=False)
 
 
 def test_a_node_without_its_redis_exits_2() -> None:
