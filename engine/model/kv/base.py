@@ -21,6 +21,7 @@ import numpy as np
 from engine.model.kv.slots.pool import StepOutput
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray
 from engine.model.logits import RowLogits, RowRun
+from engine.model.masked import MaskedDecoder
 
 LOOKAHEAD = 4
 """Draft tokens a greedy row may have verified in one cached step, after the draft was
@@ -247,3 +248,20 @@ class KvBackend(ABC):
     def settle(self) -> None:
         """Give back what an idle backend no longer needs."""
         return None
+
+
+def masked_prefill(
+    decoder: MaskedDecoder,
+    newcomers: Sequence[Newcomer],
+    enc: EncoderOutput,
+    ids: IntArray,
+    mask: IntArray,
+    *,
+    alone: bool,
+) -> Prefill:
+    """The prefill of the backends whose rows' state lives in arrays (copied, in place):
+    one masked-decoder call, logits from each newcomer's `start`, its keys and values
+    pending for `join`."""
+    needed = np.array([newcomer.start for newcomer in newcomers], dtype=np.int64)
+    logits, self_kv, cross_kv = decoder.prefill(enc, ids, mask, needed, alone=alone)
+    return Prefill((enc, self_kv, cross_kv), logits=logits)

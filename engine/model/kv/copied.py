@@ -24,6 +24,7 @@ from engine.model.kv.base import (
     Prefill,
     StateBytes,
     lookahead_rows,
+    masked_prefill,
 )
 from engine.model.layouts import EncoderOutput, IntArray
 from engine.model.marian import MarianOnnx
@@ -62,9 +63,7 @@ class CopiedKv(KvBackend):
         *,
         alone: bool,
     ) -> Prefill:
-        needed = np.array([newcomer.start for newcomer in newcomers], dtype=np.int64)
-        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed, alone=alone)
-        return Prefill((enc, self_kv, cross_kv), logits=logits)
+        return masked_prefill(self.decoder, newcomers, enc, ids, mask, alone=alone)
 
     def join(
         self,

@@ -45,7 +45,15 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.model.kv.arrays import RowState, position_bytes, prefilled, source_width, spanned
-from engine.model.kv.base import KvBackend, Newcomer, Output, Owner, Prefill, StateBytes
+from engine.model.kv.base import (
+    KvBackend,
+    Newcomer,
+    Output,
+    Owner,
+    Prefill,
+    StateBytes,
+    masked_prefill,
+)
 from engine.model.kv.inplace.steps import InPlaceBinding, InPlaceSteps
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray
 from engine.model.marian import MarianOnnx
@@ -204,9 +212,7 @@ class InPlaceKv(KvBackend):
         *,
         alone: bool,
     ) -> Prefill:
-        needed = np.array([newcomer.start for newcomer in newcomers], dtype=np.int64)
-        logits, self_kv, cross_kv = self.decoder.prefill(enc, ids, mask, needed, alone=alone)
-        return Prefill((enc, self_kv, cross_kv), logits=logits)
+        return masked_prefill(self.decoder, newcomers, enc, ids, mask, alone=alone)
 
     def join(
         self,
