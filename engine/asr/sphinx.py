@@ -9,8 +9,10 @@ a decision window of `silence_s`) returns speech frames, the first ones with the
 just before speech began; the first starts an utterance (`Decoder.start_utt`), each is
 decoded (`process_raw`), every `partial_every_ms` of speech the decoder's best hypothesis
 so far (`hyp()`) becomes a partial, and when the endpointer has heard enough silence the
-utterance ends (`end_utt`) and its hypothesis is the final. pocketsphinx gives no
-stability hint (a partial's words may all change), so `stable_chars` stays None.
+utterance ends (`end_utt`) and its hypothesis is the final. Where noise keeps the
+endpointer in speech, `engine.asr.levels.LevelCut` ends a long utterance at a pause
+relative to the noise floor, or at `max_utterance_s`. pocketsphinx gives no stability
+hint (a partial's words may all change), so `stable_chars` stays None.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.asr.errors import RecognizerUnavailable, import_extra
+from engine.asr.levels import LevelCut
 from engine.asr.memory import release_memory
 from engine.asr.recognizer import SpeechHypothesis
 
@@ -136,6 +139,9 @@ class SphinxOptions:
     is not speech (and starts once that share of it is), so it is both how long a pause
     must be to cut a sentence and the least delay of every final after speech ends.
     `vad_mode`: 0 (loose) to 3 (strict) about what counts as speech.
+    `max_utterance_s`: where noise keeps the endpointer in speech, an utterance past half
+    of this ends at the next pause heard against the noise floor, and at this length
+    wherever it is (`engine.asr.levels`).
     `partial_every_ms`: how much speech between partial hypotheses (each is a decode for
     the translator, and a back-trace for the decoder).
     `config`: other pocketsphinx options, by their names (e.g. {"beam": 1e-60}).
@@ -149,6 +155,7 @@ class SphinxOptions:
     silence_s: float = 0.3
     vad_ratio: float = 0.9
     vad_mode: int = 0
+    max_utterance_s: float = 20.0
     partial_every_ms: float = 100.0
     config: Mapping[str, Any] = field(default_factory=dict)
 
@@ -163,6 +170,10 @@ class SphinxOptions:
             raise ValueError(f"vad_ratio must be between 0 and 1, not {self.vad_ratio}")
         if self.vad_mode not in (0, 1, 2, 3):
             raise ValueError(f"vad_mode must be 0, 1, 2 or 3, not {self.vad_mode}")
+        if not (math.isfinite(self.max_utterance_s) and 1.0 <= self.max_utterance_s <= 600.0):
+            raise ValueError(
+                f"max_utterance_s must be between 1 and 600 seconds, not {self.max_utterance_s}"
+            )
         if not (math.isfinite(self.partial_every_ms) and self.partial_every_ms > 0):
             raise ValueError("partial_every_ms must be a positive number")
 
@@ -184,6 +195,11 @@ class SphinxOptions:
                 out["toprule"] = self.grammar_rule
         out.update(self.config)
         return out
+
+
+def _ms(pcm: bytes) -> float:
+    """How long 16-bit mono `pcm` lasts at `SAMPLE_RATE`, in ms."""
+    return len(pcm) * 500.0 / SAMPLE_RATE
 
 
 KEEP_IDLE = 2
@@ -314,6 +330,17 @@ class SphinxRecognizer:
         self._decoder: Any
         self._decoder, self._cmn = self._decoders.take(self._config)
         self._frame_bytes = int(self._endpointer.frame_bytes)
+        self._levels = LevelCut(
+            frame_s=float(self._endpointer.frame_length),
+            window_s=self.options.silence_s,
+            ratio=self.options.vad_ratio,
+            long_s=min(1.5, self.options.max_utterance_s / 2),
+            max_s=self.options.max_utterance_s,
+        )
+        # The endpointer is still in speech after a level cut: its next speech frames
+        # continue from `_speech_ms` (the audio time they start at).
+        self._held = False
+        self._speech_ms = 0.0
         self._pending = bytearray()
         self._in_utterance = False
         self._failed = False  # the decoder raised once (see `close`)
@@ -361,17 +388,33 @@ class SphinxRecognizer:
             raise
 
     def _frame(self, frame: bytes) -> list[SpeechHypothesis]:
+        self._levels.hear(frame)
         speech = self._endpointer.process(frame)
         if speech is None:
+            self._held = False
             return []
+        speech = bytes(speech)
         if not self._in_utterance:
+            if self._held:
+                at, self._speech_ms = self._speech_ms, self._speech_ms + _ms(speech)
+                if self._levels.quiet(speech):  # noise between two cut utterances
+                    self._held = self._endpointer.in_speech
+                    return []
+            else:
+                at = float(self._endpointer.speech_start) * 1000.0
             self._decoder.start_utt()
             self._in_utterance = True
-            self._utterance_start_ms = float(self._endpointer.speech_start) * 1000.0
+            self._levels.restart()
+            self._utterance_start_ms = at
             self._utterance_samples = self._partial_at = 0
-        self._decode(bytes(speech))
+        self._decode(speech)
         if not self._endpointer.in_speech:
+            self._held = False
             return [self._end(float(self._endpointer.speech_end) * 1000.0)]
+        if self._levels.ends(speech, self._utterance_samples / SAMPLE_RATE):
+            self._held = True
+            self._speech_ms = self._end_ms
+            return [self._end(self._end_ms)]
         every = self.options.partial_every_ms * SAMPLE_RATE / 1000.0
         if self._utterance_samples - self._partial_at < every:
             return []

@@ -110,6 +110,14 @@ def add_recognizer_arguments(group: argparse._ArgumentGroup) -> None:
         "default %(default)s)",
     )
     group.add_argument(
+        "--max-utterance",
+        type=positive_float,
+        default=SphinxOptions().max_utterance_s,
+        metavar="SECONDS",
+        help="where noise hides the pauses, an utterance ends at a pause heard against the "
+        "noise floor, and at this length wherever it is (default %(default)s)",
+    )
+    group.add_argument(
         "--partial-every",
         type=positive_float,
         default=SphinxOptions().partial_every_ms,
@@ -162,5 +170,6 @@ def sphinx_options(
         dictionary=dictionary,
         acoustic_model=path(args.acoustic_model),
         silence_s=args.silence,
+        max_utterance_s=args.max_utterance,
         partial_every_ms=args.partial_every,
     )
