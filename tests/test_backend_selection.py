@@ -30,6 +30,8 @@ MASKED = Built(masked=True)
     ("device", "options", "built", "backend", "reason"),
     [
         (CPU, RuntimeOptions(), MASKED, Backend.INPLACE, "the default on cpu"),
+        # Why not slots on the CPU, as measured (docs/performance.md).
+        (CPU, RuntimeOptions(), MASKED, Backend.INPLACE, "slower than the state in place"),
         (GPU, RuntimeOptions(), MASKED, Backend.SLOTS, "the default on cuda"),
         (CPU, RuntimeOptions(kv_slots=True), MASKED, Backend.SLOTS, "asked for"),
         (CPU, RuntimeOptions(inplace_attention=False), MASKED, Backend.COPIED, "turned off"),

@@ -78,7 +78,10 @@ def select_backend(device: tuple[str, int], options: RuntimeOptions, model: Buil
     if slots:
         why_not.append("the graphs over KV slots were refused")
     elif options.kv_slots is None:
-        why_not.append(f"KV slots are not the default on {kind}: Gather copies the rows")
+        why_not.append(
+            f"KV slots are not the default on {kind}: slower than the state in place "
+            "(Gather and the greedy choice in the graph)"
+        )
     inplace = options.inplace_attention if options.inplace_attention is not None else kind == "cpu"
     if inplace and model.inplace is not False:
         asked = "asked for" if options.inplace_attention else f"the default on {kind}"
