@@ -6,6 +6,7 @@ the source term."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -219,6 +220,10 @@ def test_a_term_put_in_where_the_model_ends_costs_a_partial_no_step() -> None:
     final, _, final_steps = _searched(logits, DecodeOptions(), term)
     assert partial.result().token_ids == final.result().token_ids == (5, 6, 9, 10)
     assert partial.result().appended == 2 and partial.result().finished
+    # No score carried (the search compared the masked logits, in their order), as the
+    # plain search's partials; a scored decode's is the sum of log-probabilities.
+    assert math.isnan(partial.result().score)
+    assert math.isfinite(final.result().score)
     # The prefill reads the first position, a step each the next two (the model's second
     # token, then its eos where the term goes in); the term's second token and the eos
     # after it cost a scored decode two more steps (one with lookahead), a partial none.
@@ -249,3 +254,17 @@ def test_a_draft_holding_the_models_rendering_is_confirmed_through_the_term() ->
     start = Constraint((term,), rendering=(rendering,), initial=(11,), initial_rendering=(12, 13))
     assert drafted([], [12, 13, 5, 7], (start,)) == [11, 5, 7]
     assert drafted([3], [7, 5], (start,)) == [term, 5]
+
+
+def test_matching_the_same_text_again_answers_by_glossary_and_completeness(
+    zh: Translator,
+) -> None:
+    """A decode matches its text twice (renderings, then constraints): the second answer
+    comes from the first, but only for the same glossary object and the same question."""
+    other = Glossary.parse("en\tzh\nTom\t莉莉\n")
+    text = "I will meet Tom"
+    assert [t.target for t in zh.terms.matched(ZH, text)] == ["杰克"]
+    assert [t.target for t in zh.terms.matched(ZH, text)] == ["杰克"]
+    assert [t.target for t in zh.terms.matched(other, text)] == ["莉莉"]
+    assert zh.terms.matched(other, text, partial=True) == []  # "Tom" may still grow
+    assert [t.target for t in zh.terms.matched(other, text)] == ["莉莉"]

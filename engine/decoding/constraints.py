@@ -46,6 +46,7 @@ from engine.decoding.search import (
     Hypothesis,
     Search,
     StepHook,
+    allowed_row,
     make_search,
     may_follow,
 )
@@ -208,26 +209,29 @@ class ConstrainedGreedy(GreedySearch):
             state.done and not self._ending and not state.just_met
         ):
             return super().observe(logits)
-        step = self.scores(logits)[0]
+        if self._unread:  # the order of the log-probabilities is all it needs
+            step = allowed_row(logits[0], self.config, len(self.tokens), self.options)
+        else:
+            step = self.scores(logits)[0]
         if state.just_met and self.constraints[0].glued:  # a term ends a word
             step[list(self.constraints[0].glued)] = -np.inf
         eos = self.config.eos_token_id
         if state.active >= 0:
             token = state.next_token()
-            return self.take(token, float(step[token]))
+            return self.take(token, self._score(step, token))
         best = int(step.argmax())
         if state.done:
             # The last term went in where the model meant to end: it ends there.
             ending, self._ending = self._ending, False
             token = eos if ending and math.isfinite(float(step[eos])) else best
-            return self.take(token, float(step[token]))
+            return self.take(token, self._score(step, token))
         pending = state.pending()
         # Where the model starts its own rendering of a pending term's source, the term
         # goes in (even when that rendering is another term's target: glossaries that
         # swap names); else the model's own token where it begins a term.
         cued = [i for i in pending if best in self.constraints[i].cues]
         if not cued and best in state.wanted(not self.tokens):
-            return self.take(best, float(step[best]))
+            return self.take(best, self._score(step, best))
         room = self.limit - len(self.tokens)
         need = sum(len(self.constraints[i].tokens) for i in pending)
         at_start = not self.tokens
@@ -239,8 +243,13 @@ class ConstrainedGreedy(GreedySearch):
         if cued or best == eos or room <= need:
             if not cued and best != eos and best != candidate and self._displaced is None:
                 self._displaced = (len(self.tokens), best)
-            return self.take(candidate, float(step[candidate]))
-        return self.take(best, float(step[best]))
+            return self.take(candidate, self._score(step, candidate))
+        return self.take(best, self._score(step, best))
+
+    def _score(self, step: FloatArray, token: int) -> float:
+        """`token`'s log-probability in `step`; nan where `step` holds the masked logits
+        (`_unread`: no score carried, as the plain search's partials)."""
+        return math.nan if self._unread else float(step[token])
 
     def take(self, token: int, score: float) -> Extension | None:
         if len(self.tokens) >= len(self.prefix) and self.progress.active >= 0:
