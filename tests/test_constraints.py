@@ -6,12 +6,14 @@ the source term."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from engine.decoding.constraints import Constraint, Progress
+from engine.decoding.constraints import ConstrainedGreedy, Constraint, Progress
 from engine.decoding.scheduler import SchedulerOptions
 from engine.decoding.search import DecodeOptions
 from engine.decoding.translator import Translator
@@ -171,3 +173,98 @@ def test_a_term_put_in_by_the_room_rule_leaves_a_draft_the_next_partial_confirms
     assert longer == hyp.draft
     assert confirmed(longer, hyp.draft) == 4
     assert confirmed(longer, hyp.token_ids) == 2
+
+
+def _model(writes: list[int], vocab: int = 16, positions: int = 12) -> np.ndarray:
+    """Logits of a model that writes `writes`, then eos, at each position whatever came
+    before: [positions, vocab]."""
+    logits = np.zeros((positions, vocab), dtype=np.float32)
+    for at in range(positions):
+        logits[at, writes[at] if at < len(writes) else 1] = 3.0
+    return logits
+
+
+def _searched(
+    logits: np.ndarray,
+    options: DecodeOptions,
+    constraints: tuple[Constraint, ...],
+    draft: Sequence[int] = (),
+) -> tuple[ConstrainedGreedy, int, int]:
+    """A constrained greedy search run over `logits` as a prefill of its draft, then one
+    position a step: the search, draft tokens confirmed, positions read after the
+    prefill's first (decoder steps)."""
+    from engine.decoding.continuous import confirm
+    from engine.model.config import ModelConfig
+    from engine.model.kv.base import LogitsPositions
+
+    config = ModelConfig(0, 1, 2, logits.shape[1], 8, 1, 1, 64, 64)
+    search = ConstrainedGreedy(config, [], options, draft=draft, constraints=constraints)
+    search.start(0)
+    step, accepted = confirm(search, LogitsPositions(logits), search.draft)
+    steps = 0
+    while step is not None:
+        steps += 1
+        step = search.observe(logits[len(search.tokens)][None])
+    return search, accepted, steps
+
+
+def test_a_term_put_in_where_the_model_ends_costs_a_partial_no_step() -> None:
+    """Where the model would end with a term pending, the term goes in and the output ends
+    after it: a partial's decode (no score) reads no more logits for that, however many
+    tokens the term has; a scored decode (a final, `translate`) still reads eos's
+    log-probability there. Same tokens either way."""
+    own = [5, 6]  # the model writes two tokens and ends; the term (9, 10) is never reached
+    logits = _model(own)
+    term = (Constraint((9, 10)),)
+    partial, _, partial_steps = _searched(logits, DecodeOptions(scores=False), term)
+    final, _, final_steps = _searched(logits, DecodeOptions(), term)
+    assert partial.result().token_ids == final.result().token_ids == (5, 6, 9, 10)
+    assert partial.result().appended == 2 and partial.result().finished
+    # No score carried (the search compared the masked logits, in their order), as the
+    # plain search's partials; a scored decode's is the sum of log-probabilities.
+    assert math.isnan(partial.result().score)
+    assert math.isfinite(final.result().score)
+    # The prefill reads the first position, a step each the next two (the model's second
+    # token, then its eos where the term goes in); the term's second token and the eos
+    # after it cost a scored decode two more steps (one with lookahead), a partial none.
+    assert partial_steps == 2
+    assert final_steps == 4
+
+
+def test_a_draft_holding_the_models_rendering_is_confirmed_through_the_term() -> None:
+    """The previous output (a partial decoded before the term's source was complete, or
+    the last partial before a final) holds the model's own rendering where the term now
+    goes: the draft carries the term there, so the prefill confirms the whole of it (it
+    was rejected at the term, and every token after it cost a step)."""
+    from engine.decoding.constraints import drafted
+
+    rendering, term = 7, 9
+    writes = [5, rendering, 6, 8, 4]  # the model's own output; the term replaces 7
+    constraint = Constraint((term,), frozenset({rendering}), rendering=(rendering,))
+    search, accepted, steps = _searched(
+        _model(writes), DecodeOptions(scores=False), (constraint,), draft=writes
+    )
+    assert search.result().token_ids == (5, term, 6, 8, 4)
+    assert accepted == len(writes)
+    assert steps == 0
+    # Nothing to rewrite where the draft holds the term already, or the prefix does.
+    assert drafted([], [5, term, 7], (constraint,)) == [5, term, 7]
+    assert drafted([term], [5, 7], (constraint,)) == [5, 7]
+    # At the sentence's start, the forms the tokenizer writes there.
+    start = Constraint((term,), rendering=(rendering,), initial=(11,), initial_rendering=(12, 13))
+    assert drafted([], [12, 13, 5, 7], (start,)) == [11, 5, 7]
+    assert drafted([3], [7, 5], (start,)) == [term, 5]
+
+
+def test_matching_the_same_text_again_answers_by_glossary_and_completeness(
+    zh: Translator,
+) -> None:
+    """A decode matches its text twice (renderings, then constraints): the second answer
+    comes from the first, but only for the same glossary object and the same question."""
+    other = Glossary.parse("en\tzh\nTom\t莉莉\n")
+    text = "I will meet Tom"
+    assert [t.target for t in zh.terms.matched(ZH, text)] == ["杰克"]
+    assert [t.target for t in zh.terms.matched(ZH, text)] == ["杰克"]
+    assert [t.target for t in zh.terms.matched(other, text)] == ["莉莉"]
+    assert zh.terms.matched(other, text, partial=True) == []  # "Tom" may still grow
+    assert [t.target for t in zh.terms.matched(other, text)] == ["莉莉"]

@@ -76,6 +76,32 @@ def test_no_term_stream_is_unchanged(zh: Translator) -> None:
     assert strip == [(u.stable_text, u.unstable_text, u.is_final) for u in with_glossary]
 
 
+def test_partials_with_a_term_cost_no_more_decoder_steps(zh: Translator) -> None:
+    """The prefix-trained fixture ends a partial where its safe part ends, before a term's
+    place: the term goes in there and the output ends after it, in no decoder step (a
+    step for each later token of the term and one for eos cost these partials 1-2 steps
+    each, about 14% of the streamed held-out set's steps; docs/glossaries.md, Cost). The
+    terms' renderings are decoded (once per term) before the count."""
+    glossary = Glossary.parse("en\tzh\nTom\t杰克\nbeer\t牛奶\nMary\t莉莉\n")
+    texts = ["Tom reads a book in the library", "I drink beer on Monday", "Does Mary drink water"]
+
+    def steps(g: Glossary | None) -> list[int]:
+        counts = []
+        for text in texts:
+            session = StreamSession("s", zh, glossary=g)
+            before = zh.scheduler.stats["decoder_steps"]
+            parts = text.split()
+            for n in range(1, len(parts)):  # partials only
+                partial = " ".join(parts[:n]) + " "
+                session.answer(PartialTranscript("s", 0, n - 1, partial, is_final=False))
+            counts.append(zh.scheduler.stats["decoder_steps"] - before)
+        return counts
+
+    steps(glossary)  # the renderings
+    plain, with_terms = steps(None), steps(glossary)
+    assert all(g <= p for g, p in zip(with_terms, plain, strict=True)), (with_terms, plain)
+
+
 def test_term_accuracy_counts() -> None:
     def up(seq: int, text: str, stable: str, unstable: str, final: bool) -> TranslationUpdate:
         return TranslationUpdate("s", 0, seq, stable, unstable, final, 0.0, 0.0, source_text=text)

@@ -21,6 +21,12 @@ search's output, in a place the model chooses.
 Without constraints neither class is used (`new_search`): a search with no matched term
 is the plain one, bit for bit. A forced prefix (the stable text) that already holds a
 term meets it.
+
+What a term costs the greedy search's decoder steps (each only verifies or skips reading
+logits nothing needs, so the output is the same): a started term's later tokens are fed
+as lookahead, one step for all; a term going in where the model ends a partial needs no
+step at all; a draft holding the model's own rendering of a term's source carries the
+term there (`drafted`). Figures in docs/glossaries.md (Cost).
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ from engine.decoding.search import (
     Hypothesis,
     Search,
     StepHook,
+    allowed_row,
     make_search,
+    may_follow,
 )
 from engine.model.config import ModelConfig
 from engine.model.layouts import FloatArray
@@ -58,6 +66,11 @@ class Constraint(NamedTuple):
     # Pieces that would glue onto the term's last word (none where words are not spaced):
     # none of them comes right after the term.
     glued: tuple[int, ...] = ()
+    # The model's own rendering of the term's source, inside a sentence and at its start:
+    # where a draft (the previous output) holds it, the term is what the search writes
+    # there (`drafted`).
+    rendering: tuple[int, ...] = ()
+    initial_rendering: tuple[int, ...] = ()
 
     @property
     def forms(self) -> Terms:
@@ -169,6 +182,7 @@ class ConstrainedGreedy(GreedySearch):
         source_tokens: int | None = None,
     ) -> None:
         self.constraints = constraints  # read by `_begin`, which `__init__` runs
+        draft = drafted(prefix, draft, constraints)
         super().__init__(config, prefix, options, hook, draft, source_tokens)
 
     def _begin(self) -> None:
@@ -195,26 +209,29 @@ class ConstrainedGreedy(GreedySearch):
             state.done and not self._ending and not state.just_met
         ):
             return super().observe(logits)
-        step = self.scores(logits)[0]
+        if self._unread:  # the order of the log-probabilities is all it needs
+            step = allowed_row(logits[0], self.config, len(self.tokens), self.options)
+        else:
+            step = self.scores(logits)[0]
         if state.just_met and self.constraints[0].glued:  # a term ends a word
             step[list(self.constraints[0].glued)] = -np.inf
         eos = self.config.eos_token_id
         if state.active >= 0:
             token = state.next_token()
-            return self.take(token, float(step[token]))
+            return self.take(token, self._score(step, token))
         best = int(step.argmax())
         if state.done:
             # The last term went in where the model meant to end: it ends there.
             ending, self._ending = self._ending, False
             token = eos if ending and math.isfinite(float(step[eos])) else best
-            return self.take(token, float(step[token]))
+            return self.take(token, self._score(step, token))
         pending = state.pending()
         # Where the model starts its own rendering of a pending term's source, the term
         # goes in (even when that rendering is another term's target: glossaries that
         # swap names); else the model's own token where it begins a term.
         cued = [i for i in pending if best in self.constraints[i].cues]
         if not cued and best in state.wanted(not self.tokens):
-            return self.take(best, float(step[best]))
+            return self.take(best, self._score(step, best))
         room = self.limit - len(self.tokens)
         need = sum(len(self.constraints[i].tokens) for i in pending)
         at_start = not self.tokens
@@ -226,13 +243,53 @@ class ConstrainedGreedy(GreedySearch):
         if cued or best == eos or room <= need:
             if not cued and best != eos and best != candidate and self._displaced is None:
                 self._displaced = (len(self.tokens), best)
-            return self.take(candidate, float(step[candidate]))
-        return self.take(best, float(step[best]))
+            return self.take(candidate, self._score(step, candidate))
+        return self.take(best, self._score(step, best))
+
+    def _score(self, step: FloatArray, token: int) -> float:
+        """`token`'s log-probability in `step`; nan where `step` holds the masked logits
+        (`_unread`: no score carried, as the plain search's partials)."""
+        return math.nan if self._unread else float(step[token])
 
     def take(self, token: int, score: float) -> Extension | None:
         if len(self.tokens) >= len(self.prefix) and self.progress.active >= 0:
             # Inside a started term: its next token, whatever the model chose.
             token = self.progress.next_token()
+        step = self._take_one(token, score)
+        if step is not None and self._ending and self._unread and self._ends_after_term():
+            # A term going in where the model meant to end is written to its end and the
+            # output ends after it, whatever the model says: nothing needs a decoder step
+            # (on the fixtures most of what a glossary cost partials was these steps: a
+            # prefix-trained model ends a partial where its safe part ends, before the
+            # term's place; docs/glossaries.md, Cost). Only where the search ends: a
+            # batch feeds a going search one token a step.
+            while self.progress.active >= 0:
+                if self._take_one(self.progress.next_token(), 0.0) is None:
+                    return None  # the length limit
+            self._ending = False
+            self.finished = True
+            return None
+        return step
+
+    @property
+    def _unread(self) -> bool:
+        """Whether a step's logits would decide nothing but the search's score: no hook
+        that may rewrite them, no score carried (a partial's decode)."""
+        return self.hook is None and not self.options.scores
+
+    def _ends_after_term(self) -> bool:
+        """Whether the output ends once the term being written (if any) is complete: no
+        other term pending, eos allowed at that length."""
+        state = self.progress
+        length = len(self.tokens)
+        pending = state.pending()
+        if state.active >= 0:
+            length += len(state.forms[state.active]) - state.pos
+            pending = [i for i in pending if i != state.term[state.active]]
+        eos = self.config.eos_token_id
+        return not pending and may_follow(eos, length, self.config, self.options)
+
+    def _take_one(self, token: int, score: float) -> Extension | None:
         before = len(self.tokens)
         step = super().take(token, score)
         if len(self.tokens) > before:
@@ -269,6 +326,32 @@ class ConstrainedGreedy(GreedySearch):
         """The form of `term` the search writes: its sentence-start form at the start."""
         constraint = self.constraints[term]
         return constraint.initial if at_start and constraint.initial else constraint.tokens
+
+
+def drafted(prefix: Sequence[int], draft: Sequence[int], constraints: Constraints) -> list[int]:
+    """`draft` with the model's own rendering of each term's source that it holds (and
+    the prefix and draft do not hold the term) replaced by the term, its first occurrence
+    in the draft: the previous output, decoded before the term was matched (its source's
+    last word still growing; a final after partials), holds the model's rendering where
+    the constrained search now writes the term. Without this the draft was rejected at
+    the term and no later token re-aligned with it (the term is not in it), so every
+    token after the term cost a step. A draft only verifies: the output is the same."""
+    out = [*prefix, *draft]
+    if not draft or not any(c.rendering or c.initial_rendering for c in constraints):
+        return list(draft)
+    met = Progress.start(constraints, out).met
+    for i, constraint in enumerate(constraints):
+        if met[i]:
+            continue
+        for at in range(len(prefix), len(out)):
+            rendering, term = constraint.rendering, constraint.tokens
+            if at == 0:  # the sentence's start: both as the tokenizer writes them there
+                rendering = constraint.initial_rendering
+                term = constraint.initial or constraint.tokens
+            if rendering and tuple(out[at : at + len(rendering)]) == rendering:
+                out[at : at + len(rendering)] = term
+                break
+    return out[len(prefix) :]
 
 
 class ConstrainedBeam(BeamSearch):

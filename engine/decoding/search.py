@@ -227,6 +227,18 @@ def _greedy_choice(
     return token, float((top - top) - np.log(total))
 
 
+def allowed_row(
+    logits: FloatArray, config: ModelConfig, generated: int, options: DecodeOptions
+) -> FloatArray:
+    """One row's logits [V] with what may not come next at -inf (`_allowed`), in this
+    thread's buffer (`_greedy_choice`'s, valid until the next call): what a search that
+    carries no score compares tokens by, in the order of their log-probabilities without
+    the log-softmax's passes over the vocabulary."""
+    buffer = _scratch_row(logits.shape[-1])[None]
+    row: FloatArray = _allowed(logits[None], [generated], config, options, buffer)[0]
+    return row
+
+
 def _greedy_token(
     logits: FloatArray, config: ModelConfig, generated: int, options: DecodeOptions
 ) -> int:

@@ -20,6 +20,9 @@ from engine.model.tokenizer import PIECE_MARKER, MarianTokenizer
 CUE_CHARS = 3
 """Characters a rendering's first piece needs to cue a term where words are spaced."""
 
+CONSTRAINTS_KEPT = 65536
+"""Constraints (target, rendering) a `TermTokens` keeps made; past it, it starts over."""
+
 CHECKED = 8
 """Glossaries whose every target a `TermTokens` remembers having checked."""
 
@@ -34,7 +37,11 @@ class TermTokens:
         self.source_lang = base_lang(source_lang) if source_lang else ""
         self.target_lang = base_lang(target_lang) if target_lang else ""
         self._ids: dict[str, tuple[int, ...]] = {}
+        self._constraints: dict[tuple[str, str], Constraint] = {}  # (target, rendering)
         self._checked: list[Glossary] = []  # the last few checked whole (by identity)
+        # The last text matched: a decode asks twice (its terms' renderings, then its
+        # constraints: `Translator.unrendered`, `Translator.constraints`).
+        self._last_match: tuple[Glossary, str, bool, tuple[Term, ...]] | None = None
         self._lock = threading.Lock()
 
     def check(self, glossary: Glossary) -> None:
@@ -130,13 +137,42 @@ class TermTokens:
     def constraint(self, target: str, rendering: str) -> Constraint:
         """The constraint of a term whose target is `target` and whose source the model
         renders by itself as `rendering`."""
-        return Constraint(self.ids(target), self.cues(rendering), self.initial(target), self.glued)
+        key = (target, rendering)
+        with self._lock:
+            found = self._constraints.get(key)
+        if found is not None:
+            return found
+        try:
+            inside = self.ids(rendering) if rendering.strip() else ()
+        except GlossaryError:
+            inside = ()
+        at_start = self.initial(rendering) if rendering.strip() else ()
+        made = Constraint(
+            self.ids(target),
+            self.cues(rendering),
+            self.initial(target),
+            self.glued,
+            inside,
+            at_start,
+        )
+        with self._lock:
+            if len(self._constraints) >= CONSTRAINTS_KEPT:
+                self._constraints.clear()
+            self._constraints[key] = made
+        return made
 
     def matched(self, glossary: Glossary | None, text: str, *, partial: bool = False) -> list[Term]:
         """`text`'s matched terms, one per target, in order (none without a glossary)."""
         if glossary is None or not glossary.terms:
             return []
+        with self._lock:
+            last = self._last_match
+        if last is not None and last[0] is glossary and last[1:3] == (text, partial):
+            return list(last[3])
         seen: dict[str, Term] = {}
         for found in glossary.match(text, partial=partial):
             seen.setdefault(found.term.target, found.term)
-        return list(seen.values())
+        terms = list(seen.values())
+        with self._lock:
+            self._last_match = (glossary, text, partial, tuple(terms))
+        return terms

@@ -18,7 +18,12 @@ Per language and search (greedy, beam 4), over sentences with a matched term:
 - **partials** (greedy, the streaming session fed one word at a time): the share of
   terms shown in the first update after their source completed, and stable-text
   revisions in segments with a term that the same segments do not have without a
-  glossary.
+  glossary;
+- **cost**: the decoder steps and wall time of streaming those segments (partials and
+  finals, one stream) with the glossary against without (`--rounds` alternated, medians):
+  the glossary's cost on a trained model, where the benchmark model's random weights
+  (capacity.py, decode_speed.py) react to a term as no trained model does
+  (docs/glossaries.md, Cost).
 
     python examples/benchmarks/glossary_terms.py
     python examples/benchmarks/glossary_terms.py --set tune
@@ -28,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -163,13 +170,38 @@ def revised(updates: Sequence[TranslationUpdate]) -> set[int]:
     return out
 
 
-def partials(translator: Translator, g: Glossary, texts: list[str]) -> dict[str, float]:
+def streamed(
+    translator: Translator, g: Glossary | None, texts: list[str]
+) -> tuple[list[TranslationUpdate], int, float]:
+    """`stream`'s updates, the decoder steps it took and its wall time (s)."""
+    before = translator.scheduler.stats["decoder_steps"]
+    start = time.perf_counter()
+    updates = stream(translator, g, texts)
+    wall = time.perf_counter() - start
+    return updates, translator.scheduler.stats["decoder_steps"] - before, wall
+
+
+def partials(
+    translator: Translator, g: Glossary, texts: list[str], rounds: int
+) -> dict[str, float]:
+    """The streamed figures; the cost (decoder steps, wall time) of the same segments
+    without and with the glossary, `rounds` times alternated (the terms' renderings
+    were decoded by `offline` before: they are once per term, not per partial)."""
     with_terms = [t for t in texts if g.targets(t)]
     lang = translator.config.target_lang
-    plain_updates = stream(translator, None, with_terms)
-    updates = stream(translator, g, with_terms)
+    walls: dict[bool, list[float]] = {False: [], True: []}
+    steps: dict[bool, int] = {}
+    for _ in range(rounds):
+        plain_updates, steps[False], wall = streamed(translator, None, with_terms)
+        walls[False].append(wall)
+        updates, steps[True], wall = streamed(translator, g, with_terms)
+        walls[True].append(wall)
     placed = term_accuracy(updates, g, lang)
     return {
+        "steps_without": steps[False],
+        "steps_with": steps[True],
+        "wall_without": statistics.median(walls[False]),
+        "wall_with": statistics.median(walls[True]),
         "partial_terms": placed.partial_matched,
         "first_update_share": placed.partial_share or float("nan"),
         "stable_revisions": placed.stable_revisions,
@@ -198,6 +230,9 @@ def main() -> None:
     parser.add_argument("--set", choices=["heldout", "tune"], default="heldout")
     parser.add_argument("--langs", nargs="+", default=["zh", "de"])
     parser.add_argument("--beams", type=int, nargs="+", default=[1, 4])
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="streamed rounds for the cost, alternated"
+    )
     args = parser.parse_args()
     print(f"CPU: {cpu_name()}; set {args.set}")
     for lang in args.langs:
@@ -213,13 +248,20 @@ def main() -> None:
                 f"{r['chrf_outside']:.1f}; no term: {r['identical']}/{r['no_term']} "
                 "bit-identical"
             )
-        p = partials(translator, g, texts)
+        p = partials(translator, g, texts, args.rounds)
         print(
             f"  partials (greedy): shown in the first update after the "
             f"source {p['first_update_share']:.1%} of {p['partial_terms']}, finals "
             f"{p['final_share']:.1%}; finals revising the stable text "
             f"{p['stable_revisions']}, without a glossary {p['stable_revisions_without']}, "
             f"caused by terms (revised only with the glossary) {p['caused']}"
+        )
+        print(
+            f"  cost of those segments (partials and finals): decoder steps "
+            f"{p['steps_with']:.0f} against {p['steps_without']:.0f} without a glossary "
+            f"({p['steps_with'] / p['steps_without']:.2f}x); wall {p['wall_with']:.2f} s "
+            f"against {p['wall_without']:.2f} s ({p['wall_with'] / p['wall_without']:.2f}x, "
+            f"medians of {args.rounds} alternated rounds)"
         )
         translator.close()
 
