@@ -104,9 +104,9 @@ class _Lane:
         self.requests: dict[Search, Request] = {}  # the batch's searches' requests
         self.stats: Counter[str] = Counter()
         self.batch_sizes: Counter[int] = Counter()
-        # The batch's decoder state after the lane's last turn with no rows left, or its
-        # last turn at least `STATE_EVERY` seconds after the one before (set by the
-        # lane's thread: read from others, it is one consistent pair).
+        # The batch's decoder state after the lane's last turn that left no rows, or its
+        # last turn at least `STATE_EVERY` seconds after the one before, whichever came
+        # last (set by the lane's thread: read from others, it is one consistent pair).
         self.state: StateBytes | None = batch.state_bytes()
         self.state_at = 0.0
 
@@ -367,6 +367,7 @@ class DecodeScheduler:
                 self._answer(lane, answers)
                 lane.requests.clear()
                 lane.batch = self._new_batch()
+                lane.state = lane.batch.state_bytes()
             finally:
                 with self._cond:
                     self._running -= 1
@@ -388,6 +389,7 @@ class DecodeScheduler:
         """One turn of the lane: update, plan, encode, schedule, execute (module
         docstring); returns its times, for the timeline."""
         batch = lane.batch
+        had_rows = batch.rows
         t0 = time.perf_counter()
         ended = [lane.requests[search] for search in batch.update()]
         t1 = time.perf_counter()
@@ -429,7 +431,9 @@ class DecodeScheduler:
         if batch.stats:  # draft and lookahead tokens verified
             lane.stats.update(batch.stats)
             batch.stats.clear()
-        if not batch.rows or t3 - lane.state_at >= STATE_EVERY:
+        # A turn whose newcomers all ended in their prefill, in a lane that held no rows,
+        # changed no state (the common turn of a lightly loaded lane).
+        if (had_rows or rows) and (not rows or t3 - lane.state_at >= STATE_EVERY):
             lane.state = batch.state_bytes()
             lane.state_at = t3
         encode_rows = sum(job.batch_size for job in plan.encodes)
