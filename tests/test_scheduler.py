@@ -1137,3 +1137,63 @@ def test_a_request_that_ends_in_its_prefill_is_answered_before_the_lanes_next_st
     long.result(30)
     joined = [done for calls, done in seen if calls == prefills + 1]
     assert joined and joined[0], seen  # the step of the turn it joined came after its answer
+
+
+def test_encoder_jobs_of_different_widths_share_one_call_with_their_own_states() -> None:
+    """A lane's encoder jobs run in one call over their rows right-padded to the widest;
+    each job gets its own rows at its own width, what encoding it alone gives (padding is
+    masked), and a lone job its own arrays as they are."""
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1))
+    scheduler = tr.scheduler
+    jobs = [
+        tr.encoding([tr.source_ids(SOURCES[3])]),
+        tr.encoding([tr.source_ids(SOURCES[4]), tr.source_ids(SOURCES[5])]),
+        tr.encoding([tr.source_ids(SOURCES[0])]),
+    ]
+    lane = scheduler._lanes[0]
+    before = lane.stats["encoder_calls"]
+    scheduler._run_encodes(lane, jobs)
+    assert lane.stats["encoder_calls"] == before + 1
+    for job in jobs:
+        got = job.future.result(0)
+        assert got.hidden_states.shape[:2] == job.input_ids.shape
+        assert np.array_equal(got.attention_mask, job.attention_mask)
+        own = tr.model.encode(job.input_ids, job.attention_mask)
+        real = job.attention_mask.astype(bool)
+        assert np.allclose(got.hidden_states[real], own.hidden_states[real], atol=1e-5)
+    lone = tr.encoding([tr.source_ids(SOURCES[1])])
+    scheduler._run_encodes(lane, [lone])
+    own = tr.model.encode(lone.input_ids, lone.attention_mask)
+    assert np.array_equal(lone.future.result(0).hidden_states, own.hidden_states)
+
+
+def test_a_submission_wakes_one_idle_lane_not_every_lane() -> None:
+    """Two idle lanes and one request at a time: one lane wakes for it, runs it and looks
+    once more for work before it waits again; the other sleeps on. Waking every lane per
+    submission woke the others for nothing (each a thread switch and a turn of the lock)."""
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=2))
+    scheduler = tr.scheduler
+    sources = [tr.source_ids(text) for text in SOURCES]
+    encoded = [tr.encode([source]) for source in sources]  # the lanes have started
+    policy = scheduler._policy
+    has_work = policy.has_work
+    idle_checks = 0
+
+    def counted(lane: int) -> bool:
+        nonlocal idle_checks
+        found = has_work(lane)
+        idle_checks += not found
+        return found
+
+    time.sleep(0.2)  # both lanes wait
+    policy.has_work = counted  # type: ignore[method-assign]
+    rounds = 12
+    for i in range(rounds):
+        tr.decode(encoded[i % len(encoded)])
+        time.sleep(0.01)  # the lane that ran it waits again
+    policy.has_work = has_work  # type: ignore[method-assign]
+    # One look that finds nothing per request (the lane that ran it, before it waits);
+    # a lane woken for nothing adds one more each time.
+    assert idle_checks <= rounds + 2, idle_checks

@@ -85,6 +85,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+STATE_EVERY = 0.05
+"""Seconds between two readings of a busy lane's decoder state (`_Lane.state`, a gauge):
+walking the arrays at every turn was a measurable share of a small model's turn
+(docs/performance.md)."""
+
 
 class SchedulerClosed(RuntimeError):
     """A request to a scheduler that has been closed."""
@@ -99,9 +104,11 @@ class _Lane:
         self.requests: dict[Search, Request] = {}  # the batch's searches' requests
         self.stats: Counter[str] = Counter()
         self.batch_sizes: Counter[int] = Counter()
-        # The batch's decoder state after the lane's last turn (set by the lane's thread:
-        # read from others, it is one consistent pair).
+        # The batch's decoder state after the lane's last turn that left no rows, or its
+        # last turn at least `STATE_EVERY` seconds after the one before, whichever came
+        # last (set by the lane's thread: read from others, it is one consistent pair).
         self.state: StateBytes | None = batch.state_bytes()
+        self.state_at = 0.0
 
 
 class DecodeScheduler:
@@ -305,7 +312,11 @@ class DecodeScheduler:
                 raise SchedulerClosed("the decode scheduler is closed")
             yield
             self._start_lanes()
-            self._cond.notify_all()
+            # One lane: an idle lane takes every waiting request (its rows are the
+            # fewest), and a busy one looks at the queue at its next turn anyway; waking
+            # every lane per submission woke all but one for nothing, each a thread
+            # switch and a turn of the lock.
+            self._cond.notify()
 
     def _start_lanes(self) -> None:
         if self._threads:
@@ -356,6 +367,7 @@ class DecodeScheduler:
                 self._answer(lane, answers)
                 lane.requests.clear()
                 lane.batch = self._new_batch()
+                lane.state = lane.batch.state_bytes()
             finally:
                 with self._cond:
                     self._running -= 1
@@ -377,6 +389,7 @@ class DecodeScheduler:
         """One turn of the lane: update, plan, encode, schedule, execute (module
         docstring); returns its times, for the timeline."""
         batch = lane.batch
+        had_rows = batch.rows
         t0 = time.perf_counter()
         ended = [lane.requests[search] for search in batch.update()]
         t1 = time.perf_counter()
@@ -418,7 +431,11 @@ class DecodeScheduler:
         if batch.stats:  # draft and lookahead tokens verified
             lane.stats.update(batch.stats)
             batch.stats.clear()
-        lane.state = batch.state_bytes()
+        # A turn whose newcomers all ended in their prefill, in a lane that held no rows,
+        # changed no state (the common turn of a lightly loaded lane).
+        if (had_rows or rows) and (not rows or t3 - lane.state_at >= STATE_EVERY):
+            lane.state = batch.state_bytes()
+            lane.state_at = t3
         encode_rows = sum(job.batch_size for job in plan.encodes)
         return Step(
             lane.index,
@@ -459,22 +476,7 @@ class DecodeScheduler:
         states are those of running it alone)."""
         if not jobs:
             return
-        pad = self.model.config.pad_token_id
-        width = max(int(job.input_ids.shape[1]) for job in jobs)
-        ids = np.concatenate(
-            [
-                np.pad(
-                    j.input_ids, ((0, 0), (0, width - j.input_ids.shape[1])), constant_values=pad
-                )
-                for j in jobs
-            ]
-        )
-        mask = np.concatenate(
-            [
-                np.pad(j.attention_mask, ((0, 0), (0, width - j.attention_mask.shape[1])))
-                for j in jobs
-            ]
-        )
+        ids, mask = self._stacked(jobs)
         try:
             out = self.model.encode(ids, mask)
         except Exception as exc:
@@ -489,6 +491,24 @@ class DecodeScheduler:
                 EncoderOutput(out.hidden_states[row : row + n, :w], job.attention_mask)
             )
             row += n
+
+    def _stacked(self, jobs: Sequence[Encoding]) -> tuple[IntArray, IntArray]:
+        """The jobs' sources in one right-padded batch (a lone job's own arrays): filled
+        in place rather than padded job by job, which cost more than a small encoder
+        call's own Python."""
+        if len(jobs) == 1:
+            return jobs[0].input_ids, jobs[0].attention_mask
+        rows = sum(job.batch_size for job in jobs)
+        width = max(int(job.input_ids.shape[1]) for job in jobs)
+        ids = np.full((rows, width), self.model.config.pad_token_id, dtype=np.int64)
+        mask = np.zeros((rows, width), dtype=np.int64)
+        row = 0
+        for job in jobs:
+            n, w = job.input_ids.shape
+            ids[row : row + n, :w] = job.input_ids
+            mask[row : row + n, :w] = job.attention_mask
+            row += n
+        return ids, mask
 
     def _answer(self, lane: _Lane, answers: Iterable[Answer[Request]]) -> None:
         """Set each answered request's future: its error, or its search's result. A

@@ -3,7 +3,8 @@
 N writers, one stream each, send a partial every `--interval` seconds (0.3) that grows a
 held-out sentence of the fixture word by word, and a final every 8th message; their start
 is staggered over the first interval. Two ways, each on a checkout (`--root`, repeatable:
-the trees are alternated run by run, medians of `--repeats`):
+the trees are alternated run by run, the order turned round every repeat (ABBA), medians
+of `--repeats`):
 
 - `serve`: the server is `nmt-incremental serve` in a subprocess; the writers are this
   process, over WebSocket on loopback. Server CPU comes from `/proc/PID/stat` over the
@@ -615,7 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     runs: dict[Path, list[dict[str, Any]]] = {r: [] for r in roots}
     for i in range(args.repeats):
-        for root in roots:
+        # ABBA: the order turns round every repeat; on a shared machine the first run of
+        # each pair was slower whatever it ran (docs/performance.md).
+        for root in roots if i % 2 == 0 else roots[::-1]:
             r = run(root, args)
             runs[root].append(r)
             print(

@@ -1,0 +1,206 @@
+"""What one model call and one partial's lane turn cost the CPU, bare and through the engine.
+
+Two parts, in a quiet process (thread CPU, medians of `--rounds`):
+
+- **calls**: the encoder and the prefill of one row, as a bare `InferenceSession.run` of
+  the files in the Optimum layout and through the engine's path (`MarianOnnx.encode`; the
+  rewritten prefill body alone, then `MaskedDecoder.prefill` with the projection of the
+  positions read), and the encoder and the prefill over more rows;
+- **turns**: the common update of a stream, a growing partial whose draft is its whole
+  answer (it ends in its prefill), submitted one at a time: the lane's thread CPU per
+  request, split into ONNX Runtime's calls and the Python around them.
+
+    python examples/benchmarks/call_cost.py
+    python examples/benchmarks/call_cost.py --model models/fixture/model --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
+
+import numpy as np  # noqa: E402
+import numpy.typing as npt  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+
+from engine import DecodeOptions, Translator  # noqa: E402
+from engine.decoding.policy import Priority  # noqa: E402
+from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions  # noqa: E402
+
+SENTENCE = "Lucy wants to play tennis with my brother on Sunday"
+
+
+def cpu_ms(call: Callable[[], object], repeats: int) -> float:
+    """Thread CPU of one `call`, ms (after a warm-up)."""
+    for _ in range(20):
+        call()
+    began = time.thread_time()
+    for _ in range(repeats):
+        call()
+    return (time.thread_time() - began) / repeats * 1000
+
+
+def bare_session(path: Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def calls(tr: Translator, rounds: int) -> None:
+    model, masked = tr.model, tr.model.masked
+    if masked is None:
+        raise SystemExit("the model batches in lockstep: no rewritten prefill to compare")
+    ids = np.array([tr.source_ids(SENTENCE, partial=True)], dtype=np.int64)
+    mask = np.ones_like(ids)
+    enc = model.encode(ids, mask)
+    length = 13
+    dec = np.array([[tr.config.decoder_start_token_id, *range(5, 4 + length)]], dtype=np.int64)
+    dec_mask = np.ones_like(dec)
+    encoder = bare_session(model.files["encoder"])
+    plain = bare_session(model.files["no_past"])
+    plain_feed = {
+        "encoder_attention_mask": mask,
+        "input_ids": dec,
+        "encoder_hidden_states": enc.hidden_states,
+    }
+    body, head, _ = masked.prefills
+    body_feed: dict[str, Any] = {
+        "encoder_attention_mask": mask,
+        "input_ids": dec,
+        "encoder_hidden_states": enc.hidden_states,
+        "decoder_attention_mask": dec_mask,
+        "decoder_position_ids": np.arange(length, dtype=np.int64)[None],
+    }
+    declared = {i.name for i in body.get_inputs()}
+    body_feed = {k: v for k, v in body_feed.items() if k in declared}
+    body_out = [head[1]] if head is not None else None
+    read = np.array([length - 3])
+
+    def engine_prefill() -> None:
+        logits = masked.prefill(enc, dec, dec_mask, read)[0].row(0, length - 3)
+        for i in range(3):
+            logits[i]
+
+    encoder_feed = {"input_ids": ids, "attention_mask": mask}
+    rows: list[tuple[str, Callable[[], object]]] = [
+        ("encoder, bare", lambda: encoder.run(["last_hidden_state"], encoder_feed)),
+        ("encoder, MarianOnnx.encode", lambda: model.encode(ids, mask)),
+        (f"prefill {length} positions, bare no-past file", lambda: plain.run(None, plain_feed)),
+        ("prefill, the rewritten body alone", lambda: body.run(body_out, body_feed)),
+        ("prefill, MaskedDecoder.prefill + 3 positions read", engine_prefill),
+    ]  # fmt: skip
+    # Rounds interleave the calls, so that a busy moment of a shared machine falls on all.
+    spent: dict[str, list[float]] = {name: [] for name, _ in rows}
+    for _ in range(rounds):
+        for name, call in rows:
+            spent[name].append(cpu_ms(call, 300))
+    print(f"one row, thread CPU ms per call (median of {rounds} rounds):")
+    for name, times in spent.items():
+        print(f"  {name:52s} {statistics.median(times):.3f}")
+    print("over more rows (encoder; prefill with every position projected):")
+    for batch in (1, 2, 4, 8):
+        encode, prefill = over_rows(tr, ids, dec, batch)
+        print(f"  {batch} rows: encoder {encode:.3f}, prefill {prefill:.3f}")
+
+
+def over_rows(
+    tr: Translator, ids: npt.NDArray[np.int64], dec: npt.NDArray[np.int64], batch: int
+) -> tuple[float, float]:
+    """Thread CPU ms of the encoder and of a prefill (every position projected) over
+    `batch` copies of one row."""
+    masked = tr.model.masked
+    assert masked is not None
+    many = np.repeat(ids, batch, 0)
+    many_mask = np.ones_like(many)
+    states = tr.model.encode(many, many_mask)
+    decs = np.repeat(dec, batch, 0)
+    decs_mask = np.ones_like(decs)
+    encode = cpu_ms(lambda: tr.model.encode(many, many_mask), 200)
+    prefill = cpu_ms(lambda: masked.prefill(states, decs, decs_mask)[0].values, 200)
+    return encode, prefill
+
+
+def turns(tr: Translator, rounds: int) -> None:
+    """The lane's CPU per request, and ONNX Runtime's share of it (wrapped sessions)."""
+    spent: defaultdict[str, float] = defaultdict(float)
+    session = ort.InferenceSession
+    run, bound = session.run, session.run_with_iobinding
+
+    def timed(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            began = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent["ort"] += time.thread_time() - began
+                spent["calls"] += 1
+
+        return call
+
+    turn = DecodeScheduler._turn
+
+    def lane_turn(*args: Any, **kwargs: Any) -> Any:
+        began = time.thread_time()
+        try:
+            return turn(*args, **kwargs)
+        finally:
+            spent["lane"] += time.thread_time() - began
+
+    setattr(session, "run", timed(run))  # noqa: B010
+    setattr(session, "run_with_iobinding", timed(bound))  # noqa: B010
+    setattr(DecodeScheduler, "_turn", lane_turn)  # noqa: B010
+    try:
+        words = SENTENCE.split()
+        work = []
+        for end in range(2, len(words) + 1):
+            source = tr.source_ids(" ".join(words[:end]), partial=True)
+            draft = list(tr.decode(tr.encoding([source]))[0].token_ids)
+            work.append((source, draft))
+        print("a partial that ends in its prefill, one at a time, lane thread CPU ms per request:")
+        for r in range(rounds):
+            spent.clear()
+            count = 0
+            for _ in range(20):
+                for source, draft in work:
+                    enc = tr.encoding([source])
+                    tr.decode(enc, DecodeOptions(), drafts=[draft], priority=Priority.PARTIAL)
+                    count += 1
+            lane, ort_ms = spent["lane"] / count * 1000, spent["ort"] / count * 1000
+            print(
+                f"  round {r + 1}: lane {lane:.3f} = ONNX Runtime {ort_ms:.3f} "
+                f"({spent['calls'] / count:.1f} calls) + Python {lane - ort_ms:.3f}"
+            )
+    finally:
+        setattr(session, "run", run)  # noqa: B010
+        setattr(session, "run_with_iobinding", bound)  # noqa: B010
+        setattr(DecodeScheduler, "_turn", turn)  # noqa: B010
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "fixture" / "model")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    # The scheduler's defaults, as `serve` opens the model: on two cores two lanes, each
+    # call on one intra-op thread (what the bare sessions get).
+    tr = Translator.from_dir(args.model, scheduler=SchedulerOptions())
+    try:
+        calls(tr, args.rounds)
+        turns(tr, args.rounds)
+    finally:
+        tr.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
