@@ -243,3 +243,60 @@ async def test_redis_dying_mid_talk_loses_no_accepted_final_silently(
     assert isinstance(answer, TranslationUpdate) and answer.seq == 1 and answer.is_final
     assert seen == answer
     assert a.bus.stats["redis_reconnects"] >= 1
+
+
+async def test_term_counts_ride_on_the_append_fenced_and_closed_with_the_stream(
+    redis: RedisServer,
+) -> None:
+    """`keep_terms` costs no round trip of its own when an append of the stream goes
+    with it, is written alone when none does, is refused for a life that lost the
+    stream, expires with the histories and is deleted by the close mark."""
+    import redis as redis_py
+
+    a, b = RedisBus(redis.url, lease_ms=600), RedisBus(redis.url, lease_ms=600)
+    await a.start(["zh"])
+    await b.start(["zh"])
+    store = redis_py.Redis.from_url(redis.url, decode_responses=True)
+
+    async def appended(bus: RedisBus, count: int) -> None:
+        with anyio.fail_after(5):
+            while bus.stats["appended"] + bus.stats["stale_refused"] < count:
+                await anyio.sleep(0.005)
+
+    def final(seq: int, epoch: int) -> TranslationUpdate:
+        return TranslationUpdate("s1", seq, seq, "汤姆", "", True, 1.0, 1.0, epoch=epoch, lang="zh")
+
+    try:
+        epoch = (await a.claim("s1")).epoch
+        a.keep_terms("s1", epoch, {"zh": (2, 1)})
+        a.publish(final(0, epoch), Owner("w"), epoch)
+        await appended(a, 1)
+        riding = dict(a.stats), await b.kept_terms("s1"), store.pttl("nmt:t:s1")
+        a.keep_terms("s1", epoch, {"zh": (3, 2)})  # nothing to ride on: written alone
+        with anyio.fail_after(5):
+            while a.stats["terms_written"] < 2:
+                await anyio.sleep(0.005)
+        alone = dict(a.stats), await b.kept_terms("s1")
+        a.end_stream("s1", closed=False)  # handed over: b takes the stream (its claim waits)
+        epoch_b = (await b.claim("s1")).epoch
+        a.keep_terms("s1", epoch, {"zh": (9, 9)})  # the old life, late: fenced
+        a.publish(final(1, epoch), Owner("w"), epoch)
+        await appended(a, 2)
+        fenced = await b.kept_terms("s1")
+        b.end_stream("s1", closed=True)
+        with anyio.fail_after(5):
+            while await b.kept_terms("s1"):
+                await anyio.sleep(0.005)
+    finally:
+        await a.aclose()
+        await b.aclose()
+        store.close()
+    stats, kept, ttl = riding
+    assert stats["append_round_trips"] == 1 and stats["terms_written"] == 1
+    assert stats["terms_alone"] == 0
+    assert kept == {"zh": (2, 1)}
+    assert 0 < ttl <= 6 * 3600 * 1000
+    stats, kept = alone
+    assert stats["terms_alone"] == 1 and stats["append_round_trips"] == 2
+    assert kept == {"zh": (3, 2)}
+    assert epoch_b > epoch and fenced == {"zh": (3, 2)}

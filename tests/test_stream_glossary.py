@@ -256,3 +256,109 @@ async def test_a_streams_terms_on_the_servers_terms_route(translator: Translator
     assert anyone.status == 401 and wrong.status == 401  # watching needs a token here
     assert other.status == 404 and "'s2' is not open" in other.body
     assert no_stream.status == 400
+
+
+# --- a stream's counts on every node ---------------------------------------------------------
+
+
+def counts_of(result: Any) -> dict[str, Any]:
+    assert result.status == 200, result
+    terms: dict[str, Any] = json.loads(result.body)["terms"]
+    return terms
+
+
+async def terms_on(server: SubtitleServer, token: str = "v1ew") -> Any:
+    from tests.live_server import http_get
+
+    return await http_get(server, f"/terms?stream=s1&token={token}")
+
+
+async def gone(server: SubtitleServer) -> Any:
+    """`/terms` for s1 until it answers 404 (a close mark is appended after the last reply)."""
+    with anyio.fail_after(10):
+        while (result := await terms_on(server)).status != 404:
+            await anyio.sleep(0.02)
+    return result
+
+
+@pytest.mark.anyio
+async def test_every_node_answers_a_streams_terms_from_the_bus(
+    translator: Translator, redis: RedisServer
+) -> None:
+    """The writer on node A; `/terms` asked on node B answers A's counts, with the same
+    token rules; a writer back through B after a drop, then restarted (seq 0) on A,
+    counts on from them; closing the stream ends them on both nodes."""
+    from tests.live_server import http_get
+
+    options = ServerOptions(
+        port=0, limits=Limits(rate_limit=None), token="wr1te", viewer_token="v1ew"
+    )
+    two = {"zh": {"matched": 2, "placed": 2}}  # Tom and book, both placed, per final
+    async with (
+        IncrementalTranslator(translator, bus=RedisBus(redis.url, lease_ms=600)) as nmt_a,
+        IncrementalTranslator(translator, bus=RedisBus(redis.url, lease_ms=600)) as nmt_b,
+        SubtitleServer(nmt_a, options) as a,
+        SubtitleServer(nmt_b, options) as b,
+    ):
+        assert (await terms_on(b)).status == 404  # no node has it open yet
+        async with connect(ws_url(a, "?token=wr1te")) as ws:
+            await ws.send(set_glossary("s1", OWN))
+            assert (await recv(ws))["type"] == "glossary_set"
+            await ws.send(partial_message("s1", 0, "Tom reads", final=False))
+            await ws.send(partial_message("s1", 1, TEXT, final=True))
+            await final_of(ws)
+            on_a, on_b = await terms_on(a), await terms_on(b)
+            writer_b = await http_get(b, "/terms?stream=s1", Authorization="Bearer wr1te")
+            anyone_b = await http_get(b, "/terms?stream=s1")
+            wrong_b = await terms_on(b, "nope")
+            other_b = await http_get(b, "/terms?stream=s2&token=v1ew")
+            assert nmt_b.stream_terms("s1") == {}  # not open on B: B read the bus
+        with anyio.fail_after(10):  # the writer dropped: handed over, counts kept
+            while "s1" in nmt_a.streams:
+                await anyio.sleep(0.02)
+        kept = await terms_on(b)
+        async with connect(ws_url(b, "?token=wr1te")) as ws:  # back, through node B
+            await ws.send(partial_message("s1", 2, TEXT, final=True, segment=1))
+            await final_of(ws)
+            after_takeover = await terms_on(a)
+        with anyio.fail_after(10):
+            while "s1" in nmt_b.streams:
+                await anyio.sleep(0.02)
+        async with connect(ws_url(a, "?token=wr1te")) as ws:  # restarted: seq 0 again
+            await ws.send(partial_message("s1", 0, TEXT, final=True))
+            await final_of(ws)
+            after_restart = await terms_on(b)
+            await ws.send(json.dumps({"type": "close_stream", "stream_id": "s1"}))
+            closed_b, closed_a = await gone(b), await gone(a)
+        assert nmt_a.stats["started_over"] == 1
+    assert counts_of(on_a) == counts_of(on_b) == counts_of(writer_b) == two
+    assert anyone_b.status == 401 and wrong_b.status == 401
+    assert other_b.status == 404 and "'s2' is not open" in other_b.body
+    assert counts_of(kept) == two
+    assert counts_of(after_takeover) == {"zh": {"matched": 4, "placed": 4}}
+    assert counts_of(after_restart) == {"zh": {"matched": 6, "placed": 6}}
+    assert closed_a.status == closed_b.status == 404
+
+
+@pytest.mark.anyio
+async def test_a_handed_over_stream_keeps_its_counts_in_one_process(
+    translator: Translator,
+) -> None:
+    """The in-process bus: a stream whose writer left keeps its counts (`terms`) and a
+    writer back counts on from them; a closed one has none."""
+    x, y = Owner("x"), Owner("y")
+    async with IncrementalTranslator(translator, glossaries=SERVER) as nmt:
+        mine = nmt.updates(owner=x)
+        await nmt.push(PartialTranscript("s1", 0, 0, TEXT, is_final=True), x)
+        await final_update(mine)
+        await left(nmt, x)
+        kept = await nmt.terms("s1")
+        theirs = nmt.updates(owner=y)
+        await nmt.push(PartialTranscript("s1", 1, 1, TEXT, is_final=True), y)
+        await final_update(theirs)
+        on = await nmt.terms("s1"), nmt.stream_terms("s1")
+        await nmt.close_stream("s1", y)
+        closed = await nmt.terms("s1")
+    assert kept == {"zh": (1, 1)}  # Tom, the server's glossary's one term
+    assert on == ({"zh": (2, 2)}, {"zh": (2, 2)})
+    assert closed == {}

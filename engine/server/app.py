@@ -175,7 +175,7 @@ class SubtitleServer:
     def _attach_state(self, engine: IncrementalTranslator) -> None:
         self.state.bus_ready = lambda: engine.ready
         self.state.close_code = 1012 if engine.bus.shared else 1001
-        self.state.stream_terms = engine.stream_terms
+        self.state.stream_terms = engine.terms
         self.state.attach(engine.languages, engine.targets.source_lang)
 
     @property

@@ -158,9 +158,10 @@ class _BusStats(_EngineCollector):
         bus = nmt.bus if nmt is not None else None
         events = CounterMetricFamily(
             "nmt_bus_events",
-            "Update bus work by kind (appended, entries_read, lease_renewals, lease_losses, "
-            "takeovers, stale_refused, finals_refused, updates_dropped, close_marks_lost, "
-            "resume_gaps, redis_errors, redis_reconnects, redis_oom, redis_refused).",
+            "Update bus work by kind (appended, append_round_trips, terms_written, "
+            "terms_alone, entries_read, lease_renewals, lease_losses, takeovers, "
+            "stale_refused, finals_refused, updates_dropped, close_marks_lost, resume_gaps, "
+            "redis_errors, redis_reconnects, redis_oom, redis_refused).",
             labels=["kind"],
         )
         for kind, count in sorted((bus.stats if bus is not None else {}).items()):

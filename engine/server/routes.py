@@ -2,16 +2,17 @@
 assets, what the server offers (`/info`), health, readiness, metrics, and the gate in front
 of a WebSocket handshake.
 
-Everything here answers from the request alone (and the server's state and metrics); it
-runs inside the `websockets` handshake hook, so a request is answered before any
-WebSocket exists and a refused handshake never reaches the connection code.
+Everything here answers from the request alone (and the server's state and metrics;
+`/terms` asks the engine, which may ask the update bus); it runs inside the `websockets`
+handshake hook, so a request is answered before any WebSocket exists and a refused
+handshake never reaches the connection code.
 """
 
 from __future__ import annotations
 
 import http
 import json
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from importlib.resources import files
 from urllib.parse import parse_qs, urlsplit
 
@@ -34,6 +35,7 @@ from engine.server.handshake import (
 )
 from engine.server.metrics import ServerMetrics
 from engine.server.state import ServerState
+from protocol import InvalidEvent
 from protocol.messages import MAX_STREAM_ID_CHARS
 
 _PAGE_HEADERS = (
@@ -104,7 +106,9 @@ class HttpRoutes:
         self._pages = {kind: _static(name) for kind, name in PAGES.items()}
         self._assets = {path: _static(path.lstrip("/")) for path in STATIC_FILES}
 
-    def __call__(self, ws: ServerConnection, request: Request) -> Response | None:
+    def __call__(
+        self, ws: ServerConnection, request: Request
+    ) -> Response | Awaitable[Response] | None:
         counts = {name: len(request.headers.get_all(name)) for name in SINGLE_HEADERS}
         refusal = duplicate_headers(counts)
         if refusal is not None:
@@ -151,12 +155,14 @@ class HttpRoutes:
             body["no_audio"] = AUDIO_OFF
         return json.dumps(body).encode("utf-8")
 
-    def terms(self, request: Request) -> Response:
-        """`/terms?stream=ID`: an open stream's glossary terms over its finals so far, per
+    async def terms(self, request: Request) -> Response:
+        """`/terms?stream=ID`: a stream's glossary terms over its finals so far, per
         target language, matched and placed (`/metrics` sums every stream's: a series
         per stream id would grow without bound). Whoever may watch the stream may ask
-        (the viewer token, the writer's, or its key). Only the node its writer is on
-        counts them: elsewhere, and for a stream not open, 404."""
+        (the viewer token, the writer's, or its key), on any node: the node holding its
+        writer counts them and keeps them on the update bus, where the others read them
+        (the one request here that waits, on the bus). 404 for a stream no node has
+        open; 503 when the bus cannot be reached."""
         presented = presented_token(request.path, request.headers.get("Authorization"))
         access = self.credentials.access(presented)
         values = parse_qs(urlsplit(request.path).query).get("stream", [])
@@ -165,9 +171,12 @@ class HttpRoutes:
         stream_id = values[0]
         if access is None or not access.may_view(stream_id):
             return _text(UNAUTHORIZED.status, UNAUTHORIZED.reason, UNAUTHORIZED.headers)
-        counts = self.state.stream_terms(stream_id) if self.state.stream_terms else {}
+        try:
+            counts = await self.state.stream_terms(stream_id) if self.state.stream_terms else {}
+        except InvalidEvent as exc:
+            return _text(503, f"Cannot read the stream's counts: {exc.error.message}.\n")
         if not counts:
-            return _text(404, f"Stream {stream_id!r} is not open on this server.\n")
+            return _text(404, f"Stream {stream_id!r} is not open on any server node.\n")
         body = {
             "stream_id": stream_id,
             "terms": {

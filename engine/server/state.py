@@ -7,7 +7,7 @@ connections' rules cannot disagree.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -42,9 +42,10 @@ class ServerState:
     # The close code a stopping server sends: 1001 (going away) alone, 1012 (service
     # restart: reconnect, to another node) when other nodes serve the same streams.
     close_code: int = 1001
-    # An open stream's glossary terms over its finals, per target language: (matched,
-    # placed); empty for a stream not open here. Set when an engine is attached.
-    stream_terms: Callable[[str], dict[str, tuple[int, int]]] | None = field(
+    # A stream's glossary terms over its finals, per target language: (matched, placed),
+    # from whichever node holds its writer (through the bus); empty for a stream no node
+    # has open. Set when an engine is attached.
+    stream_terms: Callable[[str], Awaitable[dict[str, tuple[int, int]]]] | None = field(
         default=None, repr=False
     )
     # Audio streams on all connections, from each start_audio until its recognizer is

@@ -151,6 +151,20 @@ class UpdateBus(Protocol):
         `InvalidEvent` (`unavailable`) when the bus cannot be reached."""
         ...
 
+    def keep_terms(self, stream_id: str, epoch: int, counts: Mapping[str, tuple[int, int]]) -> None:
+        """Record the stream's glossary term counts (target language -> matched, placed,
+        over its finals), replacing what was kept, beside its histories and for as long,
+        so that any process can answer for them (`kept_terms`); a closed stream's go with
+        it. Does not wait: a shared bus sends them with the stream's next append (they
+        change with a final, which is published right after). Fenced like `publish`."""
+        ...
+
+    async def kept_terms(self, stream_id: str) -> dict[str, tuple[int, int]]:
+        """What `keep_terms` recorded last for the stream (empty: nothing, or the stream
+        was closed). Raises `InvalidEvent` (`unavailable`) when the bus cannot be
+        reached."""
+        ...
+
     def watch(self, sub: Subscription, after: str | None = None) -> None:
         """Start a viewer the hub made (`Hub.viewer`): replay its history through the hub
         (after cursor `after`, or its backlog), then feed it live replies."""
@@ -215,6 +229,7 @@ class InProcessBus:
         self._epochs = 0
         self._stats: Counter[str] = Counter()
         self._glossaries: dict[str, dict[str, str]] = {}  # stream -> language -> text
+        self._terms: dict[str, dict[str, tuple[int, int]]] = {}  # stream -> language -> counts
 
     @property
     def hub(self) -> Hub:
@@ -239,6 +254,7 @@ class InProcessBus:
         self._history.clear()
         self._handed_over.clear()
         self._glossaries.clear()
+        self._terms.clear()
 
     async def claim(self, stream_id: str) -> Claim:
         self._epochs += 1
@@ -274,6 +290,12 @@ class InProcessBus:
 
     async def kept_glossaries(self, stream_id: str) -> dict[str, str]:
         return dict(self._glossaries.get(stream_id, {}))
+
+    def keep_terms(self, stream_id: str, epoch: int, counts: Mapping[str, tuple[int, int]]) -> None:
+        self._terms[stream_id] = dict(counts)
+
+    async def kept_terms(self, stream_id: str) -> dict[str, tuple[int, int]]:
+        return dict(self._terms.get(stream_id, {}))
 
     def start_over(self, stream_id: str, epoch: int) -> None:
         cursor = self._cursors.next()
@@ -314,6 +336,7 @@ class InProcessBus:
             self._history.pop(stream_id, None)
             self._handed_over.pop(stream_id, None)
             self._glossaries.pop(stream_id, None)
+            self._terms.pop(stream_id, None)
         elif stream_id in self._history:
             self._handed_over[stream_id] = None
             self._handed_over.move_to_end(stream_id)
@@ -321,4 +344,5 @@ class InProcessBus:
                 oldest, _ = self._handed_over.popitem(last=False)
                 self._history.pop(oldest, None)
                 self._glossaries.pop(oldest, None)
+                self._terms.pop(oldest, None)
         self._hub.end_stream(stream_id)

@@ -363,12 +363,20 @@ class IncrementalTranslator:
         return GlossarySet(sid, lang, len(glossary))
 
     def stream_terms(self, stream_id: str) -> dict[str, tuple[int, int]]:
-        """An open stream's glossary terms over its finals so far, per target language:
-        (matched, placed); empty when the stream is not open."""
+        """A stream open here: its glossary terms over its finals so far (its earlier
+        lives' included), per target language: (matched, placed); empty when the stream
+        is not open here (`terms` asks the bus too)."""
         stream = self._table.get(stream_id)
-        if stream is None:
-            return {}
-        return {lang: (s.terms_matched, s.terms_placed) for lang, s in stream.sessions.items()}
+        return stream.terms() if stream is not None else {}
+
+    async def terms(self, stream_id: str) -> dict[str, tuple[int, int]]:
+        """`stream_terms` wherever the stream's writer is: this process's count when the
+        stream is open here, else what the bus keeps (`UpdateBus.kept_terms`: the node
+        holding it keeps them there, with a shared bus; a stream handed over keeps its
+        last ones until it is closed); empty for a stream no process has open. Raises
+        `InvalidEvent` (`unavailable`) when the bus cannot be reached."""
+        here = self.stream_terms(stream_id)
+        return here if here else await self._bus.kept_terms(stream_id)
 
     def _check_script(self, stream: Stream, source: str) -> None:
         """One warning per stream whose final is mostly in another script than the models'
@@ -438,11 +446,15 @@ class IncrementalTranslator:
         life = StreamLifecycle(event.stream_id, owner, claim.epoch, claim.answered_through)
         try:
             own = await self._own_glossaries(event.stream_id, owner, claim)
+            # A resumed life (its writer back, here or on another node, or restarted)
+            # counts on from the stream's kept counts, as it keeps its glossaries.
+            counts = await self._bus.kept_terms(event.stream_id) if claim.resumed else {}
             stream = self._table.open(self._make_stream(life), event)
         except InvalidEvent:  # the engine stopped or filled up while the bus answered
             self._bus.release(event.stream_id)
             raise
         own_glossary.apply(stream, own, self.glossaries)
+        stream.carry_terms(counts)
         return stream, admission, True
 
     async def _own_glossaries(

@@ -13,8 +13,13 @@ and a fencing token for ownership:
 - **History.** Each (stream, language) is a Redis Stream (`XADD ... MAXLEN ~`): an entry
   per reply, a close mark when the writer closes the stream, and a restart mark when a
   writer starts over (numbering from 0 again). An entry's id is the
-  update's `cursor`. The owner appends; a writer's own replies go back to it only once
-  Redis has them, so a reply the writer saw is one every viewer will see.
+  update's `cursor`. The owner appends (`engine.streaming.redis_appends`, many replies per
+  round trip); a writer's own replies go back to it only once Redis has them, so a reply
+  the writer saw is one every viewer will see.
+- **Term counts.** A stream's glossary terms matched and placed, per language, in a small
+  hash beside its histories, written by its current life when they change (a final),
+  riding on that final's append (no round trip of their own), deleted by the close mark:
+  any node answers `/terms` for the stream from it.
 - **Viewers.** Each node reads, with one blocking `XREAD` on one connection, the keys its
   local viewers watch, each once whatever the number of viewers, and fans out locally.
   A new viewer starts from the history (its backlog, or what came after its `after`
@@ -54,11 +59,13 @@ from engine.streaming.bus import BusUnavailable, Claim
 from engine.streaming.fanout import Hub
 from engine.streaming.history import HISTORY, Entry, answered_through
 from engine.streaming.lifecycle import Owner
-from engine.streaming.redis_health import BACKOFF, UNREACHABLE, Health, describe, refusal
+from engine.streaming.redis_appends import HISTORY_TTL_MS, Appender
+from engine.streaming.redis_health import BACKOFF, Health, refusal
 from engine.streaming.redis_store import (
     APPEND,
     CLAIM,
     KEEP_GLOSSARIES,
+    KEEP_TERMS,
     KIND_CLOSED,
     KIND_REPLY,
     KIND_STARTED_OVER,
@@ -69,21 +76,17 @@ from engine.streaming.redis_store import (
     entry_of,
     redacted,
     redis_errors,
-    with_cursor,
+    terms_of,
 )
 from engine.streaming.redis_viewers import BLOCK_MS, RedisViewers
 from engine.streaming.subscriptions import Subscription
-from protocol import ErrorCode, ErrorMessage, InvalidEvent, TranslationUpdate
+from protocol import ErrorCode, ErrorMessage, InvalidEvent
 
 log = logging.getLogger(__name__)
 
 LEASE_MS = 3000
 """How long a stream stays its node's without a renewal. A node that dies holds its
 streams this long at most: the writer, reconnecting elsewhere, waits for it."""
-
-HISTORY_TTL_MS = 6 * 3600 * 1000
-"""A (stream, language) history that nobody appends to expires after this, and the
-stream's epoch with it (renewed while a node holds the stream)."""
 
 SAMPLES = 2048
 """Latency samples kept for the metrics' quantiles."""
@@ -137,15 +140,15 @@ class RedisBus:
         self._group: anyio.abc.TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
         self._closing = False
-        self._outgoing: deque[Append] = deque()
-        self._in_flight: list[Append] = []  # the batch being appended
-        self._has_outgoing = anyio.Event()
         self._held: dict[str, int] = {}  # stream -> epoch of the life this node holds
         self._lost: set[str] = set()  # held streams whose lease went to another life
         self._fresh: dict[str, int] = {}  # claimed streams whose epoch counter the claim made
         self._renewing = anyio.Event()  # set while no renewal is in flight
         self._renewing.set()
         self._hub = Hub(queue_size)
+        self._appends = Appender(
+            self.keys, history, self._hub, self.health, self._stats, self.publish_seconds
+        )
         self._viewers = RedisViewers(self._hub, self.keys, history, self.health, self.read_seconds)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -218,6 +221,7 @@ class RedisBus:
                 ("renew", RENEW),
                 ("release", RELEASE),
                 ("keep_glossaries", KEEP_GLOSSARIES),
+                ("keep_terms", KEEP_TERMS),
             )
         }
         self.health.reachable = True
@@ -231,7 +235,7 @@ class RedisBus:
     async def _run(self, started: anyio.Event) -> None:
         async with anyio.create_task_group() as group:
             self._group = group
-            group.start_soon(self._append_loop)
+            group.start_soon(self._appends.run, self._redis, self._scripts)
             group.start_soon(self._renew_loop)
             await self._viewers.run(self._redis, self._reader, group)
             started.set()
@@ -241,7 +245,7 @@ class RedisBus:
         if self._runner is None or self._closing:
             return
         with anyio.move_on_after(1.0):
-            while self._outgoing or self._in_flight:
+            while self._appends.busy:
                 await anyio.sleep(0.005)
         self._closing = self.health.closing = True
         self.health.flush(force=True)
@@ -421,93 +425,7 @@ class RedisBus:
         )
 
     def _queue(self, item: Append) -> None:
-        self._outgoing.append(item)
-        self._has_outgoing.set()
-
-    async def _append_loop(self) -> None:
-        """Append queued replies in order, many per round trip; tell each writer once
-        Redis has its reply."""
-        while True:
-            if not self._outgoing:
-                self._has_outgoing = anyio.Event()
-                await self._has_outgoing.wait()
-            batch = [self._outgoing.popleft() for _ in range(min(len(self._outgoing), 256))]
-            self._in_flight = batch
-            try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for item in batch:
-                        await self._scripts["append"](
-                            keys=[
-                                self.keys.epoch(item.stream_id),
-                                *(self.keys.history(item.stream_id, lang) for lang in item.langs),
-                            ],
-                            args=[
-                                item.epoch,
-                                self.history_size,
-                                HISTORY_TTL_MS,
-                                item.kind,
-                                item.payload,
-                            ],
-                            client=pipe,
-                        )
-                    results = await pipe.execute(raise_on_error=False)
-            except redis_errors() as exc:
-                self.health.failed("appending replies", exc)
-                results = [exc] * len(batch)
-            else:
-                self.health.succeeded()
-            refused = [r for r in results if isinstance(r, BaseException) and refusal(r)]
-            if refused:
-                self.health.write_refused("appending replies", refused[0])
-            elif not any(isinstance(r, BaseException) for r in results):
-                self.health.wrote()
-            now = time.perf_counter()
-            for item, result in zip(batch, results, strict=True):
-                if isinstance(result, BaseException):
-                    self._not_appended(item, describe(result) if refusal(result) else UNREACHABLE)
-                elif not result:
-                    self._stats["stale_refused"] += 1
-                    self._not_appended(item, "this stream was taken over by another server node")
-                else:
-                    self._stats["appended"] += 1
-                    self.publish_seconds.append(now - item.queued)
-                    self._appended(item, list(result))
-            self._in_flight = []
-
-    def _appended(self, item: Append, ids: list[str]) -> None:
-        reply = item.reply
-        if reply is None:
-            return
-        cursor = ids[0] if ids else None
-        if isinstance(reply, TranslationUpdate) and cursor is not None and len(ids) == 1:
-            reply = with_cursor(reply, cursor)
-        # Its viewers on every node (this one's too) have it from their reads.
-        self._hub.publish(reply, item.owner, viewers=False)
-
-    def _not_appended(self, item: Append, why: str) -> None:
-        """A reply Redis did not take: a final's becomes an `unavailable` error to its
-        writer (which sends the final again), a partial's is dropped (counted)."""
-        reply = item.reply
-        if reply is None:
-            kind = "close_marks_lost" if item.kind == KIND_CLOSED else "restart_marks_lost"
-            self.health.lost(kind, why)
-            return
-        final = reply.seq if isinstance(reply, ErrorMessage) else None
-        if isinstance(reply, TranslationUpdate):
-            final = reply.seq if reply.is_final else None
-        if final is None:
-            self.health.lost("updates_dropped", why)
-            return
-        self.health.lost("finals_refused", why)
-        error = ErrorMessage(
-            ErrorCode.UNAVAILABLE,
-            f"{why}: send this final transcript again (reconnect first)",
-            None,
-            reply.stream_id,
-            final,
-            reply.lang,
-        )
-        self._hub.to_owner(error, item.owner)
+        self._appends.queue(item)
 
     async def keep_glossaries(self, stream_id: str, epoch: int, texts: Mapping[str, str]) -> None:
         pairs = [part for lang, text in sorted(texts.items()) for part in (lang, text)]
@@ -529,6 +447,19 @@ class RedisBus:
             raise self._unavailable(stream_id, f"{why}: try again shortly") from None
         self.health.succeeded()
         return {str(lang): str(text) for lang, text in raw.items()}  # decode_responses
+
+    def keep_terms(self, stream_id: str, epoch: int, counts: Mapping[str, tuple[int, int]]) -> None:
+        # Queued: they ride on the stream's next append (`engine.streaming.redis_appends`).
+        self._appends.keep_terms(stream_id, epoch, counts)
+
+    async def kept_terms(self, stream_id: str) -> dict[str, tuple[int, int]]:
+        try:
+            raw = await self._redis.hgetall(self.keys.terms(stream_id))
+        except redis_errors() as exc:
+            why = self.health.failed("reading a stream's term counts", exc)
+            raise self._unavailable(stream_id, f"{why}: try again shortly") from None
+        self.health.succeeded()
+        return terms_of(raw)
 
     def start_over(self, stream_id: str, epoch: int) -> None:
         # Queued like a reply and fenced by its epoch: it lands before the new life's
@@ -568,7 +499,7 @@ class RedisBus:
     async def _release_after_appends(self, stream_id: str, epoch: int) -> None:
         """Let the lease go once this life's queued replies are appended (a new life on
         another node must come after them)."""
-        while any(item.stream_id == stream_id for item in [*self._outgoing, *self._in_flight]):
+        while self._appends.holds(stream_id):
             await anyio.sleep(0.005)
         if self._held.get(stream_id) == epoch:
             await self._release_now(stream_id)

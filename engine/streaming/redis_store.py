@@ -5,7 +5,8 @@ fence cannot be passed between a check and a write), and how an entry is stored.
 from __future__ import annotations
 
 import urllib.parse
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import protocol
 from engine.replies import Reply
@@ -34,17 +35,27 @@ return {1, epoch, created}
 APPEND = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
 local ids = {}
-for i = 2, #KEYS do
+for i = 3, #KEYS do
   ids[#ids + 1] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*',
                              'k', ARGV[4], 'e', ARGV[1], 'm', ARGV[5])
   redis.call('PEXPIRE', KEYS[i], ARGV[3])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if ARGV[4] == 'c' then
+  redis.call('DEL', KEYS[2])
+elseif #ARGV > 5 then
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[2], unpack(ARGV, 6))
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return ids
 """
-# KEYS[1]: the stream's epoch; the rest: its history keys. An append of an older life
-# (a node that lost the stream without knowing it yet) is refused here. The epoch expires
-# with the histories it fences.
+# KEYS[1]: the stream's epoch; KEYS[2]: its term counts (language -> "matched placed");
+# the rest: its history keys. An append of an older life (a node that lost the stream
+# without knowing it yet) is refused here. The epoch and the counts expire with the
+# histories. ARGV[6...]: the counts' language, value pairs when they changed since the
+# last append (they ride on it, no round trip of their own), replacing the hash; a close
+# mark deletes it (the id opened anew counts from nothing).
 
 RENEW = """
 local holder = redis.call('GET', KEYS[1])
@@ -86,6 +97,18 @@ return 1
 # life writing them (a life that lost the stream writes nothing), ARGV[2]: their time to
 # live (the histories'), then language, text pairs (none: the stream has none).
 
+KEEP_TERMS = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[2])
+if #ARGV > 2 then
+  redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+end
+return 1
+"""
+# The counts alone, when no append of their stream was queued to carry them: KEYS and
+# ARGV as `KEEP_GLOSSARIES`'s.
+
 KIND_REPLY = "r"
 KIND_CLOSED = "c"
 KIND_STARTED_OVER = "s"
@@ -106,6 +129,9 @@ class Keys:
     def glossaries(self, stream_id: str) -> str:
         return f"{self.prefix}:g:{stream_id}"
 
+    def terms(self, stream_id: str) -> str:
+        return f"{self.prefix}:t:{stream_id}"
+
     def history(self, stream_id: str, lang: str) -> str:
         # The language is last and never holds a colon: any stream id maps to one key.
         return f"{self.prefix}:h:{stream_id}:{lang}"
@@ -123,6 +149,7 @@ class Append:
     reply: Reply | None
     owner: Owner | None
     queued: float
+    terms: list[str] = field(default_factory=list)  # counts riding on it (`APPEND`)
 
 
 @dataclass
@@ -132,6 +159,21 @@ class Watch:
     stream_id: str
     lang: str
     last: str  # the id read up to
+
+
+def terms_fields(counts: Mapping[str, tuple[int, int]]) -> list[str]:
+    """A stream's term counts as the hash's language, value pairs."""
+    return [part for lang, (m, p) in sorted(counts.items()) for part in (lang, f"{m} {p}")]
+
+
+def terms_of(raw: Mapping[str, str]) -> dict[str, tuple[int, int]]:
+    """The hash read back (a value that is not two numbers is left out)."""
+    counts: dict[str, tuple[int, int]] = {}
+    for lang, value in raw.items():
+        parts = str(value).split()
+        if len(parts) == 2 and all(p.isdigit() for p in parts):
+            counts[str(lang)] = (int(parts[0]), int(parts[1]))
+    return counts
 
 
 def redis_errors() -> tuple[type[BaseException], ...]:

@@ -67,6 +67,13 @@ class StreamRunner:
                 matched, placed = session.final_terms
                 self.stats["terms_matched"] += matched
                 self.stats["terms_placed"] += placed
+        if update.is_final or stream.kept_terms is None:
+            # On the bus for any node's `/terms`: from the life's first update (so that
+            # the stream is known open), then whenever a final changed them.
+            counts = stream.terms()
+            if counts != stream.kept_terms:
+                self.bus.keep_terms(stream.stream_id, stream.life.epoch, counts)
+                stream.kept_terms = counts
         self.deliver(update, stream)
 
     def deliver(self, reply: Reply, stream: Stream) -> None:

@@ -51,6 +51,8 @@ class Stream:
         self.warned_script = False  # said once that its text is in another script
         # Its writer's glossaries (`engine.streaming.own_glossary`): language -> (text, glossary).
         self.own_glossaries: dict[str, tuple[str, Glossary]] = {}
+        # Its term counts as last given to the bus (`UpdateBus.keep_terms`); None: not yet.
+        self.kept_terms: dict[str, tuple[int, int]] | None = None
 
     def __repr__(self) -> str:
         return repr(self.life)
@@ -67,6 +69,17 @@ class Stream:
     def closed(self) -> bool:
         """Released or aborted: nothing it does is published any more."""
         return self.life.closed
+
+    def terms(self) -> dict[str, tuple[int, int]]:
+        """Its glossary terms over its finals so far, per language: (matched, placed)."""
+        return {lang: (s.terms_matched, s.terms_placed) for lang, s in self.sessions.items()}
+
+    def carry_terms(self, counts: Mapping[str, tuple[int, int]]) -> None:
+        """Go on from the counts an earlier life of the stream kept (a resumed life)."""
+        for lang, (matched, placed) in counts.items():
+            session = self.sessions.get(lang)
+            if session is not None:
+                session.terms_matched, session.terms_placed = matched, placed
 
     def drop_partials(self) -> int:
         """Latest wins: drop waiting partials (finals stay); returns how many."""
