@@ -359,7 +359,12 @@ class RedisBus:
                     async with self._redis.pipeline(transaction=False) as pipe:
                         for stream_id, epoch in held.items():
                             await self._scripts["renew"](
-                                keys=[self.keys.lease(stream_id), self.keys.epoch(stream_id)],
+                                keys=[
+                                    self.keys.lease(stream_id),
+                                    self.keys.epoch(stream_id),
+                                    self.keys.glossaries(stream_id),
+                                    self.keys.terms(stream_id),
+                                ],
                                 args=[self.node, self.lease_ms, epoch, HISTORY_TTL_MS],
                                 client=pipe,
                             )

@@ -46,16 +46,17 @@ if ARGV[4] == 'c' then
 elseif #ARGV > 5 then
   redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[2], unpack(ARGV, 6))
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return ids
 """
 # KEYS[1]: the stream's epoch; KEYS[2]: its term counts (language -> "matched placed");
 # the rest: its history keys. An append of an older life (a node that lost the stream
-# without knowing it yet) is refused here. The epoch and the counts expire with the
-# histories. ARGV[6...]: the counts' language, value pairs when they changed since the
-# last append (they ride on it, no round trip of their own), replacing the hash; a close
-# mark deletes it (the id opened anew counts from nothing).
+# without knowing it yet) is refused here. The epoch expires with the histories, the
+# counts too (`RENEW` keeps them while a life holds the stream). ARGV[6...]: the counts'
+# language, value pairs when they changed since the last append (they ride on it, no
+# round trip of their own), replacing the hash; a close mark deletes it (the id opened
+# anew counts from nothing).
 
 RENEW = """
 local holder = redis.call('GET', KEYS[1])
@@ -69,11 +70,13 @@ else
   return 0
 end
 if not current then redis.call('SET', KEYS[2], ARGV[3]) end
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
+for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
 # A lease that expired while nobody took the stream over (or a Redis restarted without
 # its data) is taken back with the same epoch; one that another life holds is lost.
+# KEYS[3...]: what the stream keeps beside its histories (its glossaries, its term
+# counts), which live as long as the life holding it does, and its term to live after.
 
 RELEASE = """
 local released = 0

@@ -14,8 +14,14 @@ It starts its own `redis-server` (Debian's) on a free loopback port, without per
 4. **CPU per 40 streams**: 40 streams talking at 4 updates a second each, with a viewer of
    each on another node, for T seconds: the CPU the writing node and the reading node
    spend on the bus, in percent of one core, and Redis's own.
+5. **Term counts** (`--only terms` runs this alone): a stream's glossary counts given to
+   the bus before each final (`keep_terms`, changed every final, as a glossary stream's
+   are), one stream's updates appended one at a time (nothing to batch with): Redis round
+   trips and commands (inside the scripts too, from `INFO commandstats`) per update, and
+   the append latency; then a burst over 40 streams. On a checkout without `keep_terms`
+   the same updates go without counts (the "before").
 
-    python examples/benchmarks/bus.py [--viewers 3000] [--seconds 20]
+    python examples/benchmarks/bus.py [--viewers 3000] [--seconds 20] [--only terms]
 """
 
 from __future__ import annotations
@@ -250,6 +256,80 @@ async def cpu_per_40(redis: Redis, seconds: float, streams: int = 40, rate: floa
     await reader_bus.aclose()
 
 
+def redis_counts(redis: Redis) -> tuple[int, int]:
+    """Commands Redis ran so far, those inside scripts included (`INFO commandstats`), and
+    the reads it served (`total_reads_processed`: one a round trip of a client's, however
+    many commands it pipelines), each less this call's own."""
+    out = subprocess.run(
+        ["redis-cli", "-p", str(redis.port), "INFO", "all"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    commands = sum(
+        int(line.split("calls=", 1)[1].split(",", 1)[0])
+        for line in out.splitlines()
+        if line.startswith("cmdstat_") and not line.startswith("cmdstat_info")
+    )
+    reads = next(
+        int(line.split(":", 1)[1])
+        for line in out.splitlines()
+        if line.startswith("total_reads_processed:")
+    )
+    return commands, reads
+
+
+def keep_terms(bus: RedisBus, stream: str, epoch: int, seq: int) -> None:
+    if hasattr(bus, "keep_terms"):  # a checkout before the counts: nothing to keep
+        bus.keep_terms(stream, epoch, {"zh": (seq // 8 + 1, seq // 8)})
+
+
+async def terms(redis: Redis, updates: int, burst: int) -> None:
+    bus = await node(redis)
+    owner = Owner("w")
+    writer = subscribe(bus, owner=owner)
+    epoch = await claimed(bus, "terms")
+    commands0, reads0 = redis_counts(redis)
+    for seq in range(updates):
+        if seq % 8 == 7:
+            keep_terms(bus, "terms", epoch, seq)
+        bus.publish(update("terms", seq, epoch), owner, epoch)
+        while bus.stats["appended"] <= seq:
+            await asyncio.sleep(0.0002)
+    commands, reads = redis_counts(redis)
+    # The INFO call's own read and the lease renewals and test writes meanwhile (about
+    # one of each a second) are in these too.
+    trips, commands = reads - reads0 - 1, commands - commands0
+    samples = list(bus.publish_seconds)[-updates:]
+    print(
+        f"  one stream, {updates} updates one at a time (a final every 8th, counts before "
+        f"each): {trips / updates:.3f} round trips and {commands / updates:.2f} Redis commands"
+        f" an update; append {quantiles(samples)}; counts written "
+        f"{bus.stats['terms_written']} (alone {bus.stats['terms_alone']})"
+    )
+    names = [f"tb-{i}" for i in range(40)]
+    epochs = {name: await claimed(bus, name) for name in names}
+    appended0, (_, reads0) = bus.stats["appended"], redis_counts(redis)
+    start = time.perf_counter()
+    for seq in range(burst):
+        stream = names[seq % 40]
+        if seq % 8 == 7:
+            keep_terms(bus, stream, epochs[stream], seq)
+        bus.publish(update(stream, seq, epochs[stream]), owner, epochs[stream])
+        if seq % 256 == 255:
+            await asyncio.sleep(0)
+    while bus.stats["appended"] - appended0 < burst:
+        await asyncio.sleep(0.001)
+    wall = time.perf_counter() - start
+    reads = redis_counts(redis)[1] - reads0 - 1
+    print(
+        f"  burst of {burst} over 40 streams: {burst / wall:,.0f} updates/s, "
+        f"{reads / burst:.4f} round trips an update"
+    )
+    assert len(writer) > 0
+    await bus.aclose()
+
+
 def cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -261,6 +341,10 @@ async def main(args: argparse.Namespace) -> None:
     redis = Redis()
     try:
         print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
+        if args.only == "terms":
+            print("5. term counts")
+            await terms(redis, args.updates, args.burst)
+            return
         print("1. latency added by the Redis path")
         await latency(redis, args.updates)
         print("2. updates per second one node publishes")
@@ -269,6 +353,8 @@ async def main(args: argparse.Namespace) -> None:
         await fan_out(redis, args.viewers, args.fan_updates)
         print("4. CPU per 40 streams")
         await cpu_per_40(redis, args.seconds)
+        print("5. term counts")
+        await terms(redis, args.updates, args.burst)
     finally:
         redis.stop()
 
@@ -280,4 +366,5 @@ if __name__ == "__main__":
     parser.add_argument("--viewers", type=int, default=3000)
     parser.add_argument("--fan-updates", type=int, default=40)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--only", choices=["terms"], help="run one section alone")
     asyncio.run(main(parser.parse_args()))
