@@ -305,3 +305,39 @@ async def test_term_counts_ride_on_the_append_fenced_and_closed_with_the_stream(
     assert stats["terms_alone"] == 1 and stats["append_round_trips"] == 2
     assert kept == {"zh": (3, 2)}
     assert epoch_b > epoch and fenced == {"zh": (3, 2)}
+
+
+async def test_an_append_is_one_round_trip_and_survives_flushed_scripts(
+    redis: RedisServer,
+) -> None:
+    """Appends go by their scripts' digests, one round trip a batch (Redis counts the
+    reads it serves); a Redis that lost its scripts (restarted, flushed) gets them again
+    and the append goes through."""
+    import redis as redis_py
+
+    bus = RedisBus(redis.url, lease_ms=60_000)  # no renewal or test write meanwhile
+    await bus.start(["zh"])
+    store = redis_py.Redis.from_url(redis.url, decode_responses=True)
+
+    async def append(seq: int, epoch: int) -> None:
+        update = TranslationUpdate("s1", seq, seq, "汤姆", "", True, 1.0, 1.0, epoch=epoch)
+        bus.publish(dataclasses.replace(update, lang="zh"), Owner("w"), epoch)
+        with anyio.fail_after(5):
+            while bus.stats["appended"] <= seq:
+                await anyio.sleep(0.002)
+
+    try:
+        epoch = (await bus.claim("s1")).epoch
+        reads = store.info("stats")["total_reads_processed"]
+        for seq in range(20):
+            await append(seq, epoch)
+        reads = store.info("stats")["total_reads_processed"] - reads - 1  # the INFO itself
+        store.script_flush()
+        await append(20, epoch)
+        history = await bus.history("s1", "zh")
+    finally:
+        await bus.aclose()
+        store.close()
+    assert reads == 20
+    assert bus.stats["scripts_loaded"] == 1 and bus.stats["appended"] == 21
+    assert [entry.reply.seq for entry in history if entry.reply is not None] == list(range(21))

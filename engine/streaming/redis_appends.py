@@ -27,6 +27,9 @@ from engine.streaming.redis_store import (
 )
 from protocol import ErrorCode, ErrorMessage, TranslationUpdate
 
+Call = tuple[Any, list[str], list[Any]]
+"""A script (redis-py's object: its digest and source), its keys and its arguments."""
+
 BATCH = 256
 """Appends sent in one round trip at most."""
 
@@ -113,38 +116,22 @@ class Appender:
             batch = [self.outgoing.popleft() for _ in range(min(len(self.outgoing), BATCH))]
             self.in_flight = batch
             alone = self._carriers(batch)
+            calls = [self._append_call(scripts, item) for item in batch]
+            calls += [
+                (
+                    scripts["keep_terms"],
+                    [self.keys.epoch(stream_id), self.keys.terms(stream_id)],
+                    [epoch, HISTORY_TTL_MS, *fields],
+                )
+                for stream_id, epoch, fields in alone
+            ]
             try:
-                async with redis.pipeline(transaction=False) as pipe:
-                    for item in batch:
-                        await scripts["append"](
-                            keys=[
-                                self.keys.epoch(item.stream_id),
-                                self.keys.terms(item.stream_id),
-                                *(self.keys.history(item.stream_id, lang) for lang in item.langs),
-                            ],
-                            args=[
-                                item.epoch,
-                                self.history_size,
-                                HISTORY_TTL_MS,
-                                item.kind,
-                                item.payload,
-                                *item.terms,
-                            ],
-                            client=pipe,
-                        )
-                    for stream_id, epoch, fields in alone:
-                        await scripts["keep_terms"](
-                            keys=[self.keys.epoch(stream_id), self.keys.terms(stream_id)],
-                            args=[epoch, HISTORY_TTL_MS, *fields],
-                            client=pipe,
-                        )
-                    results = await pipe.execute(raise_on_error=False)
+                results = await self._send(redis, calls)
             except redis_errors() as exc:
                 self.health.failed("appending replies", exc)
                 results = [exc] * (len(batch) + len(alone))
             else:
                 self.health.succeeded()
-            self.stats["append_round_trips"] += 1
             refused = [r for r in results if isinstance(r, BaseException) and refusal(r)]
             if refused:
                 self.health.write_refused("appending replies", refused[0])
@@ -165,6 +152,42 @@ class Appender:
             self.in_flight = []
             if retry and not self.outgoing:  # counts that failed: again, but not at once
                 await anyio.sleep(BACKOFF[0])
+
+    def _append_call(self, scripts: Mapping[str, Any], item: Append) -> Call:
+        keys = [
+            self.keys.epoch(item.stream_id),
+            self.keys.terms(item.stream_id),
+            *(self.keys.history(item.stream_id, lang) for lang in item.langs),
+        ]
+        args = [item.epoch, self.history_size, HISTORY_TTL_MS, item.kind, item.payload]
+        return scripts["append"], keys, [*args, *item.terms]
+
+    async def _send(self, redis: Any, calls: list[Call]) -> list[Any]:
+        """The calls in one pipeline, each script by its digest (`EVALSHA`): one round trip
+        (a pipeline of redis-py's script objects asks Redis first whether it has them,
+        one more every time). A Redis without them (restarted, or its scripts flushed)
+        answers `NOSCRIPT` and ran nothing of those calls: they are loaded and those
+        calls sent again, in order."""
+        from redis.exceptions import NoScriptError
+
+        results: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            async with redis.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    script, keys, args = calls[i]
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                answers = await pipe.execute(raise_on_error=False)
+            self.stats["append_round_trips"] += 1
+            for i, answer in zip(todo, answers, strict=True):
+                results[i] = answer
+            todo = [i for i in todo if isinstance(results[i], NoScriptError)]
+            if not todo or attempt:
+                break
+            for script in {id(calls[i][0]): calls[i][0] for i in todo}.values():
+                script.sha = await redis.script_load(script.script)
+            self.stats["scripts_loaded"] += 1
+        return results
 
     def _terms_done(
         self, batch: list[Append], alone: list[tuple[str, int, list[str]]], results: list[Any]

@@ -224,6 +224,12 @@ class RedisBus:
                 ("keep_terms", KEEP_TERMS),
             )
         }
+        try:  # the append loop sends them by digest, which Redis must know
+            for name in ("append", "keep_terms"):
+                await self._redis.script_load(self._scripts[name].script)
+        except failures as exc:
+            await self._disconnect()
+            raise BusUnavailable(f"cannot reach Redis at {redacted(self.url)}: {exc}") from None
         self.health.reachable = True
         # The loops live in a task of their own (redis-py's client is asyncio's), so the
         # bus may be started before the engine that uses it and closed by that engine
