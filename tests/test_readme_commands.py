@@ -417,7 +417,7 @@ def test_the_readme_runs_the_main_paths() -> None:
 
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading."""
-    text = re.sub(r"[`*_]", "", heading.strip()).lower()
+    text = re.sub(r"[`*]", "", heading.strip()).lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
