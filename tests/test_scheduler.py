@@ -1203,10 +1203,10 @@ def test_a_submission_wakes_one_idle_lane_not_every_lane() -> None:
 def test_partials_a_few_ms_apart_share_one_encoder_call_with_the_batch_delay(
     delay_ms: float,
 ) -> None:
-    """Partials submitted 10 ms apart to an idle lane: without the batch delay each has
-    an encoder call and a prefill of its own; with it, once the arrival rate is known
-    (the first is not held), the lane waits for the rest and runs them in one call of
-    each. The results are those of each decoded alone."""
+    """Two streams' partials, a pair every 10 ms, to an idle lane: without the batch delay
+    each pair has at least one encoder call and prefill of its own; with it, once the
+    arrival rate is known (the first pair is not held), the lane waits for the rest and
+    runs them in one call of each. The results are those of each decoded alone."""
     needs_fixture()
     options = SchedulerOptions(lanes=1, batch_delay_ms=delay_ms)
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=options)
@@ -1215,17 +1215,19 @@ def test_partials_a_few_ms_apart_share_one_encoder_call_with_the_batch_delay(
     stats = tr.scheduler.stats
     futures: list[Future[Hypothesis]] = []
     for text in texts:
-        enc = tr.encoding([tr.source_ids(text)])
-        futures += tr.scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL)
+        for _ in range(2):  # the second finds the first in flight
+            enc = tr.encoding([tr.source_ids(text)])
+            futures += tr.scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL)
         time.sleep(0.01)
-    assert [f.result(30).token_ids for f in futures] == expected
+    got = [f.result(30).token_ids for f in futures]
+    assert got == [ids for ids in expected for _ in range(2)]
     after = tr.scheduler.stats
     calls = after["encoder_calls"] - stats["encoder_calls"]
     prefills = after["prefill_calls"] - stats["prefill_calls"]
     if delay_ms:
-        assert (calls, prefills) == (2, 2), after  # the first alone, then the other four
-        assert after["held_turns"] - stats["held_turns"] == 1
+        assert calls <= 3 and prefills <= 3, after  # the first pair, then the rest at once
+        assert after["held_turns"] - stats["held_turns"] >= 1
     else:
-        assert calls >= len(texts) - 1 and prefills >= len(texts) - 1, after
+        assert calls >= len(texts) and prefills >= len(texts), after
         assert after["held_turns"] == 0
     tr.close()

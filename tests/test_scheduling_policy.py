@@ -361,6 +361,21 @@ def test_a_lone_stream_or_a_silence_is_never_held() -> None:
     assert dense.hold(0, 8 * MS) == 0  # 6 ms of silence: another is unlikely now
 
 
+def test_one_caller_waiting_on_each_answer_is_never_held() -> None:
+    """Partials a millisecond apart, each submitted once the one before was answered (a
+    fast replay): dense, but none found another in flight, so no one else would come
+    during a wait. Two callers whose submissions overlap are held."""
+    p = SchedulingPolicy[Fake, Job](1, max_rows=32, batch_delay=10 * MS)
+    for i in range(10):
+        p.add([Fake(f"r{i}", Priority.PARTIAL, submitted=i * MS)])
+        assert p.hold(0, i * MS) == 0
+        take_turn(p, 0)
+        assert len(p.update(0, p.running(0))) == 1
+    p.add([Fake("other", Priority.PARTIAL, submitted=10 * MS)])  # overlaps r10
+    p.add([Fake("r10", Priority.PARTIAL, submitted=10 * MS)])
+    assert p.hold(0, 10 * MS) > 0
+
+
 def test_the_first_arrival_and_a_zero_delay_are_never_held() -> None:
     p = SchedulingPolicy[Fake, Job](1, max_rows=32, batch_delay=10 * MS)
     arriving(p, [])

@@ -67,8 +67,8 @@ class SchedulerOptions:
     # Milliseconds an idle lane may wait, from its oldest newcomer's arrival, for more
     # partials to share its encoder and prefill calls, while the recent arrival rate makes
     # one likely (`SchedulingPolicy.hold`); running rows never wait, finals never do.
-    # 0: none (docs/performance.md#the-decode-lanes-calls-issue-54-second-pass).
-    batch_delay_ms: float = 0.0
+    # 0: none. The default is measured (docs/performance.md#the-batch-delay-issue-54).
+    batch_delay_ms: float = 3.0
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:

@@ -79,9 +79,15 @@ to keep waiting for it (`SchedulingPolicy.hold`), arrivals taken as a Poisson st
 the recent rate: less, and the wait would more often than not end with no one gained."""
 
 GAP_SMOOTHING = 8
-"""Submissions over which the recent gap between arrivals is averaged (an exponential
-mean): enough that one early or late partial does not swing it, few enough that a burst
-is seen within a few arrivals."""
+"""Submissions over which the recent gap between arrivals, and the share of them that
+found others in flight, are averaged (exponential means): enough that one early or late
+partial does not swing them, few enough that a burst is seen within a few arrivals."""
+
+CONCURRENT_MIN = 0.1
+"""The share of recent arrivals that must have found another request waiting or running
+for an idle lane to hold (`SchedulingPolicy.hold`). Below it the arrivals look like one
+caller that waits for each answer before it submits the next (a fast replay, a loop over
+`answer`): dense, yet no one else would come during a wait, which would only slow it."""
 
 
 class EncoderJob(Protocol):
@@ -194,6 +200,7 @@ class SchedulingPolicy(Generic[R, J]):
         self._aborted: OrderedDict[RequestId, None] = OrderedDict()
         self._last_arrival: float | None = None  # the newest submission's `submitted`
         self._gap = math.inf  # the recent mean gap between submissions (seconds)
+        self._concurrent = 0.0  # the recent share of submissions that found others in flight
 
     @property
     def lanes(self) -> int:
@@ -245,18 +252,21 @@ class SchedulingPolicy(Generic[R, J]):
         if any(request_id in self._aborted for request_id in ids):
             self.counts["rows_cancelled"] += len(requests)
             raise DecodingCancelled
+        if requests:
+            in_flight = bool(self._waiting) or any(self._running)
+            self._arrived(max(request.submitted for request in requests), in_flight)
         for request in requests:
             if request.request_id is not None:
                 self._live.setdefault(request.request_id, []).append(request)
         self._waiting.extend(requests)
-        if requests:
-            self._arrived(max(request.submitted for request in requests))
 
     def add_encode(self, job: J) -> None:
         self._encodes.append(job)
 
-    def _arrived(self, at: float) -> None:
-        """One submission's arrival (its requests came together): the recent gap."""
+    def _arrived(self, at: float, in_flight: bool) -> None:
+        """One submission's arrival (its requests came together): the recent gap, and
+        the recent share of arrivals that found other requests in flight."""
+        self._concurrent += (float(in_flight) - self._concurrent) / GAP_SMOOTHING
         last, self._last_arrival = self._last_arrival, at
         if last is None:
             return
@@ -276,8 +286,12 @@ class SchedulingPolicy(Generic[R, J]):
         lane's rows, the turn's prefill positions), never past `batch_delay` from the
         oldest newcomer's arrival, and only while the recent arrival rate makes another
         newcomer likely before then (`HOLD_CHANCE`): a lone stream, or a few, pay nothing.
-        The time since the newest arrival counts as a gap, so a silence ends the wait."""
+        The time since the newest arrival counts as a gap, so a silence ends the wait; and
+        arrivals that never overlap (`CONCURRENT_MIN`: one caller waiting on each answer)
+        are never held."""
         if self.batch_delay <= 0 or self._running[lane] or self._encodes or not self._waiting:
+            return 0.0
+        if self._concurrent < CONCURRENT_MIN:
             return 0.0
         rows = positions = 0
         oldest = math.inf
