@@ -1197,3 +1197,37 @@ def test_a_submission_wakes_one_idle_lane_not_every_lane() -> None:
     # One look that finds nothing per request (the lane that ran it, before it waits);
     # a lane woken for nothing adds one more each time.
     assert idle_checks <= rounds + 2, idle_checks
+
+
+@pytest.mark.parametrize("delay_ms", [0.0, 200.0])
+def test_partials_a_few_ms_apart_share_one_encoder_call_with_the_batch_delay(
+    delay_ms: float,
+) -> None:
+    """Two streams' partials, a pair every 10 ms, to an idle lane: without the batch delay
+    each pair has at least one encoder call and prefill of its own; with it, once the
+    arrival rate is known (the first pair is not held), the lane waits for the rest and
+    runs them in one call of each. The results are those of each decoded alone."""
+    needs_fixture()
+    options = SchedulerOptions(lanes=1, batch_delay_ms=delay_ms)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=options)
+    texts = SOURCES[:5]
+    expected = [alone(tr, text, [], DecodeOptions()).token_ids for text in texts]
+    stats = tr.scheduler.stats
+    futures: list[Future[Hypothesis]] = []
+    for text in texts:
+        for _ in range(2):  # the second finds the first in flight
+            enc = tr.encoding([tr.source_ids(text)])
+            futures += tr.scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL)
+        time.sleep(0.01)
+    got = [f.result(30).token_ids for f in futures]
+    assert got == [ids for ids in expected for _ in range(2)]
+    after = tr.scheduler.stats
+    calls = after["encoder_calls"] - stats["encoder_calls"]
+    prefills = after["prefill_calls"] - stats["prefill_calls"]
+    if delay_ms:
+        assert calls <= 3 and prefills <= 3, after  # the first pair, then the rest at once
+        assert after["held_turns"] - stats["held_turns"] >= 1
+    else:
+        assert calls >= len(texts) and prefills >= len(texts), after
+        assert after["held_turns"] == 0
+    tr.close()

@@ -3,12 +3,14 @@ and no threads (the engine that runs its plans: tests/test_scheduler.py)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
 
 from engine.decoding.policy import (
     ABORTS_REMEMBERED,
+    HOLD_CHANCE,
     PREFILL_PADDING,
     Answer,
     Plan,
@@ -36,6 +38,7 @@ class Fake:
     length: int = 1
     nearly_done: bool = False
     encoding: Job | None = None
+    submitted: float = 0.0
 
     @property
     def rows(self) -> int:
@@ -304,3 +307,108 @@ def test_rows_still_joining_do_not_count_until_their_prefill_ran() -> None:
     p.joined(1)
     assert (p.rows(0), p.rows(1)) == (2, 3)
     assert names(take_turn(p, 1).joining) == ["f"]  # 3 against 2: even enough
+
+
+# -- the batch delay (`hold`) -----------------------------------------------------------
+
+MS = 0.001
+
+
+def arriving(p: Policy, gaps_ms: list[float], *, final_at: int = -1) -> list[Fake]:
+    """Partials submitted one at a time, `gaps_ms` apart from the first at 0 (the one
+    at index `final_at` a final); returns them."""
+    requests: list[Fake] = []
+    at = 0.0
+    for i, gap in enumerate([0.0, *gaps_ms]):
+        at += gap * MS
+        priority = Priority.FINAL if i == final_at else Priority.PARTIAL
+        request = Fake(f"r{i}", priority, length=4, submitted=at)
+        p.add([request])
+        requests.append(request)
+    return requests
+
+
+def test_an_idle_lane_holds_dense_partials_but_never_past_the_delay() -> None:
+    """Partials a millisecond apart: another is likely soon, so the idle lane waits, from
+    the oldest newcomer's arrival, no longer than the delay; past it, it goes at once."""
+    p = SchedulingPolicy[Fake, Job](2, max_rows=32, batch_delay=10 * MS)
+    arriving(p, [1.0, 1.0])  # at 0, 1 and 2 ms
+    now = 2 * MS
+    wait = p.hold(0, now)
+    assert 0 < wait <= 10 * MS - now  # never past the oldest's arrival plus the delay
+    # It stops when another arrival is no longer likely within what is left: at a mean gap
+    # of one millisecond, that is the delay less the gap's share for `HOLD_CHANCE`.
+    assert wait == pytest.approx(10 * MS - now + 1 * MS * math.log(1 - HOLD_CHANCE))
+    assert p.hold(0, 9.5 * MS) == 0  # too little left for another to be likely
+    assert p.hold(0, 11 * MS) == 0  # past the delay
+    assert p.hold(1, now) == wait  # every idle lane alike
+    assert names(take_turn(p, 0).joining) == ["r0", "r1", "r2"]  # all in one call
+
+
+def test_a_lone_stream_or_a_silence_is_never_held() -> None:
+    """A partial every 300 ms (one stream): the next is not expected within the delay.
+    Dense arrivals followed by a silence: the time since the newest counts as a gap."""
+    p = SchedulingPolicy[Fake, Job](1, max_rows=32, batch_delay=10 * MS)
+    for i in range(5):
+        at = i * 300 * MS
+        p.add([Fake(f"r{i}", Priority.PARTIAL, submitted=at)])
+        assert p.hold(0, at) == 0
+        assert names(take_turn(p, 0).joining) == [f"r{i}"]
+        assert len(p.update(0, p.running(0))) == 1  # answered in its prefill
+    dense = SchedulingPolicy[Fake, Job](1, max_rows=32, batch_delay=10 * MS)
+    arriving(dense, [1.0, 1.0])
+    assert dense.hold(0, 2 * MS) > 0
+    assert dense.hold(0, 8 * MS) == 0  # 6 ms of silence: another is unlikely now
+
+
+def test_one_caller_waiting_on_each_answer_is_never_held() -> None:
+    """Partials a millisecond apart, each submitted once the one before was answered (a
+    fast replay): dense, but none found another in flight, so no one else would come
+    during a wait. Two callers whose submissions overlap are held."""
+    p = SchedulingPolicy[Fake, Job](1, max_rows=32, batch_delay=10 * MS)
+    for i in range(10):
+        p.add([Fake(f"r{i}", Priority.PARTIAL, submitted=i * MS)])
+        assert p.hold(0, i * MS) == 0
+        take_turn(p, 0)
+        assert len(p.update(0, p.running(0))) == 1
+    p.add([Fake("other", Priority.PARTIAL, submitted=10 * MS)])  # overlaps r10
+    p.add([Fake("r10", Priority.PARTIAL, submitted=10 * MS)])
+    assert p.hold(0, 10 * MS) > 0
+
+
+def test_the_first_arrival_and_a_zero_delay_are_never_held() -> None:
+    p = SchedulingPolicy[Fake, Job](1, max_rows=32, batch_delay=10 * MS)
+    arriving(p, [])
+    assert p.hold(0, 0.0) == 0  # no rate known yet
+    off = SchedulingPolicy[Fake, Job](1, max_rows=32)
+    arriving(off, [1.0, 1.0])
+    assert off.hold(0, 2 * MS) == 0
+    with pytest.raises(ValueError):
+        SchedulingPolicy[Fake, Job](1, max_rows=32, batch_delay=-1.0)
+
+
+def test_running_rows_finals_encoder_jobs_and_full_calls_are_never_held() -> None:
+    """A lane with rows steps at once (its newcomers join it); a waiting final or encoder
+    job goes at once, taking the partials with it; so does a call already full."""
+    def dense(max_rows: int = 32, prefill_positions: int = 96) -> Policy:
+        p = SchedulingPolicy[Fake, Job](
+            2, max_rows=max_rows, prefill_positions=prefill_positions, batch_delay=10 * MS
+        )
+        arriving(p, [1.0, 1.0])
+        return p
+
+    p = dense()
+    p.add([Fake("running", Priority.PARTIAL, submitted=0.0)])
+    assert names(take_turn(p, 0).joining)[-1] == "running"
+    arriving(p, [1.0])
+    assert p.hold(0, 2 * MS) == 0  # lane 0 holds rows
+    assert p.hold(1, 2 * MS) > 0  # lane 1 is idle
+    final = SchedulingPolicy[Fake, Job](1, max_rows=32, batch_delay=10 * MS)
+    arriving(final, [1.0, 1.0], final_at=1)
+    assert final.hold(0, 2 * MS) == 0
+    encodes = dense()
+    encodes.add_encode(Job())
+    assert encodes.hold(0, 2 * MS) == 0
+    assert dense(max_rows=3).hold(0, 2 * MS) == 0  # three rows fill a lane of three
+    assert dense(prefill_positions=12).hold(0, 2 * MS) == 0  # 3 x 4 positions: full
+    assert dense(max_rows=4).hold(0, 2 * MS) > 0

@@ -221,6 +221,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, several: bool = Fals
         help="decoder rows per batched step, all streams together (default: %(default)s)",
     )
     parser.add_argument(
+        "--batch-delay-ms",
+        type=non_negative_float,
+        default=SchedulerOptions().batch_delay_ms,
+        metavar="MS",
+        help="under load, an idle decode lane waits up to MS ms for more partials to share "
+        "its model calls (less CPU per update, a little latency; never for finals or a lone "
+        "stream; default: %(default)s)",
+    )
+    parser.add_argument(
         "--device",
         type=device_name,
         default="cpu",
@@ -430,6 +439,7 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         "int8_per_token": not args.int8_per_call,
         "scheduler": SchedulerOptions(
             max_rows=args.max_batch_rows,
+            batch_delay_ms=args.batch_delay_ms,
             kv_slots=args.kv_slots,
             inplace_attention=False if args.no_inplace_attention else None,
         ),

@@ -64,6 +64,11 @@ class SchedulerOptions:
     # default); False: the state copied at every step, with lookahead for up to 4 rows
     # (docs/performance.md#self-attention-in-place).
     inplace_attention: bool | None = None
+    # Milliseconds an idle lane may wait, from its oldest newcomer's arrival, for more
+    # partials to share its encoder and prefill calls, while the recent arrival rate makes
+    # one likely (`SchedulingPolicy.hold`); running rows never wait, finals never do.
+    # 0: none. The default is measured (docs/performance.md#the-batch-delay-issue-54).
+    batch_delay_ms: float = 3.0
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -78,6 +83,8 @@ class SchedulerOptions:
             raise ValueError("lookahead_positions must be >= 0")
         if self.prefill_positions < 0:
             raise ValueError("prefill_positions must be >= 0")
+        if not self.batch_delay_ms >= 0:  # NaN too
+            raise ValueError("batch_delay_ms must be >= 0")
 
     def resolved(self, cores: int | None = None) -> Threads:
         """Lanes and threads on `cores` cores (default: `self.cores`, else the

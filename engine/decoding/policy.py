@@ -6,6 +6,8 @@ runs what it plans on the model:
 
 - `add` queues requests (refused at once when their id was aborted already), `add_encode`
   encoder jobs;
+- `hold(lane, now)` says how long an idle lane waits for more newcomers before its turn
+  (the batch delay: 0 unless arrivals are dense enough to fill its calls);
 - `schedule(lane)` plans a lane's turn (`Plan`): the encoder jobs to run, the running
   requests whose rows leave (aborted) and the waiting requests whose rows join;
 - `joined(lane)` says the lane's prefill ran: its newcomers count as its rows from then on
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +73,22 @@ own has a fixed cost of a dozen or so positions: a request much longer or shorte
 the turn's first one waits for another call, and one close in length joins although it
 came later."""
 
+HOLD_CHANCE = 0.5
+"""How likely another newcomer must be, before the batch delay runs out, for an idle lane
+to keep waiting for it (`SchedulingPolicy.hold`), arrivals taken as a Poisson stream at
+the recent rate: less, and the wait would more often than not end with no one gained."""
+
+GAP_SMOOTHING = 8
+"""Submissions over which the recent gap between arrivals, and the share of them that
+found others in flight, are averaged (exponential means): enough that one early or late
+partial does not swing them, few enough that a burst is seen within a few arrivals."""
+
+CONCURRENT_MIN = 0.1
+"""The share of recent arrivals that must have found another request waiting or running
+for an idle lane to hold (`SchedulingPolicy.hold`). Below it the arrivals look like one
+caller that waits for each answer before it submits the next (a fast replay, a loop over
+`answer`): dense, yet no one else would come during a wait, which would only slow it."""
+
 
 class EncoderJob(Protocol):
     """An encoder call's sources, run once: `claimed` once a plan gave it to a lane."""
@@ -106,6 +125,11 @@ class Schedulable(Protocol):
     @property
     def encoding(self) -> EncoderJob | None:
         """The encoder job its source waits on; None when its source is encoded."""
+
+    @property
+    def submitted(self) -> float:
+        """When it was submitted, on the engine's clock (seconds; what `hold`'s `now`
+        reads): the batch delay counts from the oldest newcomer's arrival."""
 
 
 R = TypeVar("R", bound=Schedulable)
@@ -145,7 +169,9 @@ class SchedulingPolicy(Generic[R, J]):
     `kv`: the free list of the model's KV slots (None: its rows keep no slots), which
     the policy only asks whether a request's rows fit: a request takes one slot per row
     it may hold when it joins a lane and gives them back when it leaves; one that finds
-    too few free waits, as it does for a lane's room."""
+    too few free waits, as it does for a lane's room. `batch_delay`: seconds an idle lane
+    may wait, from its oldest newcomer's arrival, for more newcomers to share its encoder
+    and prefill calls (`hold`; 0: none)."""
 
     def __init__(
         self,
@@ -155,8 +181,12 @@ class SchedulingPolicy(Generic[R, J]):
         prefill_positions: int = PREFILL_POSITIONS,
         lockstep: bool = False,
         kv: KvSlotManager[R] | None = None,
+        batch_delay: float = 0.0,
     ) -> None:
+        if batch_delay < 0:
+            raise ValueError("batch_delay must be >= 0")
         self.max_rows = max_rows
+        self.batch_delay = batch_delay
         self.kv = kv
         self.prefill_positions = prefill_positions
         self.lockstep = lockstep
@@ -168,6 +198,9 @@ class SchedulingPolicy(Generic[R, J]):
         self._joining: list[set[R]] = [set() for _ in range(lanes)]  # planned, not prefilled
         self._live: dict[RequestId, list[R]] = {}  # not answered yet, by id
         self._aborted: OrderedDict[RequestId, None] = OrderedDict()
+        self._last_arrival: float | None = None  # the newest submission's `submitted`
+        self._gap = math.inf  # the recent mean gap between submissions (seconds)
+        self._concurrent = 0.0  # the recent share of submissions that found others in flight
 
     @property
     def lanes(self) -> int:
@@ -219,6 +252,9 @@ class SchedulingPolicy(Generic[R, J]):
         if any(request_id in self._aborted for request_id in ids):
             self.counts["rows_cancelled"] += len(requests)
             raise DecodingCancelled
+        if requests:
+            in_flight = bool(self._waiting) or any(self._running)
+            self._arrived(max(request.submitted for request in requests), in_flight)
         for request in requests:
             if request.request_id is not None:
                 self._live.setdefault(request.request_id, []).append(request)
@@ -226,6 +262,53 @@ class SchedulingPolicy(Generic[R, J]):
 
     def add_encode(self, job: J) -> None:
         self._encodes.append(job)
+
+    def _arrived(self, at: float, in_flight: bool) -> None:
+        """One submission's arrival (its requests came together): the recent gap, and
+        the recent share of arrivals that found other requests in flight."""
+        self._concurrent += (float(in_flight) - self._concurrent) / GAP_SMOOTHING
+        last, self._last_arrival = self._last_arrival, at
+        if last is None:
+            return
+        gap = max(0.0, at - last)
+        self._gap = gap if math.isinf(self._gap) else self._gap + (gap - self._gap) / GAP_SMOOTHING
+
+    def hold(self, lane: int, now: float) -> float:
+        """Seconds the lane waits for more newcomers before its turn (0: it goes now).
+
+        A lane's encoder and prefill calls cost about as much for a few rows as for one
+        (their graphs' nodes, not their rows), while under load an idle lane seldom finds
+        more than one newcomer: waiting a little fills them, as Triton's dynamic batcher's
+        queue delay does. The lane waits only when it holds no rows (a running batch steps
+        at once, and newcomers join it as they always do), only for partials (a final
+        or an encoder call is what a stream or a caller waits on: it goes at once, with
+        the partials waiting beside it), only while the waiting calls are not full (the
+        lane's rows, the turn's prefill positions), never past `batch_delay` from the
+        oldest newcomer's arrival, and only while the recent arrival rate makes another
+        newcomer likely before then (`HOLD_CHANCE`): a lone stream, or a few, pay nothing.
+        The time since the newest arrival counts as a gap, so a silence ends the wait; and
+        arrivals that never overlap (`CONCURRENT_MIN`: one caller waiting on each answer)
+        are never held."""
+        if self.batch_delay <= 0 or self._running[lane] or self._encodes or not self._waiting:
+            return 0.0
+        if self._concurrent < CONCURRENT_MIN:
+            return 0.0
+        rows = positions = 0
+        oldest = math.inf
+        for request in self._waiting:
+            if request.priority != Priority.PARTIAL:
+                return 0.0
+            rows += request.width
+            positions += request.positions
+            oldest = min(oldest, request.submitted)
+        if rows >= self.max_rows or positions >= self.prefill_positions:
+            return 0.0
+        since = now - self._last_arrival if self._last_arrival is not None else math.inf
+        gap = max(self._gap, since)
+        # Another arrival within `left` seconds has a chance of 1 - exp(-left / gap).
+        needed = gap * -math.log(1.0 - HOLD_CHANCE)
+        left = oldest + self.batch_delay - now - needed
+        return max(0.0, min(left, self.batch_delay))
 
     def abort(self, ids: Iterable[RequestId]) -> list[Answer[R]]:
         """Abort the requests submitted with these ids, and those submitted with them

@@ -20,7 +20,9 @@ vLLM's iteration-level scheduling:
 4. one decoder call for every live row (`DecodeBatch.execute`).
 
 A lane with nothing to run waits for work, but no longer than its batch's `quiet_in`:
-then it gives back what a burst left (`DecodeBatch.settle`) and waits again.
+then it gives back what a burst left (`DecodeBatch.settle`) and waits again. An idle lane
+that finds only a partial or two may wait a little longer for more, as the policy says
+(`SchedulingPolicy.hold`, the batch delay), on the same condition: a submission wakes it.
 
 Lanes: one thread per core by default, each with its own batch and ONNX Runtime calls on
 one intra-op thread: a second ORT thread on these small calls gains little, while two
@@ -146,6 +148,7 @@ class DecodeScheduler:
             prefill_positions=self.options.prefill_positions or self._prefill_budget(),
             lockstep=runs_lockstep(model),
             kv=None if self.kv is None else KvSlotManager(self.kv.slots),
+            batch_delay=self.options.batch_delay_ms / 1000.0,
         )
         self._lanes = [_Lane(i, self._new_batch()) for i in range(self.lanes)]
         log_state(self._lanes[0].batch, self.options.max_rows)
@@ -167,10 +170,11 @@ class DecodeScheduler:
     @property
     def stats(self) -> Counter[str]:
         """Counters summed over the lanes: decoder_steps, prefill_calls, prefill_rows,
-        encoder_calls, rows_ended, rows_cancelled, rows_finished_on_abort, queue_wait_ms,
-        idle_ms (waiting for work), draft_offered and draft_accepted (draft tokens verified
-        in prefills), lookahead_offered and lookahead_accepted (re-aligned draft tokens
-        verified in steps)."""
+        encoder_calls, encoder_rows, rows_ended, rows_cancelled, rows_finished_on_abort,
+        queue_wait_ms, idle_ms (waiting for work, or held by the batch delay), held_turns and
+        held_us (turns the batch delay held back, and for how long), draft_offered and
+        draft_accepted (draft tokens verified in prefills), lookahead_offered and
+        lookahead_accepted (re-aligned draft tokens verified in steps)."""
         with self._cond:
             total = Counter(self._policy.counts)
         for lane in self._lanes:
@@ -334,7 +338,16 @@ class DecodeScheduler:
             with self._cond:
                 idle = time.perf_counter()
                 settle = False
-                while not (self._policy.has_work(lane.index) or self._closed):
+                held: float | None = None  # when the batch delay began to hold the lane
+                while not self._closed:
+                    if self._policy.has_work(lane.index):
+                        now = time.perf_counter()
+                        hold = self._policy.hold(lane.index, now)
+                        if hold <= 0:
+                            break
+                        held = held if held is not None else now
+                        self._cond.wait(hold)  # a submission wakes it to look again
+                        continue
                     quiet = lane.batch.quiet_in()  # idle: memory to give back, and when
                     if quiet is not None and quiet <= 0:
                         settle = True
@@ -342,6 +355,9 @@ class DecodeScheduler:
                     self._cond.wait(quiet)
                 began = time.perf_counter()
                 lane.stats["idle_ms"] += int((began - idle) * 1000)
+                if held is not None:
+                    lane.stats["held_turns"] += 1
+                    lane.stats["held_us"] += int((began - held) * 1e6)
                 closed = self._closed
                 if not (closed or settle):
                     self._running += 1
@@ -484,6 +500,7 @@ class DecodeScheduler:
                 job.future.set_exception(exc)
             return
         lane.stats["encoder_calls"] += 1
+        lane.stats["encoder_rows"] += len(ids)
         row = 0
         for job in jobs:
             n, w = job.input_ids.shape

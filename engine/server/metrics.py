@@ -57,9 +57,9 @@ class _SchedulerStats(Collector):
         family = CounterMetricFamily(
             "nmt_scheduler_work",
             "Decode scheduler work per model, by target language (decoder_steps, "
-            "prefill_calls, prefill_rows, encoder_calls, rows_ended, rows_cancelled, "
+            "prefill_calls, prefill_rows, encoder_calls, encoder_rows, rows_ended, rows_cancelled, "
             "draft_offered, draft_accepted, lookahead_offered, lookahead_accepted, "
-            "queue_wait_ms, idle_ms).",
+            "queue_wait_ms, idle_ms, held_turns, held_us).",
             labels=["kind", "lang"],
         )
         for lang, stats in sorted((self._stats() or {}).items()):

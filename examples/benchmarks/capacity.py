@@ -280,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-rows", type=int, default=None, help="scheduler rows per step")
     parser.add_argument("--lanes", type=int, default=None, help="scheduler lanes")
     parser.add_argument(
+        "--batch-delay-ms",
+        type=float,
+        default=None,
+        help="the scheduler's batch delay (`SchedulerOptions.batch_delay_ms`; default: its own)",
+    )
+    parser.add_argument(
         "--threads-per-lane",
         type=int,
         default=None,
@@ -399,7 +405,7 @@ def load_translator(args: argparse.Namespace) -> Any:
         from engine.decoding.scheduler import SchedulerOptions
 
         kwargs["batchable"] = args.batching == "continuous"
-        chosen = {
+        chosen: dict[str, Any] = {
             "max_rows": args.max_rows,
             "lanes": args.lanes,
             "threads_per_lane": args.threads_per_lane,
@@ -413,6 +419,8 @@ def load_translator(args: argparse.Namespace) -> Any:
             chosen["kv_slots"] = args.kv_slots
         if args.no_inplace_attention:
             chosen["inplace_attention"] = False
+        if args.batch_delay_ms is not None:
+            chosen["batch_delay_ms"] = args.batch_delay_ms
         kwargs["scheduler"] = SchedulerOptions(**{k: v for k, v in chosen.items() if v is not None})
     except ImportError:  # an older engine, for before/after runs
         pass

@@ -29,6 +29,13 @@ headline figures come from runs without them.
     git worktree add /tmp/before HEAD~3
     python examples/benchmarks/host_cost.py --root /tmp/before --root . --repeats 3
 
+`--serve-args "ARGS"` (repeatable) measures each checkout once per set of extra `serve`
+options, alternated with the rest (`--serve-args "" --serve-args "--batch-delay-ms 2"`:
+the option off and on, in one tree); `--arm "ROOT ARGS"` (repeatable) adds one checkout
+with its own options (an older checkout may lack the option). Each run also reads the
+decode schedulers' counters over the window (`/metrics` through `serve`): encoder calls
+and prefills per update and their rows per call.
+
 The default run is short (2 s warm-up, 8 s measured) for a shared machine; the issue's
 figures used `--seconds 30`.
 """
@@ -42,6 +49,7 @@ import inspect
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -423,6 +431,8 @@ def result(
         for kind, seconds in delta("threads").items():
             stages[f"{kind}, unprobed"] = seconds - probed.get(kind, 0.0)
     finals = tally.final_replies
+    threads = delta("threads")
+    lanes = threads.get("decode lanes", 0.0) + threads.get("native threads (ONNX Runtime)", 0.0)
     return {
         "updates": tally.updates,
         "cpu_s": cpu,
@@ -436,6 +446,9 @@ def result(
         "finals_answered_twice": sum(1 for n in finals.values() if n > 1),
         "errors": tally.errors,
         "threads": after["os_threads"],
+        # The decode lanes' threads (ONNX Runtime's pool with them) and the event loop's.
+        "lanes_ms_per_update": lanes / max(1, tally.updates) * 1000.0,
+        "loop_ms_per_update": threads.get("event loop thread", 0.0) / max(1, tally.updates) * 1e3,
         "stages_ms_per_update": {
             k: v / max(1, tally.updates) * 1000.0 for k, v in sorted(stages.items())
         },
@@ -443,6 +456,35 @@ def result(
 
 
 # -- the serve run, from this process -----------------------------------------------------
+
+
+WORK_KINDS = ("encoder_calls", "encoder_rows", "prefill_calls", "prefill_rows", "decoder_steps")
+
+
+def scheduler_work(base: str) -> dict[str, float]:
+    """The decode schedulers' counters (`nmt_scheduler_work`), summed over languages."""
+    from load_server import http_get
+
+    work: dict[str, float] = defaultdict(float)
+    for line in http_get(base + "/metrics")[1].splitlines():
+        if line.startswith("nmt_scheduler_work_total{"):
+            labels, _, value = line.partition("} ")
+            kind = labels.split('kind="', 1)[1].split('"', 1)[0]
+            work[kind] += float(value)
+    return dict(work)
+
+
+def calls(updates: int, before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Encoder calls and prefills per update, and their rows per call, over the window."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in WORK_KINDS}
+    n = max(1, updates)
+    return {
+        "encoder_calls_per_update": d["encoder_calls"] / n,
+        "encoder_rows_per_call": d["encoder_rows"] / max(1.0, d["encoder_calls"]),
+        "prefills_per_update": d["prefill_calls"] / n,
+        "prefill_rows_per_call": d["prefill_rows"] / max(1.0, d["prefill_calls"]),
+        "steps_per_update": d["decoder_steps"] / n,
+    }
 
 
 def proc_cpu(pid: int) -> float:
@@ -498,7 +540,7 @@ async def writers(url: str, plans: list[list[Send]], tally: Tally, on_mark: Any)
     )
 
 
-def run_serve(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_serve(root: Path, args: argparse.Namespace, extra: str = "") -> dict[str, Any]:
     from load_server import free_port, wait_ready
 
     port = free_port()
@@ -512,7 +554,7 @@ def run_serve(root: Path, args: argparse.Namespace) -> dict[str, Any]:
         command += ["--null-decode"] if args.null_decode else []
         command += [
             "--", "--model", str(args.model), "--port", str(port), "--log-level", "warning",
-            "--max-streams", str(args.writers * 2 + 8),
+            "--max-streams", str(args.writers * 2 + 8), *shlex.split(extra),
         ]  # fmt: skip
         log = open(Path(tmp) / "server.log", "w+", encoding="utf-8")  # noqa: SIM115
         env = dict(os.environ, PYTHONPATH=str(root))
@@ -523,10 +565,12 @@ def run_serve(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             plans = schedule(args.writers, args.warmup + args.seconds, args.interval, args.seed)
             tally = Tally((args.warmup, args.warmup + args.seconds))
             cpu: dict[str, float] = {}
+            work: dict[str, dict[str, float]] = {}
 
             def on_mark(name: str) -> None:
                 cpu[name] = proc_cpu(server.pid)
                 server.send_signal(signal.SIGUSR1)
+                work[name] = scheduler_work(f"http://127.0.0.1:{port}")
 
             asyncio.run(writers(f"ws://127.0.0.1:{port}/ws", plans, tally, on_mark))
             time.sleep(0.3)
@@ -538,10 +582,12 @@ def run_serve(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 server.kill()
             log.close()
-    return result(tally, cpu["end"] - cpu["start"], snaps[0], snaps[1])
+    out = result(tally, cpu["end"] - cpu["start"], snaps[0], snaps[1])
+    out.update(calls(tally.updates, work["start"], work["end"]))
+    return out
 
 
-def run_inproc(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_inproc(root: Path, args: argparse.Namespace, extra: str = "") -> dict[str, Any]:
     command = [
         sys.executable, str(HERE / "host_cost.py"), "--child", "inproc", "--root", str(root),
         "--writers", str(args.writers), "--seconds", str(args.seconds),
@@ -575,6 +621,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--root", type=Path, action="append", help="checkout(s) to measure (default: this one)"
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs per checkout, alternated")
+    parser.add_argument(
+        "--arm",
+        action="append",
+        metavar="'ROOT ARGS'",
+        help="one more checkout, with its own extra `serve` options (repeatable)",
+    )
+    parser.add_argument(
+        "--serve-args",
+        action="append",
+        metavar="ARGS",
+        help="extra `serve` options; repeated: each checkout once per set, alternated",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write every run here")
     parser.add_argument("--child", choices=("serve", "inproc"), help=argparse.SUPPRESS)
@@ -605,56 +663,85 @@ def main(argv: list[str] | None = None) -> int:
         root = (args.root or [ROOT])[0]
         sys.path.insert(0, str(root))
         return child_serve(args, rest) if args.child == "serve" else child_inproc(args)
-    roots = [r.resolve() for r in (args.root or [ROOT])]
+    roots = [r.resolve() for r in (args.root or ([] if args.arm else [ROOT]))]
+    extras = args.serve_args or [""]
+    arms = [(root, extra) for root in roots for extra in extras]
+    for arm in args.arm or []:
+        root, *rest = shlex.split(arm)
+        arms.append((Path(root).resolve(), shlex.join(rest)))
+    if args.mode == "inproc" and any(extra for _, extra in arms):
+        raise SystemExit("--serve-args, --arm with options: with --mode serve only")
     run = run_serve if args.mode == "serve" else run_inproc
     decode = "null decode" if args.null_decode else "its decode"
-    print(f"CPU: {cpu_name()}")
+    print(f"CPU: {cpu_name()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(
         f"{args.mode}: {args.writers} writers, a message every {args.interval} s, a final every "
         f"{FINAL_EVERY}th; model {args.model.name} ({decode}); {args.seconds:g} s measured "
         f"after {args.warmup:g} s"
     )
-    runs: dict[Path, list[dict[str, Any]]] = {r: [] for r in roots}
+
+    def label(arm: tuple[Path, str]) -> str:
+        return f"{arm[0].name} {arm[1]}".strip()
+
+    runs: dict[tuple[Path, str], list[dict[str, Any]]] = {arm: [] for arm in arms}
     for i in range(args.repeats):
         # ABBA: the order turns round every repeat; on a shared machine the first run of
         # each pair was slower whatever it ran (docs/performance.md).
-        for root in roots if i % 2 == 0 else roots[::-1]:
-            r = run(root, args)
-            runs[root].append(r)
+        for arm in arms if i % 2 == 0 else arms[::-1]:
+            r = run(arm[0], args, arm[1])
+            runs[arm].append(r)
             print(
-                f"  run {i + 1} {root}: {r['updates']} updates, {r['ms_per_update']:.3f} ms "
-                f"CPU/update, partial p95 {r['partial_p95_ms']:.0f} ms, "
-                f"{r['answered']:.0%} of partials answered, finals "
-                f"{r['finals_answered_once']}/{r['finals_sent']} once "
+                f"  run {i + 1} {label(arm)}: {r['updates']} updates, {r['ms_per_update']:.3f} "
+                f"ms CPU/update, partial p50/p95 {r['partial_p50_ms']:.1f}/"
+                f"{r['partial_p95_ms']:.1f} ms, {r['answered']:.0%} of partials answered, "
+                f"finals {r['finals_answered_once']}/{r['finals_sent']} once "
                 f"({r['finals_answered_twice']} twice), {r['errors']} errors, "
-                f"{r['threads']} threads",
+                f"{r['threads']} threads, lanes {r['lanes_ms_per_update']:.3f} / loop "
+                f"{r['loop_ms_per_update']:.3f} ms per update"
+                + (
+                    f", per update {r['encoder_calls_per_update']:.2f} encoder calls x "
+                    f"{r['encoder_rows_per_call']:.2f} rows, {r['prefills_per_update']:.2f} "
+                    f"prefills x {r['prefill_rows_per_call']:.2f} rows, "
+                    f"{r['steps_per_update']:.2f} steps"
+                    if "encoder_calls_per_update" in r
+                    else ""
+                ),
                 flush=True,
             )
     print()
     print(
-        "| checkout | updates/s | ms CPU per update | partial p50 / p95 ms | answered | threads |"
+        "| run | updates/s | ms CPU per update | lanes / loop | partial p50 / p95 ms | answered "
+        "| threads | encoder calls x rows | prefills x rows |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
-    for root, rs in runs.items():
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for arm, rs in runs.items():
         med = {
             key: statistics.median(r[key] for r in rs)
             for key in rs[0]
             if key != "stages_ms_per_update"
         }
+        work = (
+            f"{med['encoder_calls_per_update']:.2f} x {med['encoder_rows_per_call']:.2f} | "
+            f"{med['prefills_per_update']:.2f} x {med['prefill_rows_per_call']:.2f}"
+            if "encoder_calls_per_update" in med
+            else "- | -"
+        )
         print(
-            f"| {root.name} | {med['updates'] / args.seconds:.0f} | {med['ms_per_update']:.3f} "
-            f"| {med['partial_p50_ms']:.0f} / {med['partial_p95_ms']:.0f} "
-            f"| {med['answered']:.0%} | {med['threads']:.0f} |"
+            f"| {label(arm)} | {med['updates'] / args.seconds:.0f} | "
+            f"{med['ms_per_update']:.3f} | {med['lanes_ms_per_update']:.3f} / "
+            f"{med['loop_ms_per_update']:.3f} | {med['partial_p50_ms']:.1f} / "
+            f"{med['partial_p95_ms']:.1f} | {med['answered']:.0%} | {med['threads']:.0f} "
+            f"| {work} |"
         )
     if args.stages:
-        for root, rs in runs.items():
-            print(f"\nstages, ms of CPU per update ({root.name}, median of {len(rs)}):")
+        for arm, rs in runs.items():
+            print(f"\nstages, ms of CPU per update ({label(arm)}, median of {len(rs)}):")
             keys = sorted({k for r in rs for k in r["stages_ms_per_update"]})
             for key in keys:
                 value = statistics.median(r["stages_ms_per_update"].get(key, 0.0) for r in rs)
                 print(f"  {key:32s} {value:7.3f}")
     if args.json:
-        args.json.write_text(json.dumps({str(k): v for k, v in runs.items()}, indent=1))
+        args.json.write_text(json.dumps({label(k): v for k, v in runs.items()}, indent=1))
     return 0
 
 
