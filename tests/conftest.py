@@ -53,6 +53,7 @@ def shared_absent(folder: Path) -> str:
         "docs/repository.md, '../shared: data beside the checkout')"
     )
 
+
 # Files a model directory needs besides its ONNX files.
 SIDE_FILES = (*TOKENIZER_FILES, *OPTIONAL_TOKENIZER_FILES, PROJECT_CONFIG)
 

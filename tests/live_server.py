@@ -98,9 +98,6 @@ def refused_with(status: int) -> Iterator[None]:
     assert info.value.response.status_code == status
 
 
-
-
-
 def open_streams(server: SubtitleServer) -> list[str]:
     """Streams in the server's engine, closing ones included."""
     return server.engine.streams if server.engine is not None else []

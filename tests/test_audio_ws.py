@@ -408,9 +408,7 @@ async def test_heard_events_are_echoed_and_translated_like_text(translator: Tran
         for _ in range(8):
             await writer.send(silence(0.05))  # 800 samples a frame
         await writer.send(end())
-        messages = await receive_until(
-            writer, lambda m: final_update()(m) and m["segment_id"] == 1
-        )
+        messages = await receive_until(writer, lambda m: final_update()(m) and m["segment_id"] == 1)
         viewed = await receive_until(viewer, lambda m: final_update()(m) and m["segment_id"] == 1)
     echoes = [m for m in messages if m["type"] == "partial_transcript"]
     assert [(e["segment_id"], e["seq"], e["text"], e["is_final"]) for e in echoes] == [

@@ -52,7 +52,14 @@ MAY_IMPORT: dict[str, set[str]] = {
     "conversion": {"facts", "model", "decoding"},
     "asr": {"facts"},
     "io": {
-        "facts", "model", "decoding", "streaming", "evaluation", "logs", "hub", "conversion",
+        "facts",
+        "model",
+        "decoding",
+        "streaming",
+        "evaluation",
+        "logs",
+        "hub",
+        "conversion",
         "asr",
     },
 }

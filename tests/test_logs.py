@@ -359,4 +359,3 @@ def test_interleave_logs(tmp_path: Path) -> None:
     write_log(tmp_path / "m.jsonl", merged)  # still a valid log
     with pytest.raises(ValueError, match="stream 'a' appears in logs 1 and 2"):
         interleave_logs(a, a)
-

@@ -390,6 +390,7 @@ def test_the_first_arrival_and_a_zero_delay_are_never_held() -> None:
 def test_running_rows_finals_encoder_jobs_and_full_calls_are_never_held() -> None:
     """A lane with rows steps at once (its newcomers join it); a waiting final or encoder
     job goes at once, taking the partials with it; so does a call already full."""
+
     def dense(max_rows: int = 32, prefill_positions: int = 96) -> Policy:
         p = SchedulingPolicy[Fake, Job](
             2, max_rows=max_rows, prefill_positions=prefill_positions, batch_delay=10 * MS

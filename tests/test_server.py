@@ -212,6 +212,7 @@ async def test_outbox_supersedes_within_a_language_only() -> None:
 
 # --- a real server on loopback -----------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def expected(translator: Translator) -> str:
     return translator.translate([SENTENCE], STREAMING.decode)[0].text
