@@ -3,7 +3,7 @@ many per round trip (one pipeline of `APPEND` scripts), each writer told once Re
 its reply. A stream's term counts ride on the same pipeline: kept here until the next
 append of their stream's life is sent, they go in as that script's extra arguments (no
 command and no round trip of their own); only counts with no such append queued are
-written apart (`KEEP_TERMS`), in the same pipeline as the appends of the moment.
+written apart (`KEEP_HASH`), in the same pipeline as the appends of the moment.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class Appender:
             calls = [self._append_call(scripts, item) for item in batch]
             calls += [
                 (
-                    scripts["keep_terms"],
+                    scripts["keep_hash"],
                     [self.keys.epoch(stream_id), self.keys.terms(stream_id)],
                     [epoch, HISTORY_TTL_MS, *fields],
                 )

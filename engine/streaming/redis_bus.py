@@ -64,8 +64,7 @@ from engine.streaming.redis_health import BACKOFF, Health, refusal
 from engine.streaming.redis_store import (
     APPEND,
     CLAIM,
-    KEEP_GLOSSARIES,
-    KEEP_TERMS,
+    KEEP_HASH,
     KIND_CLOSED,
     KIND_REPLY,
     KIND_STARTED_OVER,
@@ -220,12 +219,11 @@ class RedisBus:
                 ("append", APPEND),
                 ("renew", RENEW),
                 ("release", RELEASE),
-                ("keep_glossaries", KEEP_GLOSSARIES),
-                ("keep_terms", KEEP_TERMS),
+                ("keep_hash", KEEP_HASH),
             )
         }
         try:  # the append loop sends them by digest, which Redis must know
-            for name in ("append", "keep_terms"):
+            for name in ("append", "keep_hash"):
                 await self._redis.script_load(self._scripts[name].script)
         except failures as exc:
             await self._disconnect()
@@ -441,7 +439,7 @@ class RedisBus:
     async def keep_glossaries(self, stream_id: str, epoch: int, texts: Mapping[str, str]) -> None:
         pairs = [part for lang, text in sorted(texts.items()) for part in (lang, text)]
         try:
-            await self._scripts["keep_glossaries"](
+            await self._scripts["keep_hash"](
                 keys=[self.keys.epoch(stream_id), self.keys.glossaries(stream_id)],
                 args=[epoch, HISTORY_TTL_MS, *pairs],
             )

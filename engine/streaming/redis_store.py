@@ -87,7 +87,7 @@ return released
 # ARGV[2]: the epoch of a claim that made the counter and opened no stream (else ''):
 # deleted while still that claim's, as nothing was ever stamped with it.
 
-KEEP_GLOSSARIES = """
+KEEP_HASH = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[2])
 if #ARGV > 2 then
@@ -96,21 +96,11 @@ if #ARGV > 2 then
 end
 return 1
 """
-# KEYS[1]: the stream's epoch, KEYS[2]: its glossaries (language -> text); ARGV[1]: the
-# life writing them (a life that lost the stream writes nothing), ARGV[2]: their time to
-# live (the histories'), then language, text pairs (none: the stream has none).
-
-KEEP_TERMS = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[2])
-if #ARGV > 2 then
-  redis.call('HSET', KEYS[2], unpack(ARGV, 3))
-  redis.call('PEXPIRE', KEYS[2], ARGV[2])
-end
-return 1
-"""
-# The counts alone, when no append of their stream was queued to carry them: KEYS and
-# ARGV as `KEEP_GLOSSARIES`'s.
+# A hash a stream's current life keeps beside its histories, replaced whole: its
+# glossaries (language -> text), or its term counts when no append of their stream was
+# queued to carry them. KEYS[1]: the stream's epoch, KEYS[2]: the hash; ARGV[1]: the life
+# writing it (a life that lost the stream writes nothing), ARGV[2]: its time to live (the
+# histories'), then field, value pairs (none: the hash goes).
 
 KIND_REPLY = "r"
 KIND_CLOSED = "c"
