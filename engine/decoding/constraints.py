@@ -336,9 +336,9 @@ def drafted(prefix: Sequence[int], draft: Sequence[int], constraints: Constraint
     the constrained search now writes the term. Without this the draft was rejected at
     the term and no later token re-aligned with it (the term is not in it), so every
     token after the term cost a step. A draft only verifies: the output is the same."""
-    out = [*prefix, *draft]
     if not draft or not any(c.rendering or c.initial_rendering for c in constraints):
         return list(draft)
+    out = [*prefix, *draft]
     met = Progress.start(constraints, out).met
     for i, constraint in enumerate(constraints):
         if met[i]:

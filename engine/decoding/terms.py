@@ -39,9 +39,6 @@ class TermTokens:
         self._ids: dict[str, tuple[int, ...]] = {}
         self._constraints: dict[tuple[str, str], Constraint] = {}  # (target, rendering)
         self._checked: list[Glossary] = []  # the last few checked whole (by identity)
-        # The last text matched: a decode asks twice (its terms' renderings, then its
-        # constraints: `Translator.unrendered`, `Translator.constraints`).
-        self._last_match: tuple[Glossary, str, bool, tuple[Term, ...]] | None = None
         self._lock = threading.Lock()
 
     def check(self, glossary: Glossary) -> None:
@@ -165,14 +162,7 @@ class TermTokens:
         """`text`'s matched terms, one per target, in order (none without a glossary)."""
         if glossary is None or not glossary.terms:
             return []
-        with self._lock:
-            last = self._last_match
-        if last is not None and last[0] is glossary and last[1:3] == (text, partial):
-            return list(last[3])
         seen: dict[str, Term] = {}
         for found in glossary.match(text, partial=partial):
             seen.setdefault(found.term.target, found.term)
-        terms = list(seen.values())
-        with self._lock:
-            self._last_match = (glossary, text, partial, tuple(terms))
-        return terms
+        return list(seen.values())

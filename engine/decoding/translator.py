@@ -24,7 +24,7 @@ from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions
 from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
 from engine.decoding.terms import TermTokens
 from engine.errors import InputTooLongError, ModelLoadError
-from engine.glossary import MAX_ENTRIES, Glossary
+from engine.glossary import MAX_ENTRIES, Glossary, Term
 from engine.languages import word_joiner
 from engine.model.config import ModelConfig
 from engine.model.layouts import EncoderOutput
@@ -99,12 +99,24 @@ class Translator:
     ) -> Constraints:
         """What `text`'s glossary terms require of its translation (`glossary`, else the
         translator's; checked against the model when it is not the translator's)."""
+        return self.constraints_of(self.matched(text, glossary, partial=partial))
+
+    def matched(
+        self, text: str, glossary: Glossary | None = None, *, partial: bool = False
+    ) -> list[Term]:
+        """`text`'s matched terms (`glossary`, else the translator's; checked against the
+        model when it is not the translator's), one per target, in order: what a caller
+        that renders them first (`unrendered`) and then constrains by them
+        (`constraints_of`) matches once."""
         chosen = glossary if glossary is not None else self._glossary
         if chosen is not None and chosen is not self._glossary:
             self.terms.check(chosen)
+        return self.terms.matched(chosen, text, partial=partial)
+
+    def constraints_of(self, terms: Sequence[Term]) -> Constraints:
+        """What matched `terms` require of a translation (`matched`)."""
         return tuple(
-            self.terms.constraint(term.target, self.rendering(term.source))
-            for term in self.terms.matched(chosen, text, partial=partial)
+            self.terms.constraint(term.target, self.rendering(term.source)) for term in terms
         )
 
     def rendering(self, source: str) -> str:
@@ -121,14 +133,10 @@ class Translator:
             found = self.remember_rendering(source, hyp.token_ids)
         return found
 
-    def unrendered(
-        self, text: str, glossary: Glossary | None = None, *, partial: bool = False
-    ) -> list[str]:
-        """The sources of `text`'s matched terms whose rendering is not known yet."""
-        chosen = glossary if glossary is not None else self._glossary
-        sources = [term.source for term in self.terms.matched(chosen, text, partial=partial)]
+    def unrendered(self, terms: Sequence[Term]) -> list[str]:
+        """The sources of matched `terms` (`matched`) whose rendering is not known yet."""
         with self._renderings_lock:
-            return [source for source in sources if source not in self._renderings]
+            return [term.source for term in terms if term.source not in self._renderings]
 
     def rendering_call(self, source: str) -> RenderingCall:
         """What decoding a term's source alone takes (`rendering`)."""

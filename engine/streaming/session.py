@@ -531,7 +531,8 @@ class StreamSession:
         own rendering of its source (`Translator.rendering`): decoded here first, as a
         decode of the session's (yielded, never blocking the caller's loop)."""
         tr = self.translator
-        for term_source in tr.unrendered(source, self.glossary, partial=partial):
+        matched = tr.matched(source, self.glossary, partial=partial)
+        for term_source in tr.unrendered(matched):
             call = tr.rendering_call(term_source)
             (hyp,) = yield DecodeCall(
                 tr.encoding([call.source_ids]),
@@ -540,7 +541,7 @@ class StreamSession:
                 request_id=request_id,
             )
             tr.remember_rendering(term_source, hyp.token_ids)
-        terms = tr.constraints(source, self.glossary, partial=partial)
+        terms = tr.constraints_of(matched)
         return [terms] if terms else None
 
     def _count_terms(self, source: str, text: str) -> None:
