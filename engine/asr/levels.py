@@ -32,6 +32,12 @@ above it."""
 FLOOR_RISE_DB_S = 1.0
 """How fast the floor follows noise that grows (dB a second); it falls at once."""
 
+PAUSE_AFTER_S = 1.5
+"""How long an utterance runs before a pause against the floor may end it (or half of
+`max_utterance_s`, if less): long enough for the floor to be known and for the
+endpointer to end an utterance in clean audio first, short enough that a sentence in
+noise ends near its own end rather than the next one's."""
+
 SILENT_DB = -100.0
 """The level of digital silence (a frame of zeros), instead of minus infinity."""
 

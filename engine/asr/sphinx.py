@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.asr.errors import RecognizerUnavailable, import_extra
-from engine.asr.levels import LevelCut
+from engine.asr.levels import PAUSE_AFTER_S, LevelCut
 from engine.asr.memory import release_memory
 from engine.asr.recognizer import SpeechHypothesis
 
@@ -139,9 +139,9 @@ class SphinxOptions:
     is not speech (and starts once that share of it is), so it is both how long a pause
     must be to cut a sentence and the least delay of every final after speech ends.
     `vad_mode`: 0 (loose) to 3 (strict) about what counts as speech.
-    `max_utterance_s`: where noise keeps the endpointer in speech, an utterance past half
-    of this ends at the next pause heard against the noise floor, and at this length
-    wherever it is (`engine.asr.levels`).
+    `max_utterance_s`: where noise keeps the endpointer in speech, an utterance past
+    `engine.asr.levels.PAUSE_AFTER_S` (or half of this, if less) ends at the next pause
+    heard against the noise floor, and at this length wherever it is.
     `partial_every_ms`: how much speech between partial hypotheses (each is a decode for
     the translator, and a back-trace for the decoder).
     `config`: other pocketsphinx options, by their names (e.g. {"beam": 1e-60}).
@@ -334,7 +334,7 @@ class SphinxRecognizer:
             frame_s=float(self._endpointer.frame_length),
             window_s=self.options.silence_s,
             ratio=self.options.vad_ratio,
-            long_s=min(1.5, self.options.max_utterance_s / 2),
+            long_s=min(PAUSE_AFTER_S, self.options.max_utterance_s / 2),
             max_s=self.options.max_utterance_s,
         )
         # The endpointer is still in speech after a level cut: its next speech frames
