@@ -224,12 +224,19 @@ class Glossary:
         """The terms whose sources occur in `text`, left to right, longest first, each
         unit in one match at most. `partial`: `text` may still grow, so a match that
         ends at the text's very end (no space or punctuation after it) does not count."""
+        return self.scan(text, partial=partial)[0]
+
+    def scan(self, text: str, *, partial: bool = False) -> tuple[list[Match], list[Match]]:
+        """`match`, and the matches it left out because they end at a partial's open end
+        (`partial`): terms heard but not complete yet, about to count if the word does not
+        grow (a caller prepares for them: `Translator.render_ahead`). One pass for both."""
         units = _units(text, self.source_lang)
         if not units or not self._index:
-            return []
+            return [], []
         words = [unit for unit, _ in units]
         end_open = partial and units[-1][1] == len(unicodedata.normalize("NFKC", text))
         found: list[Match] = []
+        left_open: list[Match] = []
         at = 0
         while at < len(words):
             for term in self._index.get(words[at], ()):
@@ -237,13 +244,15 @@ class Glossary:
                 if tuple(words[at : at + n]) != term.key:
                     continue
                 if end_open and at + n == len(words):
+                    if not left_open or left_open[-1].start != at:  # the longest only
+                        left_open.append(Match(term, at, at + n))
                     continue
                 found.append(Match(term, at, at + n))
                 at += n
                 break
             else:
                 at += 1
-        return found
+        return found, left_open
 
     def targets(self, text: str, *, partial: bool = False) -> list[str]:
         """The targets that `text`'s matched terms require, once each, in order."""

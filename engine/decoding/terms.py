@@ -160,9 +160,16 @@ class TermTokens:
 
     def matched(self, glossary: Glossary | None, text: str, *, partial: bool = False) -> list[Term]:
         """`text`'s matched terms, one per target, in order (none without a glossary)."""
+        return self.scan(glossary, text, partial=partial)[0]
+
+    def scan(
+        self, glossary: Glossary | None, text: str, *, partial: bool = False
+    ) -> tuple[list[Term], list[Term]]:
+        """`matched`, and the terms a partial's open end holds (`Glossary.scan`)."""
         if glossary is None or not glossary.terms:
-            return []
+            return [], []
+        found, left_open = glossary.scan(text, partial=partial)
         seen: dict[str, Term] = {}
-        for found in glossary.match(text, partial=partial):
-            seen.setdefault(found.term.target, found.term)
-        return list(seen.values())
+        for match in found:
+            seen.setdefault(match.term.target, match.term)
+        return list(seen.values()), [match.term for match in left_open]

@@ -8,6 +8,7 @@ exactly.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Iterable, Sequence
@@ -82,6 +83,8 @@ class Translator:
         self._glossary: Glossary | None = None
         self.glossary = glossary
         self._renderings: dict[str, str] = {}
+        # Renderings started ahead (`render_ahead`) and not yet remembered.
+        self._rendering: dict[str, Future[Hypothesis]] = {}
         self._renderings_lock = threading.Lock()
 
     @property
@@ -108,15 +111,27 @@ class Translator:
         model when it is not the translator's), one per target, in order: what a caller
         that renders them first (`unrendered`) and then constrains by them
         (`constraints_of`) matches once."""
+        return self.scan(text, glossary, partial=partial)[0]
+
+    def scan(
+        self, text: str, glossary: Glossary | None = None, *, partial: bool = False
+    ) -> tuple[list[Term], list[Term]]:
+        """`matched`, and the terms whose sources a partial ends with (heard, but its last
+        word may still grow): what a streaming caller renders ahead (`render_ahead`)."""
         chosen = glossary if glossary is not None else self._glossary
         if chosen is not None and chosen is not self._glossary:
             self.terms.check(chosen)
-        return self.terms.matched(chosen, text, partial=partial)
+        return self.terms.scan(chosen, text, partial=partial)
 
-    def constraints_of(self, terms: Sequence[Term]) -> Constraints:
-        """What matched `terms` require of a translation (`matched`)."""
+    def constraints_of(self, terms: Sequence[Term], unrendered: Sequence[str] = ()) -> Constraints:
+        """What matched `terms` require of a translation (`matched`); those whose source
+        is in `unrendered` without the model's rendering (no cue where to put them: a
+        partial that does not wait for one)."""
         return tuple(
-            self.terms.constraint(term.target, self.rendering(term.source)) for term in terms
+            self.terms.constraint(
+                term.target, "" if term.source in unrendered else self.rendering(term.source)
+            )
+            for term in terms
         )
 
     def rendering(self, source: str) -> str:
@@ -127,6 +142,9 @@ class Translator:
         it its own way first, `unrendered` / `rendering_call` / `remember_rendering`)."""
         with self._renderings_lock:
             found = self._renderings.get(source)
+            started = self._rendering.get(source)
+        if found is None and started is not None:
+            found = self.remember_rendering(source, started.result().token_ids)
         if found is None:
             call = self.rendering_call(source)
             (hyp,) = self.decode(self.encoding([call.source_ids]), call.options)
@@ -134,9 +152,51 @@ class Translator:
         return found
 
     def unrendered(self, terms: Sequence[Term]) -> list[str]:
-        """The sources of matched `terms` (`matched`) whose rendering is not known yet."""
+        """The sources of matched `terms` (`matched`) whose rendering is neither known nor
+        started (`rendering_started`)."""
         with self._renderings_lock:
-            return [term.source for term in terms if term.source not in self._renderings]
+            return [
+                term.source
+                for term in terms
+                if term.source not in self._renderings and term.source not in self._rendering
+            ]
+
+    def rendering_started(self, terms: Sequence[Term]) -> list[tuple[str, Future[Hypothesis]]]:
+        """The renderings of `terms` started ahead and not finished: a caller waits for
+        these instead of decoding them again (then `remember_rendering`)."""
+        with self._renderings_lock:
+            return [
+                (term.source, self._rendering[term.source])
+                for term in terms
+                if term.source not in self._renderings and term.source in self._rendering
+            ]
+
+    def render_ahead(self, sources: Sequence[str], priority: Priority = Priority.PARTIAL) -> None:
+        """Start decoding the renderings of term sources a stream is about to match (a
+        partial ends with them: `scan`), not waited for: by the next partial, where the
+        term counts, its rendering is most often known, and that partial does not wait
+        for a decode of its own before its own (docs/glossaries.md, Cost). The result is
+        the one `rendering` decodes: rows are independent of their batch."""
+        for source in sources:
+            with self._renderings_lock:
+                if source in self._renderings or source in self._rendering:
+                    continue
+            call = self.rendering_call(source)
+            (future,) = self.submit(
+                self.encoding([call.source_ids]), call.options, priority=priority
+            )
+            with self._renderings_lock:
+                self._rendering[source] = future
+            future.add_done_callback(functools.partial(self._rendered, source))
+
+    def _rendered(self, source: str, future: Future[Hypothesis]) -> None:
+        """A rendering started ahead is done (on a lane's thread): kept, then no longer
+        in flight (in that order, so that a caller always finds it in one or the other)."""
+        if not future.cancelled() and future.exception() is None:
+            self.remember_rendering(source, future.result().token_ids)
+        with self._renderings_lock:
+            if self._rendering.get(source) is future:
+                del self._rendering[source]
 
     def rendering_call(self, source: str) -> RenderingCall:
         """What decoding a term's source alone takes (`rendering`)."""

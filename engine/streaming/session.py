@@ -165,7 +165,25 @@ class DecodeCall:
         )
 
 
-Steps = Generator[DecodeCall, list[Hypothesis], "TranslationUpdate | None"]
+@dataclass(frozen=True)
+class Started:
+    """Decodes submitted already (a term's rendering started ahead of its match,
+    `Translator.render_ahead`), yielded as a `DecodeCall` is: the caller waits for them in
+    its own way, without submitting them again."""
+
+    futures: Sequence[Future[Hypothesis]]
+
+    def submit(self, translator: Translator) -> list[Future[Hypothesis]]:
+        return list(self.futures)
+
+    def run(self, translator: Translator) -> list[Hypothesis]:
+        return [future.result() for future in self.futures]
+
+
+Call = DecodeCall | Started
+"""What a session's generator yields: decodes to run, or started ones to wait for."""
+
+Steps = Generator[Call, list[Hypothesis], "TranslationUpdate | None"]
 """A session's answer in the making: yields decodes, returns the update (None: nothing
 changed)."""
 
@@ -369,7 +387,7 @@ class StreamSession:
         priority: Priority,
         started: float,
         received: float,
-    ) -> Generator[DecodeCall, list[Hypothesis], TranslationUpdate]:
+    ) -> Generator[Call, list[Hypothesis], TranslationUpdate]:
         policy = self.policy
         enc = self._encode(seg, source, partial=True, ids=self._admitted)
         previous = seg.history[-1] if seg.history else None
@@ -458,7 +476,7 @@ class StreamSession:
         tokens: list[int],
         request_id: RequestId | None,
         priority: Priority,
-    ) -> Generator[DecodeCall, list[Hypothesis], int | None]:
+    ) -> Generator[Call, list[Hypothesis], int | None]:
         """How many of `tokens` the settled source (`_settled`: the recogniser's hint, or
         the words recent partials share) supports, or None when there is none or the
         whole source is settled.
@@ -500,7 +518,7 @@ class StreamSession:
         event: PartialTranscript,
         started: float,
         received: float,
-    ) -> Generator[DecodeCall, list[Hypothesis], TranslationUpdate]:
+    ) -> Generator[Call, list[Hypothesis], TranslationUpdate]:
         """The offline translation of the final source: same options, no prefix, no bias."""
         self.final_terms = (0, 0)
         if not source:
@@ -525,14 +543,29 @@ class StreamSession:
         request_id: RequestId | None,
         *,
         partial: bool,
-    ) -> Generator[DecodeCall, list[Hypothesis], list[Constraints] | None]:
+    ) -> Generator[Call, list[Hypothesis], list[Constraints] | None]:
         """The decode's constraints: what `source`'s matched terms require (None: none
-        matched, the plain search). A term matched for the first time needs the model's
-        own rendering of its source (`Translator.rendering`): decoded here first, as a
-        decode of the session's (yielded, never blocking the caller's loop)."""
+        matched, the plain search). A matched term's constraint needs the model's own
+        rendering of its source (`Translator.rendering`), one short decode per term:
+        - a final decodes it here first (yielded, never blocking the caller's loop), or
+          waits for it where a partial started it;
+        - a partial does not wait for one it would start: it starts it for the next
+          partials and places the term without it this once (the term is still
+          placed, where the model ends or writes it). It also starts those of the terms
+          its open end holds, about to count (`Translator.render_ahead`);
+        - either waits for one an earlier partial started, short by then.
+        Figures in docs/glossaries.md (Cost)."""
         tr = self.translator
-        matched = tr.matched(source, self.glossary, partial=partial)
-        for term_source in tr.unrendered(matched):
+        matched, heard = tr.scan(source, self.glossary, partial=partial)
+        started = tr.rendering_started(matched)
+        fresh = tr.unrendered(matched) if partial else []
+        if fresh or heard:
+            tr.render_ahead([*fresh, *(term.source for term in heard)], priority)
+        if started:
+            hyps = yield Started([future for _, future in started])
+            for (term_source, _), hyp in zip(started, hyps, strict=True):
+                tr.remember_rendering(term_source, hyp.token_ids)
+        for term_source in [] if partial else tr.unrendered(matched):
             call = tr.rendering_call(term_source)
             (hyp,) = yield DecodeCall(
                 tr.encoding([call.source_ids]),
@@ -541,7 +574,7 @@ class StreamSession:
                 request_id=request_id,
             )
             tr.remember_rendering(term_source, hyp.token_ids)
-        terms = tr.constraints_of(matched)
+        terms = tr.constraints_of(matched, unrendered=fresh)
         return [terms] if terms else None
 
     def _count_terms(self, source: str, text: str) -> None:

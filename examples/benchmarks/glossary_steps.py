@@ -38,29 +38,53 @@ import capacity  # noqa: E402  (examples/benchmarks/, on the path above)
 from engine.decoding.translator import Translator  # noqa: E402
 from engine.glossary import Glossary  # noqa: E402
 from engine.logs.format import event_of  # noqa: E402
-from engine.streaming.session import StreamingOptions, StreamSession  # noqa: E402
+from engine.streaming.session import Started, StreamingOptions, StreamSession  # noqa: E402
 
 
 def stream_steps(
-    translator: Translator, lines: list[dict[str, Any]], glossary: Glossary | None, ratio: float
+    translator: Translator,
+    lines: list[dict[str, Any]],
+    glossary: Glossary | None,
+    ratio: float,
+    turns: list[int] | None = None,
 ) -> Counter[str]:
     """Decoder steps per segment (`stream/segment`), every event answered in log order,
-    one session per stream."""
+    one session per stream. `turns`, if given, gains each update's decodes in a row: the
+    calls it waited for one after the other plus their steps (a latency in scheduler
+    turns: a rendering decoded before a partial's own decode adds its own)."""
     options = StreamingOptions(forced_length_ratio=ratio)
     sessions: dict[str, StreamSession] = {}
     steps: Counter[str] = Counter()
+    scheduler = translator.scheduler
     for line in lines:
         event = event_of(line)
         session = sessions.get(event.stream_id)
         if session is None:
             session = StreamSession(event.stream_id, translator, options, glossary=glossary)
             sessions[event.stream_id] = session
-        before = translator.scheduler.stats["decoder_steps"]
-        session.answer(event)
-        steps[f"{event.stream_id}/{event.segment_id}"] += (
-            translator.scheduler.stats["decoder_steps"] - before
-        )
+        before = scheduler.stats["decoder_steps"]
+        answer, waited = session.steps(event), 0
+        try:
+            call = next(answer)
+            while True:
+                if isinstance(call, Started):  # decoded beside earlier partials
+                    call = answer.send(call.run(translator))
+                    continue
+                at = scheduler.stats["decoder_steps"]
+                hyps = call.run(translator)
+                waited += 1 + scheduler.stats["decoder_steps"] - at
+                call = answer.send(hyps)
+        except StopIteration as done:
+            if done.value is not None and turns is not None:
+                turns.append(waited)
+        # A rendering started ahead may run meanwhile: counted here.
+        steps[f"{event.stream_id}/{event.segment_id}"] += scheduler.stats["decoder_steps"] - before
     return steps
+
+
+def _p95(values: list[int]) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
 def main() -> None:
@@ -78,13 +102,23 @@ def main() -> None:
         f"{args.streams} streams x {args.sentences} sentences (capacity.py's log, seed "
         f"{args.seed}), forced length ratio {args.ratio}, {args.model}"
     )
-    plain = stream_steps(translator, lines, None, args.ratio)
+    plain_turns: list[int] = []
+    plain = stream_steps(translator, lines, None, args.ratio, plain_turns)
     total = sum(plain.values())
-    print(f"  no glossary: {total} decoder steps")
+    print(
+        f"  no glossary: {total} decoder steps; an update's decodes in a row p95 "
+        f"{_p95(plain_turns)}, in all {sum(plain_turns)}"
+    )
     for kind in ("none", "one"):
         glossary = capacity.synthetic_glossary(lines, kind)
-        first = sum(stream_steps(translator, lines, glossary, args.ratio).values())
-        steps = stream_steps(translator, lines, glossary, args.ratio)
+        before = translator.scheduler.stats["decoder_steps"]
+        first_turns: list[int] = []
+        stream_steps(translator, lines, glossary, args.ratio, first_turns)
+        for _, started in translator.rendering_started(glossary.terms):
+            started.result()  # renderings run beside the partials: counted once done
+        first = translator.scheduler.stats["decoder_steps"] - before
+        turns: list[int] = []
+        steps = stream_steps(translator, lines, glossary, args.ratio, turns)
         cached = sum(steps.values())
         excess = sorted(
             ((steps[k] - plain[k], k) for k in plain.keys() | steps.keys()), reverse=True
@@ -94,6 +128,10 @@ def main() -> None:
             f"  {len(glossary)} entries, {kind}: {cached} steps ({cached / total:.2f}x), "
             f"{first} with the terms' renderings ({first / total:.2f}x); per segment the "
             f"excess's median {statistics.median(d for d, _ in excess):+g}, the most: {worst}"
+        )
+        print(
+            f"    an update's decodes in a row p95 {_p95(turns)} ({_p95(first_turns)} with "
+            f"the renderings), in all {sum(turns)} ({sum(first_turns)})"
         )
     translator.close()
 

@@ -256,6 +256,21 @@ def main() -> None:
             f"{p['stable_revisions']}, without a glossary {p['stable_revisions_without']}, "
             f"caused by terms (revised only with the glossary) {p['caused']}"
         )
+        # The same partials on a translator that has rendered no term yet: a partial
+        # does not wait for a rendering it starts (docs/glossaries.md, Cost).
+        fresh = Translator.from_dir(MODELS[lang])
+        with_terms = [t for t in texts if g.targets(t)]
+        cold = stream(fresh, g, with_terms)
+        cold_placed = term_accuracy(cold, g, lang)
+        plain = stream(fresh, None, with_terms)
+        fresh.close()
+        print(
+            f"  the same, no term rendered yet (a fresh translator): shown in the first "
+            f"update {cold_placed.partial_share or float('nan'):.1%} of "
+            f"{cold_placed.partial_matched}, finals {cold_placed.final_share or float('nan'):.1%}; "
+            f"finals revising the stable text {cold_placed.stable_revisions}, caused by terms "
+            f"{len(revised(cold) - revised(plain))}"
+        )
         print(
             f"  cost of those segments (partials and finals): decoder steps "
             f"{p['steps_with']:.0f} against {p['steps_without']:.0f} without a glossary "
