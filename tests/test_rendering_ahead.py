@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import anyio
 import pytest
 
 from engine.decoding.translator import Translator
 from engine.glossary import Glossary
+from engine.streaming.controller import IncrementalTranslator
 from engine.streaming.session import DecodeCall, Started, StreamSession
 from protocol import PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, needs_fixture
@@ -102,3 +104,23 @@ def test_a_final_waits_for_the_rendering_and_equals_translate(fresh: Translator)
     assert kinds.count(DecodeCall) == 3  # the two renderings, then the final's decode
     assert final is not None and final.stable_text == offline
     assert "爱丽丝" in offline and "果汁" in offline
+
+
+@pytest.mark.anyio
+async def test_on_the_event_loop(fresh: Translator) -> None:
+    """The controller awaits a started rendering as it awaits a decode."""
+    texts = ["We want to wait for Emma", "We want to wait for Emma at", "Emma waits at the hotel"]
+    updates: list[TranslationUpdate] = []
+    async with IncrementalTranslator(fresh, glossaries=ZH) as nmt:
+        replies = aiter(nmt.updates("s"))
+        for seq, text in enumerate(texts):
+            await nmt.push(PartialTranscript("s", 0, seq, text, is_final=seq == len(texts) - 1))
+            with anyio.fail_after(30):
+                while not updates or updates[-1].seq != seq:  # each answered before the next
+                    reply = await anext(replies)
+                    if isinstance(reply, TranslationUpdate):
+                        updates.append(reply)
+        await nmt.close_stream("s")
+    assert updates[-1].is_final
+    assert updates[-1].stable_text == fresh.translate([texts[-1]], glossary=ZH)[0].text
+    assert "爱丽丝" in updates[1].stable_text + updates[1].unstable_text
