@@ -12,8 +12,9 @@ import pytest
 
 from engine.decoding.translator import Translator
 from engine.glossary import Glossary
+from engine.streaming.calls import DecodeCall, Started
 from engine.streaming.controller import IncrementalTranslator
-from engine.streaming.session import DecodeCall, Started, StreamSession
+from engine.streaming.session import StreamSession
 from protocol import PartialTranscript, TranslationUpdate
 from tests.conftest import FIXTURE_MODEL, needs_fixture
 

@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from engine.decoding.translator import Translator
+from engine.glossary import Glossary
 from engine.replies import RECENT_FINALS, Reply
 from engine.streaming.bus import InProcessBus, UpdateBus, subscribe
 from engine.streaming.controller import IncrementalTranslator
@@ -293,6 +294,36 @@ async def test_a_final_resent_after_its_history_was_trimmed_is_not_shown_again(
     finals = [r.seq for r in seen if isinstance(r, TranslationUpdate) and r.is_final]
     assert finals == [1, 5, 6]  # seq 1 once, when it was first answered
     assert nmt.stats["resent_unshown"] == 1
+
+
+@pytest.mark.anyio
+async def test_a_final_resent_after_its_history_was_trimmed_counts_its_terms_once(
+    translator: Translator,
+) -> None:
+    """Its terms were counted when it was first answered: translated again for its writer
+    only (it may have been shown), it is not counted again (`/terms`)."""
+    x, y = Owner("x"), Owner("y")
+    glossary = Glossary.parse("en\tzh\nTom\t杰克\n")
+    first = PartialTranscript("s1", 0, 1, "I will meet Tom at three", True)
+    async with IncrementalTranslator(
+        translator, bus=InProcessBus(history=4), glossaries=glossary
+    ) as nmt:
+        await nmt.push(first, x)
+        for seq, words in enumerate(["Tom", "Tom reads", "Tom reads a", "Tom reads a book"], 2):
+            await nmt.push(PartialTranscript("s1", 1, seq, words, seq == 5), x)
+            await nmt.wait_idle("s1")
+        assert (await nmt.terms("s1"))["zh"] == (2, 2)
+        await hand_over(nmt, x)
+        mine = nmt.updates(owner=y)
+        await nmt.push(first, y)  # its reply was lost with x; the history kept 4 entries
+        await nmt.push(PartialTranscript("s1", 2, 6, "Tom will see the film", True), y)
+        await nmt.wait_idle("s1")
+        counts = await nmt.terms("s1")
+        await nmt.close_stream("s1", y)
+        answers = [r for r in mine._items if isinstance(r, TranslationUpdate)]
+    assert [(r.seq, r.is_final) for r in answers] == [(1, True), (6, True)]
+    assert nmt.stats["resent_unshown"] == 1
+    assert counts["zh"] == (3, 3)  # seq 1, seq 5 and seq 6: seq 1 once
 
 
 @pytest.mark.anyio

@@ -206,6 +206,7 @@ class StreamRunner:
                 return
             if lang in stream.unshown:  # it may have been shown: the writer's only
                 self.stats[Resent.UNKNOWN.value] += 1
+                session.uncount_final()  # its terms were counted then
                 update = dataclasses.replace(update, epoch=stream.life.epoch, lang=lang)
                 self.bus.hub.to_owner(update, stream.life.owner)
                 return

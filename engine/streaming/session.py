@@ -21,19 +21,19 @@ import math
 import time
 import unicodedata
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 
 from engine.decoding.constraints import Constraints
 from engine.decoding.policy import Priority, RequestId
 from engine.decoding.requests import Encoding
-from engine.decoding.search import DecodeOptions, Hypothesis, StepHook
+from engine.decoding.search import DecodeOptions, Hypothesis
 from engine.decoding.translator import Translator
 from engine.glossary import Glossary, holds
 from engine.languages import drop_fillers
 from engine.model.config import ModelConfig
 from engine.streaming.boundaries import BoundaryFinder, extends_words, settled_source, shared_words
+from engine.streaming.calls import Call, DecodeCall, Started, Steps
 from engine.streaming.policies import Policy, common_prefix_length, default_policy
 from protocol import PartialTranscript, TranslationUpdate
 
@@ -121,71 +121,6 @@ class StreamingOptions:
         if partial and options.scores:
             options = replace(options, scores=False)
         return options
-
-
-@dataclass(frozen=True)
-class DecodeCall:
-    """One decode a session needs, as `Translator.decode` (or `Translator.submit`) takes
-    it: the session's generator (`StreamSession.steps`) yields it and is sent back the
-    hypotheses (or thrown the error, e.g. `DecodingCancelled`)."""
-
-    enc: Encoding
-    options: DecodeOptions
-    prefixes: Sequence[Sequence[int]] | None = None
-    hook: StepHook | None = None
-    drafts: Sequence[Sequence[int]] | None = None
-    priority: Priority = Priority.FINAL
-    request_id: RequestId | None = None
-    constraints: Sequence[Constraints] | None = None  # a glossary's matched terms
-
-    def submit(self, translator: Translator) -> list[Future[Hypothesis]]:
-        """Queue the decode and return its futures at once (`Translator.submit`)."""
-        return translator.submit(
-            self.enc,
-            self.options,
-            prefixes=self.prefixes,
-            hook=self.hook,
-            drafts=self.drafts,
-            priority=self.priority,
-            request_id=self.request_id,
-            constraints=self.constraints,
-        )
-
-    def run(self, translator: Translator) -> list[Hypothesis]:
-        """Decode on this thread, waiting for the scheduler."""
-        return translator.decode(
-            self.enc,
-            self.options,
-            prefixes=self.prefixes,
-            hook=self.hook,
-            drafts=self.drafts,
-            priority=self.priority,
-            request_id=self.request_id,
-            constraints=self.constraints,
-        )
-
-
-@dataclass(frozen=True)
-class Started:
-    """Decodes submitted already (a term's rendering started ahead of its match,
-    `Translator.render_ahead`), yielded as a `DecodeCall` is: the caller waits for them in
-    its own way, without submitting them again."""
-
-    futures: Sequence[Future[Hypothesis]]
-
-    def submit(self, translator: Translator) -> list[Future[Hypothesis]]:
-        return list(self.futures)
-
-    def run(self, translator: Translator) -> list[Hypothesis]:
-        return [future.result() for future in self.futures]
-
-
-Call = DecodeCall | Started
-"""What a session's generator yields: decodes to run, or started ones to wait for."""
-
-Steps = Generator[Call, list[Hypothesis], "TranslationUpdate | None"]
-"""A session's answer in the making: yields decodes, returns the update (None: nothing
-changed)."""
 
 
 @dataclass
@@ -545,16 +480,12 @@ class StreamSession:
         partial: bool,
     ) -> Generator[Call, list[Hypothesis], list[Constraints] | None]:
         """The decode's constraints: what `source`'s matched terms require (None: none
-        matched, the plain search). A matched term's constraint needs the model's own
-        rendering of its source (`Translator.rendering`), one short decode per term:
-        - a final decodes it here first (yielded, never blocking the caller's loop), or
-          waits for it where a partial started it;
-        - a partial does not wait for one it would start: it starts it for the next
-          partials and places the term without it this once (the term is still
-          placed, where the model ends or writes it). It also starts those of the terms
-          its open end holds, about to count (`Translator.render_ahead`);
-        - either waits for one an earlier partial started, short by then.
-        Figures in docs/glossaries.md (Cost)."""
+        matched, the plain search), with the model's rendering of each term's source
+        (`Translator.rendering`): a final decodes a missing one first (yielded, never
+        blocking the caller's loop); a partial starts it for the next partials and places
+        the term without it this once, and starts those its open end holds, about to
+        count (`Translator.render_ahead`); both wait for one started before, done by then
+        (docs/glossaries.md, Cost)."""
         tr = self.translator
         matched, heard = tr.scan(source, self.glossary, partial=partial)
         started = tr.rendering_started(matched)
@@ -587,6 +518,16 @@ class StreamSession:
         self.final_terms = (len(targets), placed)
         self.terms_matched += len(targets)
         self.terms_placed += placed
+
+    def uncount_final(self) -> None:
+        """Take the last final's terms back out of the counts: a final translated again
+        for its writer only, counted when it was first answered (`Resent.UNKNOWN`)."""
+        matched, placed = self.final_terms
+        self.terms_matched, self.terms_placed = (
+            self.terms_matched - matched,
+            self.terms_placed - placed,
+        )
+        self.final_terms = (0, 0)
 
     def state_size(self) -> int:
         """Rough count of numbers held for this stream (tests bound it)."""

@@ -38,7 +38,8 @@ import capacity  # noqa: E402  (examples/benchmarks/, on the path above)
 from engine.decoding.translator import Translator  # noqa: E402
 from engine.glossary import Glossary  # noqa: E402
 from engine.logs.format import event_of  # noqa: E402
-from engine.streaming.session import Started, StreamingOptions, StreamSession  # noqa: E402
+from engine.streaming.calls import Started  # noqa: E402
+from engine.streaming.session import StreamingOptions, StreamSession  # noqa: E402
 
 
 def stream_steps(
