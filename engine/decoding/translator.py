@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,16 +123,25 @@ class Translator:
             self.terms.check(chosen)
         return self.terms.scan(chosen, text, partial=partial)
 
-    def constraints_of(self, terms: Sequence[Term], unrendered: Sequence[str] = ()) -> Constraints:
-        """What matched `terms` require of a translation (`matched`); those whose source
-        is in `unrendered` without the model's rendering (no cue where to put them: a
-        partial that does not wait for one)."""
+    def constraints_of(
+        self, terms: Sequence[Term], renderings: Mapping[str, str] | None = None
+    ) -> Constraints:
+        """What matched `terms` require of a translation (`matched`), with the renderings
+        of their sources given (a caller that must not wait: "" for none, the term placed
+        without a cue), else `rendering`'s."""
+        given = renderings or {}
         return tuple(
             self.terms.constraint(
-                term.target, "" if term.source in unrendered else self.rendering(term.source)
+                term.target,
+                given[term.source] if term.source in given else self.rendering(term.source),
             )
             for term in terms
         )
+
+    def known_rendering(self, source: str) -> str | None:
+        """The rendering of a term's source if it is known (never waits)."""
+        with self._renderings_lock:
+            return self._renderings.get(source)
 
     def rendering(self, source: str) -> str:
         """The model's own translation of a term's source, alone (greedy, cached): where

@@ -488,24 +488,28 @@ class StreamSession:
         (docs/glossaries.md, Cost)."""
         tr = self.translator
         matched, heard = tr.scan(source, self.glossary, partial=partial)
-        started = tr.rendering_started(matched)
-        fresh = tr.unrendered(matched) if partial else []
+        fresh = tr.unrendered(matched) if partial else []  # the others: known or started
         if fresh or heard:
             tr.render_ahead([*fresh, *(term.source for term in heard)], priority)
+        known = dict.fromkeys(fresh, "")  # placed without a cue this once
+        started = tr.rendering_started([term for term in matched if term.source not in known])
         if started:
             hyps = yield Started([future for _, future in started])
             for (term_source, _), hyp in zip(started, hyps, strict=True):
-                tr.remember_rendering(term_source, hyp.token_ids)
-        for term_source in [] if partial else tr.unrendered(matched):
-            call = tr.rendering_call(term_source)
-            (hyp,) = yield DecodeCall(
-                tr.encoding([call.source_ids]),
-                call.options,
-                priority=priority,
-                request_id=request_id,
-            )
-            tr.remember_rendering(term_source, hyp.token_ids)
-        terms = tr.constraints_of(matched, unrendered=fresh)
+                known[term_source] = tr.remember_rendering(term_source, hyp.token_ids)
+        for term in matched:
+            found = known[term.source] if term.source in known else tr.known_rendering(term.source)
+            if found is None:  # never started (a final's), or forgotten since
+                call = tr.rendering_call(term.source)
+                (hyp,) = yield DecodeCall(
+                    tr.encoding([call.source_ids]),
+                    call.options,
+                    priority=priority,
+                    request_id=request_id,
+                )
+                found = tr.remember_rendering(term.source, hyp.token_ids)
+            known[term.source] = found
+        terms = tr.constraints_of(matched, known)
         return [terms] if terms else None
 
     def _count_terms(self, source: str, text: str) -> None:
