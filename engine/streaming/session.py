@@ -179,6 +179,7 @@ class SegmentState:
     source_ids: list[int] | None = None
     encoded: Encoding | None = None  # the source's, encoded on the way by its first decode
     committed: list[int] = field(default_factory=list)
+    committed_text: str | None = None  # `committed` detokenized (None: not yet)
     stable_text: str = ""
     history: deque[list[int]] = field(default_factory=deque)
     # The next decode's draft where the last hypothesis named a better one than its own
@@ -419,12 +420,18 @@ class StreamSession:
             commit = self.boundaries.snap(tokens, bound, len(seg.committed), False)
         if hyp.appended is not None:  # a term the model has not reached: shown, not kept
             commit = min(commit, max(hyp.appended, len(seg.committed)))
-        seg.committed = tokens[:commit]
-        stable = self.translator.detokenize(seg.committed)
+        # Detokenized once per change: the committed part mostly stays as it was from one
+        # partial to the next, and is often all that is shown.
+        committed = tokens[:commit]
+        if seg.committed_text is None or committed != seg.committed:
+            seg.committed_text = self.translator.detokenize(committed)
+        seg.committed = committed
+        stable = seg.committed_text
         if not stable.startswith(seg.stable_text):  # never retract, whatever detok does
             stable = seg.stable_text
         seg.stable_text = stable
-        shown = self.translator.detokenize(tokens[: max(proposal.display, commit)])
+        end = max(proposal.display, commit)
+        shown = seg.committed_text if end == commit else self.translator.detokenize(tokens[:end])
         unstable = shown[len(stable) :] if shown.startswith(stable) else ""
         return self._update(event, stable, unstable, started, received, source)
 
