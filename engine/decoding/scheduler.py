@@ -271,7 +271,7 @@ class DecodeScheduler:
                     hook,
                     draft,
                     terms,
-                    source_tokens=int(enc.attention_mask[row].sum()),
+                    source_tokens=int(np.count_nonzero(enc.attention_mask[row])),
                 ),
                 enc,
                 row,
