@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from typing import TypeAlias
 
@@ -328,6 +328,21 @@ class TranslationUpdate:
     def text(self) -> str:
         """The whole translation to display: stable part then tentative tail."""
         return self.stable_text + self.unstable_text
+
+    def with_cursor(self, cursor: str | None) -> TranslationUpdate:
+        """This update carrying `cursor` (the bus numbers an update as it publishes it):
+        only the cursor is checked, the rest was when this one was made, where
+        `dataclasses.replace` checks every field again (5 us against 1.7 here, once per
+        update published)."""
+        cursor = _check_optional_cursor("cursor", cursor)
+        stamped = object.__new__(TranslationUpdate)
+        for name in _UPDATE_FIELDS:
+            object.__setattr__(stamped, name, getattr(self, name))
+        object.__setattr__(stamped, "cursor", cursor)
+        return stamped
+
+
+_UPDATE_FIELDS = tuple(f.name for f in fields(TranslationUpdate))
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,3 +89,15 @@ def test_text_in_another_script_than_the_source_language_is_told_apart() -> None
     assert not in_other_script("802.11n 标准在 2.4Ghz 和 5.0Ghz 频率上都可运行。", "zh")
     assert not in_other_script("Tom 和 Jack 去 IKEA", "zh")
     assert not in_other_script("", "en") and not in_other_script("我们", None)
+
+
+def test_an_ascii_texts_ideograph_share_is_that_of_the_character_by_character_count() -> None:
+    """ASCII text takes a shortcut (no ideograph is ASCII); the answer is the same as the
+    count over its characters: 0 with letters, None without."""
+    from engine.languages import ideograph_share
+
+    for text in ["", "  ", "802.11 & 5.0", "Tom reads a book", "x", "2.4Ghz", "Lily 读书"]:
+        letters = [ch for ch in text if ch.isalpha()]
+        ideographs = [ch for ch in letters if "\u4e00" <= ch <= "\u9fff"]
+        expected = len(ideographs) / len(letters) if letters else None
+        assert ideograph_share(text) == expected, text

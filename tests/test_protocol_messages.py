@@ -368,3 +368,15 @@ def test_stream_ids_are_compared_in_nfc() -> None:
     decomposed = PartialTranscript("cafe\u0301", 0, 0, "x", is_final=False)
     assert composed.stream_id == decomposed.stream_id == "caf\u00e9"
     assert CloseStream("cafe\u0301").stream_id == "caf\u00e9"
+
+
+def test_an_update_stamped_with_a_cursor_equals_one_made_with_it() -> None:
+    update = TranslationUpdate(
+        "s1", 2, 5, "Hello", " there", False, 12.5, 3.0, source_text="hallo", epoch=1, lang="en"
+    )
+    stamped = update.with_cursor("1732451234567-3")
+    assert stamped == dataclasses.replace(update, cursor="1732451234567-3")
+    assert update.cursor is None  # the original is left as it was
+    assert stamped.with_cursor(None) == update
+    with pytest.raises(InvalidMessage, match="cursor"):
+        update.with_cursor("not a cursor")

@@ -1231,3 +1231,44 @@ def test_partials_a_few_ms_apart_share_one_encoder_call_with_the_batch_delay(
         assert calls >= len(texts) and prefills >= len(texts), after
         assert after["held_turns"] == 0
     tr.close()
+
+
+def test_a_held_lane_is_not_woken_by_partials_that_leave_its_hold_on() -> None:
+    """A lane the batch delay holds wakes when a submission ends the hold (here a final),
+    not for every partial that comes meanwhile: each such wake-up was two thread switches
+    and a look at the queue that only waited again."""
+    needs_fixture()
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, batch_delay_ms=400))
+    scheduler = tr.scheduler
+    warm: list[Future[Hypothesis]] = []
+    for text in SOURCES[:2]:  # the lane started, the arrival rate known
+        enc = tr.encoding([tr.source_ids(text)])
+        warm += scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL)
+    for future in warm:
+        future.result(30)
+    policy = scheduler._policy
+    has_work = policy.has_work
+    looks = 0
+
+    def counted(lane: int) -> bool:
+        nonlocal looks
+        looks += 1
+        return has_work(lane)
+
+    held = scheduler.stats["held_turns"]
+    policy.has_work = counted  # type: ignore[method-assign]
+    partials: list[Future[Hypothesis]] = []
+    for text in SOURCES[:5]:
+        enc = tr.encoding([tr.source_ids(text)])
+        partials += scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL)
+        time.sleep(0.002)
+    looked = looks
+    assert not any(future.done() for future in partials)  # held: 400 ms at most
+    enc = tr.encoding([tr.source_ids(SOURCES[0])])
+    final = scheduler.submit(enc, DecodeOptions(), priority=Priority.FINAL)
+    for future in [*partials, *final]:
+        future.result(30)
+    policy.has_work = has_work  # type: ignore[method-assign]
+    assert looked <= 2, looked  # the first partial's wake-up (one per partial before)
+    assert scheduler.stats["held_turns"] > held
+    tr.close()

@@ -112,6 +112,35 @@ def test_default_policy_shows_stable_text_early_and_rarely_revises(
     assert counts["revised"] <= counts["segments"] * 0.2
 
 
+def test_a_partial_detokenizes_its_committed_part_only_when_it_changed(
+    translator: Translator, heldout: list[tuple[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partial whose committed tokens are those of the one before reuses their text:
+    it detokenizes at most its shown tokens, not the committed ones again."""
+    calls: list[list[int]] = []
+    detokenize = translator.detokenize
+
+    def counted(ids: Sequence[int]) -> str:
+        calls.append(list(ids))
+        return detokenize(ids)
+
+    monkeypatch.setattr(translator, "detokenize", counted)
+    log = generate_log([en for en, _ in heldout], "en", seed=5)
+    session = StreamSession("s1", translator)
+    unchanged = 0
+    for event in events_of(log):
+        before = list(session.segment.committed) if session.segment is not None else None
+        made = len(calls)
+        update = session.answer(event)
+        if update is None or event.is_final:
+            continue
+        assert session.segment is not None
+        changed = before is None or session.segment.committed != before
+        unchanged += not changed
+        assert len(calls) - made <= 1 + changed
+    assert unchanged > 0
+
+
 def test_unchanged_partial_runs_neither_encoder_nor_decoder(
     each_fixture: tuple[Translator, list[tuple[str, str]]],
 ) -> None:

@@ -110,3 +110,16 @@ def test_a_partials_options_go_without_scores_and_a_finals_keep_them() -> None:
         assert final.scores
         assert replace(partial, scores=True, max_new_tokens=final.max_new_tokens) == final
     assert StreamingOptions().decode_for(10) == DecodeOptions()
+
+
+def test_a_partials_options_are_capped_by_its_source_and_made_once_per_cap() -> None:
+    streaming = StreamingOptions(partial_length=(1.5, 8), decode=DecodeOptions(max_new_tokens=40))
+    for tokens, committed, cap in ((10, 0, 23), (10, 30, 31), (4, 0, 14), (30, 0, None)):
+        options = streaming.decode_for(tokens, committed, partial=True)
+        assert options == replace(streaming.decode, max_new_tokens=cap or 40, scores=False)
+        assert streaming.decode_for(tokens, committed, partial=True) is options
+    uncapped = StreamingOptions(partial_length=None).decode_for(10, partial=True)
+    assert uncapped == DecodeOptions(scores=False)
+    # The memo is no part of the options: equal and hashed alike once used.
+    fresh = StreamingOptions(partial_length=(1.5, 8), decode=DecodeOptions(max_new_tokens=40))
+    assert streaming == fresh and hash(streaming) == hash(fresh)

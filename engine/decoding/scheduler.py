@@ -22,7 +22,8 @@ vLLM's iteration-level scheduling:
 A lane with nothing to run waits for work, but no longer than its batch's `quiet_in`:
 then it gives back what a burst left (`DecodeBatch.settle`) and waits again. An idle lane
 that finds only a partial or two may wait a little longer for more, as the policy says
-(`SchedulingPolicy.hold`, the batch delay), on the same condition: a submission wakes it.
+(`SchedulingPolicy.hold`, the batch delay), on the same condition: a submission wakes it
+when it ends the hold sooner than the wait would.
 
 Lanes: one thread per core by default, each with its own batch and ONNX Runtime calls on
 one intra-op thread: a second ORT thread on these small calls gains little, while two
@@ -111,6 +112,9 @@ class _Lane:
         # last (set by the lane's thread: read from others, it is one consistent pair).
         self.state: StateBytes | None = batch.state_bytes()
         self.state_at = 0.0
+        # While the batch delay holds the lane (under the scheduler's lock): when its
+        # wait ends by itself.
+        self.held_until: float | None = None
 
 
 class DecodeScheduler:
@@ -271,7 +275,7 @@ class DecodeScheduler:
                     hook,
                     draft,
                     terms,
-                    source_tokens=int(enc.attention_mask[row].sum()),
+                    source_tokens=int(np.count_nonzero(enc.attention_mask[row])),
                 ),
                 enc,
                 row,
@@ -320,7 +324,19 @@ class DecodeScheduler:
             # fewest), and a busy one looks at the queue at its next turn anyway; waking
             # every lane per submission woke all but one for nothing, each a thread
             # switch and a turn of the lock.
-            self._cond.notify()
+            if not self._holds_on():
+                self._cond.notify()
+
+    def _holds_on(self) -> bool:
+        """Whether the batch delay still holds the waiting lanes after this submission:
+        then none needs waking. A held lane is woken only when a submission ends the hold
+        (a final, an encoder call, full calls, arrivals too sparse to wait for); one that
+        only moves the hold's end waits on to its own, which is never past the delay from
+        the oldest newcomer's arrival. Every waiting lane holds no rows, so each would hold
+        alike. Woken for every partial, a held lane only waited again: under load, a
+        wake-up per partial, two thread switches and the policy's look each."""
+        held = next((lane for lane in self._lanes if lane.held_until is not None), None)
+        return held is not None and self._policy.hold(held.index, time.perf_counter()) > 0
 
     def _start_lanes(self) -> None:
         if self._threads:
@@ -346,7 +362,10 @@ class DecodeScheduler:
                         if hold <= 0:
                             break
                         held = held if held is not None else now
-                        self._cond.wait(hold)  # a submission wakes it to look again
+                        lane.held_until = now + hold
+                        # A submission that ends the hold sooner wakes it (`_holds_on`).
+                        self._cond.wait(hold)
+                        lane.held_until = None
                         continue
                     quiet = lane.batch.quiet_in()  # idle: memory to give back, and when
                     if quiet is not None and quiet <= 0:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from engine.model.config import ModelConfig
 from engine.model.layouts import FloatArray
@@ -169,11 +170,23 @@ def _allowed(
         out = logits.astype(np.float32, copy=True)
     else:
         np.copyto(out, logits, casting="same_kind")
-    out[:, list(config.bad_token_ids)] = -np.inf
+    out[:, _banned(config)] = -np.inf
     for r, count in enumerate(generated):
         if options.bans_eos(count):
             out[r, config.eos_token_id] = -np.inf
     return out
+
+
+_banned_ids: dict[tuple[int, ...], npt.NDArray[np.intp]] = {}
+
+
+def _banned(config: ModelConfig) -> npt.NDArray[np.intp]:
+    """The model's banned tokens as an index array, made once per set of them: indexing
+    with a list built per call converted it anew at every step of every row."""
+    ids = _banned_ids.get(config.bad_token_ids)
+    if ids is None:
+        ids = _banned_ids[config.bad_token_ids] = np.array(config.bad_token_ids, dtype=np.intp)
+    return ids
 
 
 def may_follow(token: int, generated: int, config: ModelConfig, options: DecodeOptions) -> bool:
@@ -216,26 +229,28 @@ def _greedy_choice(
     several passes, is a visible share of a one-row step). The masked copy and the
     exponentials go into one buffer kept per thread: fresh vocabulary-sized arrays at
     every step land on cold pages, which cost far more than the arithmetic."""
-    row = _allowed(
-        logits[None], [generated], config, options, _scratch_row(logits.shape[-1])[None]
-    )[0]
+    row = allowed_row(logits, config, generated, options)
     token = int(row.argmax())
     top = row[token]  # the row's max
     np.subtract(row, top, out=row)
     np.exp(row, out=row)
-    total = row.sum(dtype=np.float32)
+    total = np.add.reduce(row, dtype=np.float32)  # `row.sum`, less its Python wrapper
     return token, float((top - top) - np.log(total))
 
 
 def allowed_row(
     logits: FloatArray, config: ModelConfig, generated: int, options: DecodeOptions
 ) -> FloatArray:
-    """One row's logits [V] with what may not come next at -inf (`_allowed`), in this
-    thread's buffer (`_greedy_choice`'s, valid until the next call): what a search that
-    carries no score compares tokens by, in the order of their log-probabilities without
-    the log-softmax's passes over the vocabulary."""
-    buffer = _scratch_row(logits.shape[-1])[None]
-    row: FloatArray = _allowed(logits[None], [generated], config, options, buffer)[0]
+    """One row's logits [V] with what may not come next at -inf (`_allowed`, on the row
+    itself rather than through [1, V] views), in this thread's buffer (`_greedy_choice`'s,
+    valid until the next call): what a search that carries no score compares tokens by,
+    in the order of their log-probabilities without the log-softmax's passes over the
+    vocabulary."""
+    row = _scratch_row(logits.shape[-1])
+    np.copyto(row, logits, casting="same_kind")
+    row[_banned(config)] = -np.inf
+    if options.bans_eos(generated):
+        row[config.eos_token_id] = -np.inf
     return row
 
 

@@ -304,6 +304,9 @@ class Translator:
         """A right-padded batch of source ids for `decode` to encode on the way (the lane
         that starts its searches runs the encoder first, in one call with the other
         newcomers' sources), kept for reuse once encoded (`Encoding.encoded`)."""
+        if len(sources) == 1:  # a stream's partial: no padding to lay out
+            ids = np.array(sources, dtype=np.int64)
+            return Encoding(ids, np.ones(ids.shape, dtype=np.int64))
         width = max(len(s) for s in sources)
         ids = np.full((len(sources), width), self.config.pad_token_id, dtype=np.int64)
         mask = np.zeros((len(sources), width), dtype=np.int64)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from engine.replies import Reply
@@ -273,7 +273,7 @@ class InProcessBus:
     def publish(self, reply: Reply, owner: Owner | None, epoch: int | None = None) -> None:
         cursor = self._cursors.next()
         if isinstance(reply, TranslationUpdate):
-            reply = replace(reply, cursor=cursor)
+            reply = reply.with_cursor(cursor)
         by_lang = self._history.setdefault(reply.stream_id or "", {})
         langs = [reply.lang] if reply.lang is not None else list(by_lang) or [""]
         for lang in langs:

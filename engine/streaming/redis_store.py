@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import protocol
 from engine.replies import Reply
@@ -190,7 +190,7 @@ def entry_of(entry_id: str, fields: dict[str, str]) -> Entry:
 
 
 def with_cursor(update: TranslationUpdate, cursor: str) -> TranslationUpdate:
-    return replace(update, cursor=cursor)
+    return update.with_cursor(cursor)
 
 
 def redacted(url: str) -> str:
