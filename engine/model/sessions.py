@@ -69,6 +69,9 @@ class RuntimeOptions:
     # Whether greedy steps over KV slots replay CUDA graphs (`engine.model.kv.slots.graphed`): None,
     # on a CUDA device. True on the CPU runs the same fixed-shape buckets uncaptured.
     cuda_graphs: bool | None = None
+    # The encoder's and the rewritten decoder's shape computations folded into constants
+    # (`engine.model.passes.shapes`, checked at load): fewer nodes per call.
+    fold_shapes: bool = True
     # One CPU arena for all the process's sessions rather than one each
     # (`shared_cpu_arena`): memory under load grows about a third as much.
     shared_arena: bool = True

@@ -1,0 +1,185 @@
+"""Shape plumbing folded: the Optimum export computes every `Reshape` target, `Expand`
+shape and mask `Slice` bound at run time from `Shape -> Gather -> Unsqueeze -> Concat`
+chains; `fold_shapes` replaces each one it can prove with a constant, and what is left
+unread goes.
+
+Why: at one row a call costs what its graph's nodes cost, about 0.7 us a node on this CPU
+whatever the node computes (docs/performance.md), and ONNX Runtime folds none of these
+chains (their sizes are not known before the call). A third of the decoder's nodes after
+ONNX Runtime's own optimisation were such plumbing.
+
+What is proved (`passes.symbolic`): a target element that is a number stays; one that
+equals the same axis of the Reshape's input becomes 0 (ONNX: copy that dimension; never
+with `allowzero`); the export's own -1 stays; a target with anything else is left as it
+is. An `Expand` whose shape is its input's own (or 1 where the input has that size)
+becomes `Identity`, as does a `Slice` from 0 to its input's own size; ONNX Runtime
+removes identities. The outputs are the graph's own for every input shape that the graph
+accepts, and the loader compares them on a probe anyway (`engine.model.checks`).
+
+A graph with subgraphs (the merged decoder's `If`), or one where nothing folds, gives
+None and a logged reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from engine.model.passes.graph import live_nodes, load_model, reads
+from engine.model.passes.symbolic import BIG, Dim, Shape, Shapes
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "folded_shape"  # the new initializers' names start with this
+Constant = Callable[[Sequence[int]], str]
+"""Makes an int64 initializer of the values given and returns its name."""
+
+
+class _Unsupported(Exception):
+    """The graph is not of a shape this pass knows (message says why)."""
+
+
+def fold_shapes(
+    source: bytes | onnx.ModelProto, name: str, *, in_place: bool = False
+) -> onnx.ModelProto | None:
+    """`source` with its provable shape computations constant (module docstring), or None
+    (logged with the reason, under `name`) where the graph has subgraphs or nothing to
+    fold. A `ModelProto` given is copied first, unless `in_place` (a caller that owns it
+    saves a copy of the weights; it is left as it was where the result is None)."""
+    model = source if in_place and isinstance(source, onnx.ModelProto) else load_model(source)
+    try:
+        before, after = _fold(model)
+    except _Unsupported as exc:
+        log.info("%s: shape computations kept (%s)", name, exc)
+        return None
+    log.info("%s: shape computations folded: %d nodes -> %d", name, before, after)
+    return model
+
+
+def _fold(model: onnx.ModelProto) -> tuple[int, int]:
+    graph = model.graph
+    if any(a.type in (a.GRAPH, a.GRAPHS) for n in graph.node for a in n.attribute):
+        raise _Unsupported("a graph with subgraphs")
+    shapes = Shapes(graph)
+    constants = {i.name for i in graph.initializer}
+    constants |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    folded = 0
+    added: list[onnx.TensorProto] = []
+
+    def constant(values: Sequence[int]) -> str:
+        tensor = numpy_helper.from_array(
+            np.asarray(values, dtype=np.int64), f"{_PREFIX}/{len(added)}"
+        )
+        added.append(tensor)
+        return tensor.name
+
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Reshape" and node.input[1] not in constants:
+            target = _reshape_target(shapes, node)
+            if target is not None:
+                node.input[1] = constant(target)
+                folded += 1
+        elif node.op_type == "Expand" and node.input[1] not in constants:
+            folded += _fold_expand(shapes, node, constant)
+        elif node.op_type == "Slice" and any(i not in constants for i in node.input[1:3]):
+            folded += _fold_slice(shapes, node)
+    if not folded:
+        raise _Unsupported("no shape computation it can prove")
+    graph.initializer.extend(added)
+    before = len(graph.node)
+    kept = live_nodes(list(graph.node), {o.name for o in graph.output})
+    del graph.node[:]
+    graph.node.extend(kept)
+    used = {name for node in graph.node for name in reads(node)}
+    initializers = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    return before, len(graph.node)
+
+
+def _reshape_target(shapes: Shapes, node: onnx.NodeProto) -> list[int] | None:
+    """A constant target equal to `node`'s computed one for every input it accepts, or
+    None."""
+    source, target = shapes.shape(node.input[0]), shapes.value(node.input[1])
+    allowzero = any(a.name == "allowzero" and a.i for a in node.attribute)
+    if source is None or target is None:
+        return None
+    out: list[int] = []
+    for axis, element in enumerate(target):
+        number = element.constant
+        if number is not None and (number > 0 or number == -1):
+            out.append(number)
+        elif number == 0 and not allowzero:
+            out.append(0)  # the export's own copy of that dimension
+        elif not allowzero and axis < len(source) and source[axis] == element:
+            out.append(0)
+        else:
+            return None
+    return out if out.count(-1) <= 1 else None
+
+
+def _fold_expand(shapes: Shapes, node: onnx.NodeProto, constant: Constant) -> int:
+    """`Identity` where the Expand keeps its input's shape, else a constant shape where
+    every element is known; 1 where folded, else 0."""
+    source, target = shapes.shape(node.input[0]), shapes.value(node.input[1])
+    if source is None or target is None or len(target) > len(source):
+        return _expand_constant(target, source, node, constant)
+    one = Dim.of(1)
+    tail = source[len(source) - len(target) :]
+    if all(t in (one, s) for t, s in zip(target, tail, strict=True)):
+        _to_identity(node)
+        return 1
+    return _expand_constant(target, source, node, constant)
+
+
+def _expand_constant(
+    target: Sequence[Dim] | None, source: Shape | None, node: onnx.NodeProto, constant: Constant
+) -> int:
+    """A constant shape for the Expand where each element is a number or its input's own
+    size on that axis (then 1); 1 where folded, else 0."""
+    if target is None:
+        return 0
+    rank = max(len(target), len(source)) if source is not None else len(target)
+    padded: tuple[Dim | None, ...] | None = None
+    if source is not None:
+        padded = (None,) * (rank - len(source)) + tuple(source)
+    out: list[int] = []
+    for i, element in enumerate((Dim.of(1),) * (rank - len(target)) + tuple(target)):
+        number = element.constant
+        mine = None if padded is None else padded[i]
+        if number is not None and number >= 0:
+            out.append(number)
+        elif mine is not None and mine == element:
+            out.append(1)
+        else:
+            return 0
+    out = out[rank - len(target) :]
+    node.input[1] = constant(out)
+    return 1
+
+
+def _fold_slice(shapes: Shapes, node: onnx.NodeProto) -> int:
+    """`Identity` where the Slice takes every element of each axis it slices; 1 where
+    folded, else 0."""
+    source, plan = shapes.shape(node.input[0]), shapes.slice_plan(node)
+    if source is None or plan is None:
+        return 0
+    for axis, start, end, step in plan:
+        whole = end == source[axis] or (end.constant is not None and end.constant >= BIG)
+        if step != 1 or start.constant != 0 or not whole:
+            return 0
+    _to_identity(node)
+    return 1
+
+
+def _to_identity(node: onnx.NodeProto) -> None:
+    """`node` as `Identity` of its first input (same name and output)."""
+    keep = node.input[0]
+    replacement = helper.make_node("Identity", [keep], list(node.output), name=node.name)
+    node.CopyFrom(replacement)
