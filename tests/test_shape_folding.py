@@ -4,6 +4,8 @@ they are provably the computed ones.
 
 - On the fixture's fp32 and int8 graphs the folded graphs give the unfolded ones' outputs
   exactly, over several batch, past and token counts, and ONNX Runtime runs fewer nodes.
+- A mask's `Expand` goes where elementwise ops broadcast it anyway, and stays where
+  anything else reads the expanded shape.
 - A graph it does not know (subgraphs, nothing provable, a target read from another
   tensor's shape) gives None and a logged reason.
 - A model load folds by default and translates as the unfolded load does.
@@ -155,6 +157,52 @@ def test_refuses_what_it_cannot_prove(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="engine.model.passes.shapes")
     assert fold_shapes(_reshape_graph("other"), "toy") is None
     assert "toy: shape computations kept (no shape computation it can prove)" in caplog.text
+
+
+def _mask_graph(reader: str) -> onnx.ModelProto:
+    """mask [b, 1, 1, s] expanded to scores' [b, h, t, s] (computed from their shape),
+    cast, then added to the scores (`reader` "Add") or read by a Softmax first."""
+    nodes = [
+        helper.make_node("Shape", ["scores"], ["shape"]),
+        helper.make_node("Expand", ["mask", "shape"], ["wide"]),
+        helper.make_node("Cast", ["wide"], ["wide_f"], to=TensorProto.FLOAT),
+    ]
+    if reader == "Add":
+        nodes.append(helper.make_node("Add", ["scores", "wide_f"], ["out"]))
+    else:
+        nodes.append(helper.make_node("Softmax", ["wide_f"], ["soft"], axis=-1))
+        nodes.append(helper.make_node("Add", ["scores", "soft"], ["out"]))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("mask", TensorProto.INT64, ["b", 1, 1, "s"]),
+            helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["b", 4, "t", "s"]),
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_mask_expand_goes_where_the_add_broadcasts_it() -> None:
+    model = _mask_graph("Add")
+    folded = fold_shapes(model, "toy")
+    assert folded is not None
+    assert [n.op_type for n in folded.graph.node] == ["Identity", "Cast", "Add"]
+    rng = np.random.default_rng(0)
+    feed = {
+        "mask": rng.integers(0, 2, (2, 1, 1, 5)),
+        "scores": rng.standard_normal((2, 4, 3, 5)).astype(np.float32),
+    }
+    before = session(model.SerializeToString()).run(None, feed)[0]
+    after = session(folded.SerializeToString()).run(None, feed)[0]
+    np.testing.assert_array_equal(before, after)
+
+
+def test_an_expand_read_by_more_than_elementwise_ops_stays() -> None:
+    """A Softmax over the expanded axis gives other values over fewer elements: the
+    Expand is kept (and with nothing else to fold, the pass gives None)."""
+    assert fold_shapes(_mask_graph("Softmax"), "toy") is None
 
 
 def test_refuses_a_graph_with_subgraphs(caplog: pytest.LogCaptureFixture) -> None:

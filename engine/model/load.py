@@ -95,12 +95,12 @@ __all__ = [  # the loader's own names, and those of the passes and checks it app
 
 def open_encoder(files: ModelFiles, options: RuntimeOptions) -> ort.InferenceSession:
     """The encoder's session: its shape computations folded (`passes.shapes`) where
-    `options.fold_shapes` and the folded graph gives the file's outputs on a probe, else
+    `options.folds` and the folded graph gives the file's outputs on a probe, else
     the file as it is."""
     where = f"{files.model_dir}: {files.encoder.name}"
     session = open_file(files.encoder, files.model_dir, options, decoder=False)
     check_encoder(session, where)
-    if not options.fold_shapes:
+    if not options.folds:
         return session
     try:
         folded = fold_shapes(load_model(files.encoder), where, in_place=True)
@@ -324,7 +324,7 @@ def load_masked(
     fails, and the model batches in lockstep."""
     model_dir = graphs.files.model_dir
     try:
-        rewritten = rewrite_pair(graphs, options.fold_shapes)
+        rewritten = rewrite_pair(graphs, options.folds)
         if rewritten is None:
             return None  # logged why
         graph = masked_graphs(rewritten, graphs.sources, None, options.per_token)

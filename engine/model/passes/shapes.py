@@ -12,9 +12,14 @@ What is proved (`passes.symbolic`): a target element that is a number stays; one
 equals the same axis of the Reshape's input becomes 0 (ONNX: copy that dimension; never
 with `allowzero`); the export's own -1 stays; a target with anything else is left as it
 is. An `Expand` whose shape is its input's own (or 1 where the input has that size)
-becomes `Identity`, as does a `Slice` from 0 to its input's own size; ONNX Runtime
-removes identities. The outputs are the graph's own for every input shape that the graph
-accepts, and the loader compares them on a probe anyway (`engine.model.checks`).
+becomes `Identity`, as does a `Slice` from 0 to its input's own size, and an `Expand`
+whose result reaches only elementwise ops until the shapes are what they were (the
+attention mask broadcast to the scores' shape, which the `Add` into the scores broadcasts
+anyway: `_drop_expands`); ONNX Runtime removes identities. The outputs are the graph's
+own for every input shape that the graph accepts, and the loader compares them on a probe
+anyway (`engine.model.checks`). Where the shapes are known ONNX Runtime may fuse more
+(`Add` + `LayerNormalization` into `SkipLayerNormalization`), which rounds differently:
+about 1e-6 of a logit in fp32, too much in fp16 (`RuntimeOptions.folds`).
 
 A graph with subgraphs (the merged decoder's `If`), or one where nothing folds, gives
 None and a logged reason.
@@ -30,7 +35,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from engine.model.passes.graph import live_nodes, load_model, reads
-from engine.model.passes.symbolic import BIG, Dim, Shape, Shapes
+from engine.model.passes.symbolic import BIG, ELEMENTWISE, Dim, Shape, Shapes
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +94,10 @@ def _fold(model: onnx.ModelProto) -> tuple[int, int]:
             folded += _fold_expand(shapes, node, constant)
         elif node.op_type == "Slice" and any(i not in constants for i in node.input[1:3]):
             folded += _fold_slice(shapes, node)
+    graph.initializer.extend(added)  # before the second walks, which read them
+    folded += _drop_expands(graph, shapes)
     if not folded:
         raise _Unsupported("no shape computation it can prove")
-    graph.initializer.extend(added)
     before = len(graph.node)
     kept = live_nodes(list(graph.node), {o.name for o in graph.output})
     del graph.node[:]
@@ -176,6 +182,57 @@ def _fold_slice(shapes: Shapes, node: onnx.NodeProto) -> int:
             return 0
     _to_identity(node)
     return 1
+
+
+def _drop_expands(graph: onnx.GraphProto, shapes: Shapes) -> int:
+    """Each `Expand` whose result reaches nothing but elementwise ops until the shapes
+    are those it gave (a mask broadcast to the scores' shape before the `Add` that would
+    broadcast it anyway) as `Identity`; how many.
+
+    Why equal: elementwise ops commute with broadcasting, so without the Expand every
+    tensor downstream holds the same values broadcast less, and one whose shape is
+    unchanged (proved on a second walk of the graph) holds the same values."""
+    dropped = 0
+    outputs = {o.name for o in graph.output}
+    for node in list(graph.node):
+        if node.op_type != "Expand" or node.domain not in ("", "ai.onnx"):
+            continue
+        kept = onnx.NodeProto()
+        kept.CopyFrom(node)
+        _to_identity(node)
+        after = Shapes(graph)
+        if _broadcast_away(graph, node.output[0], shapes, after, outputs):
+            dropped += 1
+            shapes = after
+        else:
+            node.CopyFrom(kept)
+    return dropped
+
+
+def _broadcast_away(
+    graph: onnx.GraphProto, start: str, before: Shapes, after: Shapes, outputs: set[str]
+) -> bool:
+    """Whether every tensor downstream of `start` either has the same known shape in both
+    walks or is read by elementwise ops only (and is no graph output)."""
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for user in graph.node:
+        for name in user.input:
+            consumers.setdefault(name, []).append(user)
+    todo, seen = [start], {start}
+    while todo:
+        name = todo.pop()
+        shape = after.shape(name)
+        if shape is not None and shape == before.shape(name):
+            continue  # the same values from here on
+        users = consumers.get(name, [])
+        if name in outputs or any(user.op_type not in ELEMENTWISE for user in users):
+            return False
+        for user in users:
+            for out in user.output:
+                if out not in seen:
+                    seen.add(out)
+                    todo.append(out)
+    return True
 
 
 def _to_identity(node: onnx.NodeProto) -> None:

@@ -135,6 +135,17 @@ _INT_TYPES = frozenset(
     {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT8, onnx.TensorProto.UINT8}
 )
 _MAX_VALUES = 64  # longest integer vector followed element by element
+_WALKS = count()
+ELEMENTWISE = frozenset(
+    {
+        "Cast", "Relu", "Tanh", "Sigmoid", "Sqrt", "Erf", "Neg", "Not", "Identity", "Exp",
+        "Log", "Reciprocal", "Abs", "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf",
+        "Add", "Sub", "Mul", "Div", "Pow", "Equal", "Greater", "Less", "GreaterOrEqual",
+        "LessOrEqual", "And", "Or", "Xor", "Where", "Max", "Min",
+    }
+)  # fmt: skip
+"""Ops each of whose output elements is a function of the input elements at its own
+(broadcast) index alone: they commute with broadcasting."""
 
 
 def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
@@ -150,6 +161,7 @@ class Shapes:
 
     def __init__(self, graph: onnx.GraphProto) -> None:
         self._fresh = count()
+        self._walk = next(_WALKS)  # fresh symbols of two walks never compare equal
         self.shapes: dict[str, Shape] = {}
         self.values: dict[str, tuple[Dim, ...]] = {}  # flattened; the shape says the layout
         for value in graph.input:
@@ -167,7 +179,7 @@ class Shapes:
 
     def new(self) -> Dim:
         """A symbol equal to nothing else."""
-        return Dim.symbol(f"?{next(self._fresh)}")
+        return Dim.symbol(f"?{self._walk}.{next(self._fresh)}")
 
     def _input_dim(self, dim: onnx.TensorShapeProto.Dimension) -> Dim:
         if dim.HasField("dim_value"):
