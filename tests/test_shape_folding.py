@@ -4,6 +4,9 @@ they are provably the computed ones.
 
 - On the fixture's fp32 and int8 graphs the folded graphs give the unfolded ones' outputs
   exactly, over several batch, past and token counts, and ONNX Runtime runs fewer nodes.
+- The masks rewrite builds its causal mask from the two lengths (about ten nodes): the
+  export's own (`Trilu`, `ScatterND`, ...) is gone, and the logits are the files' over
+  new tokens after a cache too.
 - A mask's `Expand` goes where elementwise ops broadcast it anyway, and stays where
   anything else reads the expanded shape.
 - A graph it does not know (subgraphs, nothing provable, a target read from another
@@ -77,6 +80,26 @@ def test_folded_decoders_give_the_same_outputs_with_fewer_nodes(
         assert (
             ran_after["Shape"] < ran_before["Shape"] and ran_after["Concat"] < ran_before["Concat"]
         )
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
+def test_the_masks_rewrite_has_its_own_causal_mask(quantized: bool) -> None:
+    needs_fixture()
+    graphs = load_batched_decoder(FIXTURE_MODEL, quantized=quantized, check=False, fold=False)
+    assert graphs is not None
+    suffix = "_quantized" if quantized else ""
+    files = {
+        "no past": (FIXTURE_MODEL / f"decoder_model{suffix}.onnx", graphs.no_past),
+        "with past": (FIXTURE_MODEL / f"decoder_with_past_model{suffix}.onnx", graphs.with_past),
+    }
+    for label, (path, rewritten) in files.items():
+        ops = {n.op_type for n in onnx.load_from_string(rewritten).graph.node}
+        assert not ops & {"Trilu", "ScatterND"}, label
+        assert "ScatterND" in {n.op_type for n in onnx.load(str(path)).graph.node}
+        probes = [(0, 1, 1), (0, 6, 3)] if label == "no past" else [(1, 1, 2), (4, 3, 1)]
+        for past_len, cur_len, batch in probes:
+            worst = check_rewrite(path, rewritten, past_len=past_len, cur_len=cur_len, batch=batch)
+            assert worst <= (1e-4 if not quantized or cur_len == 1 else 0.05), (label, past_len)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
