@@ -136,8 +136,9 @@ def test_one_source_row_of_any_length_matches(tmp_path: Path) -> None:
         np.testing.assert_array_equal(first.run(None, feed)[0], second.run(None, feed)[0])
 
 
-def _reshape_graph(target_from: str) -> onnx.ModelProto:
-    """x [a, b, 8] reshaped to [Shape(<target_from>)[0], -1, 4]."""
+def _reshape_graph(target_from: str, other: str | None = "c") -> onnx.ModelProto:
+    """x [a, b, 8] reshaped to [Shape(<target_from>)[0], -1, 4]; the input `other` is
+    [<other>, 8] (None: an unnamed size)."""
     nodes = [
         helper.make_node("Shape", [target_from], ["shape"]),
         helper.make_node("Gather", ["shape", "zero"], ["first"], axis=0),
@@ -150,7 +151,7 @@ def _reshape_graph(target_from: str) -> onnx.ModelProto:
         "g",
         [
             helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", "b", 8]),
-            helper.make_tensor_value_info("other", TensorProto.FLOAT, ["c", 8]),
+            helper.make_tensor_value_info("other", TensorProto.FLOAT, [other, 8]),
         ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [
@@ -174,11 +175,28 @@ def test_a_target_read_from_the_input_folds() -> None:
     np.testing.assert_array_equal(before, after)
 
 
+def test_a_target_read_from_an_inputs_named_size_is_read_from_the_input() -> None:
+    """`c`, another input's size, which need not be `a`: read from that input at the
+    head of the graph, once (what `passes.per_token`'s [B, T, N] targets get)."""
+    model = _reshape_graph("other")
+    folded = fold_shapes(model, "toy")
+    assert folded is not None
+    ops = [n.op_type for n in folded.graph.node]
+    assert ops == ["Shape", "Gather", "Concat", "Reshape"]
+    assert folded.graph.node[0].input[0] == "other"
+    x = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
+    feed = {"x": x, "other": np.zeros((4, 8), dtype=np.float32)}
+    before = session(model.SerializeToString()).run(None, feed)[0]
+    after = session(folded.SerializeToString()).run(None, feed)[0]
+    assert before.shape == (4, 3, 4)
+    np.testing.assert_array_equal(before, after)
+
+
 def test_refuses_what_it_cannot_prove(caplog: pytest.LogCaptureFixture) -> None:
-    """A target read from another tensor's size (`c`, which need not be `a`) stays
-    computed; with nothing else to fold, the pass gives None and says why."""
+    """A target read from a size no input names (an unnamed dimension, which need not be
+    `a`) stays computed; with nothing else to fold, the pass gives None and says why."""
     caplog.set_level(logging.INFO, logger="engine.model.passes.shapes")
-    assert fold_shapes(_reshape_graph("other"), "toy") is None
+    assert fold_shapes(_reshape_graph("other", None), "toy") is None
     assert "toy: shape computations kept (no shape computation it can prove)" in caplog.text
 
 
@@ -249,7 +267,8 @@ def test_a_load_folds_and_translates_as_the_unfolded_load(
         folds = [r.getMessage() for r in caplog.records if "folded" in r.getMessage()]
         plain = Translator.from_dir(FIXTURE_MODEL, quantized=quantized, fold_shapes=False)
         try:
-            assert len(folds) == 3, folds  # encoder, no past, with past
+            # encoder, no past, with past; int8: both again once quantized per token
+            assert len(folds) == (5 if quantized else 3), folds
             assert any("encoder_model" in m for m in folds)
             got, expected = folded.translate(SOURCES), plain.translate(SOURCES)
             assert [(r.token_ids, r.score) for r in got] == [

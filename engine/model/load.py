@@ -230,14 +230,23 @@ _PROBES = (("no past", 0, 3), ("with past", 4, 1))
 
 
 def masked_graphs(
-    rewritten: list[bytes], sources: tuple[str, ...], worst: float | None, per_token: bool
+    rewritten: list[bytes],
+    sources: tuple[str, ...],
+    worst: float | None,
+    per_token: bool,
+    fold: bool = False,
 ) -> BatchedDecoder:
-    """The rewritten pair, with its activations per token where asked and possible."""
+    """The rewritten pair, with its activations per token where asked and possible (and
+    with `fold`, the shapes that adds folded: `passes.shapes`)."""
     if per_token:
-        no_past = per_token_graph(rewritten[0], f"{sources[0]} (no past)")
-        with_past = per_token_graph(rewritten[1], f"{sources[0]} (with past)")
-        if no_past is not None and with_past is not None:
-            return BatchedDecoder(no_past, with_past, sources, worst, rewritten[1])
+        pair = []
+        for data, (label, _, _) in zip(rewritten, _PROBES, strict=True):
+            name = f"{sources[0]} ({label}, per token)"
+            graph = per_token_graph(data, name)
+            folded = None if graph is None or not fold else fold_shapes(graph, name)
+            pair.append(graph if folded is None else folded.SerializeToString())
+        if pair[0] is not None and pair[1] is not None:
+            return BatchedDecoder(pair[0], pair[1], sources, worst, rewritten[1])
     return BatchedDecoder(rewritten[0], rewritten[1], sources, worst)  # fp32, or logged why
 
 
@@ -307,7 +316,7 @@ def load_batched_decoder(
                 )
                 return None
             worst = max(worst, difference)
-    return masked_graphs(rewritten, graphs.sources, worst, per_token)
+    return masked_graphs(rewritten, graphs.sources, worst, per_token, fold)
 
 
 def load_masked(
@@ -327,7 +336,7 @@ def load_masked(
         rewritten = rewrite_pair(graphs, options.folds)
         if rewritten is None:
             return None  # logged why
-        graph = masked_graphs(rewritten, graphs.sources, None, options.per_token)
+        graph = masked_graphs(rewritten, graphs.sources, None, options.per_token, options.folds)
         per_token = graph.one_token is not None
         no_past = open_session(graph.no_past, options, per_token=per_token)
         with_past = open_session(graph.with_past, options, per_token=per_token)

@@ -29,17 +29,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from itertools import count
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from engine.model.passes.graph import live_nodes, load_model, reads
+from engine.model.names import LOGITS, PAST
+from engine.model.passes.graph import GraphView, live_nodes, load_model, reads
+from engine.model.passes.head import projection_input
 from engine.model.passes.symbolic import BIG, ELEMENTWISE, Dim, Shape, Shapes
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "folded_shape"  # the new initializers' names start with this
+_PREFIX = "folded_shape"  # the new tensors' names start with this, and a run's number
 Constant = Callable[[Sequence[int]], str]
 """Makes an int64 initializer of the values given and returns its name."""
 
@@ -72,12 +75,15 @@ def _fold(model: onnx.ModelProto) -> tuple[int, int]:
     shapes = Shapes(graph)
     constants = {i.name for i in graph.initializer}
     constants |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    names = constants | {o for n in graph.node for o in n.output}
+    run = next(k for k in count() if not any(n.startswith(f"{_PREFIX}{k}/") for n in names))
+    prefix = f"{_PREFIX}{run}"  # a graph folded again (after `passes.per_token`) gets its own
     folded = 0
     added: list[onnx.TensorProto] = []
 
     def constant(values: Sequence[int]) -> str:
         tensor = numpy_helper.from_array(
-            np.asarray(values, dtype=np.int64), f"{_PREFIX}/{len(added)}"
+            np.asarray(values, dtype=np.int64), f"{prefix}/{len(added)}"
         )
         added.append(tensor)
         return tensor.name
@@ -94,6 +100,7 @@ def _fold(model: onnx.ModelProto) -> tuple[int, int]:
             folded += _fold_expand(shapes, node, constant)
         elif node.op_type == "Slice" and any(i not in constants for i in node.input[1:3]):
             folded += _fold_slice(shapes, node)
+    folded += _from_inputs(graph, shapes, constants, constant, prefix)
     graph.initializer.extend(added)  # before the second walks, which read them
     folded += _drop_expands(graph, shapes)
     if not folded:
@@ -107,6 +114,103 @@ def _fold(model: onnx.ModelProto) -> tuple[int, int]:
     del graph.initializer[:]
     graph.initializer.extend(initializers)
     return before, len(graph.node)
+
+
+def _from_inputs(
+    graph: onnx.GraphProto, shapes: Shapes, constants: set[str], constant: Constant, prefix: str
+) -> int:
+    """Each `Reshape` target still computed whose elements are numbers and sizes the
+    graph's inputs name (`dim_param`: batch, tokens) read from those inputs instead: one
+    `Shape` per input, one `Gather` per size, one `Concat` per distinct target, at the
+    head of the graph; how many.
+
+    Why: `passes.per_token` reshapes each flat [B * T, N] result back to [B, T, N] with a
+    target read from its own input's shape (two nodes each, about 30 per graph), which no
+    0 or -1 can name; the targets are the same few vectors."""
+    sources: dict[str, tuple[str, int]] = {}
+    for value in graph.input:
+        if value.name.startswith(f"{PAST}."):
+            continue  # KV buffers may be longer than their sizes say (in place, slots)
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.HasField("dim_param") and dim.dim_param:
+                sources.setdefault(dim.dim_param, (value.name, axis))
+    head: list[onnx.NodeProto] = []
+    sizes: dict[str, str] = {}
+    made: dict[tuple[Dim, ...], str] = {}
+    projection = _projection_nodes(graph)
+
+    def size(symbol: str) -> str:
+        if symbol not in sizes:
+            value, axis = sources[symbol]
+            shape = f"{prefix}/shape_of/{value}"
+            if not any(node.output[0] == shape for node in head):
+                head.append(helper.make_node("Shape", [value], [shape], name=shape))
+            sizes[symbol] = f"{prefix}/size/{symbol}"
+            indices = constant([axis])
+            head.append(helper.make_node("Gather", [shape, indices], [sizes[symbol]], axis=0))
+        return sizes[symbol]
+
+    def readable(element: Dim) -> bool:
+        if element.constant is not None:
+            return element.constant > 0 or element.constant == -1
+        return (
+            len(element.terms) == 1
+            and element.terms[0][1] == 1
+            and len(element.terms[0][0]) == 1
+            and element.terms[0][0][0] in sources
+        )
+
+    count = 0
+    for node in graph.node:
+        if node.op_type != "Reshape" or node.input[1] in constants or node.domain:
+            continue
+        if node.output[0] in projection:
+            continue  # the projection reads nothing but its hidden state (`passes.head`)
+        if node.input[1].startswith(_PREFIX):
+            continue  # folded above, or by an earlier run
+        target = shapes.value(node.input[1])
+        if target is None or not target or not all(readable(e) for e in target):
+            continue
+        key = tuple(target)
+        if key not in made:
+            parts: list[str] = []
+            numbers: list[int] = []
+            for element in target:
+                if element.constant is not None:
+                    numbers.append(element.constant)
+                    continue
+                if numbers:
+                    parts.append(constant(numbers))
+                    numbers = []
+                parts.append(size(element.terms[0][0][0]))
+            if numbers:
+                parts.append(constant(numbers))
+            made[key] = f"{prefix}/target/{len(made)}"
+            head.append(helper.make_node("Concat", parts, [made[key]], axis=0))
+        node.input[1] = made[key]
+        count += 1
+    nodes = [*head, *graph.node]  # reading graph inputs and constants only: first
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return count
+
+
+def _projection_nodes(graph: onnx.GraphProto) -> set[str]:
+    """The outputs of the nodes between a decoder's hidden state and its logits (what
+    `passes.head` cuts off, which must read the hidden state alone), or of every node
+    where the graph has logits but no projection that cut finds."""
+    logits = next((o for o in graph.output if o.name == LOGITS), None)
+    if logits is None:
+        return set()
+    dims = logits.type.tensor_type.shape.dim
+    view = GraphView(graph, {})
+    hidden = None
+    if dims and dims[-1].HasField("dim_value"):
+        hidden = projection_input(view, int(dims[-1].dim_value))
+    if hidden is None:
+        return {out for node in graph.node for out in node.output}
+    nodes, _ = view.ancestry(LOGITS, leaves_at=frozenset({hidden}))
+    return {out for node in nodes for out in node.output}
 
 
 def _reshape_target(shapes: Shapes, node: onnx.NodeProto) -> list[int] | None:
