@@ -137,8 +137,8 @@ def test_one_source_row_of_any_length_matches(tmp_path: Path) -> None:
 
 
 def _reshape_graph(target_from: str, other: str | None = "c") -> onnx.ModelProto:
-    """x [a, b, 8] reshaped to [Shape(<target_from>)[0], -1, 4]; the input `other` is
-    [<other>, 8] (None: an unnamed size)."""
+    """x [a, b, 8] reshaped to [Shape(<target_from>)[0], -1, 4]; the input `input_ids`
+    is [<other>, 8] (None: an unnamed size)."""
     nodes = [
         helper.make_node("Shape", [target_from], ["shape"]),
         helper.make_node("Gather", ["shape", "zero"], ["first"], axis=0),
@@ -151,7 +151,7 @@ def _reshape_graph(target_from: str, other: str | None = "c") -> onnx.ModelProto
         "g",
         [
             helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", "b", 8]),
-            helper.make_tensor_value_info("other", TensorProto.FLOAT, [other, 8]),
+            helper.make_tensor_value_info("input_ids", TensorProto.FLOAT, [other, 8]),
         ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [
@@ -169,23 +169,23 @@ def test_a_target_read_from_the_input_folds() -> None:
     assert folded is not None
     assert [n.op_type for n in folded.graph.node] == ["Reshape"]
     x = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
-    feed = {"x": x, "other": np.zeros((5, 8), dtype=np.float32)}
+    feed = {"x": x, "input_ids": np.zeros((5, 8), dtype=np.float32)}
     before = session(model.SerializeToString()).run(None, feed)[0]
     after = session(folded.SerializeToString()).run(None, feed)[0]
     np.testing.assert_array_equal(before, after)
 
 
 def test_a_target_read_from_an_inputs_named_size_is_read_from_the_input() -> None:
-    """`c`, another input's size, which need not be `a`: read from that input at the
-    head of the graph, once (what `passes.per_token`'s [B, T, N] targets get)."""
-    model = _reshape_graph("other")
+    """`c`, the ids' size, which need not be `a`: read from the ids at the head of the
+    graph, once (what `passes.per_token`'s [B, T, N] targets get)."""
+    model = _reshape_graph("input_ids")
     folded = fold_shapes(model, "toy")
     assert folded is not None
     ops = [n.op_type for n in folded.graph.node]
     assert ops == ["Shape", "Gather", "Concat", "Reshape"]
-    assert folded.graph.node[0].input[0] == "other"
+    assert folded.graph.node[0].input[0] == "input_ids"
     x = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
-    feed = {"x": x, "other": np.zeros((4, 8), dtype=np.float32)}
+    feed = {"x": x, "input_ids": np.zeros((4, 8), dtype=np.float32)}
     before = session(model.SerializeToString()).run(None, feed)[0]
     after = session(folded.SerializeToString()).run(None, feed)[0]
     assert before.shape == (4, 3, 4)
@@ -196,7 +196,7 @@ def test_refuses_what_it_cannot_prove(caplog: pytest.LogCaptureFixture) -> None:
     """A target read from a size no input names (an unnamed dimension, which need not be
     `a`) stays computed; with nothing else to fold, the pass gives None and says why."""
     caplog.set_level(logging.INFO, logger="engine.model.passes.shapes")
-    assert fold_shapes(_reshape_graph("other", None), "toy") is None
+    assert fold_shapes(_reshape_graph("input_ids", None), "toy") is None
     assert "toy: shape computations kept (no shape computation it can prove)" in caplog.text
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from engine.model.names import LOGITS, PAST
+from engine.model.names import ATTENTION_MASK, ENCODER_ATTENTION_MASK, INPUT_IDS, LOGITS
 from engine.model.passes.graph import GraphView, live_nodes, load_model, reads
 from engine.model.passes.head import projection_input
 from engine.model.passes.symbolic import BIG, ELEMENTWISE, Dim, Shape, Shapes
@@ -43,6 +43,8 @@ from engine.model.passes.symbolic import BIG, ELEMENTWISE, Dim, Shape, Shapes
 log = logging.getLogger(__name__)
 
 _PREFIX = "folded_shape"  # the new tensors' names start with this, and a run's number
+_SIZE_INPUTS = (INPUT_IDS, ENCODER_ATTENTION_MASK, ATTENTION_MASK)
+"""The inputs whose sizes `_from_inputs` reads."""
 Constant = Callable[[Sequence[int]], str]
 """Makes an int64 initializer of the values given and returns its name."""
 
@@ -128,9 +130,10 @@ def _from_inputs(
     target read from its own input's shape (two nodes each, about 30 per graph), which no
     0 or -1 can name; the targets are the same few vectors."""
     sources: dict[str, tuple[str, int]] = {}
-    for value in graph.input:
-        if value.name.startswith(f"{PAST}."):
-            continue  # KV buffers may be longer than their sizes say (in place, slots)
+    inputs = {value.name: value for value in graph.input}
+    # The ids and the source mask only, in that order: they have a row each and their
+    # length; KV buffers may be longer than their sizes say (in place, KV slots).
+    for value in (inputs[n] for n in _SIZE_INPUTS if n in inputs):
         for axis, dim in enumerate(value.type.tensor_type.shape.dim):
             if dim.HasField("dim_param") and dim.dim_param:
                 sources.setdefault(dim.dim_param, (value.name, axis))
