@@ -15,7 +15,9 @@ is. An `Expand` whose shape is its input's own (or 1 where the input has that si
 becomes `Identity`, as does a `Slice` from 0 to its input's own size, and an `Expand`
 whose result reaches only elementwise ops until the shapes are what they were (the
 attention mask broadcast to the scores' shape, which the `Add` into the scores broadcasts
-anyway: `_drop_expands`); ONNX Runtime removes identities. The outputs are the graph's
+anyway: `_drop_expands`); ONNX Runtime removes identities. A target left whose elements
+are numbers and sizes that the ids or the source mask name is read from those inputs once,
+at the head of the graph (`_from_inputs`: `passes.per_token`'s). The outputs are the graph's
 own for every input shape that the graph accepts, and the loader compares them on a probe
 anyway (`engine.model.checks`). Where the shapes are known ONNX Runtime may fuse more
 (`Add` + `LayerNormalization` into `SkipLayerNormalization`), which rounds differently:
@@ -163,7 +165,7 @@ def _from_inputs(
             and element.terms[0][0][0] in sources
         )
 
-    count = 0
+    rewired = 0
     for node in graph.node:
         if node.op_type != "Reshape" or node.input[1] in constants or node.domain:
             continue
@@ -191,11 +193,11 @@ def _from_inputs(
             made[key] = f"{prefix}/target/{len(made)}"
             head.append(helper.make_node("Concat", parts, [made[key]], axis=0))
         node.input[1] = made[key]
-        count += 1
+        rewired += 1
     nodes = [*head, *graph.node]  # reading graph inputs and constants only: first
     del graph.node[:]
     graph.node.extend(nodes)
-    return count
+    return rewired
 
 
 def _projection_nodes(graph: onnx.GraphProto) -> set[str]:
