@@ -240,6 +240,7 @@ class Translator:
         device: str = "cpu",
         fp16: bool = False,
         cuda_graphs: bool | None = None,
+        fold_shapes: bool = True,
     ) -> Translator:
         """Load a model directory in the Optimum layout (ONNX files at the top or in `onnx/`).
 
@@ -247,7 +248,8 @@ class Translator:
         `DeviceUnavailable` where it cannot run). `fp16`: the `*_fp16.onnx` files
         (`nmt-incremental models fp16`), for a GPU. `cuda_graphs`: greedy steps over KV
         slots replay CUDA graphs (None: on a CUDA device, with one lane;
-        `engine.model.kv.slots.graphed`)."""
+        `engine.model.kv.slots.graphed`). `fold_shapes`: the encoder's and the rewritten
+        decoder's shape computations made constant (`engine.model.passes.shapes`)."""
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelLoadError(f"{path}: not a model directory")
@@ -277,6 +279,7 @@ class Translator:
             int8_per_token=int8_per_token,
             fp16=fp16,
             cuda_graphs=cuda_graphs,
+            fold_shapes=fold_shapes,
             **device_options(device),
         )
         return cls(MarianOnnx(path, config, options), tokenizer, scheduler)

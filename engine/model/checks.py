@@ -243,6 +243,20 @@ def check_rewrite(
     return worst / max(1.0, float(np.max(np.abs(results[0])))) if relative else worst
 
 
+def check_encoder_rewrite(original: Probed, rewritten: Probed, seed: int = 0) -> float:
+    """Largest difference of the encoder's hidden states between `original` and its
+    rewrite, on two rows of random source ids, one of them padded."""
+    first, second = _session(original), _session(rewritten)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, 8, (2, 5), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 3:] = 0
+    feed = {INPUT_IDS: ids, ATTENTION_MASK: mask}
+    out = first.get_outputs()[0].name
+    results = [session.run([out], feed)[0] for session in (first, second)]
+    return float(np.max(np.abs(results[0].astype(np.float64) - results[1])))
+
+
 def check_merged_split(merged: Probed, no_past: Probed, with_past: Probed) -> float:
     """Largest logit difference between the merged decoder and its two branches run apart,
     on a 3-token first call and a cached step."""

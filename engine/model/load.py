@@ -5,7 +5,8 @@ made, open the sessions.
     open_encoder     its session, its inputs checked
     open_decoder     the decoder's sessions and native layout, from their signatures; a
                      merged file's branches cut apart (`passes.merged_split`) and checked
-    load_masked      the masks rewrite of both decoder graphs (`passes.masks`), int8 per
+    load_masked      the masks rewrite of both decoder graphs (`passes.masks`), their shape
+                     computations folded (`passes.shapes`, the encoder's too), int8 per
                      token (`passes.per_token`), checked against the sessions above, and
                      the output projection cut apart (`cut`)
     open_backend     the KV backend `backend.select_backend` chooses, with its graphs
@@ -36,6 +37,7 @@ from engine.model.checks import (
     Signature,
     causal_over_new_tokens,
     check_encoder,
+    check_encoder_rewrite,
     check_merged_split,
     check_outputs,
     check_rewrite,
@@ -62,6 +64,7 @@ from engine.model.passes.head import HeadSplit, split_output_projection
 from engine.model.passes.masks import rewrite_decoder
 from engine.model.passes.merged_split import split_merged
 from engine.model.passes.per_token import per_token_graph
+from engine.model.passes.shapes import fold_shapes
 from engine.model.sessions import RuntimeOptions, device_of, open_session
 
 log = logging.getLogger(__name__)
@@ -91,9 +94,28 @@ __all__ = [  # the loader's own names, and those of the passes and checks it app
 
 
 def open_encoder(files: ModelFiles, options: RuntimeOptions) -> ort.InferenceSession:
+    """The encoder's session: its shape computations folded (`passes.shapes`) where
+    `options.folds` and the folded graph gives the file's outputs on a probe, else
+    the file as it is."""
+    where = f"{files.model_dir}: {files.encoder.name}"
     session = open_file(files.encoder, files.model_dir, options, decoder=False)
-    check_encoder(session, f"{files.model_dir}: {files.encoder.name}")
-    return session
+    check_encoder(session, where)
+    if not options.folds:
+        return session
+    try:
+        folded = fold_shapes(load_model(files.encoder), where, in_place=True)
+        if folded is None:
+            return session  # logged why
+        rewritten = open_session(folded.SerializeToString(), options)
+        del folded
+        worst = check_encoder_rewrite(session, rewritten)
+    except Exception as exc:  # a graph the pass or ONNX Runtime did not foresee
+        log.warning("%s: encoder with its shapes folded not used (%s)", where, exc)
+        return session
+    if not worst <= REWRITE_TOLERANCE:
+        log.warning("%s: encoder with its shapes folded differs by %.3g: not used", where, worst)
+        return session
+    return rewritten
 
 
 @dataclass
@@ -208,27 +230,41 @@ _PROBES = (("no past", 0, 3), ("with past", 4, 1))
 
 
 def masked_graphs(
-    rewritten: list[bytes], sources: tuple[str, ...], worst: float | None, per_token: bool
+    rewritten: list[bytes],
+    sources: tuple[str, ...],
+    worst: float | None,
+    per_token: bool,
+    fold: bool = False,
 ) -> BatchedDecoder:
-    """The rewritten pair, with its activations per token where asked and possible."""
+    """The rewritten pair, with its activations per token where asked and possible (and
+    with `fold`, the shapes that adds folded: `passes.shapes`)."""
     if per_token:
-        no_past = per_token_graph(rewritten[0], f"{sources[0]} (no past)")
-        with_past = per_token_graph(rewritten[1], f"{sources[0]} (with past)")
-        if no_past is not None and with_past is not None:
-            return BatchedDecoder(no_past, with_past, sources, worst, rewritten[1])
+        pair = []
+        for data, (label, _, _) in zip(rewritten, _PROBES, strict=True):
+            name = f"{sources[0]} ({label}, per token)"
+            graph = per_token_graph(data, name)
+            folded = None if graph is None or not fold else fold_shapes(graph, name)
+            pair.append(graph if folded is None else folded.SerializeToString())
+        if pair[0] is not None and pair[1] is not None:
+            return BatchedDecoder(pair[0], pair[1], sources, worst, rewritten[1])
     return BatchedDecoder(rewritten[0], rewritten[1], sources, worst)  # fp32, or logged why
 
 
-def rewrite_pair(graphs: DecoderGraphs) -> list[bytes] | None:
-    """Both graphs with masks and positions, or None (logged why)."""
+def rewrite_pair(graphs: DecoderGraphs, fold: bool = True) -> list[bytes] | None:
+    """Both graphs with masks and positions, or None (logged why); with `fold`, their
+    shape computations folded (`passes.shapes`) where they can be, which the masks
+    rewrite's check covers."""
     pair = graphs.pair()
     if pair is None:
         return None
     out = []
     for part, (label, _, _) in zip(pair, _PROBES, strict=True):
-        model = rewrite_decoder(load_model(part), f"{graphs.sources[0]} ({label})")
+        name = f"{graphs.sources[0]} ({label})"
+        model = rewrite_decoder(load_model(part), name)
         if model is None:
             return None
+        if fold:
+            model = fold_shapes(model, name, in_place=True) or model
         out.append(model.SerializeToString())
     return out
 
@@ -240,6 +276,7 @@ def load_batched_decoder(
     check: bool = True,
     tolerance: float = REWRITE_TOLERANCE,
     per_token: bool = False,
+    fold: bool = True,
 ) -> BatchedDecoder | None:
     """A model directory's no-past and with-past decoders rewritten and checked, or None
     (logged), outside a model load (tests, benchmarks).
@@ -250,10 +287,11 @@ def load_batched_decoder(
     cached step; a difference above `tolerance` rejects it. `check=False` skips that (it
     opens four sessions); `max_difference` is then None. `per_token`: the int8 graphs with
     activations quantized per token, as a model load opens them; the check covers the mask
-    rewrite, on the files' quantization.
+    rewrite, on the files' quantization. `fold`: shape computations folded, as a load
+    does by default (`RuntimeOptions.fold_shapes`).
     """
     graphs = DecoderGraphs(choose_files(model_dir, RuntimeOptions(quantized=quantized)))
-    rewritten = rewrite_pair(graphs)
+    rewritten = rewrite_pair(graphs, fold)
     if rewritten is None:
         return None
     worst: float | None = None
@@ -278,7 +316,7 @@ def load_batched_decoder(
                 )
                 return None
             worst = max(worst, difference)
-    return masked_graphs(rewritten, graphs.sources, worst, per_token)
+    return masked_graphs(rewritten, graphs.sources, worst, per_token, fold)
 
 
 def load_masked(
@@ -295,10 +333,10 @@ def load_masked(
     fails, and the model batches in lockstep."""
     model_dir = graphs.files.model_dir
     try:
-        rewritten = rewrite_pair(graphs)
+        rewritten = rewrite_pair(graphs, options.folds)
         if rewritten is None:
             return None  # logged why
-        graph = masked_graphs(rewritten, graphs.sources, None, options.per_token)
+        graph = masked_graphs(rewritten, graphs.sources, None, options.per_token, options.folds)
         per_token = graph.one_token is not None
         no_past = open_session(graph.no_past, options, per_token=per_token)
         with_past = open_session(graph.with_past, options, per_token=per_token)

@@ -69,6 +69,10 @@ class RuntimeOptions:
     # Whether greedy steps over KV slots replay CUDA graphs (`engine.model.kv.slots.graphed`): None,
     # on a CUDA device. True on the CPU runs the same fixed-shape buckets uncaptured.
     cuda_graphs: bool | None = None
+    # The encoder's and the rewritten decoder's shape computations folded into constants
+    # (`engine.model.passes.shapes`, checked at load): fewer nodes per call. Not the fp16
+    # files (`folds`).
+    fold_shapes: bool = True
     # One CPU arena for all the process's sessions rather than one each
     # (`shared_cpu_arena`): memory under load grows about a third as much.
     shared_arena: bool = True
@@ -76,6 +80,13 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         if self.quantized and self.fp16:
             raise ValueError("load the int8 files or the fp16 ones, not both")
+
+    @property
+    def folds(self) -> bool:
+        """Whether a load folds shape computations (`fold_shapes`): not in the fp16 files,
+        where ONNX Runtime then fuses kernels that round differently in fp16 (0.008 of a
+        logit on the fixture, past the masks rewrite's check: lockstep batching)."""
+        return self.fold_shapes and not self.fp16
 
     @property
     def per_token(self) -> bool:

@@ -8,16 +8,26 @@ Two parts, in a quiet process (thread CPU, medians of `--rounds`):
   positions read), and the encoder and the prefill over more rows;
 - **turns**: the common update of a stream, a growing partial whose draft is its whole
   answer (it ends in its prefill), submitted one at a time: the lane's thread CPU per
-  request, split into ONNX Runtime's calls and the Python around them.
+  request, split into ONNX Runtime's calls and the Python around them;
+- **folded** (`--folded`, instead of the two above): the model loaded twice, its shape
+  computations folded (`engine.model.passes.shapes`, the default) and not, and one row's
+  encoder, prefill and in-place step through the engine on each, alternated in rounds;
+- **against** (`--against DIR`): the same one-row calls of another checkout's engine (DIR)
+  and of this one, each in a process of its own, alternated (ABBA) `--repeats` times.
 
     python examples/benchmarks/call_cost.py
     python examples/benchmarks/call_cost.py --model models/fixture/model --rounds 5
+    python examples/benchmarks/call_cost.py --folded [--quantized] [--model DIR]
+    git worktree add /tmp/before HEAD~3
+    python examples/benchmarks/call_cost.py --against /tmp/before [--quantized] [--model DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -26,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # this checkout's engine, not an installed one
+# This checkout's engine, not an installed one; `--engine-root DIR` (used by `--against`):
+# another checkout's, run by this script.
+ENGINE_ROOT = (
+    Path(sys.argv[sys.argv.index("--engine-root") + 1]).resolve()
+    if "--engine-root" in sys.argv[:-1]
+    else ROOT
+)
+sys.path.insert(0, str(ENGINE_ROOT))
 
 import numpy as np  # noqa: E402
 import numpy.typing as npt  # noqa: E402
@@ -35,6 +52,8 @@ import onnxruntime as ort  # noqa: E402
 from engine import DecodeOptions, Translator  # noqa: E402
 from engine.decoding.policy import Priority  # noqa: E402
 from engine.decoding.scheduler import DecodeScheduler, SchedulerOptions  # noqa: E402
+from engine.model.kv.inplace.steps import InPlaceBinding, InPlaceSteps  # noqa: E402
+from engine.model.layouts import EncoderOutput  # noqa: E402
 
 SENTENCE = "Lucy wants to play tennis with my brother on Sunday"
 
@@ -186,11 +205,149 @@ def turns(tr: Translator, rounds: int) -> None:
         setattr(DecodeScheduler, "_turn", turn)  # noqa: B010
 
 
+def one_row_calls(tr: Translator, past: int) -> list[tuple[str, Callable[[], object]]]:
+    """One row's encoder, prefill (3 positions read) and in-place step (`past` cached
+    tokens, the step's buffers bound in place as a lane binds them) through the engine."""
+    model, masked, config = tr.model, tr.model.masked, tr.config
+    if masked is None or not isinstance(model.kv, InPlaceSteps):
+        raise SystemExit("the model has no in-place steps: nothing to compare")
+    steps: InPlaceSteps = model.kv
+    ids = np.array([tr.source_ids(SENTENCE, partial=True)], dtype=np.int64)
+    mask = np.ones_like(ids)
+    enc = model.encode(ids, mask)
+    length = 13
+    dec = np.array([[config.decoder_start_token_id, *range(5, 4 + length)]], dtype=np.int64)
+    read = np.array([length - 3])
+    rng = np.random.default_rng(0)
+    heads, head_dim = config.decoder_attention_heads, config.head_dim
+    buffers = [
+        rng.standard_normal((1, heads, past + 8, head_dim)).astype(np.float32)
+        for _ in range(2 * config.decoder_layers)
+    ]
+    source = ids.shape[1]
+    cross = tuple(
+        rng.standard_normal((1, heads, source, head_dim)).astype(np.float32)
+        for _ in range(2 * config.decoder_layers)
+    )
+    step_enc = EncoderOutput(enc.hidden_states, enc.attention_mask)
+    token, lengths, bound = np.array([[7]], dtype=np.int64), np.array([past]), InPlaceBinding()
+
+    def prefill() -> None:
+        masked.prefill(enc, dec, np.ones_like(dec), read)[0].row(0, length - 3)
+
+    def step() -> None:
+        steps.step(step_enc, token, lengths, buffers, cross, bound=bound)
+
+    return [
+        ("encoder", lambda: model.encode(ids, mask)),
+        (f"prefill {length} positions", prefill),
+        (f"in-place step, past {past}", step),
+    ]
+
+
+def other_shapes_first(tr: Translator) -> None:
+    """One encoder call of other shapes than those timed.
+
+    Why: an ONNX Runtime session's memory pattern serves the shapes of its first call
+    only; after a call of other shapes each call costs 10-20% more (measured here on the
+    fixture's encoder). A load's checks run most sessions on probes first, and a server's
+    calls come in every shape anyway: every session is timed in that state."""
+    ids = np.array([[5, 6, 7, 8, 9]] * 2, dtype=np.int64)
+    tr.model.encode(ids, np.ones_like(ids))
+
+
+def medians(rows: list[tuple[str, Callable[[], object]]], rounds: int) -> dict[str, float]:
+    spent: dict[str, list[float]] = defaultdict(list)
+    for _ in range(rounds):
+        for name, call in rows:
+            spent[name].append(cpu_ms(call, 200))
+    return {name: statistics.median(times) for name, times in spent.items()}
+
+
+def one_row(model_dir: Path, quantized: bool, rounds: int, past: int) -> None:
+    """`one_row_calls`' medians of this process's engine, as one line of JSON."""
+    tr = Translator.from_dir(model_dir, quantized=quantized, scheduler=SchedulerOptions())
+    try:
+        other_shapes_first(tr)
+        print(json.dumps(medians(one_row_calls(tr, past), rounds)))
+    finally:
+        tr.close()
+
+
+def against(before: Path, args: argparse.Namespace) -> None:
+    """`one_row` of the engine in `before` and of this checkout's, alternated (ABBA)."""
+    roots = {"before": before.resolve(), "after": ROOT}
+    got: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for repeat in range(args.repeats):
+        order = ("before", "after") if repeat % 2 == 0 else ("after", "before")
+        for label in order:
+            command = [sys.executable, __file__, "--one-row", "--model", str(args.model)]
+            command += ["--rounds", str(args.rounds), "--past", str(args.past)]
+            command += ["--quantized"] * args.quantized + ["--engine-root", str(roots[label])]
+            out = subprocess.run(command, capture_output=True, text=True, check=True)
+            got[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    kind = "int8" if args.quantized else "fp32"
+    print(f"{args.model} ({kind}), one row, thread CPU ms per call, medians of {args.repeats}")
+    print(f"processes each ({args.rounds} rounds): before = {before}, after = this checkout")
+    print(f"  {'call':32s} {'before':>9s} {'after':>9s}  ratio")
+    for name in got["before"][0]:
+        first = statistics.median(r[name] for r in got["before"])
+        second = statistics.median(r[name] for r in got["after"])
+        print(f"  {name:32s} {first:9.3f} {second:9.3f}  {second / first:.2f}")
+
+
+def folded(model_dir: Path, quantized: bool, rounds: int, past: int) -> None:
+    """The calls of `one_row_calls` with the shapes folded and not, alternated."""
+    loads = {
+        fold: Translator.from_dir(
+            model_dir, quantized=quantized, scheduler=SchedulerOptions(), fold_shapes=fold
+        )
+        for fold in (False, True)
+    }
+    try:
+        for tr in loads.values():
+            other_shapes_first(tr)
+        rows = {fold: one_row_calls(tr, past) for fold, tr in loads.items()}
+        spent: dict[tuple[str, bool], list[float]] = defaultdict(list)
+        for r in range(rounds):
+            order = (False, True) if r % 2 == 0 else (True, False)  # ABBA: neither first
+            for i in range(len(rows[False])):
+                for fold in order:
+                    name, call = rows[fold][i]
+                    spent[(name, fold)].append(cpu_ms(call, 200))
+        kind = "int8" if quantized else "fp32"
+        print(f"{model_dir} ({kind}), one row, thread CPU ms per call, median of {rounds}:")
+        print(f"  {'call':32s} {'unfolded':>9s} {'folded':>9s}  ratio")
+        for name, _ in rows[False]:
+            before = statistics.median(spent[(name, False)])
+            after = statistics.median(spent[(name, True)])
+            print(f"  {name:32s} {before:9.3f} {after:9.3f}  {after / before:.2f}")
+    finally:
+        for tr in loads.values():
+            tr.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "fixture" / "model")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--folded", action="store_true", help="shapes folded against not")
+    parser.add_argument("--quantized", action="store_true", help="the int8 files (--folded)")
+    parser.add_argument("--past", type=int, default=20, help="cached tokens of the step")
+    parser.add_argument("--against", type=Path, help="another checkout, to compare with")
+    parser.add_argument("--repeats", type=int, default=4, help="processes each (--against)")
+    parser.add_argument("--one-row", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--engine-root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.folded:
+        folded(args.model, args.quantized, args.rounds, args.past)
+        return 0
+    if args.one_row:
+        one_row(args.model, args.quantized, args.rounds, args.past)
+        return 0
+    if args.against is not None:
+        against(args.against, args)
+        return 0
     # The scheduler's defaults, as `serve` opens the model: on two cores two lanes, each
     # call on one intra-op thread (what the bare sessions get).
     tr = Translator.from_dir(args.model, scheduler=SchedulerOptions())

@@ -5,7 +5,8 @@ The Optimum export has neither a decoder attention mask (it builds a causal mask
 past length) nor position ids (it looks up `embed_positions` at one range for every row).
 `rewrite_decoder` adds both inputs (`names.MASK_INPUT`, `names.POSITIONS_INPUT`): every
 self-attention score mask becomes `Where(mask == 0, NEG, causal_mask)`, NEG being the
-graph's own large negative value, so a padding slot is as invisible as a future token; the
+graph's own large negative value, so a padding slot is as invisible as a future token (the
+causal mask built from the two lengths, in place of the export's: `_causal_mask`); the
 given positions replace the lookup's `Range + past_len`. With an all-ones mask and
 consecutive positions the logits are the original graph's.
 
@@ -20,7 +21,7 @@ then batches only rows of equal length (lockstep).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ from engine.model.names import (
     POSITIONS_INPUT,
     is_self_kv,
 )
-from engine.model.passes.graph import GraphView, opset
+from engine.model.passes.graph import GraphView, live_nodes, opset
 
 log = logging.getLogger(__name__)
 
@@ -365,9 +366,10 @@ def _apply(view: GraphView, plan: _Plan, tag: str, version: int) -> None:
                 ]
             )
             softmax.input[0] = step
+    causal = _causal_mask(name, const, unsqueeze, plan.negative, head) if plan.self_masks else ""
     for layer, (add, operand) in enumerate(plan.self_masks):
         masked = f"{name}/self_mask_{layer}"
-        where = [pad, negative, add.input[operand]]
+        where = [pad, negative, causal]
         before.setdefault(add.output[0], []).append(
             helper.make_node("Where", where, [masked], name=masked)
         )
@@ -401,7 +403,49 @@ def _apply(view: GraphView, plan: _Plan, tag: str, version: int) -> None:
             copy.CopyFrom(node)
             nodes.append(copy)
     del graph.node[:]
-    graph.node.extend(nodes)
+    graph.node.extend(live_nodes(nodes, {o.name for o in graph.output}))  # the export's mask
+
+
+def _causal_mask(
+    name: str,
+    const: Callable[[str, npt.NDArray[Any]], str],
+    unsqueeze: Callable[[str, list[int], str], onnx.NodeProto],
+    negative: npt.NDArray[Any],
+    head: list[onnx.NodeProto],
+) -> str:
+    """Append to `head` the causal mask [T, S] of new token i (after `S - T` cached ones)
+    over key j: NEG where j > S - T + i, else 0, from the lengths of the ids and of the
+    mask; return its name.
+
+    Why: it is the export's own causal mask (the masks rewrite's check compares them on a
+    forced prefix, a cached step and, in fp32, new tokens after a cache), which builds it
+    with about 60 nodes (`Trilu`, `ScatterND` of a padding mask that is all ones, `Range`s,
+    `Expand`s): a fifth of a prefill's nodes, and a call costs what its nodes cost."""
+    mask = f"{name}/causal"
+    one = const("causal_one", np.array(1, dtype=np.int64))
+    zero = const("causal_zero", np.array(0, dtype=np.int64))
+    head += [
+        helper.make_node("Shape", [INPUT_IDS], [f"{mask}_ids_shape"]),
+        helper.make_node("Gather", [f"{mask}_ids_shape", one], [f"{mask}_new"], axis=0),
+        helper.make_node("Shape", [MASK_INPUT], [f"{mask}_mask_shape"]),
+        helper.make_node("Gather", [f"{mask}_mask_shape", one], [f"{mask}_keys"], axis=0),
+        helper.make_node("Sub", [f"{mask}_keys", f"{mask}_new"], [f"{mask}_past"]),
+        helper.make_node("Range", [f"{mask}_past", f"{mask}_keys", one], [f"{mask}_rows"]),
+        unsqueeze(f"{mask}_rows", [1], f"{mask}_query"),
+        helper.make_node("Range", [zero, f"{mask}_keys", one], [f"{mask}_key"]),
+        helper.make_node("Greater", [f"{mask}_key", f"{mask}_query"], [f"{mask}_future"]),
+        helper.make_node(
+            "Where",
+            [
+                f"{mask}_future",
+                const("causal_negative", negative),
+                const("causal_zero_float", np.zeros((), negative.dtype)),
+            ],
+            [mask],
+            name=mask,
+        ),
+    ]
+    return mask
 
 
 def _add_inputs(graph: onnx.GraphProto) -> None:
