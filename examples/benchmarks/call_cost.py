@@ -43,7 +43,9 @@ ENGINE_ROOT = (
     if "--engine-root" in sys.argv[:-1]
     else ROOT
 )
-sys.path.insert(0, str(ENGINE_ROOT))
+sys.path.insert(0, str(ROOT))
+if ENGINE_ROOT != ROOT:
+    sys.path.insert(0, str(ENGINE_ROOT))
 
 import numpy as np  # noqa: E402
 import numpy.typing as npt  # noqa: E402
