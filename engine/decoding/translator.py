@@ -83,8 +83,8 @@ class Translator:
         self._glossary: Glossary | None = None
         self.glossary = glossary
         self._renderings: dict[str, str] = {}
-        # Renderings started ahead (`render_ahead`) and not yet remembered.
-        self._rendering: dict[str, Future[Hypothesis]] = {}
+        # Renderings started ahead (`render_ahead`), in flight until `_rendered` keeps them.
+        self._started: dict[str, Future[Hypothesis]] = {}
         self._renderings_lock = threading.Lock()
 
     @property
@@ -151,7 +151,7 @@ class Translator:
         it its own way first, `unrendered` / `rendering_call` / `remember_rendering`)."""
         with self._renderings_lock:
             found = self._renderings.get(source)
-            started = self._rendering.get(source)
+            started = self._started.get(source)
         if found is None and started is not None:
             found = self.remember_rendering(source, started.result().token_ids)
         if found is None:
@@ -167,7 +167,7 @@ class Translator:
             return [
                 term.source
                 for term in terms
-                if term.source not in self._renderings and term.source not in self._rendering
+                if term.source not in self._renderings and term.source not in self._started
             ]
 
     def rendering_started(self, terms: Sequence[Term]) -> list[tuple[str, Future[Hypothesis]]]:
@@ -175,9 +175,9 @@ class Translator:
         these instead of decoding them again (then `remember_rendering`)."""
         with self._renderings_lock:
             return [
-                (term.source, self._rendering[term.source])
+                (term.source, self._started[term.source])
                 for term in terms
-                if term.source not in self._renderings and term.source in self._rendering
+                if term.source not in self._renderings and term.source in self._started
             ]
 
     def render_ahead(self, sources: Sequence[str], priority: Priority = Priority.PARTIAL) -> None:
@@ -188,14 +188,14 @@ class Translator:
         the one `rendering` decodes: rows are independent of their batch."""
         for source in sources:
             with self._renderings_lock:
-                if source in self._renderings or source in self._rendering:
+                if source in self._renderings or source in self._started:
                     continue
             call = self.rendering_call(source)
             (future,) = self.submit(
                 self.encoding([call.source_ids]), call.options, priority=priority
             )
             with self._renderings_lock:
-                self._rendering[source] = future
+                self._started[source] = future
             future.add_done_callback(functools.partial(self._rendered, source))
 
     def _rendered(self, source: str, future: Future[Hypothesis]) -> None:
@@ -204,8 +204,8 @@ class Translator:
         if not future.cancelled() and future.exception() is None:
             self.remember_rendering(source, future.result().token_ids)
         with self._renderings_lock:
-            if self._rendering.get(source) is future:
-                del self._rendering[source]
+            if self._started.get(source) is future:
+                del self._started[source]
 
     def rendering_call(self, source: str) -> RenderingCall:
         """What decoding a term's source alone takes (`rendering`)."""
