@@ -344,3 +344,45 @@ async def test_an_append_is_one_round_trip_and_survives_flushed_scripts(
     assert 20 <= reads <= 22
     assert bus.stats["scripts_loaded"] == 1 and bus.stats["appended"] == 22
     assert [entry.reply.seq for entry in history if entry.reply is not None] == list(range(22))
+
+
+async def test_a_renewal_goes_by_digest_and_survives_flushed_scripts(
+    redis: RedisServer,
+) -> None:
+    """Leases are renewed by their script's digest, one round trip a turn: a pipeline of
+    redis-py's script objects asked Redis first whether it had the script (`SCRIPT
+    EXISTS`, a command and a round trip more) at every turn. A Redis that lost its
+    scripts gets the script again and the lease is still renewed."""
+    import redis as redis_py
+
+    bus = RedisBus(redis.url, lease_ms=300)  # a turn every 100 ms
+    await bus.start(["zh"])
+    store = redis_py.Redis.from_url(redis.url, decode_responses=True)
+
+    def script_exists() -> int:
+        stats = store.info("commandstats").get("cmdstat_script|exists", {})
+        return int(stats.get("calls", 0)) if isinstance(stats, dict) else 0
+
+    async def renewed(more: int) -> None:
+        target = bus.stats["lease_renewals"] + more
+        with anyio.fail_after(5):
+            while bus.stats["lease_renewals"] < target:
+                await anyio.sleep(0.01)
+
+    try:
+        await bus.claim("s1")
+        await renewed(1)
+        before, trips = script_exists(), bus.stats["renewal_round_trips"]
+        await renewed(5)
+        asked = script_exists() - before
+        turns = bus.stats["renewal_round_trips"] - trips
+        store.script_flush()
+        loaded = bus.stats["scripts_loaded"]
+        await renewed(2)
+        reloaded = bus.stats["scripts_loaded"] - loaded
+        lost = bus.stats["lease_losses"]
+    finally:
+        await bus.aclose()
+        store.close()
+    assert asked == 0 and turns >= 5
+    assert reloaded >= 1 and lost == 0

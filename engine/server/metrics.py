@@ -159,8 +159,9 @@ class _BusStats(_EngineCollector):
         events = CounterMetricFamily(
             "nmt_bus_events",
             "Update bus work by kind (appended, append_round_trips, terms_written, "
-            "terms_alone, scripts_loaded, entries_read, lease_renewals, lease_losses, takeovers, "
-            "stale_refused, finals_refused, updates_dropped, close_marks_lost, resume_gaps, "
+            "terms_alone, scripts_loaded, entries_read, lease_renewals, renewal_round_trips, "
+            "lease_losses, takeovers, stale_refused, finals_refused, updates_dropped, "
+            "close_marks_lost, resume_gaps, "
             "redis_errors, redis_reconnects, redis_oom, redis_refused).",
             labels=["kind"],
         )

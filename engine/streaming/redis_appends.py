@@ -30,6 +30,38 @@ from protocol import ErrorCode, ErrorMessage, TranslationUpdate
 Call = tuple[Any, list[str], list[Any]]
 """A script (redis-py's object: its digest and source), its keys and its arguments."""
 
+
+async def send_scripts(
+    redis: Any, calls: list[Call], stats: Counter[str], trips: str = "append_round_trips"
+) -> list[Any]:
+    """The calls in one pipeline, each script by its digest (`EVALSHA`): one round trip
+    (a pipeline of redis-py's script objects asks Redis first whether it has them,
+    one more every time). A Redis without them (restarted, or its scripts flushed)
+    answers `NOSCRIPT` and ran nothing of those calls: they are loaded and those
+    calls sent again, in order. Each call's answer or error is returned in its place;
+    `stats` counts the round trips (as `trips`) and `scripts_loaded`."""
+    from redis.exceptions import NoScriptError
+
+    results: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for attempt in range(2):
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in todo:
+                script, keys, args = calls[i]
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            answers = await pipe.execute(raise_on_error=False)
+        stats[trips] += 1
+        for i, answer in zip(todo, answers, strict=True):
+            results[i] = answer
+        todo = [i for i in todo if isinstance(results[i], NoScriptError)]
+        if not todo or attempt:
+            break
+        for script in {id(calls[i][0]): calls[i][0] for i in todo}.values():
+            script.sha = await redis.script_load(script.script)
+        stats["scripts_loaded"] += 1
+    return results
+
+
 BATCH = 256
 """Appends sent in one round trip at most."""
 
@@ -126,7 +158,7 @@ class Appender:
                 for stream_id, epoch, fields in alone
             ]
             try:
-                results = await self._send(redis, calls)
+                results = await send_scripts(redis, calls, self.stats)
             except redis_errors() as exc:
                 self.health.failed("appending replies", exc)
                 results = [exc] * (len(batch) + len(alone))
@@ -161,33 +193,6 @@ class Appender:
         ]
         args = [item.epoch, self.history_size, HISTORY_TTL_MS, item.kind, item.payload]
         return scripts["append"], keys, [*args, *item.terms]
-
-    async def _send(self, redis: Any, calls: list[Call]) -> list[Any]:
-        """The calls in one pipeline, each script by its digest (`EVALSHA`): one round trip
-        (a pipeline of redis-py's script objects asks Redis first whether it has them,
-        one more every time). A Redis without them (restarted, or its scripts flushed)
-        answers `NOSCRIPT` and ran nothing of those calls: they are loaded and those
-        calls sent again, in order."""
-        from redis.exceptions import NoScriptError
-
-        results: list[Any] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        for attempt in range(2):
-            async with redis.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    script, keys, args = calls[i]
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                answers = await pipe.execute(raise_on_error=False)
-            self.stats["append_round_trips"] += 1
-            for i, answer in zip(todo, answers, strict=True):
-                results[i] = answer
-            todo = [i for i in todo if isinstance(results[i], NoScriptError)]
-            if not todo or attempt:
-                break
-            for script in {id(calls[i][0]): calls[i][0] for i in todo}.values():
-                script.sha = await redis.script_load(script.script)
-            self.stats["scripts_loaded"] += 1
-        return results
 
     def _terms_done(
         self, batch: list[Append], alone: list[tuple[str, int, list[str]]], results: list[Any]

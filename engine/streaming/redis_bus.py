@@ -59,7 +59,7 @@ from engine.streaming.bus import BusUnavailable, Claim
 from engine.streaming.fanout import Hub
 from engine.streaming.history import HISTORY, Entry, answered_through
 from engine.streaming.lifecycle import Owner
-from engine.streaming.redis_appends import HISTORY_TTL_MS, Appender
+from engine.streaming.redis_appends import HISTORY_TTL_MS, Appender, Call, send_scripts
 from engine.streaming.redis_health import BACKOFF, Health, refusal
 from engine.streaming.redis_store import (
     APPEND,
@@ -359,22 +359,29 @@ class RedisBus:
                 # Every turn, so that a node that appends nothing (no writer, or silent
                 # ones) learns that Redis refuses writes too (out of memory): not ready.
                 await self._probe_write()
-                if held:
-                    async with self._redis.pipeline(transaction=False) as pipe:
-                        for stream_id, epoch in held.items():
-                            await self._scripts["renew"](
-                                keys=[
-                                    self.keys.lease(stream_id),
-                                    self.keys.epoch(stream_id),
-                                    self.keys.glossaries(stream_id),
-                                    self.keys.terms(stream_id),
-                                ],
-                                args=[self.node, self.lease_ms, epoch, HISTORY_TTL_MS],
-                                client=pipe,
-                            )
-                        results = await pipe.execute()
-                else:
-                    results = []
+                # By digest, as the appends go: a pipeline of script objects would ask
+                # Redis whether it has the script first (`SCRIPT EXISTS`) every turn.
+                calls: list[Call] = [
+                    (
+                        self._scripts["renew"],
+                        [
+                            self.keys.lease(stream_id),
+                            self.keys.epoch(stream_id),
+                            self.keys.glossaries(stream_id),
+                            self.keys.terms(stream_id),
+                        ],
+                        [self.node, self.lease_ms, epoch, HISTORY_TTL_MS],
+                    )
+                    for stream_id, epoch in held.items()
+                ]
+                results = (
+                    await send_scripts(self._redis, calls, self._stats, "renewal_round_trips")
+                    if calls
+                    else []
+                )
+                failed = next((r for r in results if isinstance(r, BaseException)), None)
+                if failed is not None:
+                    raise failed
             except redis_errors() as exc:
                 renewing.set()
                 delay = await self.health.back_off("renewing leases", exc, delay)
