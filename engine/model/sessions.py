@@ -73,6 +73,10 @@ class RuntimeOptions:
     # (`engine.model.passes.shapes`, checked at load): fewer nodes per call. Not the fp16
     # files (`folds`).
     fold_shapes: bool = True
+    # The encoder's and the prefill's attention cores as one ONNX `Attention` each
+    # (`engine.model.passes.attention`, each graph checked at load and kept unfused where
+    # it differs): fewer nodes per call. On the CPU only (`fuses`).
+    fuse_attention: bool = True
     # ONNX Runtime's `SkipLayerNormalization` fusion (a residual `Add` and the
     # `LayerNormalization` after it as one kernel): off on the CPU, where that kernel ran
     # slower than the two ops it replaces (`fusions_off`; docs/performance.md).
@@ -91,6 +95,12 @@ class RuntimeOptions:
         where ONNX Runtime then fuses kernels that round differently in fp16 (0.008 of a
         logit on the fixture, past the masks rewrite's check: lockstep batching)."""
         return self.fold_shapes and not self.fp16
+
+    @property
+    def fuses(self) -> bool:
+        """Whether a load fuses attention cores (`fuse_attention`): on the CPU, where it
+        was measured (not on a GPU, nor in the fp16 files the folds leave as they are)."""
+        return self.fuse_attention and not self.fp16 and device_of(self)[0] == "cpu"
 
     @property
     def per_token(self) -> bool:
