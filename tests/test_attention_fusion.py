@@ -5,6 +5,8 @@ encoder and of the rewritten prefill as one ONNX `Attention`.
   graphs' outputs (the prefill's `present` keys and values too) within the rewrite
   check's tolerance, over batch sizes, lengths, padded rows and a source all padding,
   and ONNX Runtime runs fewer nodes: no `Softmax` left, one mask `Expand` per graph.
+- Unfolded graphs (shapes computed from the cores' tensors) fuse too, with the same
+  outputs.
 - A graph it does not know (keys and values in heads only, probabilities read elsewhere,
   subgraphs, fused already) gives None and a logged reason.
 - A load fuses by default where it measured (the CPU, not fp16), keeps a fused graph
@@ -132,6 +134,27 @@ def test_fused_prefill_gives_the_same_outputs_with_fewer_nodes(
     after = optimized_nodes(fused, tmp_path, "after")
     assert after["Softmax"] == 0
     assert sum(after.values()) < 0.8 * sum(before.values())
+
+
+def test_unfolded_graphs_fuse_too() -> None:
+    """Without `passes.shapes` the masks' `Slice` bounds and the `Reshape` targets are
+    computed from `Shape`s of the cores' tensors (the cross-attention mask from the present
+    keys' shape): those stay where a shape reads them, the rest fuses, the outputs agree."""
+    needs_fixture()
+    graphs = load_batched_decoder(FIXTURE_MODEL, check=False, fold=False)
+    assert graphs is not None
+    model = fuse_attention(graphs.no_past, "unfolded prefill")
+    assert model is not None
+    assert Counter(n.op_type for n in model.graph.node)["Attention"] == 6
+    first, second = session(graphs.no_past), session(model.SerializeToString())
+    names = [o.name for o in first.get_outputs()]
+    feed = _prefill_feed(first.get_inputs(), 2, 4, 6, 0)
+    for name, a, b in zip(names, first.run(names, feed), second.run(names, feed), strict=True):
+        np.testing.assert_allclose(b, a, atol=REWRITE_TOLERANCE, rtol=0, err_msg=name)
+    encoder = FIXTURE_MODEL / "encoder_model.onnx"
+    fused = fuse_attention(encoder, "unfolded encoder")
+    assert fused is not None
+    assert check_encoder_rewrite(encoder, fused.SerializeToString()) <= REWRITE_TOLERANCE
 
 
 def test_keys_and_values_in_heads_only_stay(caplog: pytest.LogCaptureFixture) -> None:

@@ -33,11 +33,15 @@ Found by structure, never by node names, from each `Softmax` over the last axis:
   several (the source padding mask of the encoder and of cross-attention) is expanded to
   the tokens once per graph and mask (`Shape`, `Concat`, `Expand`).
 
-Where anything else reads an intermediate of the core, the core stays as it is. The
+Where anything else reads the values of an intermediate of the core, the core stays as
+it is; where only a `Shape` reads one (the unfolded graph's `Reshape` targets and mask
+`Slice`s), the nodes that make it stay for that `Shape` (and a present whose shape the
+mask reads stays the graph's own, so that the operator never reads its own output). The
 graph's default opset becomes 23 (the ops this engine's graphs use only gained types
-since 18; ONNX Runtime optimises them the same). The fused kernel rounds apart from
-`MatMul` and `Softmax` (about 1e-6 in fp32, where it differs at all), so the loader checks
-each fused graph against the one it came from (`engine.model.fused`).
+since 18; ONNX Runtime optimises the encoder to the same nodes at either). The fused
+kernel may round apart from `MatMul` and `Softmax` (on the fixture's and the benchmark
+model's probes it did not), so the loader checks each fused graph against the one it came
+from (`engine.model.fused`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from engine.model.passes.graph import (
+    SHAPE_ONLY,
     GraphView,
     UnsortableGraph,
     live_nodes,
@@ -165,7 +170,11 @@ def _fuse(model: onnx.ModelProto) -> tuple[int, str]:
                 kv_num_heads=core.heads,
             )
         )
-    nodes = [n for n in graph.node if id(n) not in taken] + made
+    # Only the nodes whose outputs the operators now make go here; the rest of each core
+    # goes with `live_nodes` where nothing else reads it (a shape computation of the
+    # unfolded graph may read a split: that node then stays, and so do its values).
+    made_names = {name for node in made for name in node.output}
+    nodes = [n for n in graph.node if not made_names.intersection(n.output)] + made
     known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
     known |= {t.name for t in added}
     try:
@@ -239,6 +248,13 @@ def _core(view: GraphView, shapes: Shapes, outputs: set[str], softmax: onnx.Node
     scale = query_scale * key_scale
     tokens = None if mask is None else _mask_fits(shapes, mask, scores_shape, where)
     mask = None if mask is None else _through_identities(view, mask)
+    if mask is not None:
+        # A mask computed from a present's shape (the unfolded graph's mask `Slice`) would
+        # read the operator's own output: that present stays the graph's `Transpose`.
+        upstream = _upstream(view, mask)
+        for side in (key, value):
+            if side.present in upstream:
+                side.present = None
     _only_read_by(view, outputs, query_reshape.output[0], query_transpose)
     return _Core(
         [packed_query, key.packed, value.packed],
@@ -334,10 +350,10 @@ def _from_heads(
     if found is None or found[2:] != (heads, head_dim):
         raise _Unsupported(f"{name}: keys or values not split from [B, T, D] (in heads only)")
     transpose, reshape = found[0], found[1]
-    if view.consumers.get(reshape.output[0], []) != [transpose] or reshape.output[0] in outputs:
+    if _values_read(view, outputs, reshape.output[0], transpose):
         raise _Unsupported(f"{reshape.output[0]}: the split keys or values are read elsewhere")
-    elsewhere = name in outputs or any(n is not reader for n in view.consumers.get(name, []))
-    return _Side(reshape.input[0], name if elsewhere else None, [transpose, reshape])
+    present = name if _values_read(view, outputs, name, reader) else None
+    return _Side(reshape.input[0], present, [transpose, reshape])
 
 
 def _packed(
@@ -346,15 +362,16 @@ def _packed(
     """Packed keys from their split `reshape`, read by the scores' transpose `reader` and
     by at most one heads `Transpose(0, 2, 1, 3)` besides (the decoder's present keys,
     which the operator then gives); no heads: the keys only come packed."""
-    others = [n for n in view.consumers.get(reshape.output[0], []) if n is not reader]
-    if reshape.output[0] in outputs or len(others) > 1:
-        raise _Unsupported(f"{reshape.output[0]}: the split keys are read elsewhere")
+    split = reshape.output[0]
     side = _Side(reshape.input[0], replaced=[reshape])
-    if others:
-        if others[0].op_type != "Transpose" or _perm(others[0]) != _HEADS:
-            raise _Unsupported(f"{reshape.output[0]}: the split keys are read elsewhere")
-        side.present = others[0].output[0]
-        side.replaced.append(others[0])
+    readers = view.consumers.get(split, [])
+    heads = [n for n in readers if n.op_type == "Transpose" and _perm(n) == _HEADS]
+    read = [n for n in heads if _values_read(view, outputs, n.output[0])]
+    if len(read) > 1 or _values_read(view, outputs, split, reader, *heads):
+        raise _Unsupported(f"{split}: the split keys are read elsewhere")
+    if read:
+        side.present = read[0].output[0]
+        side.replaced.append(read[0])
     return side
 
 
@@ -403,11 +420,34 @@ def _expand_mask(
 # -- small readers ---------------------------------------------------------------------------
 
 
-def _only_read_by(view: GraphView, outputs: set[str], name: str, *readers: onnx.NodeProto) -> None:
-    """Fail unless `name` is read by `readers` alone and is no graph output."""
+def _values_read(view: GraphView, outputs: set[str], name: str, *readers: onnx.NodeProto) -> bool:
+    """Whether `name` is a graph output or its values are read by a node besides
+    `readers` (a `Shape` of it is not: it keeps its producer, not the core, alive)."""
     allowed = {id(r) for r in readers}
-    if name in outputs or any(id(n) not in allowed for n in view.consumers.get(name, [])):
+    return name in outputs or any(
+        id(n) not in allowed and n.op_type not in SHAPE_ONLY for n in view.consumers.get(name, [])
+    )
+
+
+def _only_read_by(view: GraphView, outputs: set[str], name: str, *readers: onnx.NodeProto) -> None:
+    """Fail where something besides `readers` reads the values of `name` (`_values_read`)."""
+    if _values_read(view, outputs, name, *readers):
         raise _Unsupported(f"{name}: read outside the attention core")
+
+
+def _upstream(view: GraphView, name: str) -> set[str]:
+    """Every tensor `name` is computed from, through shape computations too."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        node = view.producer.get(current)
+        if node is not None:
+            todo.extend(i for i in node.input if i)
+    return seen
 
 
 def _through_identities(view: GraphView, name: str) -> str:
@@ -422,8 +462,8 @@ def _through_identities(view: GraphView, name: str) -> str:
 
 
 def _single(view: GraphView, outputs: set[str], name: str, op: str) -> onnx.NodeProto:
-    """The one node (of type `op`) that reads `name`."""
-    readers = view.consumers.get(name, [])
+    """The one node (of type `op`) that reads the values of `name`."""
+    readers = [n for n in view.consumers.get(name, []) if n.op_type not in SHAPE_ONLY]
     if len(readers) != 1 or readers[0].op_type != op or name in outputs:
         raise _Unsupported(f"{name}: not read by one {op} alone")
     return readers[0]
