@@ -2,13 +2,16 @@
 made, open the sessions.
 
     choose_files     which encoder and decoder files this load runs (`ModelFiles`)
-    open_encoder     its session, its inputs checked
+    open_encoder     its session, its inputs checked, its shape computations folded
+                     (`passes.shapes`) and its attention fused (`passes.attention`,
+                     `fused`), each checked
     open_decoder     the decoder's sessions and native layout, from their signatures; a
                      merged file's branches cut apart (`passes.merged_split`) and checked
     load_masked      the masks rewrite of both decoder graphs (`passes.masks`), their shape
                      computations folded (`passes.shapes`, the encoder's too), int8 per
-                     token (`passes.per_token`), checked against the sessions above, and
-                     the output projection cut apart (`cut`)
+                     token (`passes.per_token`), checked against the sessions above, the
+                     prefill's attention fused (`fused`) and the output projection cut
+                     apart (`cut`)
     open_backend     the KV backend `backend.select_backend` chooses, with its graphs
                      (`inplace`, `slots`), chosen again where they are refused
     load             all of it, in that order (`MarianOnnx` runs the result)
@@ -53,6 +56,7 @@ from engine.model.files import (
     decoder_session,
     open_file,
 )
+from engine.model.fused import open_fused
 from engine.model.kv.inplace.steps import InPlaceSteps, open_inplace
 from engine.model.kv.slots.pool import SlotGraphs, open_slot_graphs
 from engine.model.layouts import LAYOUTS, DecoderLayout, LayoutDecoder, NoCacheLayout
@@ -95,21 +99,35 @@ __all__ = [  # the loader's own names, and those of the passes and checks it app
 
 def open_encoder(files: ModelFiles, options: RuntimeOptions) -> ort.InferenceSession:
     """The encoder's session: its shape computations folded (`passes.shapes`) where
-    `options.folds` and the folded graph gives the file's outputs on a probe, else
-    the file as it is."""
+    `options.folds`, then its attention fused (`passes.attention`) where `options.fuses`,
+    each kept where it gives the file's outputs on a probe; else the file as it is."""
     where = f"{files.model_dir}: {files.encoder.name}"
     session = open_file(files.encoder, files.model_dir, options, decoder=False)
     check_encoder(session, where)
-    if not options.folds:
+    folded: bytes | None = None
+    if options.folds:
+        try:
+            graph = fold_shapes(load_model(files.encoder), where, in_place=True)
+            folded = None if graph is None else graph.SerializeToString()  # None: logged why
+            del graph
+        except Exception as exc:  # a graph the pass did not foresee
+            log.warning("%s: encoder with its shapes folded not used (%s)", where, exc)
+    fused = open_fused(
+        files.encoder if folded is None else folded,
+        where,
+        options,
+        lambda rewritten: check_encoder_rewrite(session, rewritten),
+        REWRITE_TOLERANCE,
+    )
+    if fused is not None:
+        return fused[1]
+    if folded is None:
         return session
     try:
-        folded = fold_shapes(load_model(files.encoder), where, in_place=True)
-        if folded is None:
-            return session  # logged why
-        rewritten = open_session(folded.SerializeToString(), options)
+        rewritten = open_session(folded, options)
         del folded
         worst = check_encoder_rewrite(session, rewritten)
-    except Exception as exc:  # a graph the pass or ONNX Runtime did not foresee
+    except Exception as exc:  # a graph ONNX Runtime did not foresee
         log.warning("%s: encoder with its shapes folded not used (%s)", where, exc)
         return session
     if not worst <= REWRITE_TOLERANCE:
@@ -338,7 +356,22 @@ def load_masked(
             return None  # logged why
         graph = masked_graphs(rewritten, graphs.sources, None, options.per_token, options.folds)
         per_token = graph.one_token is not None
-        no_past = open_session(graph.no_past, options, per_token=per_token)
+        # The prefill with its attention fused where that gives its logits. The steps'
+        # graphs stay as they are: the KV backends rewrite their self-attention, and
+        # their cross-attention (keys in heads) ran no faster fused (docs/performance.md).
+        fused = open_fused(
+            graph.no_past,
+            f"{model_dir} (prefill)",
+            options,
+            lambda session: check_rewrite(originals[0], session, past_len=0, cur_len=3),
+            REWRITE_TOLERANCE,
+            per_token=per_token,
+        )
+        prefill_graph, no_past = (
+            fused
+            if fused is not None
+            else (graph.no_past, open_session(graph.no_past, options, per_token=per_token))
+        )
         with_past = open_session(graph.with_past, options, per_token=per_token)
         one = None if graph.one_token is None else open_session(graph.one_token, options)
         worst = max(
@@ -377,7 +410,7 @@ def load_masked(
         if options.quantized and not options.per_token
         else cut_graph(
             model_dir,
-            graph.no_past,
+            prefill_graph,
             no_past,
             config,
             options,

@@ -73,6 +73,14 @@ class RuntimeOptions:
     # (`engine.model.passes.shapes`, checked at load): fewer nodes per call. Not the fp16
     # files (`folds`).
     fold_shapes: bool = True
+    # The encoder's and the prefill's attention cores as one ONNX `Attention` each
+    # (`engine.model.passes.attention`, each graph checked at load and kept unfused where
+    # it differs): fewer nodes per call. On the CPU only (`fuses`).
+    fuse_attention: bool = True
+    # ONNX Runtime's `SkipLayerNormalization` fusion (a residual `Add` and the
+    # `LayerNormalization` after it as one kernel): off on the CPU, where that kernel ran
+    # slower than the two ops it replaces (`fusions_off`; docs/performance.md).
+    skip_layer_norm: bool = False
     # One CPU arena for all the process's sessions rather than one each
     # (`shared_cpu_arena`): memory under load grows about a third as much.
     shared_arena: bool = True
@@ -87,6 +95,12 @@ class RuntimeOptions:
         where ONNX Runtime then fuses kernels that round differently in fp16 (0.008 of a
         logit on the fixture, past the masks rewrite's check: lockstep batching)."""
         return self.fold_shapes and not self.fp16
+
+    @property
+    def fuses(self) -> bool:
+        """Whether a load fuses attention cores (`fuse_attention`): on the CPU, where it
+        was measured (not on a GPU, nor in the fp16 files the folds leave as they are)."""
+        return self.fuse_attention and not self.fp16 and device_of(self)[0] == "cpu"
 
     @property
     def per_token(self) -> bool:
@@ -210,6 +224,22 @@ kernels multiply by their product: values one float step apart from the files' f
 one-token call, so a row stepped alone (on the files' graph) and in a batch would differ."""
 
 
+SLOW_ON_CPU = ("SkipLayerNormFusion",)
+"""ONNX Runtime fusions a CPU session does not get unless `RuntimeOptions.skip_layer_norm`:
+its `SkipLayerNormalization` kernel cost more than `Add` and `LayerNormalization` at every
+size measured but one token of 64 values (docs/performance.md, attention fused), and the
+graphs whose shapes the passes make known get more of them."""
+
+
+def fusions_off(options: RuntimeOptions, per_token: bool = False) -> list[str]:
+    """The ONNX Runtime optimizers a session of `options` runs without: those a graph
+    quantized per token must not get (`per_token`), and on the CPU those slower there."""
+    off = list(PER_TOKEN_FUSIONS_OFF) if per_token else []
+    if not options.skip_layer_norm and device_of(options)[0] == "cpu":
+        off += SLOW_ON_CPU
+    return off
+
+
 def providers(options: RuntimeOptions, graph_capture: bool = False) -> list[Any]:
     """The providers a session is opened with, the CUDA one on `device_id` (and
     capturing CUDA graphs where `graph_capture`)."""
@@ -227,14 +257,15 @@ def open_session(
     per_token: bool = False,
     graph_capture: bool = False,
 ) -> ort.InferenceSession:
-    """A session of a file (its path as a string) or a serialised graph; `per_token`: a
-    graph whose int8 activations are quantized per token (see `PER_TOKEN_FUSIONS_OFF`);
+    """A session of a file (its path as a string) or a serialised graph, without the
+    fusions `fusions_off` names; `per_token`: a graph whose int8 activations are
+    quantized per token (see `PER_TOKEN_FUSIONS_OFF`);
     `graph_capture`: runs may capture and replay CUDA graphs (`engine.model.kv.slots.graphed`)."""
     session = ort.InferenceSession(
         graph,
         session_options(options, threads),
         providers=providers(options, graph_capture),
-        **({"disabled_optimizers": list(PER_TOKEN_FUSIONS_OFF)} if per_token else {}),
+        **({"disabled_optimizers": off} if (off := fusions_off(options, per_token)) else {}),
     )
     if isinstance(graph, bytes):
         # ONNX Runtime's Python session keeps a serialised graph for as long as it lives,

@@ -1,0 +1,55 @@
+"""Attention fused at load (`passes.attention`): a graph's fused form, opened and checked
+against what it came from, or None so that the caller runs the graph unfused.
+
+Why apart from the passes and the checks: the encoder and the prefill each fuse their own
+graph, with their own probe; a fused graph that ONNX Runtime refuses or that differs costs
+its graph the fusion only, never the batchable layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+
+from engine.model.passes.attention import fuse_attention
+from engine.model.sessions import RuntimeOptions, open_session
+
+log = logging.getLogger(__name__)
+
+
+def open_fused(
+    source: Path | bytes | onnx.ModelProto,
+    name: str,
+    options: RuntimeOptions,
+    check: Callable[[ort.InferenceSession], float],
+    tolerance: float,
+    *,
+    per_token: bool = False,
+) -> tuple[bytes, ort.InferenceSession] | None:
+    """`source` with its attention fused, serialised, and its session, where
+    `options.fuses`, the pass finds cores, ONNX Runtime opens it and `check(session)` (a
+    largest difference to the unfused graph's outputs) is within `tolerance`; else None,
+    logged under `name`."""
+    if not options.fuses:
+        return None
+    try:
+        model = fuse_attention(source, name)
+        if model is None:
+            return None  # logged why
+        data: bytes = model.SerializeToString()
+        del model
+        session = open_session(data, options, per_token=per_token)
+        worst = check(session)
+    except Exception as exc:  # a graph or kernel ONNX Runtime refuses: run it unfused
+        log.warning("%s: attention fused not used (%s)", name, exc)
+        return None
+    if not worst <= tolerance:
+        log.warning(
+            "%s: attention fused differs by %.3g (tolerance %g): not used", name, worst, tolerance
+        )
+        return None
+    return data, session
