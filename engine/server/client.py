@@ -154,7 +154,8 @@ class Client:
 
     def end_when_forwarded(self) -> None:
         """A stopping server's last word: the outbox ends now if nothing is forwarded any
-        more, else when the last forwarder finishes."""
+        more, else when the last subscription has ended and delivered what it held (a
+        viewer's forwarder finishes, the writer's own subscription ends)."""
         if self.pumps == 0:
             self.outbox.end()
 
