@@ -5,13 +5,16 @@ this module needs nothing beyond the protocol (a client imports it without the m
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeAlias
 
 import anyio
 
 from protocol import ErrorMessage, TranslationUpdate
+
+log = logging.getLogger(__name__)
 
 Reply: TypeAlias = TranslationUpdate | ErrorMessage
 """What a subscription yields: updates, and an `error` (code `internal`) in place of the
@@ -46,6 +49,10 @@ class ReplyQueue(AsyncIterator[Reply]):
     When it is full, the oldest non-final update is dropped (a newer one supersedes it);
     finals and errors (which answer finals) are never dropped, so a slow consumer cannot
     stall translation for others and every final transcript still gets its reply.
+
+    A consumer that never waits (a server connection's outbox) may `attach` instead of
+    iterating: each reply is then handed to it as it is put, sparing a task and its
+    wake-up per reply.
     """
 
     def __init__(self, max_items: int) -> None:
@@ -54,10 +61,28 @@ class ReplyQueue(AsyncIterator[Reply]):
         self._items: deque[Reply] = deque()
         self._ready = new_event()
         self._ended = False
+        self._deliver: Callable[[Reply], None] | None = None
+        self._on_end: Callable[[], None] | None = None
+
+    def attach(self, deliver: Callable[[Reply], None], on_end: Callable[[], None]) -> None:
+        """Hand every reply to `deliver` from now on, those queued first, instead of
+        queuing it; `on_end` is called once when the queue ends (at once if it has).
+        `deliver` runs in the task that puts the reply, so it must not block; what it
+        raises is logged and the reply lost to this consumer alone (the publisher and
+        the other consumers carry on). An attached queue is not iterated."""
+        self._deliver = deliver
+        while self._items:
+            self._hand(self._items.popleft())
+        self._on_end = on_end
+        if self._ended:
+            self._call_on_end()
 
     def put(self, reply: Reply) -> None:
-        """Queue `reply` (nothing once ended)."""
+        """Queue `reply` (nothing once ended), or hand it to the attached consumer."""
         if self._ended:
+            return
+        if self._deliver is not None:
+            self._hand(reply)
             return
         if len(self._items) >= self.max_items:
             for i, old in enumerate(self._items):
@@ -72,6 +97,19 @@ class ReplyQueue(AsyncIterator[Reply]):
         """Take nothing more: iteration yields what is queued, then stops."""
         self._ended = True
         self._ready.set()
+        self._call_on_end()
+
+    def _hand(self, reply: Reply) -> None:
+        assert self._deliver is not None
+        try:
+            self._deliver(reply)
+        except Exception:
+            log.exception("a reply's consumer failed; the reply is lost to it")
+
+    def _call_on_end(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
 
     @property
     def ended(self) -> bool:

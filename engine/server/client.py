@@ -2,8 +2,12 @@
 subscriptions into the outbox, send.
 
 The rules are the sans-I/O `ConnectionCore`'s; this module only awaits. Per connection,
-one task receives and one task sends, and one forwarder per subscription moves the
-engine's replies into a bounded `Outbox`, so the engine never waits on a socket. A writer
+one task receives and one task sends, and the engine's replies go into a bounded `Outbox`,
+so the engine never waits on a socket: a writer's own replies are handed over as they are
+published (`ReplyQueue.attach`), a viewer's by one forwarder task per subscription. When
+the sender is idle and the socket takes a frame at once, an update is written on the spot
+instead (`eager.send_now`), sparing the sender's wake-up; anything else waits its turn in
+the outbox, so the order holds. A writer
 streaming audio has one more task, its `AudioFeed` (recognition off the event loop), whose
 events are pushed as the connection's own and echoed back to it as `partial_transcript`
 messages (kept apart from the outbox, in `echoes`, and sent first).
@@ -37,6 +41,7 @@ from engine.server.connection import (
     SetOwnGlossary,
     Watch,
 )
+from engine.server.eager import Unfinished, idle_and_open, send_now
 from engine.server.metrics import ServerMetrics
 from engine.server.outbox import Outbox
 from engine.server.state import ServerState
@@ -76,7 +81,8 @@ class Client:
     """One connection: its rules (`core`), its outbox and the tasks that serve it.
 
     `pumps` counts its subscriptions being forwarded: a stopping server ends the outbox
-    only once the last one has delivered its final replies. `audio`: the server's audio
+    only once the last one has delivered its final replies (the writer's own is handed
+    its replies as they are published, and counts until it ends). `audio`: the server's audio
     input (None: it takes none); `feed`: this connection's audio stream, if any (the one
     binary frames go to); `feeds`: every one of its audio streams still running (one that
     ended still flushing, and the next one waiting for it).
@@ -109,6 +115,11 @@ class Client:
     # stream into it, or audio after text).
     clocks: dict[str, Clock] = field(default_factory=dict)
     _dropped_audio_ms: float = 0.0
+    # The sender waits for the outbox with nothing else to send: an update may be
+    # written at once (`_put_update`). `_unfinished`: such a write that had to wait,
+    # which the sender finishes before anything else.
+    _idle: bool = False
+    _unfinished: tuple[Unfinished, str] | None = None
 
     async def serve(self) -> None:
         """Serve the connection until it closes."""
@@ -143,7 +154,8 @@ class Client:
 
     def end_when_forwarded(self) -> None:
         """A stopping server's last word: the outbox ends now if nothing is forwarded any
-        more, else when the last forwarder finishes."""
+        more, else when the last subscription has ended and delivered what it held (a
+        viewer's forwarder finishes, the writer's own subscription ends)."""
         if self.pumps == 0:
             self.outbox.end()
 
@@ -209,10 +221,9 @@ class Client:
 
     def _subscribe_writes(self) -> None:
         if self.writes is None:  # subscribe before the first push: nothing is missed
-            self.writes = self.engine.updates(owner=self.core.owner)
-            self._adopt(self.writes)
-            assert self.io is not None
-            self.io.start_soon(self._forward, self.writes, True)
+            writes = self.writes = self.engine.updates(owner=self.core.owner)
+            self._adopt(writes)
+            writes.attach(self._own_reply, lambda: self._forwarded(writes))
 
     async def _push_event(self, event: PartialTranscript) -> None:
         self._subscribe_writes()
@@ -354,7 +365,7 @@ class Client:
         while not (self.state.stopping or self.gone):
             sub = self.engine.updates(stream_id, lang=lang, after=after)
             self._adopt(sub)
-            got = await self._forward(sub, False)
+            got = await self._forward(sub)
             after = sub.cursor or after
             if not got and stream_id not in self.engine.streams:
                 await anyio.sleep(0.1)  # never spin on a subscription that ends at once
@@ -365,34 +376,65 @@ class Client:
         self.pumps += 1
         self.subscriptions.add(sub)
 
-    async def _forward(self, sub: Subscription, owner: bool) -> int:
-        """Move an adopted subscription's replies into the outbox as they come; returns
-        how many. The owner's forwarder is the one place each update passes exactly
-        once, so it records the engine latency."""
+    async def _forward(self, sub: Subscription) -> int:
+        """Move a viewer's adopted subscription's replies into the outbox as they come;
+        returns how many."""
         count = 0
         try:
             async for update in sub:
                 count += 1
-                if isinstance(update, ErrorMessage):  # in place of a final's update
-                    if owner:
-                        self._reply(update, about_final=True)
-                    continue
-                if owner:
-                    lang = update.lang or ""
-                    self.metrics.latency(lang, update.latency_ms / 1000.0)
-                before = self.outbox.dropped_updates
-                self.outbox.put_update(update)
-                if self.outbox.dropped_updates > before:
-                    self.metrics.dropped_updates.inc()
+                if isinstance(update, TranslationUpdate):  # not an error about a final
+                    self._put_update(update)
         finally:
-            self.subscriptions.discard(sub)
-            self.engine.unsubscribe(sub)  # a no-op unless this task was cancelled
-            if sub.dropped:
-                self.metrics.dropped_updates.inc(sub.dropped)
-            self.pumps -= 1
-            if self.state.stopping and self.pumps == 0:
-                self.outbox.end()
+            self._forwarded(sub)
         return count
+
+    def _own_reply(self, reply: TranslationUpdate | ErrorMessage) -> None:
+        """A reply of a stream this connection writes, as the engine publishes it. This
+        is the one place each update passes exactly once, so it records the engine
+        latency."""
+        if isinstance(reply, ErrorMessage):  # in place of a final's update
+            self._reply(reply, about_final=True)
+            return
+        self.metrics.latency(reply.lang or "", reply.latency_ms / 1000.0)
+        self._put_update(reply)
+
+    def _forwarded(self, sub: Subscription) -> None:
+        """`sub` has ended and all it took is in the outbox (or sent)."""
+        self.subscriptions.discard(sub)
+        self.engine.unsubscribe(sub)  # a no-op unless its forwarder was cancelled
+        if sub.dropped:
+            self.metrics.dropped_updates.inc(sub.dropped)
+        self.pumps -= 1
+        if self.state.stopping and self.pumps == 0:
+            self.outbox.end()
+
+    def _put_update(self, update: TranslationUpdate) -> None:
+        """Send `update` now if the sender is idle and the socket takes it at once, else
+        queue it in the outbox (behind what waits there)."""
+        if (
+            self._idle
+            and self._unfinished is None
+            and not self.echoes
+            and not self.outbox
+            and not self.outbox.ended
+            and not self.gone
+            and idle_and_open(self.ws)
+        ):
+            try:
+                unfinished = send_now(self.ws, _encoded(update))
+            except ConnectionClosed:
+                return  # the receive loop ends the connection
+            if unfinished is None:
+                self.metrics.sent("translation_update")
+            else:  # the sender finishes it before sending anything else
+                self._unfinished = (unfinished, "translation_update")
+                self.outbox.poke()
+            return
+        before = self.outbox.dropped_updates
+        self.outbox.put_update(update)
+        if self.outbox.dropped_updates > before:
+            self.metrics.dropped_updates.inc()
 
     # -- sending ------------------------------------------------------------------------
 
@@ -429,22 +471,36 @@ class Client:
         except ConnectionClosed:
             pass
         finally:
+            if self._unfinished is not None:  # the connection is gone: never to be sent
+                self._unfinished[0].close()
+                self._unfinished = None
             self.sent.set()
 
     async def _next(
         self,
     ) -> TranslationUpdate | ErrorMessage | PartialTranscript | GlossarySet | None:
         """The next message to send: an echo if one waits, else the outbox's next (None:
-        the outbox has ended). An echo arriving meanwhile wakes the wait (`Outbox.poke`),
-        which takes nothing from the outbox."""
-        while not self.echoes:
+        the outbox has ended), once an update written at once that had to wait is sent.
+        An echo arriving meanwhile wakes the wait (`Outbox.poke`), which takes nothing
+        from the outbox."""
+        while True:
+            if self._unfinished is not None:
+                (unfinished, kind), self._unfinished = self._unfinished, None
+                await unfinished
+                self.metrics.sent(kind)
+                continue
+            if self.echoes:
+                return self.echoes.popleft()
             item = self.outbox.take()
             if item is not None:
                 return item
             if self.outbox.ended:
                 return None
-            await self.outbox.ready()
-        return self.echoes.popleft()
+            self._idle = True
+            try:
+                await self.outbox.ready()
+            finally:
+                self._idle = False
 
     async def _send(
         self, item: TranslationUpdate | ErrorMessage | PartialTranscript | GlossarySet
