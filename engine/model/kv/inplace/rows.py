@@ -136,6 +136,10 @@ class _Rows:
     enc: EncoderOutput
     cross_kv: tuple[FloatArray, ...]
     lengths: IntArray  # [rows]
+    self_kv: tuple[FloatArray, ...] = ()  # the self-attention buffers' first rows
+    # What the views are of: the encoder mask, the cross-attention and the self-attention
+    # buffers (each replaced as a whole when the buffers change).
+    of: tuple[object, ...] = ()
 
 
 class InPlaceKv(KvBackend):
@@ -246,12 +250,25 @@ class InPlaceKv(KvBackend):
 
     def _views(self, lengths: IntArray) -> _Rows:
         """The rows' state: the buffers' first `len(lengths)` rows (contiguous, so bound
-        as they are) and their lengths."""
+        as they are) and their lengths. The views of the last rows are kept while the
+        count and the buffers are: a step's binding is kept as long as they are the same
+        objects (`InPlaceBinding`), so a turn whose rows left and joined one for one binds
+        nothing again."""
         count = len(lengths)
+        last = self._rows
+        of = (self._mask, self._cross, self._buffers)
+        if (
+            last is not None
+            and len(last.lengths) == count
+            and len(last.of) == len(of)
+            and all(a is b for a, b in zip(last.of, of, strict=True))
+        ):
+            return _Rows(last.enc, last.cross_kv, lengths, last.self_kv, of)
         # The step graphs take no encoder hidden states: an empty one keeps the shape's rows.
         hidden = np.zeros((count, 0, 0), dtype=self.model.float_type)
         enc = EncoderOutput(hidden, self._mask[:count])
-        return _Rows(enc, tuple(b[:count] for b in self._cross), lengths)
+        cross = tuple(b[:count] for b in self._cross)
+        return _Rows(enc, cross, lengths, tuple(b[:count] for b in self._buffers), of)
 
     def release(self) -> None:
         """Nothing kept alive for an idle lane, the binding's arrays too."""
@@ -267,7 +284,6 @@ class InPlaceKv(KvBackend):
     ) -> Output:
         rows = self._rows
         assert rows is not None
-        count = len(rows.lengths)
         ids = next_ids[:, None]
         if ahead:  # one row: its next token and those it is expected to go on with
             ids = np.array([[int(next_ids[0]), *ahead[0]]], dtype=np.int64)
@@ -276,7 +292,7 @@ class InPlaceKv(KvBackend):
             rows.enc,
             ids,
             rows.lengths,
-            [buffer[:count] for buffer in self._buffers],
+            rows.self_kv,
             rows.cross_kv,
             alone=alone,
             bound=self._bound,
