@@ -70,6 +70,23 @@ class _Computed:
 _chunks = threading.local()  # per thread: `held` (owner, chunk, logits) and `buffers`
 
 
+def _head_binding(session: ort.InferenceSession, out: FloatArray, vocab: int) -> ort.IOBinding:
+    """This thread's I/O binding of a projection `session`, its logits bound to `out`
+    (bound again only when `out` is another array than the last one's: a thread projects
+    into its one buffer, `_Projected`). Why: a new binding and its output bound at every
+    chunk cost about as much as a one-position projection's own Python."""
+    bindings: dict[int, tuple[ort.IOBinding, tuple[int, int]]] = getattr(_chunks, "bindings", {})
+    _chunks.bindings = bindings
+    where = (out.ctypes.data, len(out))
+    kept = bindings.get(id(session))
+    if kept is not None and kept[1] == where:
+        return kept[0]
+    binding = kept[0] if kept is not None else session.io_binding()
+    binding.bind_output(LOGITS, "cpu", 0, out.dtype, [1, len(out), vocab], where[0])
+    bindings[id(session)] = (binding, where)
+    return binding
+
+
 class _Projected:
     """Logits of hidden states `picked` [K, d], projected `HEAD_POSITIONS` at a time when a
     position of the chunk is first read, into one buffer per thread.
@@ -92,12 +109,11 @@ class _Projected:
         self._token = object()
 
     def _into(self, begin: int, out: FloatArray) -> None:
-        """Project packed positions [begin, begin + len(out)) into `out` (contiguous)."""
-        binding = self._session.io_binding()
-        binding.bind_cpu_input(self._input, self._picked[None, begin : begin + len(out)])
-        binding.bind_output(
-            LOGITS, "cpu", 0, self._dtype, [1, len(out), self._vocab], out.ctypes.data
-        )
+        """Project packed positions [begin, begin + len(out)) into `out` (contiguous),
+        through this thread's binding of the head (`_head_binding`)."""
+        binding = _head_binding(self._session, out, self._vocab)
+        picked = np.ascontiguousarray(self._picked[None, begin : begin + len(out)])
+        binding.bind_cpu_input(self._input, picked)
         self._session.run_with_iobinding(binding)
 
     def position(self, index: int) -> FloatArray:
@@ -205,14 +221,30 @@ def project(
     `wanted` marks, one run of consecutive positions per row: the output projection is
     most of a position's cost, and padding, lookahead slots past a row's own and a forced
     prefix are never read. In calls of `HEAD_POSITIONS`, as the positions are read."""
-    session, hidden = head
     counts = wanted.sum(axis=1)
     firsts = np.argmax(wanted, axis=1)
     last = np.where(counts > 0, wanted.shape[1] - 1 - np.argmax(wanted[:, ::-1], axis=1), -1)
     if np.any(counts != np.where(counts > 0, last - firsts + 1, 0)):
         raise ValueError("the positions to project must be consecutive in each row")
-    picked = np.ascontiguousarray(states[wanted])  # [K, d]
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return project_runs(head, states, firsts.astype(np.int64), counts.astype(np.int64))
+
+
+def project_runs(
+    head: tuple[ort.InferenceSession, str], states: FloatArray, firsts: IntArray, counts: IntArray
+) -> RowLogits:
+    """`project` of the positions `firsts[r]` to `firsts[r] + counts[r] - 1` of each row r
+    (no position where `counts[r]` is 0), given as runs: what a prefill knows from its
+    lengths, without the mask's passes to find them."""
+    session, hidden = head
+    batch = len(firsts)
+    if batch == 1:  # a view of the row's run: no copy
+        begin = int(firsts[0])
+        picked = states[0, begin : begin + max(int(counts[0]), 0)]  # [K, d]
+    else:
+        rows = zip(firsts.tolist(), counts.tolist(), strict=True)
+        picked = np.concatenate([states[r, f : f + max(c, 0)] for r, (f, c) in enumerate(rows)])
+    offsets = np.zeros(batch + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
     output = session.get_outputs()[0]
     vocab = output.shape[-1]
     source: _Logits
@@ -221,7 +253,7 @@ def project(
     else:
         dtype = np.float16 if output.type == "tensor(float16)" else np.float32
         source = _Projected(head, vocab, dtype, picked)
-    return RowLogits(source, firsts.astype(np.int64), offsets)
+    return RowLogits(source, firsts, offsets)
 
 
 def head_logits(

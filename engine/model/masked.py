@@ -24,7 +24,7 @@ from engine.model.layouts import (
     KvNames,
     LayoutDecoder,
 )
-from engine.model.logits import CutGraph, RowLogits, head_logits, project
+from engine.model.logits import CutGraph, RowLogits, head_logits, project_runs
 from engine.model.names import (
     ENCODER_ATTENTION_MASK,
     ENCODER_HIDDEN_STATES,
@@ -134,10 +134,16 @@ class MaskedDecoder:
             out = session.run([LOGITS, *kv], feed)
             return RowLogits.whole(out[0]), tuple(out[1 : 1 + n]), tuple(out[1 + n :])
         out = session.run([head[1], *kv], feed)  # the body's output: the head's input
-        wanted = mask.astype(bool)
-        if needed_from is not None:
-            wanted &= np.arange(length)[None, :] >= needed_from[:, None]
-        logits = project(everyone if alone and everyone is not None else head, out[0], wanted)
+        # Right-padded: row r's real tokens are its first `lengths[r]`; those read from
+        # `needed_from[r]` on are one run.
+        lengths = mask.sum(axis=1)
+        if needed_from is None:
+            firsts = np.zeros(batch, dtype=np.int64)
+        else:
+            firsts = needed_from.astype(np.int64, copy=False)
+        counts = np.maximum(lengths - firsts, 0)
+        chosen = everyone if alone and everyone is not None else head
+        logits = project_runs(chosen, out[0], firsts, counts)
         return logits, tuple(out[1 : 1 + n]), tuple(out[1 + n :])
 
     def step(
