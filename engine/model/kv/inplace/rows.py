@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engine.model.kv.arrays import RowState, position_bytes, prefilled, source_width, spanned
+from engine.model.kv.arrays import position_bytes, source_width, spanned
 from engine.model.kv.base import (
     KvBackend,
     Newcomer,
@@ -225,27 +225,33 @@ class InPlaceKv(KvBackend):
         lengths: IntArray,
         owners: Sequence[Owner],
     ) -> None:
-        """The newcomers' prefilled positions copied into the rows after the last."""
+        """The newcomers' prefilled positions copied into the rows after the last, read
+        from the prefill's own arrays (rows `select` names; no state of its own built)."""
         enc, self_kv, cross_kv = prefill.pending
-        slots = prefilled(enc, self_kv, cross_kv, select, lengths)
+        chosen = [int(r) for r in select]
         rows = self._rows if self._rows is not None and self._rows.lengths.size else None
         before = 0 if rows is None else len(rows.lengths)
-        count = before + len(slots.lengths)
-        mask = slots.enc.attention_mask
+        count = before + len(chosen)
+        if chosen == list(range(enc.batch_size)):
+            mask = enc.attention_mask
+            cross = cross_kv
+        else:  # some newcomers ended in their prefill (or a beam repeats its rows)
+            mask = enc.attention_mask[chosen]
+            cross = tuple(a[chosen] for a in cross_kv)
         width = source_width(mask)
-        self._reserve(count, width, slots, before)
-        for i, length in enumerate(slots.lengths.tolist()):
-            for buffer, written in zip(self._buffers, slots.self_kv, strict=True):
-                buffer[before + i, :, :length] = written[i, :, :length]
-        for buffer, written in zip(self._cross, slots.cross_kv, strict=True):
+        self._reserve(count, width, self_kv, cross_kv, before)
+        for i, (row, length) in enumerate(zip(chosen, lengths.tolist(), strict=True)):
+            for buffer, written in zip(self._buffers, self_kv, strict=True):
+                buffer[before + i, :, :length] = written[row, :, :length]
+        for buffer, written in zip(self._cross, cross, strict=True):
             buffer[before:count, :, :width] = written[:, :, :width]
             buffer[before:count, :, width:] = 0
         self._mask[before:count, :width] = mask[:, :width]
         self._mask[before:count, width:] = 0
         if rows is not None:
-            held = np.concatenate([rows.lengths, slots.lengths])
+            held = np.concatenate([rows.lengths, lengths])
         else:
-            held = slots.lengths.copy()
+            held = lengths.astype(np.int64, copy=True)
         self._rows = self._views(held)
 
     def _views(self, lengths: IntArray) -> _Rows:
@@ -300,15 +306,23 @@ class InPlaceKv(KvBackend):
         rows.lengths = rows.lengths + 1
         return out[:, None, :] if fed == 1 else out
 
-    def _reserve(self, count: int, width: int, joining: RowState, held: int) -> None:
+    def _reserve(
+        self,
+        count: int,
+        width: int,
+        self_kv: Sequence[FloatArray],
+        cross_kv: Sequence[FloatArray],
+        held: int,
+    ) -> None:
         """Buffers of at least `count` rows (doubling) and, for cross-attention, `width`
         source positions (widened by `SOURCE_STEP`s), one per array of the newcomers'
-        state `joining` (their heads, head size and type); the first `held` rows kept."""
+        `self_kv` and `cross_kv` (their heads, head size and type); the first `held` rows
+        kept."""
         rows = max(count, 2 * self.buffer_rows, INITIAL_ROWS)
         if count > self.buffer_rows:
             grown = tuple(
                 mapped_zeros((rows, a.shape[1], self.positions, a.shape[3]), a.dtype)
-                for a in joining.self_kv
+                for a in self_kv
             )
             if held and self._rows is not None:
                 longest = int(self._rows.lengths[:held].max())
@@ -318,7 +332,7 @@ class InPlaceKv(KvBackend):
         sources = int(self._mask.shape[1])
         if self._mask.shape[0] == self.buffer_rows and width <= sources:
             return
-        self._relayout(max(sources, width), held, joining.cross_kv)
+        self._relayout(max(sources, width), held, cross_kv)
 
     def _select(self, select: Sequence[int]) -> None:
         """Keep these rows, in this order: their positions move to the buffers' first rows
