@@ -339,9 +339,9 @@ class InPlaceKv(KvBackend):
         (only rows after the first change move; a beam's reordered rows are copied)."""
         rows = self._rows
         assert rows is not None
+        if len(select) == len(rows.lengths) and all(row == kept for kept, row in enumerate(select)):
+            return  # every row stays where it is (a step's common case: compared in Python)
         order = np.asarray(select, dtype=np.int64)
-        if order.size == len(rows.lengths) and bool(np.all(order == np.arange(order.size))):
-            return
         lengths = rows.lengths
         moved = np.flatnonzero(order != np.arange(order.size))
         if moved.size:
