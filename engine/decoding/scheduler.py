@@ -464,7 +464,9 @@ class DecodeScheduler:
             batch.execute()
         t3 = time.perf_counter()
         if batch.stats:  # draft and lookahead tokens verified
-            lane.stats.update(batch.stats)
+            stats = lane.stats
+            for key, count in batch.stats.items():  # `Counter.update`, less its type checks
+                stats[key] += count
             batch.stats.clear()
         # A turn whose newcomers all ended in their prefill, in a lane that held no rows,
         # changed no state (the common turn of a lightly loaded lane).

@@ -136,7 +136,7 @@ class MaskedDecoder:
         out = session.run([head[1], *kv], feed)  # the body's output: the head's input
         # Right-padded: row r's real tokens are its first `lengths[r]`; those read from
         # `needed_from[r]` on are one run.
-        lengths = mask.sum(axis=1)
+        lengths = np.add.reduce(mask, axis=1)  # `mask.sum`, less its Python wrapper
         if needed_from is None:
             firsts = np.zeros(batch, dtype=np.int64)
         else:

@@ -56,7 +56,11 @@ class InPlaceBinding:
         self._state: tuple[object, ...] = ()
         self._binding: ort.IOBinding | None = None
         self._held: tuple[object, ...] = ()
-        self.tokens: TokenInputs | None = None  # bound for one token a row, when they are
+        # The inputs of one token a row (kept from binding to binding while the rows are
+        # as many), and whether the kept binding lacks them (a new one, or a step of
+        # several tokens bound its own over them).
+        self.tokens: TokenInputs | None = None
+        self.unbound = True
 
     def holds(self, session: ort.InferenceSession, state: tuple[object, ...]) -> bool:
         """Whether the kept binding is of `session` with these very arrays."""
@@ -76,9 +80,9 @@ class InPlaceBinding:
     ) -> None:
         """Keep `binding`, of `session` with the arrays of `state`; `held`: what it reads
         (copies where `state`'s were not contiguous), kept alive with it. Its inputs of one
-        token a row are bound anew at the next step."""
+        token a row are bound to it at the next step."""
         self._session, self._state, self._binding = session, state, binding
-        self._held, self.tokens = held, None
+        self._held, self.unbound = held, True
 
     @property
     def binding(self) -> ort.IOBinding:
@@ -93,18 +97,21 @@ class TokenInputs:
     (`TOTAL_INPUT`); and, for a step cut at its projection whose hidden size is known, the
     body's output [rows, 1, hidden], read by the projection in the same call."""
 
-    def __init__(
-        self,
-        binding: ort.IOBinding,
-        declared: frozenset[str],
-        rows: int,
-        output: tuple[str, int, Any] | None,
-    ) -> None:
-        self.rows = rows
+    def __init__(self, rows: int, output: tuple[str, int, Any] | None) -> None:
+        self.rows, self.output = rows, output
         self.ids = np.zeros((rows, 1), dtype=np.int64)
         self.positions = np.zeros((rows, 1), dtype=np.int64)
         self.seqlens = np.zeros(rows, dtype=np.int32)
         self.total = np.zeros((), dtype=np.int32)
+        self.hidden: FloatArray | None = None
+        self._value: ort.OrtValue | None = None
+        if output is not None:
+            _, size, dtype = output
+            self.hidden = np.zeros((rows, 1, size), dtype=dtype)
+            self._value = ort.OrtValue.ortvalue_from_numpy(self.hidden)
+
+    def bind(self, binding: ort.IOBinding, declared: frozenset[str]) -> None:
+        """Bind these arrays to `binding`, of a session that declares `declared`."""
         arrays = {
             INPUT_IDS: self.ids,
             POSITIONS_INPUT: self.positions,
@@ -114,12 +121,8 @@ class TokenInputs:
         for name, value in arrays.items():
             if name in declared:
                 binding.bind_cpu_input(name, value)
-        self.hidden: FloatArray | None = None
-        if output is not None:
-            name, size, dtype = output
-            self.hidden = np.zeros((rows, 1, size), dtype=dtype)
-            self._value = ort.OrtValue.ortvalue_from_numpy(self.hidden)
-            binding.bind_ortvalue_output(name, self._value)
+        if self.output is not None and self._value is not None:
+            binding.bind_ortvalue_output(self.output[0], self._value)
 
     def write(self, input_ids: IntArray, lengths: IntArray) -> None:
         """This step's tokens [rows, 1] and the rows' lengths so far [rows]."""
@@ -192,17 +195,19 @@ class InPlaceSteps:
             binding = bound.binding
         tokens: TokenInputs | None = None
         if bound is not None and fed == 1:
-            tokens = bound.tokens
-            if tokens is None or tokens.rows != rows:
-                tokens = bound.tokens = TokenInputs(
-                    binding, declared, rows, self._hidden[id(session)]
-                )
+            tokens, output = bound.tokens, self._hidden[id(session)]
+            if tokens is None or tokens.rows != rows or tokens.output != output:
+                tokens = bound.tokens = TokenInputs(rows, output)
+                bound.unbound = True
+            if bound.unbound:
+                tokens.bind(binding, declared)
+                bound.unbound = False
             tokens.write(input_ids, lengths)
             if tokens.hidden is None:
                 binding.bind_output(result)  # allocated by this run, not the last step's
         else:
             if bound is not None:
-                bound.tokens = None  # its inputs are bound over here: bound again after
+                bound.unbound = True  # its inputs are bound over here: bound again after
             binding.bind_output(result)
             steps: dict[str, Any] = {
                 INPUT_IDS: input_ids,
