@@ -126,6 +126,7 @@ class KvNames:
         self.cross_in = kv_names(layers, "encoder")
         self.self_out = kv_names(layers, "decoder", PRESENT)
         self.cross_out = kv_names(layers, "encoder", PRESENT)
+        self.present = [*self.self_out, *self.cross_out]  # a prefill's outputs, in order
 
 
 class LayoutDecoder:
