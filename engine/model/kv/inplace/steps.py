@@ -194,8 +194,10 @@ class InPlaceSteps:
         else:
             binding = bound.binding
         tokens: TokenInputs | None = None
+        output = self._hidden[id(session)]
+        hidden: FloatArray | None = None  # the body's output, where bound to an array
         if bound is not None and fed == 1:
-            tokens, output = bound.tokens, self._hidden[id(session)]
+            tokens = bound.tokens
             if tokens is None or tokens.rows != rows or tokens.output != output:
                 tokens = bound.tokens = TokenInputs(rows, output)
                 bound.unbound = True
@@ -203,12 +205,18 @@ class InPlaceSteps:
                 tokens.bind(binding, declared)
                 bound.unbound = False
             tokens.write(input_ids, lengths)
-            if tokens.hidden is None:
+            hidden = tokens.hidden
+            if hidden is None:
                 binding.bind_output(result)  # allocated by this run, not the last step's
         else:
             if bound is not None:
                 bound.unbound = True  # its inputs are bound over here: bound again after
-            binding.bind_output(result)
+            if output is not None:  # an array of this call's own (no output to fetch)
+                hidden = np.empty((rows, fed, output[1]), dtype=output[2])
+                value = ort.OrtValue.ortvalue_from_numpy(hidden)
+                binding.bind_ortvalue_output(output[0], value)
+            else:
+                binding.bind_output(result)
             steps: dict[str, Any] = {
                 INPUT_IDS: input_ids,
                 POSITIONS_INPUT: lengths.reshape(-1, 1) + np.arange(fed, dtype=np.int64)[None, :],
@@ -220,10 +228,7 @@ class InPlaceSteps:
                     binding.bind_cpu_input(name, np.ascontiguousarray(value))
         self.calls["decoder"] += 1
         session.run_with_iobinding(binding)
-        if tokens is not None and tokens.hidden is not None:
-            out = tokens.hidden
-        else:
-            out = binding.get_outputs()[0].numpy()
+        out = hidden if hidden is not None else binding.get_outputs()[0].numpy()
         if graph.head is None:
             logits: FloatArray = out[:, -1, :] if fed == 1 else out
             return logits
@@ -244,7 +249,8 @@ class InPlaceSteps:
         one value bound as its layer's past and its present, so that ONNX Runtime writes
         the new position in place."""
         binding = session.io_binding()
-        binding.bind_output(result)  # first: the run's output 0
+        if self._hidden[id(session)] is None:  # fetched after each run: its output 0
+            binding.bind_output(result)
         values: dict[str, Any] = {
             ENCODER_ATTENTION_MASK: enc.attention_mask,
             ENCODER_HIDDEN_STATES: enc.hidden_states,
