@@ -392,6 +392,44 @@ def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_cha
     assert bound.binding is not moved
 
 
+@pytest.mark.parametrize("lanes", [1, None])
+def test_a_kept_binding_takes_a_lookahead_step_between_steps_of_one_token(
+    lanes: int | None,
+) -> None:
+    """One row stepped over a kept binding: one token, then four (lookahead: its logits
+    at every position), then one again; each as a fresh binding gives, positions written
+    alike. The tokens of one token a row go into inputs bound once (`TokenInputs`), with
+    the body's output where the step is cut at its projection (the default lanes on more
+    than one core), and a step of several reads its own output, not theirs."""
+    tr = _translator(scheduler=SchedulerOptions(lanes=lanes))
+    masked, steps = tr.model.masked, tr.model.kv
+    assert masked is not None and isinstance(steps, InPlaceSteps)
+    enc = tr.encode([tr.source_ids(SOURCES[0])])
+    start = tr.config.decoder_start_token_id
+    ids = np.array([[start, 5, 7]], dtype=np.int64)
+    _, self_kv, cross_kv = masked.prefill(enc, ids, np.ones(ids.shape, dtype=np.int64))
+    kept = tuple(np.zeros((*a.shape[:2], 16, a.shape[3]), dtype=a.dtype) for a in self_kv)
+    for buffer, prefilled in zip(kept, self_kv, strict=True):
+        buffer[:, :, :3] = prefilled
+    fresh = tuple(buffer.copy() for buffer in kept)
+    bound = InPlaceBinding()
+    length = 3
+    for tokens in ([[13]], [[17, 19, 23, 29]], [[31]], [[37]]):
+        fed = np.array(tokens, dtype=np.int64)
+        lengths = np.array([length], dtype=np.int64)
+        got = steps.step(enc, fed, lengths, kept, cross_kv, bound=bound)
+        want = steps.step(enc, fed, lengths, fresh, cross_kv)
+        assert (
+            got.shape
+            == want.shape
+            == ((1, 4, tr.config.vocab_size) if fed.shape[1] > 1 else (1, tr.config.vocab_size))
+        )
+        np.testing.assert_array_equal(got, want)
+        length += fed.shape[1]
+    for buffer, other in zip(kept, fresh, strict=True):
+        np.testing.assert_array_equal(buffer, other)
+
+
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20

@@ -918,10 +918,10 @@ def test_a_prefill_projects_a_chunk_when_a_search_first_reads_it(
     projections: list[object] = []  # the projection of each call
     real_into = layouts._Projected._into
 
-    def counted(self: object, begin: int, out: np.ndarray) -> None:
+    def counted(self: object, begin: int, out: np.ndarray, *owner: np.ndarray | None) -> None:
         calls.append(len(out))
         projections.append(self)
-        real_into(self, begin, out)  # type: ignore[arg-type]
+        real_into(self, begin, out, *owner)  # type: ignore[arg-type]
 
     monkeypatch.setattr(layouts._Projected, "_into", counted)
     monkeypatch.setattr(layouts, "HEAD_POSITIONS", 3)

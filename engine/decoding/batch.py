@@ -213,6 +213,10 @@ def prefill_rows(searches: Sequence[Search], config: ModelConfig) -> tuple[IntAr
     forced prefix and draft of each (`ids`, with `mask` 1 on real tokens); each search is
     told that its whole prefix went in (`Search.start`)."""
     fed = [[config.decoder_start_token_id, *s.prefix, *s.draft] for s in searches]
+    if len(searches) == 1:  # the common prefill: one newcomer, nothing to pad
+        searches[0].start(len(searches[0].prefix))
+        ids = np.array(fed, dtype=np.int64)
+        return ids, np.ones_like(ids)
     width = max(map(len, fed))
     ids = np.full((len(searches), width), config.pad_token_id, dtype=np.int64)
     mask = np.zeros((len(searches), width), dtype=np.int64)

@@ -7,8 +7,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from engine.decoding.policy import Priority, RequestId
 from engine.decoding.search import Hypothesis, Search
 from engine.model.layouts import EncoderOutput, IntArray
@@ -86,8 +84,14 @@ class Request:
         return source.future.exception() if isinstance(source, Encoding) else None
 
     def enc(self) -> EncoderOutput:
-        """Its one source's states (the source has been encoded)."""
+        """Its one source's states (the source has been encoded): a view of its row, or
+        the source's own states when it has one row (no copy: the prefill reads them)."""
         source = self.source
         if isinstance(source, Encoding):
             source = source.future.result()
-        return source.select(np.array([self.row], dtype=np.int64))
+        if source.batch_size == 1:
+            return source
+        row = self.row
+        return EncoderOutput(
+            source.hidden_states[row : row + 1], source.attention_mask[row : row + 1]
+        )

@@ -420,9 +420,9 @@ class DecodeScheduler:
             if not job.future.done():
                 job.future.set_exception(closed)
 
-    def _turn(self, lane: _Lane, began: float, waited: float) -> Step:
+    def _turn(self, lane: _Lane, began: float, waited: float) -> Step | None:
         """One turn of the lane: update, plan, encode, schedule, execute (module
-        docstring); returns its times, for the timeline."""
+        docstring); returns its times where a timeline keeps them (else None)."""
         batch = lane.batch
         had_rows = batch.rows
         t0 = time.perf_counter()
@@ -464,13 +464,17 @@ class DecodeScheduler:
             batch.execute()
         t3 = time.perf_counter()
         if batch.stats:  # draft and lookahead tokens verified
-            lane.stats.update(batch.stats)
+            stats = lane.stats
+            for key, count in batch.stats.items():  # `Counter.update`, less its type checks
+                stats[key] += count
             batch.stats.clear()
         # A turn whose newcomers all ended in their prefill, in a lane that held no rows,
         # changed no state (the common turn of a lightly loaded lane).
         if (had_rows or rows) and (not rows or t3 - lane.state_at >= STATE_EVERY):
             lane.state = batch.state_bytes()
             lane.state_at = t3
+        if self.timeline is None:
+            return None
         encode_rows = sum(job.batch_size for job in plan.encodes)
         return Step(
             lane.index,

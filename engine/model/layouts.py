@@ -67,7 +67,18 @@ class EncoderOutput:
 
 def stack_encoder_outputs(outputs: Sequence[EncoderOutput]) -> EncoderOutput:
     """One batch from single-source outputs of different lengths: right-padded with zeros
-    and `attention_mask` 0, which cross-attention ignores exactly."""
+    and `attention_mask` 0, which cross-attention ignores exactly. A lone output whose
+    arrays a call takes as they are (contiguous, the mask int64) is its own batch: no
+    copy."""
+    if len(outputs) == 1:
+        only = outputs[0]
+        mask = only.attention_mask
+        if (
+            mask.dtype == np.int64
+            and mask.flags.c_contiguous
+            and only.hidden_states.flags.c_contiguous
+        ):
+            return only
     width = max(int(o.hidden_states.shape[1]) for o in outputs)
     rows = sum(o.batch_size for o in outputs)
     first = outputs[0].hidden_states
@@ -115,6 +126,7 @@ class KvNames:
         self.cross_in = kv_names(layers, "encoder")
         self.self_out = kv_names(layers, "decoder", PRESENT)
         self.cross_out = kv_names(layers, "encoder", PRESENT)
+        self.present = [*self.self_out, *self.cross_out]  # a prefill's outputs, in order
 
 
 class LayoutDecoder:

@@ -70,6 +70,34 @@ class _Computed:
 _chunks = threading.local()  # per thread: `held` (owner, chunk, logits) and `buffers`
 
 
+HEADS_KEPT = 4
+"""Projection sessions a thread keeps a binding of (`_head_binding`): a lane's head and
+its head on every core; a thread that ran more models' (tests, a process of several
+targets on one thread) keeps only the latest few."""
+
+
+def _head_binding(
+    session: ort.InferenceSession, out: FloatArray, vocab: int, owner: FloatArray | None
+) -> ort.IOBinding:
+    """This thread's I/O binding of a projection `session`, its logits bound to `out`, the
+    first rows of `owner` (bound again only when `owner` or the rows are not the last
+    call's: a thread projects into its one buffer, `_Projected`; an `out` of no such
+    buffer, None, is bound every time). Why: a new binding and its output bound at every
+    chunk cost about as much as a one-position projection's own Python."""
+    bindings: dict[int, tuple[ort.IOBinding, object, int]] = getattr(_chunks, "bindings", {})
+    _chunks.bindings = bindings
+    kept = bindings.get(id(session))
+    if kept is not None and owner is not None and kept[1] is owner and kept[2] == len(out):
+        return kept[0]
+    if kept is None and len(bindings) >= HEADS_KEPT:
+        bindings.clear()  # a binding holds its session: not every model's a thread ran
+    binding = kept[0] if kept is not None else session.io_binding()
+    binding.bind_output(LOGITS, "cpu", 0, out.dtype, [1, len(out), vocab], out.ctypes.data)
+    # The owner is held with the binding: its memory cannot go while the binding names it.
+    bindings[id(session)] = (binding, owner, len(out))
+    return binding
+
+
 class _Projected:
     """Logits of hidden states `picked` [K, d], projected `HEAD_POSITIONS` at a time when a
     position of the chunk is first read, into one buffer per thread.
@@ -91,13 +119,13 @@ class _Projected:
         # What the thread's buffer says it holds (not `self`: the buffer would keep it alive)
         self._token = object()
 
-    def _into(self, begin: int, out: FloatArray) -> None:
-        """Project packed positions [begin, begin + len(out)) into `out` (contiguous)."""
-        binding = self._session.io_binding()
-        binding.bind_cpu_input(self._input, self._picked[None, begin : begin + len(out)])
-        binding.bind_output(
-            LOGITS, "cpu", 0, self._dtype, [1, len(out), self._vocab], out.ctypes.data
-        )
+    def _into(self, begin: int, out: FloatArray, owner: FloatArray | None = None) -> None:
+        """Project packed positions [begin, begin + len(out)) into `out` (contiguous; the
+        first rows of `owner`, the thread's buffer, where it is one), through this
+        thread's binding of the head (`_head_binding`)."""
+        binding = _head_binding(self._session, out, self._vocab, owner)
+        picked = np.ascontiguousarray(self._picked[None, begin : begin + len(out)])
+        binding.bind_cpu_input(self._input, picked)
         self._session.run_with_iobinding(binding)
 
     def position(self, index: int) -> FloatArray:
@@ -114,8 +142,9 @@ class _Projected:
                 buffers.clear()  # one buffer per thread: the newest head's shape
                 buffers[key] = np.empty((self._chunk, self._vocab), dtype=self._dtype)
             begin = chunk * self._chunk
-            out = buffers[key][: min(self._chunk, len(self._picked) - begin)]
-            self._into(begin, out)
+            buffer = buffers[key]
+            out = buffer[: min(self._chunk, len(self._picked) - begin)]
+            self._into(begin, out, buffer)
             held = _chunks.held = (self._token, chunk, out)
         row = held[2][index - chunk * self._chunk]
         return row
@@ -205,14 +234,33 @@ def project(
     `wanted` marks, one run of consecutive positions per row: the output projection is
     most of a position's cost, and padding, lookahead slots past a row's own and a forced
     prefix are never read. In calls of `HEAD_POSITIONS`, as the positions are read."""
-    session, hidden = head
     counts = wanted.sum(axis=1)
     firsts = np.argmax(wanted, axis=1)
     last = np.where(counts > 0, wanted.shape[1] - 1 - np.argmax(wanted[:, ::-1], axis=1), -1)
     if np.any(counts != np.where(counts > 0, last - firsts + 1, 0)):
         raise ValueError("the positions to project must be consecutive in each row")
-    picked = np.ascontiguousarray(states[wanted])  # [K, d]
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return project_runs(head, states, firsts.astype(np.int64), counts.astype(np.int64))
+
+
+def project_runs(
+    head: tuple[ort.InferenceSession, str], states: FloatArray, firsts: IntArray, counts: IntArray
+) -> RowLogits:
+    """`project` of the positions `firsts[r]` to `firsts[r] + counts[r] - 1` of each row r
+    (no position where `counts[r]` is 0), given as runs: what a prefill knows from its
+    lengths, without the mask's passes to find them."""
+    session, hidden = head
+    batch = len(firsts)
+    if batch == 1:  # a view of the row's run: no copy
+        begin = int(firsts[0])
+        picked = states[0, begin : begin + max(int(counts[0]), 0)]  # [K, d]
+    else:
+        rows = zip(firsts.tolist(), counts.tolist(), strict=True)
+        picked = np.concatenate([states[r, f : f + max(c, 0)] for r, (f, c) in enumerate(rows)])
+    if batch == 1:
+        offsets = np.array([0, max(int(counts[0]), 0)], dtype=np.int64)
+    else:
+        offsets = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(np.maximum(counts, 0), out=offsets[1:])
     output = session.get_outputs()[0]
     vocab = output.shape[-1]
     source: _Logits
@@ -221,7 +269,7 @@ def project(
     else:
         dtype = np.float16 if output.type == "tensor(float16)" else np.float32
         source = _Projected(head, vocab, dtype, picked)
-    return RowLogits(source, firsts.astype(np.int64), offsets)
+    return RowLogits(source, firsts, offsets)
 
 
 def head_logits(

@@ -24,7 +24,7 @@ from engine.model.layouts import (
     KvNames,
     LayoutDecoder,
 )
-from engine.model.logits import CutGraph, RowLogits, head_logits, project
+from engine.model.logits import CutGraph, RowLogits, head_logits, project_runs
 from engine.model.names import (
     ENCODER_ATTENTION_MASK,
     ENCODER_HIDDEN_STATES,
@@ -117,7 +117,9 @@ class MaskedDecoder:
         and the vocabulary projection is most of a position's cost. `alone`: no other lane
         is running, the projection may run on every core (`CutGraph.alone`)."""
         batch, length = input_ids.shape
-        positions = np.tile(np.arange(length, dtype=np.int64), (batch, 1))
+        positions = np.arange(length, dtype=np.int64)[None, :]  # `np.tile`, less its Python
+        if batch > 1:
+            positions = np.repeat(positions, batch, axis=0)
         values: dict[str, Any] = {
             ENCODER_ATTENTION_MASK: enc.attention_mask,
             INPUT_IDS: input_ids,
@@ -127,17 +129,23 @@ class MaskedDecoder:
         }
         self.calls["decoder"] += 1
         feed = self._feed(self._prefill_inputs, values)
-        kv = [*self._names.self_out, *self._names.cross_out]
+        kv = self._names.present
         n = len(self._names.self_out)
         session, head, everyone = self.prefills
         if head is None:
             out = session.run([LOGITS, *kv], feed)
             return RowLogits.whole(out[0]), tuple(out[1 : 1 + n]), tuple(out[1 + n :])
         out = session.run([head[1], *kv], feed)  # the body's output: the head's input
-        wanted = mask.astype(bool)
-        if needed_from is not None:
-            wanted &= np.arange(length)[None, :] >= needed_from[:, None]
-        logits = project(everyone if alone and everyone is not None else head, out[0], wanted)
+        # Right-padded: row r's real tokens are its first `lengths[r]`; those read from
+        # `needed_from[r]` on are one run.
+        lengths = np.add.reduce(mask, axis=1)  # `mask.sum`, less its Python wrapper
+        if needed_from is None:
+            firsts = np.zeros(batch, dtype=np.int64)
+        else:
+            firsts = needed_from.astype(np.int64, copy=False)
+        counts = np.maximum(lengths - firsts, 0)
+        chosen = everyone if alone and everyone is not None else head
+        logits = project_runs(chosen, out[0], firsts, counts)
         return logits, tuple(out[1 : 1 + n]), tuple(out[1 + n :])
 
     def step(

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engine.model.kv.arrays import RowState, position_bytes, prefilled, source_width, spanned
+from engine.model.kv.arrays import position_bytes, source_width, spanned
 from engine.model.kv.base import (
     KvBackend,
     Newcomer,
@@ -136,6 +136,10 @@ class _Rows:
     enc: EncoderOutput
     cross_kv: tuple[FloatArray, ...]
     lengths: IntArray  # [rows]
+    self_kv: tuple[FloatArray, ...] = ()  # the self-attention buffers' first rows
+    # What the views are of: the encoder mask, the cross-attention and the self-attention
+    # buffers (each replaced as a whole when the buffers change).
+    of: tuple[object, ...] = ()
 
 
 class InPlaceKv(KvBackend):
@@ -221,37 +225,56 @@ class InPlaceKv(KvBackend):
         lengths: IntArray,
         owners: Sequence[Owner],
     ) -> None:
-        """The newcomers' prefilled positions copied into the rows after the last."""
+        """The newcomers' prefilled positions copied into the rows after the last, read
+        from the prefill's own arrays (rows `select` names; no state of its own built)."""
         enc, self_kv, cross_kv = prefill.pending
-        slots = prefilled(enc, self_kv, cross_kv, select, lengths)
+        chosen = [int(r) for r in select]
         rows = self._rows if self._rows is not None and self._rows.lengths.size else None
         before = 0 if rows is None else len(rows.lengths)
-        count = before + len(slots.lengths)
-        mask = slots.enc.attention_mask
+        count = before + len(chosen)
+        if chosen == list(range(enc.batch_size)):
+            mask = enc.attention_mask
+            cross = cross_kv
+        else:  # some newcomers ended in their prefill (or a beam repeats its rows)
+            mask = enc.attention_mask[chosen]
+            cross = tuple(a[chosen] for a in cross_kv)
         width = source_width(mask)
-        self._reserve(count, width, slots, before)
-        for i, length in enumerate(slots.lengths.tolist()):
-            for buffer, written in zip(self._buffers, slots.self_kv, strict=True):
-                buffer[before + i, :, :length] = written[i, :, :length]
-        for buffer, written in zip(self._cross, slots.cross_kv, strict=True):
+        self._reserve(count, width, self_kv, cross_kv, before)
+        for i, (row, length) in enumerate(zip(chosen, lengths.tolist(), strict=True)):
+            for buffer, written in zip(self._buffers, self_kv, strict=True):
+                buffer[before + i, :, :length] = written[row, :, :length]
+        for buffer, written in zip(self._cross, cross, strict=True):
             buffer[before:count, :, :width] = written[:, :, :width]
             buffer[before:count, :, width:] = 0
         self._mask[before:count, :width] = mask[:, :width]
         self._mask[before:count, width:] = 0
         if rows is not None:
-            held = np.concatenate([rows.lengths, slots.lengths])
+            held = np.concatenate([rows.lengths, lengths])
         else:
-            held = slots.lengths.copy()
+            held = lengths.astype(np.int64, copy=True)
         self._rows = self._views(held)
 
     def _views(self, lengths: IntArray) -> _Rows:
         """The rows' state: the buffers' first `len(lengths)` rows (contiguous, so bound
-        as they are) and their lengths."""
+        as they are) and their lengths. The views of the last rows are kept while the
+        count and the buffers are: a step's binding is kept as long as they are the same
+        objects (`InPlaceBinding`), so a turn whose rows left and joined one for one binds
+        nothing again."""
         count = len(lengths)
+        last = self._rows
+        of = (self._mask, self._cross, self._buffers)
+        if (
+            last is not None
+            and len(last.lengths) == count
+            and len(last.of) == len(of)
+            and all(a is b for a, b in zip(last.of, of, strict=True))
+        ):
+            return _Rows(last.enc, last.cross_kv, lengths, last.self_kv, of)
         # The step graphs take no encoder hidden states: an empty one keeps the shape's rows.
         hidden = np.zeros((count, 0, 0), dtype=self.model.float_type)
         enc = EncoderOutput(hidden, self._mask[:count])
-        return _Rows(enc, tuple(b[:count] for b in self._cross), lengths)
+        cross = tuple(b[:count] for b in self._cross)
+        return _Rows(enc, cross, lengths, tuple(b[:count] for b in self._buffers), of)
 
     def release(self) -> None:
         """Nothing kept alive for an idle lane, the binding's arrays too."""
@@ -267,7 +290,6 @@ class InPlaceKv(KvBackend):
     ) -> Output:
         rows = self._rows
         assert rows is not None
-        count = len(rows.lengths)
         ids = next_ids[:, None]
         if ahead:  # one row: its next token and those it is expected to go on with
             ids = np.array([[int(next_ids[0]), *ahead[0]]], dtype=np.int64)
@@ -276,7 +298,7 @@ class InPlaceKv(KvBackend):
             rows.enc,
             ids,
             rows.lengths,
-            [buffer[:count] for buffer in self._buffers],
+            rows.self_kv,
             rows.cross_kv,
             alone=alone,
             bound=self._bound,
@@ -284,15 +306,23 @@ class InPlaceKv(KvBackend):
         rows.lengths = rows.lengths + 1
         return out[:, None, :] if fed == 1 else out
 
-    def _reserve(self, count: int, width: int, joining: RowState, held: int) -> None:
+    def _reserve(
+        self,
+        count: int,
+        width: int,
+        self_kv: Sequence[FloatArray],
+        cross_kv: Sequence[FloatArray],
+        held: int,
+    ) -> None:
         """Buffers of at least `count` rows (doubling) and, for cross-attention, `width`
         source positions (widened by `SOURCE_STEP`s), one per array of the newcomers'
-        state `joining` (their heads, head size and type); the first `held` rows kept."""
+        `self_kv` and `cross_kv` (their heads, head size and type); the first `held` rows
+        kept."""
         rows = max(count, 2 * self.buffer_rows, INITIAL_ROWS)
         if count > self.buffer_rows:
             grown = tuple(
                 mapped_zeros((rows, a.shape[1], self.positions, a.shape[3]), a.dtype)
-                for a in joining.self_kv
+                for a in self_kv
             )
             if held and self._rows is not None:
                 longest = int(self._rows.lengths[:held].max())
@@ -302,16 +332,16 @@ class InPlaceKv(KvBackend):
         sources = int(self._mask.shape[1])
         if self._mask.shape[0] == self.buffer_rows and width <= sources:
             return
-        self._relayout(max(sources, width), held, joining.cross_kv)
+        self._relayout(max(sources, width), held, cross_kv)
 
     def _select(self, select: Sequence[int]) -> None:
         """Keep these rows, in this order: their positions move to the buffers' first rows
         (only rows after the first change move; a beam's reordered rows are copied)."""
         rows = self._rows
         assert rows is not None
+        if len(select) == len(rows.lengths) and all(row == kept for kept, row in enumerate(select)):
+            return  # every row stays where it is (a step's common case: compared in Python)
         order = np.asarray(select, dtype=np.int64)
-        if order.size == len(rows.lengths) and bool(np.all(order == np.arange(order.size))):
-            return
         lengths = rows.lengths
         moved = np.flatnonzero(order != np.arange(order.size))
         if moved.size:

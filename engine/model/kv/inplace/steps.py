@@ -40,54 +40,96 @@ log = logging.getLogger(__name__)
 
 class InPlaceBinding:
     """One caller's I/O binding of an in-place step (`InPlaceSteps.step`), kept
-    between its steps with what it binds: the session, the arrays bound by reference (the
-    encoder outputs and cross-attention keys and values, compared by identity, then the
-    contiguous arrays actually bound, all held here so that the memory bound stays
-    alive) and each buffer view's address and shape.
+    between its steps with what it binds: the session, the arrays the state is bound from
+    (the encoder outputs, the cross-attention keys and values and the self-attention
+    buffers' views, compared by identity and held here, with the contiguous copies
+    actually bound where one was not, so that the memory bound stays alive), and the
+    inputs of one token a row (tokens, positions, lengths: `TokenInputs`), written in
+    place at every step rather than bound again.
 
     Why: a step binds about 30 inputs and outputs, a few percent of a one-row step in
     Python and ONNX Runtime calls (docs/performance.md); between joins and leaves only the
-    tokens and positions change."""
+    tokens and positions change, and those go into arrays bound once."""
 
     def __init__(self) -> None:
         self._session: ort.InferenceSession | None = None
         self._state: tuple[object, ...] = ()
-        self._views: tuple[tuple[int, tuple[int, ...]], ...] = ()
         self._binding: ort.IOBinding | None = None
         self._held: tuple[object, ...] = ()
+        # The inputs of one token a row (kept from binding to binding while the rows are
+        # as many), and whether the kept binding lacks them (a new one, or a step of
+        # several tokens bound its own over them).
+        self.tokens: TokenInputs | None = None
+        self.unbound = True
 
-    def holds(
-        self,
-        session: ort.InferenceSession,
-        state: tuple[object, ...],
-        views: tuple[tuple[int, tuple[int, ...]], ...],
-    ) -> bool:
-        """Whether the kept binding is of `session` with these arrays and buffer views."""
+    def holds(self, session: ort.InferenceSession, state: tuple[object, ...]) -> bool:
+        """Whether the kept binding is of `session` with these very arrays."""
         return (
             self._binding is not None
             and self._session is session
             and len(state) == len(self._state)
             and all(a is b for a, b in zip(state, self._state, strict=True))
-            and views == self._views
         )
 
     def keep(
         self,
         session: ort.InferenceSession,
         state: tuple[object, ...],
-        views: tuple[tuple[int, tuple[int, ...]], ...],
         binding: ort.IOBinding,
         held: tuple[object, ...],
     ) -> None:
-        """Keep `binding`, of `session` with these arrays and views; `held`: the arrays it
-        reads (copies where `state`'s were not contiguous), kept alive with it."""
-        self._session, self._state, self._views, self._binding = session, state, views, binding
-        self._held = held
+        """Keep `binding`, of `session` with the arrays of `state`; `held`: what it reads
+        (copies where `state`'s were not contiguous), kept alive with it. Its inputs of one
+        token a row are bound to it at the next step."""
+        self._session, self._state, self._binding = session, state, binding
+        self._held, self.unbound = held, True
 
     @property
     def binding(self) -> ort.IOBinding:
         assert self._binding is not None
         return self._binding
+
+
+class TokenInputs:
+    """The step inputs of one token a row for `rows` rows, in arrays bound once to a kept
+    binding and written at each step: the tokens [rows, 1], their positions [rows, 1], each
+    row's length so far (int32, `SEQLENS_INPUT`) and the longest after the step
+    (`TOTAL_INPUT`); and, for a step cut at its projection whose hidden size is known, the
+    body's output [rows, 1, hidden], read by the projection in the same call."""
+
+    def __init__(self, rows: int, output: tuple[str, int, Any] | None) -> None:
+        self.rows, self.output = rows, output
+        self.ids = np.zeros((rows, 1), dtype=np.int64)
+        self.positions = np.zeros((rows, 1), dtype=np.int64)
+        self.seqlens = np.zeros(rows, dtype=np.int32)
+        self.total = np.zeros((), dtype=np.int32)
+        self.hidden: FloatArray | None = None
+        self._value: ort.OrtValue | None = None
+        if output is not None:
+            _, size, dtype = output
+            self.hidden = np.zeros((rows, 1, size), dtype=dtype)
+            self._value = ort.OrtValue.ortvalue_from_numpy(self.hidden)
+
+    def bind(self, binding: ort.IOBinding, declared: frozenset[str]) -> None:
+        """Bind these arrays to `binding`, of a session that declares `declared`."""
+        arrays = {
+            INPUT_IDS: self.ids,
+            POSITIONS_INPUT: self.positions,
+            SEQLENS_INPUT: self.seqlens,
+            TOTAL_INPUT: self.total,
+        }
+        for name, value in arrays.items():
+            if name in declared:
+                binding.bind_cpu_input(name, value)
+        if self.output is not None and self._value is not None:
+            binding.bind_ortvalue_output(self.output[0], self._value)
+
+    def write(self, input_ids: IntArray, lengths: IntArray) -> None:
+        """This step's tokens [rows, 1] and the rows' lengths so far [rows]."""
+        self.ids[...] = input_ids
+        self.positions[:, 0] = lengths
+        self.seqlens[...] = lengths
+        self.total[...] = int(lengths.max()) + 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,15 +144,16 @@ class InPlaceSteps:
     calls: Counter[str] = field(compare=False)  # the model's call counter, shared
     _names: KvNames = field(init=False, repr=False)
     _declared: dict[int, frozenset[str]] = field(init=False, repr=False)
+    _hidden: dict[int, tuple[str, int, Any] | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        graphs = [g for g in (self.graph, self.one) if g is not None]
         declared = {
-            id(g.session): frozenset(i.name for i in g.session.get_inputs())
-            for g in (self.graph, self.one)
-            if g is not None
+            id(g.session): frozenset(i.name for i in g.session.get_inputs()) for g in graphs
         }
         object.__setattr__(self, "_names", KvNames(self.layers))
         object.__setattr__(self, "_declared", declared)
+        object.__setattr__(self, "_hidden", {id(g.session): _hidden_output(g) for g in graphs})
 
     def step(
         self,
@@ -132,56 +175,119 @@ class InPlaceSteps:
 
         Why: the masked decoder's `step` copies every row's keys and values into new
         arrays at every step (`Concat`); here they never move (docs/performance.md).
-        `bound`: the caller's binding, kept from its last step: the buffers, the
-        cross-attention state and the encoder outputs are bound again only when they
-        changed (rows joined or left, the buffers grew), the tokens and positions at
-        every step. One per caller (a lane): a binding is not shared between threads."""
+        `bound`: the caller's binding, kept from its last step: the state (buffers,
+        cross-attention keys and values, encoder outputs: the same array objects as the
+        last step's, or they are bound again) is bound when it changed (rows joined or
+        left, the buffers grew), and one token a row is written into inputs bound once
+        (`TokenInputs`). One per caller (a lane): a binding is not shared between
+        threads."""
         rows, fed = input_ids.shape
         if fed > 1 and rows > 1:
             raise ValueError("several tokens per row take one row (GroupQueryAttention)")
         graph = self.one if self.one is not None and input_ids.size == 1 else self.graph
         session = graph.session
         declared = self._declared[id(session)]
-        state = (enc.attention_mask, enc.hidden_states, *cross_kv)
-        views = tuple((b.ctypes.data, b.shape) for b in buffers)
+        state = (enc.attention_mask, enc.hidden_states, *cross_kv, *buffers)
         result = graph.head[1] if graph.head is not None else LOGITS
-        if bound is None or not bound.holds(session, state, views):
-            binding = session.io_binding()
-            binding.bind_output(result)  # first: the run's output 0
-            values: dict[str, Any] = {
-                ENCODER_ATTENTION_MASK: enc.attention_mask,
-                ENCODER_HIDDEN_STATES: enc.hidden_states,
-            }
-            values.update(zip(self._names.cross_in, cross_kv, strict=True))
-            held = {n: np.ascontiguousarray(v) for n, v in values.items() if n in declared}
-            for name, value in held.items():
-                binding.bind_cpu_input(name, value)
-            pairs = zip(self._names.self_in, self._names.self_out, buffers, strict=True)
-            for past, present, buffer in pairs:
-                shape, address = list(buffer.shape), buffer.ctypes.data
-                binding.bind_input(past, "cpu", 0, buffer.dtype, shape, address)
-                binding.bind_output(present, "cpu", 0, buffer.dtype, shape, address)
-            if bound is not None:  # with the arrays bound (copies where not contiguous)
-                bound.keep(session, state, views, binding, tuple(held.values()))
+        if bound is None or not bound.holds(session, state):
+            binding = self._bind(session, declared, result, enc, cross_kv, buffers, bound, state)
         else:
             binding = bound.binding
-            binding.bind_output(result)  # again: allocated by this run, not the last step's
-        steps: dict[str, Any] = {
-            INPUT_IDS: input_ids,
-            POSITIONS_INPUT: lengths.reshape(-1, 1) + np.arange(fed, dtype=np.int64)[None, :],
-            SEQLENS_INPUT: (lengths + fed - 1).astype(np.int32),
-            TOTAL_INPUT: np.array(int(lengths.max()) + fed, dtype=np.int32),
-        }
-        for name, value in steps.items():
-            if name in declared:
-                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        tokens: TokenInputs | None = None
+        output = self._hidden[id(session)]
+        hidden: FloatArray | None = None  # the body's output, where bound to an array
+        if bound is not None and fed == 1:
+            tokens = bound.tokens
+            if tokens is None or tokens.rows != rows or tokens.output != output:
+                tokens = bound.tokens = TokenInputs(rows, output)
+                bound.unbound = True
+            if bound.unbound:
+                tokens.bind(binding, declared)
+                bound.unbound = False
+            tokens.write(input_ids, lengths)
+            hidden = tokens.hidden
+            if hidden is None:
+                binding.bind_output(result)  # allocated by this run, not the last step's
+        else:
+            if bound is not None:
+                bound.unbound = True  # its inputs are bound over here: bound again after
+            if output is not None:  # an array of this call's own (no output to fetch)
+                hidden = np.empty((rows, fed, output[1]), dtype=output[2])
+                value = ort.OrtValue.ortvalue_from_numpy(hidden)
+                binding.bind_ortvalue_output(output[0], value)
+            else:
+                binding.bind_output(result)
+            steps: dict[str, Any] = {
+                INPUT_IDS: input_ids,
+                POSITIONS_INPUT: lengths.reshape(-1, 1) + np.arange(fed, dtype=np.int64)[None, :],
+                SEQLENS_INPUT: (lengths + fed - 1).astype(np.int32),
+                TOTAL_INPUT: np.array(int(lengths.max()) + fed, dtype=np.int32),
+            }
+            for name, value in steps.items():
+                if name in declared:
+                    binding.bind_cpu_input(name, np.ascontiguousarray(value))
         self.calls["decoder"] += 1
         session.run_with_iobinding(binding)
-        out = binding.get_outputs()[0].numpy()
+        out = hidden if hidden is not None else binding.get_outputs()[0].numpy()
         if graph.head is None:
             logits: FloatArray = out[:, -1, :] if fed == 1 else out
             return logits
         return head_logits(graph, out, np.ones((rows, fed), dtype=bool), alone)
+
+    def _bind(
+        self,
+        session: ort.InferenceSession,
+        declared: frozenset[str],
+        result: str,
+        enc: EncoderOutput,
+        cross_kv: tuple[FloatArray, ...],
+        buffers: Sequence[FloatArray],
+        bound: InPlaceBinding | None,
+        state: tuple[object, ...],
+    ) -> ort.IOBinding:
+        """A new binding of the step's state (kept in `bound` when given): each buffer
+        one value bound as its layer's past and its present, so that ONNX Runtime writes
+        the new position in place."""
+        binding = session.io_binding()
+        if self._hidden[id(session)] is None:  # fetched after each run: its output 0
+            binding.bind_output(result)
+        values: dict[str, Any] = {
+            ENCODER_ATTENTION_MASK: enc.attention_mask,
+            ENCODER_HIDDEN_STATES: enc.hidden_states,
+        }
+        values.update(zip(self._names.cross_in, cross_kv, strict=True))
+        held: list[object] = []
+        for name, value in values.items():
+            if name in declared:
+                array = np.ascontiguousarray(value)
+                binding.bind_cpu_input(name, array)
+                held.append(array)
+        pairs = zip(self._names.self_in, self._names.self_out, buffers, strict=True)
+        for past, present, buffer in pairs:
+            if not buffer.flags.c_contiguous:
+                raise ValueError("a self-attention buffer view must be contiguous")
+            value = ort.OrtValue.ortvalue_from_numpy(buffer)
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+            held.append(value)
+        if bound is not None:
+            bound.keep(session, state, binding, tuple(held))
+        return binding
+
+
+def _hidden_output(graph: CutGraph) -> tuple[str, int, Any] | None:
+    """The body's output of a step cut at its projection, its last axis's size and type,
+    where the graph declares them (`TokenInputs` binds it to an array of its own); None
+    for a whole step or a size the graph leaves open."""
+    if graph.head is None:
+        return None
+    name = graph.head[1]
+    for output in graph.session.get_outputs():
+        if output.name == name and isinstance(output.shape[-1], int):
+            kinds = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+            kind = kinds.get(output.type)
+            return None if kind is None else (name, int(output.shape[-1]), kind)
+    return None
 
 
 def open_inplace(
