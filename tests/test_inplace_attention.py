@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,9 @@ from onnx import TensorProto, helper
 from engine import DecodeOptions, Translator
 from engine.decoding.batch import Member
 from engine.decoding.continuous import ContinuousBatch
+from engine.decoding.policy import Priority
 from engine.decoding.scheduler import SchedulerOptions
-from engine.decoding.search import make_search
+from engine.decoding.search import Hypothesis, make_search
 from engine.model.backend import Backend
 from engine.model.kv.inplace.rewrite import rewrite_inplace
 from engine.model.kv.inplace.rows import INITIAL_ROWS, RELEASE_AFTER, SOURCE_STEP, InPlaceKv
@@ -244,6 +245,29 @@ def test_thousands_of_joins_and_leaves_keep_the_buffers_to_the_most_rows_held() 
     for buffer in (*batch.kv._buffers, *batch.kv._cross):
         assert not buffer[1:].any()
         assert buffer[0].any()
+
+
+def test_the_buffers_grow_by_doublings_of_the_initial_rows_whatever_the_first_join() -> None:
+    """A lane whose first join brings more rows than `INITIAL_ROWS` takes buffers of the
+    next doubling of it, as every later growth does: sized to that join alone (five rows),
+    the next join of one row more doubled them to ten, past the doubling of the most rows
+    held (eight). Each join is queued at once (under the scheduler's lock), so that the
+    lane takes it in one turn whatever the load."""
+    tr = _translator()
+    scheduler = tr.scheduler
+    kv = in_place(scheduler._lanes[0].batch)
+    encoded = tr.encode([tr.source_ids(SOURCES[0])])  # the lane has started
+    expected = alone(tr, SOURCES[0], [], DecodeOptions()).token_ids
+    most = 0
+    for count in (INITIAL_ROWS + 1, INITIAL_ROWS + 2):
+        futures: list[Future[Hypothesis]] = []
+        with scheduler._cond:  # the lane looks once they are all queued: one join
+            for _ in range(count):
+                futures += scheduler.submit(encoded, DecodeOptions(), priority=Priority.FINAL)
+        assert [future.result(30).token_ids for future in futures] == [expected] * count
+        most = max(most, max(scheduler.batch_sizes))
+    assert most == INITIAL_ROWS + 2
+    assert kv.buffer_rows == 2 * INITIAL_ROWS
 
 
 def _after_a_burst(tr: Translator) -> tuple[ContinuousBatch, list[float], list[Any]]:

@@ -1204,31 +1204,52 @@ def test_partials_a_few_ms_apart_share_one_encoder_call_with_the_batch_delay(
     delay_ms: float,
 ) -> None:
     """Two streams' partials, a pair every 10 ms, to an idle lane: without the batch delay
-    each pair has at least one encoder call and prefill of its own; with it, once the
-    arrival rate is known (the first pair is not held), the lane waits for the rest and
-    runs them in one call of each. The results are those of each decoded alone."""
+    each pair has one encoder call and one prefill of its own; with it, the lane holds
+    them all and runs them in one call of each once the delay has run out. The results
+    are those of each decoded alone.
+
+    The policy's clock is the test's (10 ms a pair, frozen in between) and each pair is
+    queued at once (under the scheduler's lock), so that what the lane sees and decides
+    does not hang on how the OS schedules the threads: on the real clock, a test thread
+    or a lane late by tens of ms under load changed the outcome (a pair that found the
+    previous one still running joined its batch; a silence ended the hold early)."""
     needs_fixture()
     options = SchedulerOptions(lanes=1, batch_delay_ms=delay_ms)
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=options)
+    scheduler = tr.scheduler
+    now = [0.0]
+    scheduler.clock = lambda: now[0]
     texts = SOURCES[:5]
     expected = [alone(tr, text, [], DecodeOptions()).token_ids for text in texts]
-    stats = tr.scheduler.stats
+    stats = scheduler.stats
     futures: list[Future[Hypothesis]] = []
-    for text in texts:
-        for _ in range(2):  # the second finds the first in flight
-            enc = tr.encoding([tr.source_ids(text)])
-            futures += tr.scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL)
-        time.sleep(0.01)
+    for i, text in enumerate(texts):
+        now[0] = i * 0.01
+        pair: list[Future[Hypothesis]] = []
+        with scheduler._cond:  # the lane looks once both are queued: the second finds the first
+            for _ in range(2):
+                enc = tr.encoding([tr.source_ids(text)])
+                pair += scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL)
+        if not delay_ms:  # answered at once: the next pair finds the lane idle
+            for future in pair:
+                future.result(30)
+        futures += pair
+    if delay_ms:
+        time.sleep(0.05)  # the real clock runs on; the policy's has not passed the delay
+        assert not any(future.done() for future in futures)
+        now[0] = delay_ms / 1000.0 + 0.001  # past the delay from the first pair's arrival
+        with scheduler._cond:  # the held lane waits on the real clock: wake it to look
+            scheduler._cond.notify_all()
     got = [f.result(30).token_ids for f in futures]
     assert got == [ids for ids in expected for _ in range(2)]
-    after = tr.scheduler.stats
+    after = scheduler.stats
     calls = after["encoder_calls"] - stats["encoder_calls"]
     prefills = after["prefill_calls"] - stats["prefill_calls"]
     if delay_ms:
-        assert calls <= 3 and prefills <= 3, after  # the first pair, then the rest at once
-        assert after["held_turns"] - stats["held_turns"] >= 1
+        assert calls == 1 and prefills == 1, after  # every pair at once
+        assert after["held_turns"] - stats["held_turns"] == 1
     else:
-        assert calls >= len(texts) and prefills >= len(texts), after
+        assert calls == len(texts) and prefills == len(texts), after  # a pair a call
         assert after["held_turns"] == 0
     tr.close()
 

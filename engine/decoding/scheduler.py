@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 
@@ -138,6 +138,12 @@ class DecodeScheduler:
         # Set to record every lane turn and answered request (`engine.decoding.timeline`);
         # None: nothing kept.
         self.timeline = timeline
+        # The policy's clock (seconds): what a request's `submitted` and the batch delay's
+        # `hold` read; a test's own where it sets one, so that whether a lane holds is
+        # decided by the times the test gives, not by how the OS schedules its threads.
+        # The lanes' waits and turns stay on the real clock (under a test's clock, the
+        # queue waits counted from `submitted` are that clock's).
+        self.clock: Callable[[], float] = time.perf_counter
         self.lanes, self.threads_per_lane, *_ = self.options.resolved()
         if self.options.lanes is None and replays_cuda_graphs(model):
             # A model whose steps replay CUDA graphs (a GPU's default) runs one lane: a
@@ -281,6 +287,7 @@ class DecodeScheduler:
                 row,
                 Priority(priority),
                 request_id,
+                submitted=self.clock(),
             )
             for row, (prefix, draft, terms) in enumerate(
                 zip(prefixes, drafts, constraints, strict=True)
@@ -336,7 +343,7 @@ class DecodeScheduler:
         alike. Woken for every partial, a held lane only waited again: under load, a
         wake-up per partial, two thread switches and the policy's look each."""
         held = next((lane for lane in self._lanes if lane.held_until is not None), None)
-        return held is not None and self._policy.hold(held.index, time.perf_counter()) > 0
+        return held is not None and self._policy.hold(held.index, self.clock()) > 0
 
     def _start_lanes(self) -> None:
         if self._threads:
@@ -357,11 +364,11 @@ class DecodeScheduler:
                 held: float | None = None  # when the batch delay began to hold the lane
                 while not self._closed:
                     if self._policy.has_work(lane.index):
-                        now = time.perf_counter()
+                        now = self.clock()
                         hold = self._policy.hold(lane.index, now)
                         if hold <= 0:
                             break
-                        held = held if held is not None else now
+                        held = held if held is not None else time.perf_counter()
                         lane.held_until = now + hold
                         # A submission that ends the hold sooner wakes it (`_holds_on`).
                         self._cond.wait(hold)

@@ -314,11 +314,13 @@ class InPlaceKv(KvBackend):
         cross_kv: Sequence[FloatArray],
         held: int,
     ) -> None:
-        """Buffers of at least `count` rows (doubling) and, for cross-attention, `width`
-        source positions (widened by `SOURCE_STEP`s), one per array of the newcomers'
-        `self_kv` and `cross_kv` (their heads, head size and type); the first `held` rows
-        kept."""
-        rows = max(count, 2 * self.buffer_rows, INITIAL_ROWS)
+        """Buffers of at least `count` rows (a doubling of `INITIAL_ROWS`) and, for
+        cross-attention, `width` source positions (widened by `SOURCE_STEP`s), one per
+        array of the newcomers' `self_kv` and `cross_kv` (their heads, head size and
+        type); the first `held` rows kept."""
+        rows = max(self.buffer_rows, INITIAL_ROWS)
+        while rows < count:  # a doubling of `INITIAL_ROWS`, even for a first join past it
+            rows *= 2
         if count > self.buffer_rows:
             grown = tuple(
                 mapped_zeros((rows, a.shape[1], self.positions, a.shape[3]), a.dtype)
