@@ -58,6 +58,7 @@ from engine.model.passes.graph import (
     SHAPE_ONLY,
     GraphView,
     UnsortableGraph,
+    attribute,
     live_nodes,
     load_model,
     reads,
@@ -201,7 +202,7 @@ def _fuse(model: onnx.ModelProto) -> tuple[int, str]:
 
 def _core(view: GraphView, shapes: Shapes, outputs: set[str], softmax: onnx.NodeProto) -> _Core:
     where = softmax.output[0]
-    if _attr_int(softmax, "axis", -1) not in (-1, 3):
+    if attribute(softmax, "axis", -1) not in (-1, 3):
         raise _Unsupported(f"{where}: not a Softmax over the last axis")
     core = [softmax]
     scores_name, mask = softmax.input[0], None
@@ -239,7 +240,7 @@ def _core(view: GraphView, shapes: Shapes, outputs: set[str], softmax: onnx.Node
     core.append(weighted[0])
     value = _from_heads(view, shapes, outputs, weighted[0].input[1], weighted[0], heads, head_dim)
     back = _single(view, outputs, weighted[0].output[0], "Transpose")
-    if _perm(back) != _HEADS:
+    if attribute(back, "perm", []) != _HEADS:
         raise _Unsupported(f"{where}: the output's Transpose is not back to tokens")
     merge = _single(view, outputs, back.output[0], "Reshape")
     packed_query = query_reshape.input[0]
@@ -323,13 +324,13 @@ def _key(
         raise _Unsupported(f"{side}: the keys are not transposed for the scores")
     if len(view.consumers.get(side, [])) != 1 or side in outputs:
         raise _Unsupported(f"{side}: the keys' transpose is read elsewhere")
-    if _perm(node) == _KEYS_T:
+    if attribute(node, "perm", []) == _KEYS_T:
         reshape = view.producer.get(node.input[0])
         found = _split(view, shapes, side, (_KEYS_T,))
         if reshape is None or found is None or found[2:] != (heads, head_dim):
             raise _Unsupported(f"{side}: the keys are not split into heads from [B, T, D]")
         return _packed(view, outputs, reshape, node)
-    if _perm(node) == _SWAP:
+    if attribute(node, "perm", []) == _SWAP:
         return _from_heads(view, shapes, outputs, node.input[0], node, heads, head_dim)
     raise _Unsupported(f"{side}: the keys' transpose is not one this pass knows")
 
@@ -365,7 +366,7 @@ def _packed(
     split = reshape.output[0]
     side = _Side(reshape.input[0], replaced=[reshape])
     readers = view.consumers.get(split, [])
-    heads = [n for n in readers if n.op_type == "Transpose" and _perm(n) == _HEADS]
+    heads = [n for n in readers if n.op_type == "Transpose" and attribute(n, "perm", []) == _HEADS]
     read = [n for n in heads if _values_read(view, outputs, n.output[0])]
     if len(read) > 1 or _values_read(view, outputs, split, reader, *heads):
         raise _Unsupported(f"{split}: the split keys are read elsewhere")
@@ -382,7 +383,9 @@ def _split(
     [rows, tokens, heads, head_dim] that makes `name`, with heads and head_dim; None
     where it is not that."""
     transpose = view.producer.get(name)
-    if transpose is None or transpose.op_type != "Transpose" or _perm(transpose) not in perms:
+    if transpose is None or transpose.op_type != "Transpose":
+        return None
+    if attribute(transpose, "perm", []) not in perms:
         return None
     reshape = view.producer.get(transpose.input[0])
     if reshape is None or reshape.op_type != "Reshape":
@@ -467,17 +470,3 @@ def _single(view: GraphView, outputs: set[str], name: str, op: str) -> onnx.Node
     if len(readers) != 1 or readers[0].op_type != op or name in outputs:
         raise _Unsupported(f"{name}: not read by one {op} alone")
     return readers[0]
-
-
-def _perm(node: onnx.NodeProto) -> list[int]:
-    for attr in node.attribute:
-        if attr.name == "perm":
-            return list(attr.ints)
-    return []
-
-
-def _attr_int(node: onnx.NodeProto, name: str, default: int) -> int:
-    for attr in node.attribute:
-        if attr.name == name:
-            return int(attr.i)
-    return default

@@ -124,6 +124,15 @@ class UnsortableGraph(Exception):
     """A node reads a tensor that nothing makes (message says which)."""
 
 
+def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    """The value of `node`'s attribute `name` (a `Transpose`'s `perm` as a list of ints,
+    an `axis` as an int, ...), or `default` where the node does not set it."""
+    for attr in node.attribute:
+        if attr.name == name:
+            return helper.get_attribute_value(attr)
+    return default
+
+
 def reads(node: onnx.NodeProto) -> list[str]:
     """What a node reads: its inputs, and for a node with subgraphs (`If`) the outer
     values its subgraphs use."""

@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
+
+from engine.model.passes.graph import attribute
 
 Term = tuple[tuple[str, ...], int]  # (sorted symbols of a monomial, coefficient)
 
@@ -148,13 +150,6 @@ ELEMENTWISE = frozenset(
 (broadcast) index alone: they commute with broadcasting."""
 
 
-def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
 class Shapes:
     """Symbolic shapes (`shape`) and small integer values (`value`) of a graph's tensors,
     from one walk over its nodes in order (a sorted graph, as ONNX requires)."""
@@ -222,7 +217,7 @@ class Shapes:
         shapes = [self.shapes.get(i) if i else None for i in ins]
         out = node.output[0] if node.output else ""
         if op == "Constant":
-            value = _attr(node, "value")
+            value = attribute(node, "value")
             if value is not None:
                 dims = tuple(int(d) for d in value.dims)
                 if value.data_type in _INT_TYPES and int(np.prod(dims)) <= _MAX_VALUES:
@@ -231,7 +226,7 @@ class Shapes:
                     self.shapes[out] = tuple(Dim.of(d) for d in dims)
             else:
                 for key in ("value_int", "value_ints"):
-                    got = _attr(node, key)
+                    got = attribute(node, key)
                     if got is not None:
                         self._constant(out, np.asarray(got, dtype=np.int64))
             return
@@ -252,7 +247,7 @@ class Shapes:
 
     def _same_value(self, node: onnx.NodeProto) -> tuple[Dim, ...] | None:
         if node.op_type in ("Cast", "Identity"):
-            to = _attr(node, "to")
+            to = attribute(node, "to")
             if to is None or to in _INT_TYPES or to == onnx.TensorProto.FLOAT:
                 return self.values.get(node.input[0])
         return None
@@ -315,14 +310,14 @@ class Shapes:
         shape = shapes[0]
         if shape is None:
             return
-        perm = _attr(node, "perm") or list(reversed(range(len(shape))))
+        perm = attribute(node, "perm") or list(reversed(range(len(shape))))
         self._set(node.output[0], tuple(shape[p] for p in perm))
 
     def _op_Shape(self, node: onnx.NodeProto, shapes: list[Shape | None]) -> None:
         shape = shapes[0]
         if shape is None:
             return
-        start, end = _attr(node, "start", 0), _attr(node, "end", len(shape))
+        start, end = attribute(node, "start", 0), attribute(node, "end", len(shape))
         dims = shape[slice(start, end)]
         self._set(node.output[0], (Dim.of(len(dims)),), dims)
 
@@ -333,7 +328,7 @@ class Shapes:
     def _axes(self, node: onnx.NodeProto) -> list[int] | None:
         if len(node.input) > 1 and node.input[1]:
             return self.ints(node.input[1])
-        axes = _attr(node, "axes")
+        axes = attribute(node, "axes")
         return None if axes is None else list(axes)
 
     def _op_Unsqueeze(self, node: onnx.NodeProto, shapes: list[Shape | None]) -> None:
@@ -366,7 +361,7 @@ class Shapes:
         rank = len(known[0])
         if rank == 0 or any(len(s) != rank for s in known):
             return
-        axis = _attr(node, "axis", 0) % rank
+        axis = attribute(node, "axis", 0) % rank
         dims = list(known[0])
         dims[axis] = Dim.of(0)
         for s in known:
@@ -385,7 +380,7 @@ class Shapes:
         data, indices = shapes[0], shapes[1]
         if data is None or indices is None or not data:
             return
-        axis = _attr(node, "axis", 0) % len(data)
+        axis = attribute(node, "axis", 0) % len(data)
         dims = (*data[:axis], *indices, *data[axis + 1 :])
         value = None
         source, picks = self.values.get(node.input[0]), self.ints(node.input[1])
@@ -450,7 +445,7 @@ class Shapes:
         target = self.values.get(node.input[1])
         if target is None:
             return
-        shape = self.reshaped(shapes[0], target, bool(_attr(node, "allowzero", 0)))
+        shape = self.reshaped(shapes[0], target, bool(attribute(node, "allowzero", 0)))
         value = self.values.get(node.input[0])
         if shape is not None:
             self._set(node.output[0], shape, value if len(shape) <= 1 else None)
@@ -496,7 +491,7 @@ class Shapes:
         dims = self.values.get(node.input[0])
         if dims is None:
             return
-        value = _attr(node, "value")
+        value = attribute(node, "value")
         fill = 0.0 if value is None else numpy_helper.to_array(value).reshape(-1)[0]
         filled = None
         n = product(dims).constant
@@ -520,7 +515,7 @@ class Shapes:
         shape = shapes[0]
         if shape is None:
             return
-        axis = _attr(node, "axis", 1) % (len(shape) + 1)
+        axis = attribute(node, "axis", 1) % (len(shape) + 1)
         self._set(node.output[0], (product(shape[:axis]), product(shape[axis:])))
 
     def _op_GroupQueryAttention(self, node: onnx.NodeProto, shapes: list[Shape | None]) -> None:

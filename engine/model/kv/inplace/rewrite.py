@@ -45,6 +45,7 @@ from engine.model.names import MASK_INPUT, PAST, PRESENT, SEQLENS_INPUT, TOTAL_I
 from engine.model.passes.graph import (
     GraphView,
     UnsortableGraph,
+    attribute,
     live_nodes,
     load_model,
     reads,
@@ -182,7 +183,7 @@ def _find(view: GraphView, layer: int) -> _Layer:
     transposes = [
         n for n in view.consumers.get(present["key"].output[0], []) if n.op_type == "Transpose"
     ]
-    if len(transposes) != 1 or list(_perm(transposes[0])) != [0, 1, 3, 2]:
+    if len(transposes) != 1 or attribute(transposes[0], "perm", []) != [0, 1, 3, 2]:
         raise _Unsupported(f"layer {layer}: the present key is not transposed once for scores")
     scale = 1.0
     side = transposes[0].output[0]
@@ -216,7 +217,7 @@ def _find(view: GraphView, layer: int) -> _Layer:
     transposed = view.consumers.get(weighted[0].output[0], [])
     if len(transposed) != 1 or transposed[0].op_type != "Transpose":
         raise _Unsupported(f"layer {layer}: the attention output is not transposed")
-    if list(_perm(transposed[0])) != [0, 2, 1, 3]:
+    if attribute(transposed[0], "perm", []) != [0, 2, 1, 3]:
         raise _Unsupported(f"layer {layer}: the attention output's transpose is not to tokens")
     reshaped = view.consumers.get(transposed[0].output[0], [])
     if len(reshaped) != 1 or reshaped[0].op_type != "Reshape":
@@ -230,13 +231,6 @@ def _find(view: GraphView, layer: int) -> _Layer:
         output=reshaped[0].output[0],
         replaced=(present["key"], present["value"], reshaped[0]),
     )
-
-
-def _perm(node: onnx.NodeProto) -> list[int]:
-    for attr in node.attribute:
-        if attr.name == "perm":
-            return list(attr.ints)
-    return []
 
 
 def _scaled(view: GraphView, mul: onnx.NodeProto, tensor: str) -> tuple[float, str]:
@@ -254,7 +248,7 @@ def _packed(view: GraphView, heads: str) -> str:
     transpose = view.producer.get(heads)
     if transpose is None or transpose.op_type != "Transpose":
         raise _Unsupported(f"{heads} is not a Transpose")
-    if list(_perm(transpose)) != [0, 2, 1, 3]:
+    if attribute(transpose, "perm", []) != [0, 2, 1, 3]:
         raise _Unsupported(f"{heads} is not split into heads")
     reshape = view.producer.get(transpose.input[0])
     if reshape is None or reshape.op_type != "Reshape":
