@@ -42,14 +42,35 @@ def open_fused(
             return None  # logged why
         data: bytes = model.SerializeToString()
         del model
-        session = open_session(data, options, per_token=per_token)
-        worst = check(session)
-    except Exception as exc:  # a graph or kernel ONNX Runtime refuses: run it unfused
+    except Exception as exc:  # a graph the pass did not foresee: run it unfused
         log.warning("%s: attention fused not used (%s)", name, exc)
         return None
-    if not worst <= tolerance:
-        log.warning(
-            "%s: attention fused differs by %.3g (tolerance %g): not used", name, worst, tolerance
-        )
+    session = open_checked(
+        data, name, "attention fused", options, check, tolerance, per_token=per_token
+    )
+    return None if session is None else (data, session)
+
+
+def open_checked(
+    graph: bytes,
+    name: str,
+    what: str,
+    options: RuntimeOptions,
+    check: Callable[[ort.InferenceSession], float],
+    tolerance: float,
+    *,
+    per_token: bool = False,
+) -> ort.InferenceSession | None:
+    """A session of a rewritten `graph` (`what` it is) where ONNX Runtime opens it and
+    `check(session)`, its largest difference to the graph it came from, is within
+    `tolerance`; else None, logged under `name`, and the caller keeps the original."""
+    try:
+        session = open_session(graph, options, per_token=per_token)
+        worst = check(session)
+    except Exception as exc:  # a graph or kernel ONNX Runtime refuses
+        log.warning("%s: %s not used (%s)", name, what, exc)
         return None
-    return data, session
+    if not worst <= tolerance:
+        log.warning("%s: %s differs by %.3g (tolerance %g): not used", name, what, worst, tolerance)
+        return None
+    return session

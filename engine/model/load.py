@@ -56,7 +56,7 @@ from engine.model.files import (
     decoder_session,
     open_file,
 )
-from engine.model.fused import open_fused
+from engine.model.fused import open_checked, open_fused
 from engine.model.kv.inplace.steps import InPlaceSteps, open_inplace
 from engine.model.kv.slots.pool import SlotGraphs, open_slot_graphs
 from engine.model.layouts import LAYOUTS, DecoderLayout, LayoutDecoder, NoCacheLayout
@@ -123,17 +123,15 @@ def open_encoder(files: ModelFiles, options: RuntimeOptions) -> ort.InferenceSes
         return fused[1]
     if folded is None:
         return session
-    try:
-        rewritten = open_session(folded, options)
-        del folded
-        worst = check_encoder_rewrite(session, rewritten)
-    except Exception as exc:  # a graph ONNX Runtime did not foresee
-        log.warning("%s: encoder with its shapes folded not used (%s)", where, exc)
-        return session
-    if not worst <= REWRITE_TOLERANCE:
-        log.warning("%s: encoder with its shapes folded differs by %.3g: not used", where, worst)
-        return session
-    return rewritten
+    rewritten = open_checked(
+        folded,
+        where,
+        "encoder with its shapes folded",
+        options,
+        lambda rewritten: check_encoder_rewrite(session, rewritten),
+        REWRITE_TOLERANCE,
+    )
+    return session if rewritten is None else rewritten
 
 
 @dataclass
