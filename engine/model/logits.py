@@ -251,14 +251,12 @@ def project_runs(
     session, hidden = head
     batch = len(firsts)
     if batch == 1:  # a view of the row's run: no copy
-        begin = int(firsts[0])
-        picked = states[0, begin : begin + max(int(counts[0]), 0)]  # [K, d]
+        begin, count = int(firsts[0]), max(int(counts[0]), 0)
+        picked = states[0, begin : begin + count]  # [K, d]
+        offsets = np.array([0, count], dtype=np.int64)
     else:
         rows = zip(firsts.tolist(), counts.tolist(), strict=True)
         picked = np.concatenate([states[r, f : f + max(c, 0)] for r, (f, c) in enumerate(rows)])
-    if batch == 1:
-        offsets = np.array([0, max(int(counts[0]), 0)], dtype=np.int64)
-    else:
         offsets = np.zeros(batch + 1, dtype=np.int64)
         np.cumsum(np.maximum(counts, 0), out=offsets[1:])
     output = session.get_outputs()[0]

@@ -46,17 +46,9 @@ class DecodeCall:
         )
 
     def run(self, translator: Translator) -> list[Hypothesis]:
-        """Decode on this thread, waiting for the scheduler."""
-        return translator.decode(
-            self.enc,
-            self.options,
-            prefixes=self.prefixes,
-            hook=self.hook,
-            drafts=self.drafts,
-            priority=self.priority,
-            request_id=self.request_id,
-            constraints=self.constraints,
-        )
+        """Decode on this thread, waiting for the scheduler (`Translator.decode`: the
+        same submission, waited for)."""
+        return [future.result() for future in self.submit(translator)]
 
 
 @dataclass(frozen=True)
