@@ -6,10 +6,12 @@ it, so that it still equals `translate` with the same glossary."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import anyio
 import pytest
 
+from engine.decoding.search import Hypothesis
 from engine.decoding.translator import Translator
 from engine.glossary import Glossary
 from engine.streaming.calls import DecodeCall, Started
@@ -125,3 +127,71 @@ async def test_on_the_event_loop(fresh: Translator) -> None:
     assert updates[-1].is_final
     assert updates[-1].stable_text == fresh.translate([texts[-1]], glossary=ZH)[0].text
     assert "爱丽丝" in updates[1].stable_text + updates[1].unstable_text
+
+
+class _Failed(RuntimeError):
+    """A rendering started ahead that failed on its lane."""
+
+
+def _failing_ahead(tr: Translator, monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    """`source`'s rendering started ahead and failed, caught before its done-callback
+    forgot it: the window between a lane failing the future and the callback running."""
+    failed: Future[Hypothesis] = Future()
+    monkeypatch.setattr(tr, "submit", lambda *args, **kwargs: [failed])
+    monkeypatch.setattr(tr, "_rendered", lambda source, future: None)
+    tr.render_ahead([source])
+    failed.set_exception(_Failed("the lane failed"))
+    monkeypatch.undo()
+    assert fresh_started(tr, source) == [failed]
+
+
+def fresh_started(tr: Translator, source: str) -> list[Future[Hypothesis]]:
+    terms = [term for term in tr.matched(source, ZH) if term.source == source]
+    return [future for _, future in tr.rendering_started(terms)]
+
+
+def test_a_failed_rendering_started_ahead_is_decoded_again(
+    fresh: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = Translator.from_dir(FIXTURE_MODEL)
+    try:
+        expected = reference.rendering("Emma")
+    finally:
+        reference.close()
+    _failing_ahead(fresh, monkeypatch, "Emma")
+    assert fresh.rendering("Emma") == expected  # not the lane's error
+
+
+def test_a_final_waiting_on_a_failed_rendering_decodes_it_itself(
+    fresh: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = "Emma wants water"
+    reference = Translator.from_dir(FIXTURE_MODEL)
+    try:
+        offline = reference.translate([text], glossary=ZH)[0].text
+    finally:
+        reference.close()
+    _failing_ahead(fresh, monkeypatch, "Emma")
+    session = StreamSession("s", fresh, glossary=ZH)
+    final = session.answer(PartialTranscript("s", 0, 0, text, is_final=True))
+    assert final is not None and final.stable_text == offline  # not the lane's error
+
+
+@pytest.mark.anyio
+async def test_on_the_event_loop_a_failed_rendering_is_decoded_again(
+    fresh: Translator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = "Emma wants water"
+    reference = Translator.from_dir(FIXTURE_MODEL)
+    try:
+        offline = reference.translate([text], glossary=ZH)[0].text
+    finally:
+        reference.close()
+    _failing_ahead(fresh, monkeypatch, "Emma")
+    async with IncrementalTranslator(fresh, glossaries=ZH) as nmt:
+        replies = aiter(nmt.updates("s"))
+        await nmt.push(PartialTranscript("s", 0, 0, text, is_final=True))
+        with anyio.fail_after(30):
+            final = await anext(replies)
+    assert isinstance(final, TranslationUpdate), final  # not an error reply
+    assert final.is_final and final.stable_text == offline

@@ -153,7 +153,12 @@ class Translator:
             found = self._renderings.get(source)
             started = self._started.get(source)
         if found is None and started is not None:
-            found = self.remember_rendering(source, started.result().token_ids)
+            try:
+                hyp = started.result()
+            except Exception:  # it failed (its callback not run yet): decoded again below
+                pass
+            else:
+                found = self.remember_rendering(source, hyp.token_ids)
         if found is None:
             call = self.rendering_call(source)
             (hyp,) = self.decode(self.encoding([call.source_ids]), call.options)

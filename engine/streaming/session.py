@@ -280,7 +280,8 @@ class StreamSession:
         source: str | None = None,
         source_ids: list[int] | None = None,
     ) -> TranslationUpdate | None:
-        """`steps`, its decodes run on this thread one after the other."""
+        """`steps`, its decodes run on this thread one after the other; a decode's error
+        is raised inside the session where it asked for it (as `awaiting.answer` does)."""
         steps = self.steps(
             event,
             request_id=request_id,
@@ -292,7 +293,12 @@ class StreamSession:
         try:
             call = next(steps)
             while True:
-                call = steps.send(call.run(self.translator))
+                try:
+                    found = call.run(self.translator)
+                except Exception as exc:
+                    call = steps.throw(exc)
+                else:
+                    call = steps.send(found)
         except StopIteration as done:
             update: TranslationUpdate | None = done.value
             return update
@@ -513,9 +519,13 @@ class StreamSession:
         known = dict.fromkeys(fresh, "")  # placed without a cue this once
         started = tr.rendering_started([term for term in matched if term.source not in known])
         if started:
-            hyps = yield Started([future for _, future in started])
-            for (term_source, _), hyp in zip(started, hyps, strict=True):
-                known[term_source] = tr.remember_rendering(term_source, hyp.token_ids)
+            try:
+                hyps = yield Started([future for _, future in started])
+            except Exception:  # one failed: each decoded below, as if never started
+                pass
+            else:
+                for (term_source, _), hyp in zip(started, hyps, strict=True):
+                    known[term_source] = tr.remember_rendering(term_source, hyp.token_ids)
         for term in matched:
             found = known[term.source] if term.source in known else tr.known_rendering(term.source)
             if found is None:  # never started (a final's), or forgotten since
