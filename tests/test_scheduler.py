@@ -1257,14 +1257,24 @@ def test_partials_a_few_ms_apart_share_one_encoder_call_with_the_batch_delay(
 def test_a_held_lane_is_not_woken_by_partials_that_leave_its_hold_on() -> None:
     """A lane the batch delay holds wakes when a submission ends the hold (here a final),
     not for every partial that comes meanwhile: each such wake-up was two thread switches
-    and a look at the queue that only waited again."""
+    and a look at the queue that only waited again.
+
+    The policy's clock is the test's (2 ms between arrivals, frozen in between) and the
+    delay long (60 s on it, which the lane also waits on the real clock), so that whether
+    the lane holds does not hang on how the OS schedules the threads: on the real clock
+    and a 400 ms delay, a test thread late under load let the hold run out or end it."""
     needs_fixture()
-    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(lanes=1, batch_delay_ms=400))
+    options = SchedulerOptions(lanes=1, batch_delay_ms=60_000)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=options)
     scheduler = tr.scheduler
+    now = [0.0]
+    scheduler.clock = lambda: now[0]
     warm: list[Future[Hypothesis]] = []
-    for text in SOURCES[:2]:  # the lane started, the arrival rate known
+    # The lane started, the arrival rate known (they overlap); the final ends any hold.
+    for text, priority in zip(SOURCES[:2], (Priority.PARTIAL, Priority.FINAL), strict=True):
         enc = tr.encoding([tr.source_ids(text)])
-        warm += scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL)
+        warm += scheduler.submit(enc, DecodeOptions(), priority=priority)
+        now[0] += 0.002
     for future in warm:
         future.result(30)
     policy = scheduler._policy
@@ -1282,9 +1292,10 @@ def test_a_held_lane_is_not_woken_by_partials_that_leave_its_hold_on() -> None:
     for text in SOURCES[:5]:
         enc = tr.encoding([tr.source_ids(text)])
         partials += scheduler.submit(enc, DecodeOptions(), priority=Priority.PARTIAL)
-        time.sleep(0.002)
+        now[0] += 0.002
+        time.sleep(0.002)  # a lane woken by it would look meanwhile
     looked = looks
-    assert not any(future.done() for future in partials)  # held: 400 ms at most
+    assert not any(future.done() for future in partials)  # held
     enc = tr.encoding([tr.source_ids(SOURCES[0])])
     final = scheduler.submit(enc, DecodeOptions(), priority=Priority.FINAL)
     for future in [*partials, *final]:
