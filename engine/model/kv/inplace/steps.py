@@ -39,37 +39,42 @@ log = logging.getLogger(__name__)
 
 
 class InPlaceBinding:
-    """One caller's I/O binding of an in-place step (`InPlaceSteps.step`), kept
-    between its steps with what it binds: the session, the arrays the state is bound from
-    (the encoder outputs, the cross-attention keys and values and the self-attention
-    buffers' views, compared by identity and held here, with the contiguous copies
-    actually bound where one was not, so that the memory bound stays alive), and the
-    inputs of one token a row (tokens, positions, lengths: `TokenInputs`), written in
-    place at every step rather than bound again.
+    """One caller's I/O bindings of an in-place step (`InPlaceSteps.step`), kept
+    between its steps, one per session and row count (`BOUND_COUNTS` at most), each with
+    what it binds: the arrays the state is bound from (the encoder outputs, the
+    cross-attention keys and values and the self-attention buffers' views, compared by
+    identity and held here, with the contiguous copies actually bound where one was not,
+    so that the memory bound stays alive), and the inputs of one token a row (tokens,
+    positions, lengths: `TokenInputs`), written in place at every step rather than bound
+    again. `holds` selects the binding a step runs (`binding`, `tokens`, `unbound`).
 
     Why: a step binds about 30 inputs and outputs, a few percent of a one-row step in
     Python and ONNX Runtime calls (docs/performance.md); between joins and leaves only the
-    tokens and positions change, and those go into arrays bound once."""
+    tokens and positions change, and those go into arrays bound once. Why one per row
+    count: under load a lane's rows go 1 -> 2 -> 1 (and through 0) from turn to turn:
+    kept for one count only, about half the steps bound anew (docs/performance.md). The
+    caller's views of its buffers' first rows are the same objects
+    for a count while the buffers are (`InPlaceKv._views`), so each count's binding is
+    found again; `forget` drops them all when the buffers are replaced, so that none
+    keeps old buffers alive."""
 
     def __init__(self) -> None:
-        self._session: ort.InferenceSession | None = None
-        self._state: tuple[object, ...] = ()
-        self._binding: ort.IOBinding | None = None
-        self._held: tuple[object, ...] = ()
-        # The inputs of one token a row (kept from binding to binding while the rows are
-        # as many), and whether the kept binding lacks them (a new one, or a step of
-        # several tokens bound its own over them).
-        self.tokens: TokenInputs | None = None
-        self.unbound = True
+        self._kept: dict[tuple[int, int], _Bound] = {}
+        self._current: _Bound | None = None
 
     def holds(self, session: ort.InferenceSession, state: tuple[object, ...]) -> bool:
-        """Whether the kept binding is of `session` with these very arrays."""
-        return (
-            self._binding is not None
-            and self._session is session
-            and len(state) == len(self._state)
-            and all(a is b for a, b in zip(state, self._state, strict=True))
-        )
+        """Whether a kept binding is of `session` with these very arrays (the first, the
+        encoder mask, gives the row count); if so, it is the one a step runs now."""
+        kept = self._kept.get((id(session), _rows_of(state)))
+        if (
+            kept is None
+            or kept.session is not session
+            or len(state) != len(kept.state)
+            or not all(a is b for a, b in zip(state, kept.state, strict=True))
+        ):
+            return False
+        self._current = kept
+        return True
 
     def keep(
         self,
@@ -78,16 +83,69 @@ class InPlaceBinding:
         binding: ort.IOBinding,
         held: tuple[object, ...],
     ) -> None:
-        """Keep `binding`, of `session` with the arrays of `state`; `held`: what it reads
-        (copies where `state`'s were not contiguous), kept alive with it. Its inputs of one
-        token a row are bound to it at the next step."""
-        self._session, self._state, self._binding = session, state, binding
-        self._held, self.unbound = held, True
+        """Keep `binding`, of `session` with the arrays of `state` (in place of the one of
+        the same session and row count), and run it now; `held`: what it reads (copies
+        where `state`'s were not contiguous), kept alive with it. Its inputs of one token
+        a row are bound to it at the next step."""
+        key = (id(session), _rows_of(state))
+        if key not in self._kept and len(self._kept) >= BOUND_COUNTS:
+            self._kept.clear()  # a lane that ran every count: start again
+        self._current = self._kept[key] = _Bound(session, state, binding, held)
+
+    def forget(self) -> None:
+        """Drop every kept binding (the arrays they bind were replaced)."""
+        self._kept.clear()
+        self._current = None
 
     @property
     def binding(self) -> ort.IOBinding:
-        assert self._binding is not None
-        return self._binding
+        assert self._current is not None
+        return self._current.binding
+
+    @property
+    def tokens(self) -> TokenInputs | None:
+        """The running binding's inputs of one token a row, kept from step to step."""
+        assert self._current is not None
+        return self._current.tokens
+
+    @tokens.setter
+    def tokens(self, tokens: TokenInputs) -> None:
+        assert self._current is not None
+        self._current.tokens = tokens
+
+    @property
+    def unbound(self) -> bool:
+        """Whether the running binding lacks its `tokens` (a new one, or a step of several
+        tokens bound its own over them)."""
+        return self._current is None or self._current.unbound
+
+    @unbound.setter
+    def unbound(self, unbound: bool) -> None:
+        assert self._current is not None
+        self._current.unbound = unbound
+
+
+BOUND_COUNTS = 64
+"""Bindings an `InPlaceBinding` keeps at most (per session and row count)."""
+
+
+def _rows_of(state: tuple[object, ...]) -> int:
+    """The row count of a step's state (its first array's rows: the encoder mask)."""
+    first = state[0]
+    return int(first.shape[0]) if isinstance(first, np.ndarray) else -1
+
+
+@dataclass(eq=False)
+class _Bound:
+    """One kept binding of `InPlaceBinding`: of `session` with the arrays of `state`,
+    holding `held` alive; its `tokens` and whether they are bound to it."""
+
+    session: ort.InferenceSession
+    state: tuple[object, ...]
+    binding: ort.IOBinding
+    held: tuple[object, ...]
+    tokens: TokenInputs | None = None
+    unbound: bool = True
 
 
 class TokenInputs:
