@@ -14,9 +14,11 @@ the CPU's continuous batches step over buffers that each step extends where they
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -414,6 +416,82 @@ def test_a_lanes_binding_is_kept_between_steps_and_bound_again_when_its_rows_cha
     for buffer, expected in zip(kept, fresh, strict=True):
         np.testing.assert_array_equal(buffer[:2], expected[:2])
     assert bound.binding is not moved
+
+
+def test_a_row_count_that_comes_back_finds_its_binding_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One lane's batch whose rows go 2 -> 1 -> 2 -> 0 -> 1 -> 2 (a row leaves, one joins,
+    every row leaves, rows join again): each session and row count is bound once, found
+    again when the count comes back (through an empty batch too), and every search that
+    ends gives decoding alone's tokens; when the buffers grow, the kept bindings are
+    dropped (they bound the old buffers) and the counts are bound anew."""
+    tr = _translator()
+    masked, steps = tr.model.masked, tr.model.kv
+    assert masked is not None and isinstance(steps, InPlaceSteps)
+    batch = ContinuousBatch(tr.model, InPlaceKv(tr.model, masked, steps))
+    kv = in_place(batch)
+    binds: list[tuple[int, int]] = []
+    stepped: list[tuple[int, int]] = []
+    bind, step = InPlaceSteps._bind, InPlaceSteps.step
+
+    def counted_bind(self: InPlaceSteps, session: Any, *args: Any) -> Any:
+        binds.append((id(session), int(args[2].attention_mask.shape[0])))
+        return bind(self, session, *args)
+
+    def counted_step(self: InPlaceSteps, enc: Any, ids: Any, *args: Any, **kw: Any) -> Any:
+        one = self.one is not None and ids.size == 1
+        session = (self.one if one and self.one is not None else self.graph).session
+        stepped.append((id(session), int(ids.shape[0])))
+        return step(self, enc, ids, *args, **kw)
+
+    monkeypatch.setattr(InPlaceSteps, "_bind", counted_bind)
+    monkeypatch.setattr(InPlaceSteps, "step", counted_step)
+    texts = SOURCES[:4]
+    expected = {text: alone(tr, text, [], DecodeOptions()).token_ids for text in texts}
+    options = DecodeOptions()
+
+    def member(text: str) -> Member:
+        search = make_search(tr.config, [], options)
+        return Member(search, tr.encode([tr.source_ids(text)]))
+
+    def turn(joining: list[Member], leaving: list[Any]) -> None:
+        for search in batch.update():
+            assert search.result().token_ids == expected[texts_of[id(search)]]
+        batch.schedule(joining, leaving)
+        if batch.rows:
+            batch.execute()
+
+    texts_of: dict[int, str] = {}
+
+    def join(*chosen: str) -> list[Member]:
+        members = [member(text) for text in chosen]
+        texts_of.update((id(m.search), text) for m, text in zip(members, chosen, strict=True))
+        return members
+
+    turn(join(texts[0], texts[1]), [])  # 2 rows
+    turn([], [])
+    turn([], [batch.searches[-1]])  # 1
+    turn([], [])
+    turn(join(texts[2]), [])  # 2 again
+    turn([], [])
+    turn([], list(batch.searches))  # 0
+    turn(join(texts[3]), [])  # 1 again
+    turn(join(texts[0]), [])  # 2 again
+    while batch.rows:
+        turn([], [])
+    assert len(binds) == len(set(binds)) == len(set(stepped)), (binds, stepped)
+    assert kv.buffer_rows == INITIAL_ROWS
+
+    before = set(binds)
+    old = weakref.ref(kv._buffers[0].base)  # what views of the buffer hold
+    turn(join(*texts, texts[0]), [])  # past the buffers' rows: they grow
+    assert kv.buffer_rows == 2 * INITIAL_ROWS
+    gc.collect()
+    assert old() is None  # no kept binding holds the old buffers
+    while batch.rows:
+        turn([], [])
+    assert before & set(binds[len(before) :])  # counts seen before, bound anew
 
 
 @pytest.mark.parametrize("lanes", [1, None])

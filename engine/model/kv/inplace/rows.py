@@ -126,6 +126,11 @@ def _widened(width: int) -> int:
     return max(SOURCE_STEP, -(-width // SOURCE_STEP) * SOURCE_STEP)
 
 
+_Views = tuple[EncoderOutput, tuple[FloatArray, ...], tuple[FloatArray, ...]]
+"""A row count's views of the lane's buffers: the encoder mask (with an empty hidden
+state), the cross-attention and the self-attention buffers' first rows."""
+
+
 @dataclass
 class _Rows:
     """The batch's rows apart from their keys and values: views of the first rows of the
@@ -137,9 +142,6 @@ class _Rows:
     cross_kv: tuple[FloatArray, ...]
     lengths: IntArray  # [rows]
     self_kv: tuple[FloatArray, ...] = ()  # the self-attention buffers' first rows
-    # What the views are of: the encoder mask, the cross-attention and the self-attention
-    # buffers (each replaced as a whole when the buffers change).
-    of: tuple[object, ...] = ()
 
 
 class InPlaceKv(KvBackend):
@@ -159,7 +161,11 @@ class InPlaceKv(KvBackend):
         self._cross: tuple[FloatArray, ...] = ()
         self._mask: IntArray = np.zeros((0, 0), dtype=np.int64)
         self._rows: _Rows | None = None
-        self._bound = InPlaceBinding()  # this lane's step binding, kept between steps
+        self._bound = InPlaceBinding()  # this lane's step bindings, kept between steps
+        # The views of the buffers' first rows for each row count (`_views`), made over
+        # the arrays of `_views_of` (the mask, cross-attention and self-attention buffers).
+        self._counted: dict[int, _Views] = {}
+        self._views_of: tuple[object, ...] = ()
         # What `_give_back` keeps: the most rows held in the previous span of
         # `RELEASE_AFTER` seconds and in the current one, when the current one began,
         # and the rows whose pages may be resident (the most held since last given back);
@@ -256,29 +262,31 @@ class InPlaceKv(KvBackend):
 
     def _views(self, lengths: IntArray) -> _Rows:
         """The rows' state: the buffers' first `len(lengths)` rows (contiguous, so bound
-        as they are) and their lengths. The views of the last rows are kept while the
-        count and the buffers are: a step's binding is kept as long as they are the same
-        objects (`InPlaceBinding`), so a turn whose rows left and joined one for one binds
-        nothing again."""
+        as they are) and their lengths. The views of each row count are kept while the
+        buffers are the same: a step's binding of that count is kept as long as they are
+        the same objects (`InPlaceBinding`), so a turn whose rows left and joined one for
+        one, or whose row count came back to one it ran before, binds nothing again."""
         count = len(lengths)
-        last = self._rows
         of = (self._mask, self._cross, self._buffers)
-        if (
-            last is not None
-            and len(last.lengths) == count
-            and len(last.of) == len(of)
-            and all(a is b for a, b in zip(last.of, of, strict=True))
+        if len(of) != len(self._views_of) or not all(
+            a is b for a, b in zip(of, self._views_of, strict=True)
         ):
-            return _Rows(last.enc, last.cross_kv, lengths, last.self_kv, of)
-        # The step graphs take no encoder hidden states: an empty one keeps the shape's rows.
-        hidden = np.zeros((count, 0, 0), dtype=self.model.float_type)
-        enc = EncoderOutput(hidden, self._mask[:count])
-        cross = tuple(b[:count] for b in self._cross)
-        return _Rows(enc, cross, lengths, tuple(b[:count] for b in self._buffers), of)
+            self._views_of, self._counted = of, {}
+            self._bound.forget()  # its bindings hold the arrays replaced
+        views = self._counted.get(count)
+        if views is None:
+            # The step graphs take no encoder hidden states: an empty one keeps the rows.
+            hidden = np.zeros((count, 0, 0), dtype=self.model.float_type)
+            enc = EncoderOutput(hidden, self._mask[:count])
+            cross = tuple(b[:count] for b in self._cross)
+            views = self._counted[count] = (enc, cross, tuple(b[:count] for b in self._buffers))
+        enc, cross, self_kv = views
+        return _Rows(enc, cross, lengths, self_kv)
 
     def release(self) -> None:
-        """Nothing kept alive for an idle lane, the binding's arrays too."""
-        self._rows, self._bound = None, InPlaceBinding()
+        """Nothing kept alive for an idle lane, the bindings' arrays too."""
+        self._rows, self._counted, self._views_of = None, {}, ()
+        self._bound.forget()
 
     def step(
         self,

@@ -39,55 +39,94 @@ log = logging.getLogger(__name__)
 
 
 class InPlaceBinding:
-    """One caller's I/O binding of an in-place step (`InPlaceSteps.step`), kept
-    between its steps with what it binds: the session, the arrays the state is bound from
-    (the encoder outputs, the cross-attention keys and values and the self-attention
-    buffers' views, compared by identity and held here, with the contiguous copies
-    actually bound where one was not, so that the memory bound stays alive), and the
-    inputs of one token a row (tokens, positions, lengths: `TokenInputs`), written in
-    place at every step rather than bound again.
+    """One caller's I/O bindings of an in-place step (`InPlaceSteps.step`), kept
+    between its steps, one per session and row count (`BOUND_COUNTS` at most), each with
+    what it binds: the arrays the state is bound from (the encoder outputs, the
+    cross-attention keys and values and the self-attention buffers' views, compared by
+    identity and held here, with the contiguous copies actually bound where one was not,
+    so that the memory bound stays alive), and the inputs of one token a row (tokens,
+    positions, lengths: `TokenInputs`), written in place at every step rather than bound
+    again.
 
     Why: a step binds about 30 inputs and outputs, a few percent of a one-row step in
     Python and ONNX Runtime calls (docs/performance.md); between joins and leaves only the
-    tokens and positions change, and those go into arrays bound once."""
+    tokens and positions change, and those go into arrays bound once. Why one per row
+    count: under load a lane's rows go 1 -> 2 -> 1 (and through 0) from turn to turn:
+    kept for one count only, about half the steps bound anew (docs/performance.md). The
+    caller's views of its buffers' first rows are the same objects for a count while the
+    buffers are (`InPlaceKv._views`), so each count's binding is found again; `forget`
+    drops them all when the buffers are replaced, so that none keeps old buffers alive."""
 
     def __init__(self) -> None:
-        self._session: ort.InferenceSession | None = None
-        self._state: tuple[object, ...] = ()
-        self._binding: ort.IOBinding | None = None
-        self._held: tuple[object, ...] = ()
-        # The inputs of one token a row (kept from binding to binding while the rows are
-        # as many), and whether the kept binding lacks them (a new one, or a step of
-        # several tokens bound its own over them).
-        self.tokens: TokenInputs | None = None
-        self.unbound = True
+        self._kept: dict[tuple[int, int], KeptBinding] = {}
+        self._current: KeptBinding | None = None
 
-    def holds(self, session: ort.InferenceSession, state: tuple[object, ...]) -> bool:
-        """Whether the kept binding is of `session` with these very arrays."""
-        return (
-            self._binding is not None
-            and self._session is session
-            and len(state) == len(self._state)
-            and all(a is b for a, b in zip(state, self._state, strict=True))
-        )
+    def find(
+        self, session: ort.InferenceSession, rows: int, state: tuple[object, ...]
+    ) -> KeptBinding | None:
+        """The kept binding of `session` for `rows` rows with these very arrays, now the
+        current one; None where none is kept. (Compared by their ids: a kept binding holds
+        its arrays, so no other live object has one of those ids.)"""
+        kept = self._kept.get((id(session), rows))
+        if kept is None or kept.ids != tuple(map(id, state)):
+            return None
+        self._current = kept
+        return kept
 
     def keep(
         self,
         session: ort.InferenceSession,
+        rows: int,
         state: tuple[object, ...],
         binding: ort.IOBinding,
         held: tuple[object, ...],
-    ) -> None:
-        """Keep `binding`, of `session` with the arrays of `state`; `held`: what it reads
-        (copies where `state`'s were not contiguous), kept alive with it. Its inputs of one
-        token a row are bound to it at the next step."""
-        self._session, self._state, self._binding = session, state, binding
-        self._held, self.unbound = held, True
+    ) -> KeptBinding:
+        """Keep `binding`, of `session` for `rows` rows with the arrays of `state` (in
+        place of the one of the same session and rows), now the current one; `held`: what
+        it reads (copies where `state`'s were not contiguous), kept alive with it. Its
+        inputs of one token a row are bound to it at the next step."""
+        key = (id(session), rows)
+        if key not in self._kept and len(self._kept) >= BOUND_COUNTS:
+            self._kept.clear()  # a lane that ran every count: start again
+        kept = KeptBinding(session, state, tuple(map(id, state)), binding, held)
+        self._current = self._kept[key] = kept
+        return kept
+
+    def forget(self) -> None:
+        """Drop every kept binding (the arrays they bind were replaced)."""
+        self._kept.clear()
+        self._current = None
+
+    @property
+    def current(self) -> KeptBinding | None:
+        """The binding found or kept last (the last step's)."""
+        return self._current
 
     @property
     def binding(self) -> ort.IOBinding:
-        assert self._binding is not None
-        return self._binding
+        """The last step's binding."""
+        assert self._current is not None
+        return self._current.binding
+
+
+BOUND_COUNTS = 64
+"""Bindings an `InPlaceBinding` keeps at most (per session and row count)."""
+
+
+@dataclass(eq=False)
+class KeptBinding:
+    """One binding an `InPlaceBinding` keeps: of `session` with the arrays of `state`,
+    holding `held` alive; its inputs of one token a row (`tokens`), and whether they are
+    not bound to it (`unbound`: a new one, or a step of several tokens bound its own over
+    them)."""
+
+    session: ort.InferenceSession
+    state: tuple[object, ...]
+    ids: tuple[int, ...]  # the ids of `state`'s arrays
+    binding: ort.IOBinding
+    held: tuple[object, ...]
+    tokens: TokenInputs | None = None
+    unbound: bool = True
 
 
 class TokenInputs:
@@ -189,28 +228,29 @@ class InPlaceSteps:
         declared = self._declared[id(session)]
         state = (enc.attention_mask, enc.hidden_states, *cross_kv, *buffers)
         result = graph.head[1] if graph.head is not None else LOGITS
-        if bound is None or not bound.holds(session, state):
+        kept = bound.find(session, rows, state) if bound is not None else None
+        if kept is None:
             binding = self._bind(session, declared, result, enc, cross_kv, buffers, bound, state)
+            kept = bound.current if bound is not None else None
         else:
-            binding = bound.binding
-        tokens: TokenInputs | None = None
+            binding = kept.binding
         output = self._hidden[id(session)]
         hidden: FloatArray | None = None  # the body's output, where bound to an array
-        if bound is not None and fed == 1:
-            tokens = bound.tokens
+        if kept is not None and fed == 1:
+            tokens = kept.tokens
             if tokens is None or tokens.rows != rows or tokens.output != output:
-                tokens = bound.tokens = TokenInputs(rows, output)
-                bound.unbound = True
-            if bound.unbound:
+                tokens = kept.tokens = TokenInputs(rows, output)
+                kept.unbound = True
+            if kept.unbound:
                 tokens.bind(binding, declared)
-                bound.unbound = False
+                kept.unbound = False
             tokens.write(input_ids, lengths)
             hidden = tokens.hidden
             if hidden is None:
                 binding.bind_output(result)  # allocated by this run, not the last step's
         else:
-            if bound is not None:
-                bound.unbound = True  # its inputs are bound over here: bound again after
+            if kept is not None:
+                kept.unbound = True  # its inputs are bound over here: bound again after
             if output is not None:  # an array of this call's own (no output to fetch)
                 hidden = np.empty((rows, fed, output[1]), dtype=output[2])
                 value = ort.OrtValue.ortvalue_from_numpy(hidden)
@@ -271,7 +311,7 @@ class InPlaceSteps:
             binding.bind_ortvalue_output(present, value)
             held.append(value)
         if bound is not None:
-            bound.keep(session, state, binding, tuple(held))
+            bound.keep(session, len(enc.attention_mask), state, binding, tuple(held))
         return binding
 
 
