@@ -20,6 +20,7 @@ import onnxruntime as ort
 from engine.model.checks import KERNEL_INT8_TOLERANCE, REWRITE_TOLERANCE, check_rewrite
 from engine.model.config import ModelConfig
 from engine.model.cut import cut_graph
+from engine.model.fused import packed
 from engine.model.kv.inplace.rewrite import rewrite_inplace
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray, KvNames
 from engine.model.logits import CutGraph, head_logits
@@ -33,6 +34,7 @@ from engine.model.names import (
     SEQLENS_INPUT,
     TOTAL_INPUT,
 )
+from engine.model.passes.graph import load_model
 from engine.model.sessions import RuntimeOptions, open_session
 
 log = logging.getLogger(__name__)
@@ -360,6 +362,8 @@ def _inplace_twin(
     rewritten = rewrite_inplace(source, f"{model_dir} ({label})")
     if rewritten is None:
         return None
+    if options.packs and not options.quantized:  # int8 products are other ops
+        rewritten = packed(load_model(rewritten), f"{model_dir} ({label})").SerializeToString()
     quantized = options.quantized
     try:
         opened = open_session(rewritten, options, per_token=per_token)
