@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engine import Translator
 from engine.decoding.scheduler import SchedulerOptions
+from engine.model.names import SEQLENS_INPUT, TOTAL_INPUT
 from engine.model.passes.pack import pack_projections
 from engine.model.sessions import RuntimeOptions
 from tests.conftest import FIXTURE_MODEL, needs_fixture
@@ -117,3 +118,43 @@ def test_the_fixture_loads_with_its_projections_packed_and_translates_alike(
     plain.close()
     assert got.token_ids == want.token_ids
     assert got.score == pytest.approx(want.score, abs=1e-5)
+
+
+def test_the_in_place_steps_attention_takes_its_query_key_and_value_packed() -> None:
+    """In the in-place step, `GroupQueryAttention` reads the packed projection itself (its
+    key and value inputs empty): no `Split`; its logits equal the unpacked step's."""
+    needs_fixture()
+    from engine.model.kv.inplace.rewrite import rewrite_inplace
+    from engine.model.load import DecoderGraphs, choose_files, masked_graphs, rewrite_pair
+
+    graphs = DecoderGraphs(choose_files(FIXTURE_MODEL, RuntimeOptions()))
+    pair = rewrite_pair(graphs)
+    assert pair is not None
+    masked = masked_graphs(pair, graphs.sources, None, per_token=False)
+    step = rewrite_inplace(masked.with_past, "test")
+    assert step is not None
+    model = onnx.load_from_string(step)
+    assert pack_projections(model, "test") == 3
+    kinds = Counter(n.op_type for n in model.graph.node)
+    assert kinds["Split"] == 0 and kinds["GroupQueryAttention"] == 3
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            assert node.input[0].startswith("packed_projection") and node.input[1:3] == ["", ""]
+    plain = ort.InferenceSession(step, providers=["CPUExecutionProvider"])
+    packed = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    feed: dict[str, np.ndarray] = {}
+    for value in plain.get_inputs():
+        dims = [d if isinstance(d, int) else {"batch_size": 2}.get(d, 5) for d in value.shape]
+        if value.type == "tensor(float)":
+            feed[value.name] = rng.standard_normal(dims).astype(np.float32)
+        elif value.name == SEQLENS_INPUT:  # 4 positions so far, the past buffers hold 5
+            feed[value.name] = np.full(dims, 4, dtype=np.int32)
+        elif value.name == TOTAL_INPUT:
+            feed[value.name] = np.array(5, dtype=np.int32)
+        elif value.name == "input_ids":
+            feed[value.name] = rng.integers(5, 900, dims).astype(np.int64)
+        else:
+            feed[value.name] = np.ones(dims, dtype=np.int64)
+    for got, want in zip(packed.run(None, feed), plain.run(None, feed), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

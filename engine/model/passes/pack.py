@@ -13,7 +13,9 @@ over the same input row, so the values are those of the separate products.
 Found by structure: a `MatMul` whose second input is a constant of rank 2 and whose
 output only an `Add` with a constant bias of rank 1 reads. Two or more that read one
 tensor are packed. Only float weights (the int8 graphs' quantized products are other
-ops, left as they are).
+ops, left as they are). Where the three are the query, key and value of ONNX Runtime's
+`GroupQueryAttention` (the in-place step's self-attention) and nothing else reads them, it
+takes them packed: no `Split`.
 """
 
 from __future__ import annotations
@@ -74,15 +76,19 @@ def pack_projections(model: onnx.ModelProto, name: str) -> int:
         added.append(helper.make_node("MatMul", [source, f"{stem}_weight"], [f"{stem}_product"]))
         added.append(helper.make_node("Add", [f"{stem}_product", f"{stem}_bias"], [f"{stem}_sum"]))
         outputs = [p.output for p in group]
+        for p in group:
+            gone.update((id(p.matmul), id(p.add)))
+            weights_gone.update(i for i in (*p.matmul.input[1:], *p.add.input) if i)
+        attention = _takes_packed(view, outputs)
+        if attention is not None:  # GroupQueryAttention reads q, k and v packed: no Split
+            attention.input[0], attention.input[1], attention.input[2] = f"{stem}_sum", "", ""
+            continue
         if split_as_input:
             initializers.append(numpy_helper.from_array(sizes, f"{stem}_sizes"))
             split = helper.make_node("Split", [f"{stem}_sum", f"{stem}_sizes"], outputs, axis=-1)
         else:
             split = helper.make_node("Split", [f"{stem}_sum"], outputs, axis=-1, split=sizes)
         added.append(split)
-        for p in group:
-            gone.update((id(p.matmul), id(p.add)))
-            weights_gone.update(i for i in (*p.matmul.input[1:], *p.add.input) if i)
     kept = [n for n in graph.node if id(n) not in gone]
     still_read = {i for n in kept for i in n.input} | {o.name for o in graph.output}
     known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
@@ -123,6 +129,22 @@ def _projection(view: GraphView, node: onnx.NodeProto) -> _Projection | None:
     if node.output[0] in {o.name for o in view.graph.output}:
         return None
     return _Projection(node, add, weight, bias, add.output[0])
+
+
+def _takes_packed(view: GraphView, outputs: list[str]) -> onnx.NodeProto | None:
+    """The `GroupQueryAttention` that alone reads `outputs` as its query, key and value
+    (inputs 0, 1 and 2), which it takes packed as one input instead; else None."""
+    if len(outputs) != 3 or len(set(outputs)) != 3:
+        return None
+    readers = [view.consumers.get(o, []) for o in outputs]
+    if any(len(r) != 1 for r in readers) or len({id(r[0]) for r in readers}) != 1:
+        return None
+    node = readers[0][0]
+    if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
+        return None
+    if list(node.input[:3]) != outputs or outputs[0] in {o.name for o in view.graph.output}:
+        return None
+    return node
 
 
 def _alike(group: list[_Projection]) -> bool:
