@@ -120,9 +120,8 @@ def test_the_fixture_loads_with_its_projections_packed_and_translates_alike(
     assert got.score == pytest.approx(want.score, abs=1e-5)
 
 
-def test_the_in_place_steps_attention_takes_its_query_key_and_value_packed() -> None:
-    """In the in-place step, `GroupQueryAttention` reads the packed projection itself (its
-    key and value inputs empty): no `Split`; its logits equal the unpacked step's."""
+def _inplace_step() -> bytes:
+    """The fixture's in-place step graph as the load rewrites it, before packing."""
     needs_fixture()
     from engine.model.kv.inplace.rewrite import rewrite_inplace
     from engine.model.load import DecoderGraphs, choose_files, masked_graphs, rewrite_pair
@@ -133,6 +132,13 @@ def test_the_in_place_steps_attention_takes_its_query_key_and_value_packed() -> 
     masked = masked_graphs(pair, graphs.sources, None, per_token=False)
     step = rewrite_inplace(masked.with_past, "test")
     assert step is not None
+    return step
+
+
+def test_the_in_place_steps_attention_takes_its_query_key_and_value_packed() -> None:
+    """In the in-place step, `GroupQueryAttention` reads the packed projection itself (its
+    key and value inputs empty): no `Split`; its logits equal the unpacked step's."""
+    step = _inplace_step()
     model = onnx.load_from_string(step)
     assert pack_projections(model, "test") == 3
     kinds = Counter(n.op_type for n in model.graph.node)
@@ -158,3 +164,27 @@ def test_the_in_place_steps_attention_takes_its_query_key_and_value_packed() -> 
             feed[value.name] = np.ones(dims, dtype=np.int64)
     for got, want in zip(packed.run(None, feed), plain.run(None, feed), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_graph_the_pass_cannot_order_is_left_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the packed graph cannot be ordered, the pass raises before changing the model,
+    and the load's hook logs it and keeps the graph as it was (then checked as ever)."""
+    import engine.model.passes.pack as pack
+    from engine.model.fused import packed
+    from engine.model.passes.graph import UnsortableGraph
+
+    def refuse(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto]:
+        raise UnsortableGraph("refused by the test")
+
+    monkeypatch.setattr(pack, "sorted_nodes", refuse)
+    # The in-place step too, whose attention nodes the pass gives the packed input.
+    for model in (_graph(18), onnx.load_from_string(_inplace_step())):
+        before = model.SerializeToString()
+        with pytest.raises(UnsortableGraph):
+            pack_projections(model, "test")
+        assert model.SerializeToString() == before
+    with caplog.at_level(logging.WARNING):
+        assert packed(model, "test").SerializeToString() == before
+    assert "projections not packed (refused by the test)" in caplog.text

@@ -47,7 +47,8 @@ class _Projection:
 
 def pack_projections(model: onnx.ModelProto, name: str) -> int:
     """Pack `model`'s projections of one input (module docstring) in place; returns how
-    many groups were packed (0: the model is unchanged)."""
+    many groups were packed (0: the model is unchanged). Raises before changing anything
+    where the packed graph cannot be ordered (`UnsortableGraph`)."""
     graph = model.graph
     view = GraphView(graph, {})
     groups: dict[str, list[_Projection]] = {}
@@ -60,6 +61,7 @@ def pack_projections(model: onnx.ModelProto, name: str) -> int:
         return 0
     split_as_input = opset(model) >= 13
     gone: set[int] = set()
+    rewired: dict[int, onnx.NodeProto] = {}  # attention nodes taking a packed input: copies
     weights_gone: set[str] = set()
     added: list[onnx.NodeProto] = []
     initializers: list[onnx.TensorProto] = []
@@ -81,7 +83,10 @@ def pack_projections(model: onnx.ModelProto, name: str) -> int:
             weights_gone.update(i for i in (*p.matmul.input[1:], *p.add.input) if i)
         attention = _takes_packed(view, outputs)
         if attention is not None:  # GroupQueryAttention reads q, k and v packed: no Split
-            attention.input[0], attention.input[1], attention.input[2] = f"{stem}_sum", "", ""
+            copy = onnx.NodeProto()
+            copy.CopyFrom(attention)
+            copy.input[0], copy.input[1], copy.input[2] = f"{stem}_sum", "", ""
+            rewired[id(attention)] = copy
             continue
         if split_as_input:
             initializers.append(numpy_helper.from_array(sizes, f"{stem}_sizes"))
@@ -89,7 +94,8 @@ def pack_projections(model: onnx.ModelProto, name: str) -> int:
         else:
             split = helper.make_node("Split", [f"{stem}_sum"], outputs, axis=-1, split=sizes)
         added.append(split)
-    kept = [n for n in graph.node if id(n) not in gone]
+    # Nothing of `model` changed so far: a graph that cannot be sorted raises as it was.
+    kept = [rewired.get(id(n), n) for n in graph.node if id(n) not in gone]
     still_read = {i for n in kept for i in n.input} | {o.name for o in graph.output}
     known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
     known |= {i.name for i in initializers}
