@@ -501,8 +501,8 @@ def test_a_kept_binding_takes_a_lookahead_step_between_steps_of_one_token(
     """One row stepped over a kept binding: one token, then four (lookahead: its logits
     at every position), then one again; each as a fresh binding gives, positions written
     alike. The tokens of one token a row go into inputs bound once (`TokenInputs`), with
-    the body's output where the step is cut at its projection (the default lanes on more
-    than one core), and a step of several reads its own output, not theirs."""
+    the step's output (the fixture's logits: its small projection stays in the graph),
+    and a step of several reads its own output, not theirs."""
     tr = _translator(scheduler=SchedulerOptions(lanes=lanes))
     masked, steps = tr.model.masked, tr.model.kv
     assert masked is not None and isinstance(steps, InPlaceSteps)

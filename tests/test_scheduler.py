@@ -48,13 +48,22 @@ def layouts() -> list[tuple[str, dict[str, object]]]:
         ("split int8", {"quantized": True}),
         ("merged fp32", {"prefer_split": False}),
         ("merged int8", {"prefer_split": False, "quantized": True}),
-        # A lone stream's step with its output projection on two threads, the rest on one.
+        # A lone stream's step with its output projection on two threads, the rest on one
+        # (the fixture's projection is small, kept whole unless `cut` below says so).
         ("head apart fp32", {"scheduler": HEAD_APART}),
         ("head apart int8", {"quantized": True, "scheduler": HEAD_APART}),
     ]
 
 
 HEAD_APART = SchedulerOptions(lanes=1, threads_per_lane=1, head_threads=2)
+
+
+def cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load the fixture with its output projection cut apart wherever threads or positions
+    ask for it, as a larger model's is: the fixture's is under `SMALL_PROJECTION`."""
+    import engine.model.cut
+
+    monkeypatch.setattr(engine.model.cut, "SMALL_PROJECTION", 0)
 
 
 SCORE_TOLERANCE = 1e-4
@@ -107,7 +116,10 @@ def translator(request: pytest.FixtureRequest) -> Translator:
     options = dict(request.param[1])
     scheduler = options.pop("scheduler", SchedulerOptions(lanes=1))
     assert isinstance(scheduler, SchedulerOptions)
-    return Translator.from_dir(FIXTURE_MODEL, scheduler=scheduler, **options)  # type: ignore[arg-type]
+    with pytest.MonkeyPatch.context() as patch:
+        if scheduler is HEAD_APART:  # the cut's paths, equal to decoding alone too
+            cut(patch)
+        return Translator.from_dir(FIXTURE_MODEL, scheduler=scheduler, **options)  # type: ignore[arg-type]
 
 
 def test_the_fixture_decoders_are_rewritten_for_continuous_batching(
@@ -116,9 +128,12 @@ def test_the_fixture_decoders_are_rewritten_for_continuous_batching(
     assert translator.scheduler.batching == "continuous"
     masked = translator.model.masked
     assert masked is not None
-    # The output projection runs apart exactly when its threads differ from the lane's.
+    # The output projection runs apart exactly when its threads differ from the lane's,
+    # and only where it is not too small to pay for a call of its own (the fixture's is).
     threads = translator.model.options
-    assert (masked.head is not None) == (threads.head_threads != threads.intra_op_threads)
+    apart = threads.head_threads != threads.intra_op_threads
+    cut = translator.scheduler.options is HEAD_APART
+    assert (masked.head is not None) == (apart and cut)
 
 
 def concurrent_equal_alone(translator: Translator, options: DecodeOptions) -> None:
@@ -444,6 +459,7 @@ def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
         return HeadSplit(split.body, head.SerializeToString(), split.hidden)
 
     monkeypatch.setattr(bd, "split_output_projection", nudged)
+    cut(monkeypatch)
     with caplog.at_level("WARNING"):
         tr = Translator.from_dir(FIXTURE_MODEL, scheduler=HEAD_APART)
     assert tr.scheduler.batching == "continuous"
@@ -456,6 +472,35 @@ def test_a_cut_step_that_differs_from_the_whole_one_is_not_used(
     assert refusals == ["in-place", "prefill", "step"]
     ref = alone(tr, SOURCES[0], [], DecodeOptions())
     assert tr.translate([SOURCES[0]])[0].token_ids == ref.token_ids
+
+
+def test_a_small_projection_stays_in_its_graphs_whatever_the_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fixture's output projection (64 x 999 weights, under `SMALL_PROJECTION`) stays
+    inside the step's, the prefill's and the in-place step's graphs even where a lane
+    alone may project on both cores: a call of its own would cost more than the threads
+    and the positions skipped save. The answers equal decoding alone; with the threshold
+    at 0 the same load cuts all three, as it does a larger model's."""
+    needs_fixture()
+    options = SchedulerOptions(cores=2, lanes=2)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=options)
+    masked, steps = tr.model.masked, tr.model.kv
+    assert masked is not None and isinstance(steps, InPlaceSteps)
+    assert tr.model.options.alone_head_threads == 2
+    assert masked.steps.head is masked.prefills.head is steps.graph.head is None
+    assert masked.steps.alone is None
+    for text in SOURCES[:3]:
+        got, ref = tr.translate([text])[0], alone(tr, text, [], DecodeOptions())
+        assert got.token_ids == ref.token_ids
+        assert got.score == pytest.approx(ref.score, abs=SCORE_TOLERANCE)
+    tr.close()
+    cut(monkeypatch)
+    tr = Translator.from_dir(FIXTURE_MODEL, scheduler=options)
+    masked, steps = tr.model.masked, tr.model.kv
+    assert masked is not None and isinstance(steps, InPlaceSteps)
+    assert None not in (masked.steps.head, masked.prefills.head, steps.graph.head)
+    tr.close()
 
 
 def test_two_lanes_share_the_work_and_give_the_same_results() -> None:
@@ -485,12 +530,15 @@ def test_two_lanes_share_the_work_and_give_the_same_results() -> None:
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_a_lane_alone_projects_on_every_core_with_the_same_results(quantized: bool) -> None:
+def test_a_lane_alone_projects_on_every_core_with_the_same_results(
+    quantized: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two lanes of one thread: a lane that runs alone gives its output projection both
     cores (one session shared by steps, prefills and one-token steps, checked at load
     against each graph's own), a lane with company its own thread; the answers equal
     decoding alone either way."""
     needs_fixture()
+    cut(monkeypatch)
     tr = Translator.from_dir(
         FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2, lanes=2), quantized=quantized
     )
@@ -553,6 +601,7 @@ def test_a_shared_head_the_load_check_refuses_gives_way_to_the_graphs_own(
         return float(real(whole, body, head, hidden, head_input, **kw))
 
     monkeypatch.setattr("engine.model.cut.check_cut", check)
+    cut(monkeypatch)
     tr = Translator.from_dir(FIXTURE_MODEL, scheduler=SchedulerOptions(cores=2, lanes=2))
     masked = tr.model.masked
     assert masked is not None and masked.steps.head is not None
@@ -828,7 +877,9 @@ def test_the_prefill_projects_only_the_positions_a_search_reads(translator: Tran
     """Logits of a forced prefix before its last token are never read: with `needed_from`
     they are not computed (zeros), and the others are what the whole call gives."""
     masked = translator.model.masked
-    assert masked is not None and masked.prefills.head is not None
+    assert masked is not None
+    if masked.prefills.head is None:
+        pytest.skip("the projection runs inside the prefill's graph")
     config = translator.config
     enc = translator.encode([translator.source_ids(SOURCES[2])])
     forced = alone(translator, SOURCES[2], [], DecodeOptions()).token_ids[:4]
@@ -866,7 +917,9 @@ def test_the_projection_runs_in_bounded_calls_with_the_same_logits(
     from engine.model import logits as layouts
 
     masked = translator.model.masked
-    assert masked is not None and masked.prefills.head is not None
+    assert masked is not None
+    if masked.prefills.head is None:
+        pytest.skip("the projection runs inside the prefill's graph")
     config = translator.config
     enc, ids, mask = two_forced_rows(translator)
     needed = np.array([2, 1])

@@ -22,6 +22,15 @@ from engine.model.sessions import RuntimeOptions, device_of, open_session
 
 log = logging.getLogger(__name__)
 
+SMALL_PROJECTION = 1 << 17
+"""Weights (`d_model` x vocabulary) of an output projection below which the graphs are
+kept whole, whatever the threads: one position's projection then costs about a
+microsecond (the fixture's 64 x 999: 0.5 us a position more, one row on one thread),
+while a projection run as a session of its own pays that call's fixed cost (5-8 us back
+to back, 40-50 us on a lane that slept between turns, as lanes under load do), and a
+second thread gains nothing at such a size (docs/performance.md, issue 54's fifth pass).
+Read at each load, so that a test may set it to 0 to cut the fixture's graphs."""
+
 
 def cut_graph(
     model_dir: Path,
@@ -63,6 +72,9 @@ def cut_graph(
     if device_of(options)[0] != "cpu":
         # Threads for the projection and positions it may skip are the CPU's concern; on
         # a GPU the whole graph's projection is one kernel among hundreds.
+        return CutGraph(session, None)
+    if config.d_model * config.vocab_size < SMALL_PROJECTION:
+        # Its threads and the positions it may skip cost less than a call of its own.
         return CutGraph(session, None)
     threads, body_threads = options.head_threads, options.intra_op_threads
     apart = bool(threads and body_threads and threads > body_threads)

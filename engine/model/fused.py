@@ -1,5 +1,6 @@
-"""Attention fused at load (`passes.attention`): a graph's fused form, opened and checked
-against what it came from, or None so that the caller runs the graph unfused.
+"""Attention fused at load (`passes.attention`), its projections of one input packed
+(`passes.pack`): a graph's fused form, opened and checked against what it came from, or
+None so that the caller runs the graph unfused.
 
 Why apart from the passes and the checks: the encoder and the prefill each fuse their own
 graph, with their own probe; a fused graph that ONNX Runtime refuses or that differs costs
@@ -16,6 +17,7 @@ import onnx
 import onnxruntime as ort
 
 from engine.model.passes.attention import fuse_attention
+from engine.model.passes.pack import pack_projections
 from engine.model.sessions import RuntimeOptions, open_session
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ def open_fused(
         model = fuse_attention(source, name)
         if model is None:
             return None  # logged why
+        if options.packs:
+            packed(model, name)
         data: bytes = model.SerializeToString()
         del model
     except Exception as exc:  # a graph the pass did not foresee: run it unfused
@@ -49,6 +53,18 @@ def open_fused(
         data, name, "attention fused", options, check, tolerance, per_token=per_token
     )
     return None if session is None else (data, session)
+
+
+def packed(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """`model` with its projections of one input packed (`passes.pack`, in place); as it
+    was where the pass fails on a graph it did not foresee (logged; the pass changes
+    nothing before it has the whole packed graph). The caller's check against the graph it
+    came from decides, as for every rewrite."""
+    try:
+        pack_projections(model, name)
+    except Exception as exc:  # a graph the pass did not foresee: as it was
+        log.warning("%s: projections not packed (%s)", name, exc)
+    return model
 
 
 def open_checked(

@@ -77,6 +77,11 @@ class RuntimeOptions:
     # (`engine.model.passes.attention`, each graph checked at load and kept unfused where
     # it differs): fewer nodes per call. On the CPU only (`fuses`).
     fuse_attention: bool = True
+    # The projections that read one tensor (a layer's query, key and value; the prefill's
+    # cross-attention keys and values) as one `MatMul`, `Add` and `Split`
+    # (`engine.model.passes.pack`) in the graphs `fuse_attention` rewrites and the in-place
+    # step: fewer nodes per call. On the CPU only (`packs`).
+    pack_projections: bool = True
     # ONNX Runtime's `SkipLayerNormalization` fusion (a residual `Add` and the
     # `LayerNormalization` after it as one kernel): off on the CPU, where that kernel ran
     # slower than the two ops it replaces (`fusions_off`; docs/performance.md).
@@ -101,6 +106,12 @@ class RuntimeOptions:
         """Whether a load fuses attention cores (`fuse_attention`): on the CPU, where it
         was measured (not on a GPU, nor in the fp16 files the folds leave as they are)."""
         return self.fuse_attention and not self.fp16 and device_of(self)[0] == "cpu"
+
+    @property
+    def packs(self) -> bool:
+        """Whether a load packs projections of one input (`pack_projections`): on the CPU,
+        where it was measured, and not in the fp16 files."""
+        return self.pack_projections and not self.fp16 and device_of(self)[0] == "cpu"
 
     @property
     def per_token(self) -> bool:

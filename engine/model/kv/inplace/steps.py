@@ -20,6 +20,7 @@ import onnxruntime as ort
 from engine.model.checks import KERNEL_INT8_TOLERANCE, REWRITE_TOLERANCE, check_rewrite
 from engine.model.config import ModelConfig
 from engine.model.cut import cut_graph
+from engine.model.fused import packed
 from engine.model.kv.inplace.rewrite import rewrite_inplace
 from engine.model.layouts import EncoderOutput, FloatArray, IntArray, KvNames
 from engine.model.logits import CutGraph, head_logits
@@ -33,6 +34,7 @@ from engine.model.names import (
     SEQLENS_INPUT,
     TOTAL_INPUT,
 )
+from engine.model.passes.graph import load_model
 from engine.model.sessions import RuntimeOptions, open_session
 
 log = logging.getLogger(__name__)
@@ -133,8 +135,9 @@ class TokenInputs:
     """The step inputs of one token a row for `rows` rows, in arrays bound once to a kept
     binding and written at each step: the tokens [rows, 1], their positions [rows, 1], each
     row's length so far (int32, `SEQLENS_INPUT`) and the longest after the step
-    (`TOTAL_INPUT`); and, for a step cut at its projection whose hidden size is known, the
-    body's output [rows, 1, hidden], read by the projection in the same call."""
+    (`TOTAL_INPUT`); and, where its size is known, the step's output [rows, 1, size]: a cut
+    step's body output, read by the projection in the same call, or a whole step's
+    logits, copied out by the step that wrote them."""
 
     def __init__(self, rows: int, output: tuple[str, int, Any] | None) -> None:
         self.rows, self.output = rows, output
@@ -234,8 +237,9 @@ class InPlaceSteps:
             kept = bound.current if bound is not None else None
         else:
             binding = kept.binding
+        tokens: TokenInputs | None = None
         output = self._hidden[id(session)]
-        hidden: FloatArray | None = None  # the body's output, where bound to an array
+        hidden: FloatArray | None = None  # the step's output, where bound to an array
         if kept is not None and fed == 1:
             tokens = kept.tokens
             if tokens is None or tokens.rows != rows or tokens.output != output:
@@ -271,6 +275,8 @@ class InPlaceSteps:
         out = hidden if hidden is not None else binding.get_outputs()[0].numpy()
         if graph.head is None:
             logits: FloatArray = out[:, -1, :] if fed == 1 else out
+            if tokens is not None and hidden is not None:  # the binding's: the next step's too
+                return logits.copy()
             return logits
         return head_logits(graph, out, np.ones((rows, fed), dtype=bool), alone)
 
@@ -316,12 +322,14 @@ class InPlaceSteps:
 
 
 def _hidden_output(graph: CutGraph) -> tuple[str, int, Any] | None:
-    """The body's output of a step cut at its projection, its last axis's size and type,
-    where the graph declares them (`TokenInputs` binds it to an array of its own); None
-    for a whole step or a size the graph leaves open."""
-    if graph.head is None:
-        return None
-    name = graph.head[1]
+    """The step's output, its last axis's size and type, where the graph declares them
+    (`TokenInputs` binds it to an array of its own): the body's of a step cut at its
+    projection, the logits of a whole one; None for a size the graph leaves open.
+
+    Why the logits too: ONNX Runtime allocating them at every run and the binding's
+    output fetched and copied to NumPy cost a whole one-row step more than the cut step's
+    two calls (docs/performance.md, issue 54's fifth pass)."""
+    name = graph.head[1] if graph.head is not None else LOGITS
     for output in graph.session.get_outputs():
         if output.name == name and isinstance(output.shape[-1], int):
             kinds = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -395,6 +403,8 @@ def _inplace_twin(
     rewritten = rewrite_inplace(source, f"{model_dir} ({label})")
     if rewritten is None:
         return None
+    if options.packs and not options.quantized:  # int8 products are other ops
+        rewritten = packed(load_model(rewritten), f"{model_dir} ({label})").SerializeToString()
     quantized = options.quantized
     try:
         opened = open_session(rewritten, options, per_token=per_token)
