@@ -170,6 +170,7 @@ PROBES: list[tuple[str, str, str]] = [
     ("submit and wait", "engine.decoding.translator", "Translator.decode"),
     ("submit and wait", "engine.decoding.translator", "Translator.submit"),
     ("answers reaching the loop", "engine.streaming.awaiting", "_Inbox._drain"),
+    ("answers reaching the loop", "engine.streaming.awaiting", "_Inbox._read"),
     (
         "answers reaching the loop",
         "asyncio.selector_events",
