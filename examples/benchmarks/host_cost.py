@@ -790,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         med = {
             key: statistics.median(r[key] for r in rs)
             for key in rs[0]
-            if key != "stages_ms_per_update"
+            if key not in ("stages_ms_per_update", "switches_per_update")
         }
         work = (
             f"{med['encoder_calls_per_update']:.2f} x {med['encoder_rows_per_call']:.2f} | "
