@@ -364,7 +364,9 @@ WAKES: dict[str, int] = defaultdict(int)
 
 def count_wakes() -> None:
     """Count the event loop's self-pipe writes (a thread waking the loop:
-    `call_soon_threadsafe`) and its selector's polls (`epoll_wait`), for `--switches`."""
+    `call_soon_threadsafe`), the eventfd writes (a lane waking it through
+    `engine.streaming.awaiting`'s inbox) and its selector's polls (`epoll_wait`), for
+    `--switches`."""
     import asyncio.selector_events as events
     import selectors
 
@@ -381,6 +383,14 @@ def count_wakes() -> None:
 
     events.BaseSelectorEventLoop._write_to_self = write_to_self  # type: ignore[method-assign]
     selectors.EpollSelector.select = polled  # type: ignore[method-assign]
+    eventfd_write = getattr(os, "eventfd_write", None)
+    if eventfd_write is not None:  # a lane waking the loop through the inbox's eventfd
+
+        def counted(fd: int, value: int) -> None:
+            WAKES["eventfd writes"] += 1
+            eventfd_write(fd, value)
+
+        os.eventfd_write = counted
 
 
 def snapshot(probes: Probes | None) -> dict[str, Any]:
