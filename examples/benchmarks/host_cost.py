@@ -370,7 +370,8 @@ def count_wakes() -> None:
     import asyncio.selector_events as events
     import selectors
 
-    write = events.BaseSelectorEventLoop._write_to_self
+    loop_class: Any = events.BaseSelectorEventLoop  # its self-pipe write is asyncio's own
+    write = loop_class._write_to_self
     select = selectors.EpollSelector.select
 
     def write_to_self(self: Any) -> None:
@@ -381,7 +382,7 @@ def count_wakes() -> None:
         WAKES["selector polls"] += 1
         return select(self, timeout)
 
-    events.BaseSelectorEventLoop._write_to_self = write_to_self  # type: ignore[method-assign]
+    loop_class._write_to_self = write_to_self
     selectors.EpollSelector.select = polled  # type: ignore[method-assign]
     eventfd_write = getattr(os, "eventfd_write", None)
     if eventfd_write is not None:  # a lane waking the loop through the inbox's eventfd
