@@ -109,6 +109,8 @@ def _type_name(value: object) -> str:
 def _check_str(field: str, value: object) -> str:
     if not isinstance(value, str):
         raise InvalidMessage(field, f"{field} must be a string, got {_type_name(value)}")
+    if value.isascii():  # a flag of the string's, read at once: nothing to encode
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -140,7 +142,8 @@ def _check_name(field: str, value: object, max_chars: int) -> str:
 def _check_stream_id(value: object, field: str = "stream_id") -> str:
     """A valid stream id, in NFC: "é" typed as one code point or as "e" + combining accent
     names the same stream (look-alike ids must not name two streams)."""
-    return unicodedata.normalize("NFC", _check_name(field, value, MAX_STREAM_ID_CHARS))
+    text = _check_name(field, value, MAX_STREAM_ID_CHARS)
+    return text if text.isascii() else unicodedata.normalize("NFC", text)  # ASCII is NFC
 
 
 def _check_optional_lang(value: object) -> str | None:

@@ -102,6 +102,38 @@ async def test_send_now_writes_a_frame_on_an_idle_connection_without_suspending(
     assert sent == [None]
 
 
+async def test_send_now_hands_back_its_drain_when_the_transport_pauses() -> None:
+    """A frame the socket does not take leaves the transport paused: `send_now` has
+    written it and returns the drain, which ends once the client reads; every message
+    arrives, in order."""
+    big = "x" * 400_000
+    unfinished: list[object] = []
+    count = 0
+
+    async def handler(ws: ServerConnection) -> None:
+        nonlocal count
+        while count < 200:
+            count += 1
+            rest = send_now(ws, f"{count} {big}")
+            if rest is not None:
+                unfinished.append(rest)
+                await rest  # the client reads meanwhile
+                break
+        await ws.send("end")
+        await ws.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0, write_limit=1024, compression=None) as server:
+        port = server.sockets[0].getsockname()[1]
+        async with connect(f"ws://127.0.0.1:{port}", max_size=None) as client:
+            with anyio.fail_after(20):
+                await anyio.sleep(0.2)  # the server fills the socket meanwhile
+                got = []
+                while (message := await client.recv()) != "end":
+                    got.append(int(str(message).split(" ", 1)[0]))
+    assert len(unfinished) == 1 and count < 200
+    assert got == list(range(1, count + 1))
+
+
 async def _job(gate: asyncio.Event, log: list[str]) -> str:
     try:
         await gate.wait()
@@ -157,10 +189,19 @@ class _Transport:
 class _Protocol:
     state = State.OPEN
 
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def send_text(self, data: bytes) -> None:
+        self.frames.append(data)
+
 
 class _Socket:
     """What `Client` uses of a `ServerConnection`: frames in from `feed`, frames out into
-    `sent`; while `hold` is unset a send writes its frame, then waits (a full socket)."""
+    `sent`; while `hold` is set a send writes its frame, then waits (a full socket): in
+    `send`, or in `drain` for a frame sent by hand (`send_now`), the transport paused."""
+
+    send_in_progress = None
 
     def __init__(self) -> None:
         self.sent: list[dict[str, Any]] = []
@@ -168,6 +209,18 @@ class _Socket:
         self.transport = _Transport()
         self.protocol = _Protocol()
         self.incoming, self._frames = anyio.create_memory_object_stream[str](16)
+
+    @property
+    def paused(self) -> bool:
+        return self.hold is not None
+
+    def send_data(self) -> None:
+        self.sent.extend(json.loads(frame) for frame in self.protocol.frames)
+        self.protocol.frames.clear()
+
+    async def drain(self) -> None:
+        if self.hold is not None:
+            await self.hold.wait()
 
     def __aiter__(self) -> Any:
         return self._frames.__aiter__()

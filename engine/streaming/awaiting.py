@@ -5,8 +5,8 @@ Waiting for them from a worker thread per update (as `StreamSession.answer` does
 thread hops per update: the loop wakes a worker, the worker wakes the loop. Here the
 session's generator (`StreamSession.steps`) runs on the event loop, its decodes are
 submitted from there, and a lane resolving them wakes the loop directly, once for all the
-futures it resolves meanwhile (`_Inbox`): no thread waits, and no anyio task, cancel scope
-or limiter is made per update.
+futures it resolves meanwhile (`_Inbox`, through an eventfd of its own where it can): no
+thread waits, and no anyio task, cancel scope or limiter is made per update.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 import weakref
 from collections import deque
@@ -73,46 +74,102 @@ class Slots:
 
 async def hypotheses(futures: list[Future[Hypothesis]]) -> list[Hypothesis]:
     """The futures' results (or the first one's error, e.g. `DecodingCancelled`),
-    awaited on the running loop. A caller cancelled meanwhile leaves them to the
-    scheduler, which answers them to no one."""
-    for future in futures:
-        if not future.done():
-            await _resolved(future)
+    awaited on the running loop: one wake-up of the awaiting task once all are done,
+    not one per future. A caller cancelled meanwhile leaves them to the scheduler, which
+    answers them to no one."""
+    pending = [future for future in futures if not future.done()]
+    if pending:
+        await _resolved(pending)
     return [future.result() for future in futures]
 
 
-async def _resolved(future: Future[Hypothesis]) -> None:
+async def _resolved(futures: list[Future[Hypothesis]]) -> None:
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # another event loop than asyncio's: a worker thread waits
-        await anyio.to_thread.run_sync(concurrent.futures.wait, [future])
+        await anyio.to_thread.run_sync(concurrent.futures.wait, futures)
         return
-    waiter: asyncio.Future[None] = loop.create_future()
     inbox = _inboxes.get(loop)
     if inbox is None:
         inbox = _inboxes[loop] = _Inbox(loop)
-    future.add_done_callback(lambda _: inbox.put(waiter))
+    waiter: asyncio.Future[None] = loop.create_future()
+    put = inbox.put
+    if len(futures) == 1:
+        futures[0].add_done_callback(lambda _: put(waiter))
+    else:  # the last one done wakes it (two lanes may both see all done: put twice)
+
+        def done(_: object) -> None:
+            if all(future.done() for future in futures):
+                put(waiter)
+
+        for future in futures:
+            future.add_done_callback(done)
     await waiter
 
 
 class _Inbox:
-    """Waiters to wake on one loop, put from the lanes' threads: the loop is woken (a
-    write to its self-pipe, a system call and a cross-core wake-up) once per batch of
-    them rather than once per future, as a lane answers its turn's rows one after the
-    other (hundreds per step on a GPU)."""
+    """Waiters to wake on one loop, put from the lanes' threads.
+
+    The loop is woken once per batch of them rather than once per future, as a lane
+    answers its turn's rows one after the other (hundreds per step on a GPU): only the
+    put that finds the inbox empty wakes it. Where the loop can watch a file descriptor
+    (asyncio's selector loops, uvloop) and the OS has an `eventfd`, the wake-up is a write
+    to an eventfd of the inbox's own, which the loop watches with a reader that drains
+    the inbox: one read on the loop per wake-up, where `call_soon_threadsafe` costs a
+    handle, the self-pipe's reads until it is empty (two system calls and an exception)
+    and then the drain's own turn. Elsewhere it calls `call_soon_threadsafe`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
         self._lock = threading.Lock()
         self._waiters: list[asyncio.Future[None]] = []
+        self._fd = -1
+        self._wake = self._wake_by_callback
+        # Weak: the inbox is the value of a dictionary weakly keyed by the loop.
+        self._loop = weakref.ref(loop)
+        eventfd = getattr(os, "eventfd", None)
+        if eventfd is not None:
+            fd = eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            try:
+                loop.add_reader(fd, self._read)
+            except (NotImplementedError, RuntimeError):  # a loop that watches no fds
+                os.close(fd)
+            else:
+                self._fd = fd
+                self._wake = self._wake_by_fd
+                weakref.finalize(loop, self._close)
 
     def put(self, waiter: asyncio.Future[None]) -> None:  # any thread
         with self._lock:
             self._waiters.append(waiter)
             if len(self._waiters) > 1:  # the loop is to drain them already
                 return
-        with contextlib.suppress(RuntimeError):  # a closed loop: no one waits any more
-            self._loop.call_soon_threadsafe(self._drain)
+            if self._fd >= 0:  # under the lock: never a write to a number closed meanwhile
+                self._wake_by_fd()
+                return
+        self._wake()
+
+    def _wake_by_fd(self) -> None:
+        os.eventfd_write(self._fd, 1)
+
+    def _close(self) -> None:  # the loop is gone
+        with self._lock:
+            fd, self._fd = self._fd, -1
+            self._wake = self._wake_by_callback
+        if fd >= 0:
+            os.close(fd)
+
+    def _wake_by_callback(self) -> None:
+        loop = self._loop()
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: no one waits any more
+                loop.call_soon_threadsafe(self._drain)
+
+    def _read(self) -> None:  # on the loop: the eventfd is readable
+        # Read before draining: a put after the drain's swap finds the inbox empty and
+        # writes again; one before it is in the swap.
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._fd)
+        self._drain()
 
     def _drain(self) -> None:  # on the loop
         with self._lock:

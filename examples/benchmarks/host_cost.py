@@ -18,11 +18,15 @@ of `--repeats`):
 answers at once with the source's own ids as the translation: no scheduler, no ONNX), so
 that what is left is the host's share alone. `--stages` adds a breakdown: each stage's
 CPU per update (thread CPU, exclusive of the stages it calls: parse, connection rules,
-admission, normalize, tokenize, session and policy, submit to the scheduler,
-detokenize, publish and fan-out, serialize), the rest of the event-loop thread's CPU
-(tasks, awaits, websockets framing, metrics) and the other threads' (worker threads,
+admission, normalize, tokenize, session and policy, submit to the scheduler, the
+lanes' answers reaching the loop (the inbox's drain, the self-pipe's read), detokenize,
+publish and fan-out, serialize, the socket's write), the rest of the event-loop thread's
+CPU (tasks, awaits, websockets framing, metrics) and the other threads' (worker threads,
 decode lanes, ONNX Runtime's pool). The probes cost about a microsecond each, so the
-headline figures come from runs without them.
+headline figures come from runs without them. `--switches` adds, per update, each kind
+of thread's context switches (voluntary: it waited on a lock, the GIL or the selector;
+involuntary: preempted) and the loop's self-pipe writes (another thread waking it) and
+selector polls.
 
     python examples/benchmarks/host_cost.py                          # serve, 120 writers
     python examples/benchmarks/host_cost.py --mode inproc --null-decode --stages
@@ -164,10 +168,19 @@ PROBES: list[tuple[str, str, str]] = [
     ("session and policy", "engine.streaming.session", "StreamSession.answer"),
     ("session and policy", "engine.streaming.session", "StreamSession.steps"),
     ("submit and wait", "engine.decoding.translator", "Translator.decode"),
+    ("submit and wait", "engine.decoding.translator", "Translator.submit"),
+    ("answers reaching the loop", "engine.streaming.awaiting", "_Inbox._drain"),
+    ("answers reaching the loop", "engine.streaming.awaiting", "_Inbox._read"),
+    (
+        "answers reaching the loop",
+        "asyncio.selector_events",
+        "BaseSelectorEventLoop._read_from_self",
+    ),
     ("submit and wait", "engine.decoding.translator", "Translator.encoding"),
     ("detokenize", "engine.decoding.translator", "Translator.detokenize"),
     ("publish and fan-out", "engine.streaming.bus", "InProcessBus.publish"),
     ("serialize", "protocol.codec", "serialize"),
+    ("socket write", "asyncio.selector_events", "_SelectorSocketTransport.write"),
     (
         "model calls (ONNX Runtime)",
         "onnxruntime.capi.onnxruntime_inference_collection",
@@ -326,6 +339,61 @@ def null_decode() -> None:
         module.Translator.submit = submit  # type: ignore[method-assign]
 
 
+def thread_switches() -> dict[str, float]:
+    """Context switches of this process's threads by kind (`thread_kind`), voluntary (the
+    thread waited: a lock, the GIL, epoll) and involuntary (preempted), from
+    /proc/self/task/*/status."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[str, float] = defaultdict(float)
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue
+        kind = thread_kind(int(task.name), names)
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                out[f"{kind}, voluntary"] += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                out[f"{kind}, involuntary"] += int(line.split()[1])
+    return dict(out)
+
+
+WAKES: dict[str, int] = defaultdict(int)
+
+
+def count_wakes() -> None:
+    """Count the event loop's self-pipe writes (a thread waking the loop:
+    `call_soon_threadsafe`), the eventfd writes (a lane waking it through
+    `engine.streaming.awaiting`'s inbox) and its selector's polls (`epoll_wait`), for
+    `--switches`."""
+    import asyncio.selector_events as events
+    import selectors
+
+    loop_class: Any = events.BaseSelectorEventLoop  # its self-pipe write is asyncio's own
+    write = loop_class._write_to_self
+    select = selectors.EpollSelector.select
+
+    def write_to_self(self: Any) -> None:
+        WAKES["self-pipe writes"] += 1
+        write(self)
+
+    def polled(self: Any, timeout: float | None = None) -> Any:
+        WAKES["selector polls"] += 1
+        return select(self, timeout)
+
+    loop_class._write_to_self = write_to_self
+    selectors.EpollSelector.select = polled  # type: ignore[method-assign]
+    eventfd_write = getattr(os, "eventfd_write", None)
+    if eventfd_write is not None:  # a lane waking the loop through the inbox's eventfd
+
+        def counted(fd: int, value: int) -> None:
+            WAKES["eventfd writes"] += 1
+            eventfd_write(fd, value)
+
+        os.eventfd_write = counted
+
+
 def snapshot(probes: Probes | None) -> dict[str, Any]:
     threads, probed = thread_cpu(probes)
     return {
@@ -333,6 +401,7 @@ def snapshot(probes: Probes | None) -> dict[str, Any]:
         "probed": probed,
         "probes": dict(probes.totals) if probes else {},
         "os_threads": len(os.listdir("/proc/self/task")),
+        "switches": {**thread_switches(), **WAKES},
     }
 
 
@@ -352,6 +421,8 @@ def child_serve(args: argparse.Namespace, rest: list[str]) -> int:
         with open(args.dump, "a") as f:
             f.write(json.dumps(snapshot(probes)) + "\n")
 
+    if args.switches:
+        count_wakes()
     signal.signal(signal.SIGUSR1, dump)
     from engine.cli.serve import main
 
@@ -365,6 +436,8 @@ def child_inproc(args: argparse.Namespace) -> int:
         probes.install()
     if args.null_decode:
         null_decode()
+    if args.switches:
+        count_wakes()
     import anyio
 
     from engine.streaming.controller import IncrementalTranslator
@@ -451,6 +524,9 @@ def result(
         "loop_ms_per_update": threads.get("event loop thread", 0.0) / max(1, tally.updates) * 1e3,
         "stages_ms_per_update": {
             k: v / max(1, tally.updates) * 1000.0 for k, v in sorted(stages.items())
+        },
+        "switches_per_update": {
+            k: v / max(1, tally.updates) for k, v in sorted(delta("switches").items())
         },
     }
 
@@ -552,6 +628,7 @@ def run_serve(root: Path, args: argparse.Namespace, extra: str = "") -> dict[str
         ]  # fmt: skip
         command += ["--stages"] if args.stages else []
         command += ["--null-decode"] if args.null_decode else []
+        command += ["--switches"] if args.switches else []
         command += [
             "--", "--model", str(args.model), "--port", str(port), "--log-level", "warning",
             "--max-streams", str(args.writers * 2 + 8), *shlex.split(extra),
@@ -596,6 +673,7 @@ def run_inproc(root: Path, args: argparse.Namespace, extra: str = "") -> dict[st
     ]  # fmt: skip
     command += ["--stages"] if args.stages else []
     command += ["--null-decode"] if args.null_decode else []
+    command += ["--switches"] if args.switches else []
     env = dict(os.environ, PYTHONPATH=str(root))
     out = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -617,6 +695,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--null-decode", action="store_true", help="a decode that costs nothing")
     parser.add_argument("--stages", action="store_true", help="CPU per stage (probed)")
+    parser.add_argument(
+        "--switches",
+        action="store_true",
+        help="context switches per update per kind of thread; the loop's wake-ups and polls",
+    )
     parser.add_argument(
         "--root", type=Path, action="append", help="checkout(s) to measure (default: this one)"
     )
@@ -718,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         med = {
             key: statistics.median(r[key] for r in rs)
             for key in rs[0]
-            if key != "stages_ms_per_update"
+            if key not in ("stages_ms_per_update", "switches_per_update")
         }
         work = (
             f"{med['encoder_calls_per_update']:.2f} x {med['encoder_rows_per_call']:.2f} | "
@@ -740,6 +823,13 @@ def main(argv: list[str] | None = None) -> int:
             for key in keys:
                 value = statistics.median(r["stages_ms_per_update"].get(key, 0.0) for r in rs)
                 print(f"  {key:32s} {value:7.3f}")
+    if args.switches:
+        for arm, rs in runs.items():
+            print(f"\nper update ({label(arm)}, median of {len(rs)}):")
+            keys = sorted({k for r in rs for k in r["switches_per_update"]})
+            for key in keys:
+                value = statistics.median(r["switches_per_update"].get(key, 0.0) for r in rs)
+                print(f"  {key:50s} {value:7.2f}")
     if args.json:
         args.json.write_text(json.dumps({label(k): v for k, v in runs.items()}, indent=1))
     return 0
