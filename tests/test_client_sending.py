@@ -19,7 +19,7 @@ from websockets.protocol import State
 from engine.replies import ReplyQueue
 from engine.server.client import Client
 from engine.server.connection import ConnectionCore
-from engine.server.eager import Unfinished, send_now
+from engine.server.eager import Unfinished, by_hand, idle_and_open, send_now
 from engine.server.limits import Limits
 from engine.server.metrics import ServerMetrics
 from engine.server.outbox import Outbox
@@ -175,6 +175,28 @@ async def test_a_cancelled_awaiter_cancels_the_unfinished_coroutine() -> None:
 # --- a connection's sender ---------------------------------------------------------------
 
 
+class _OlderConnection:
+    """A connection of websockets 13-16, which lack some of what the by-hand send reads:
+    `send` is all it has for sending."""
+
+    def __init__(self) -> None:
+        self.transport = _Transport()
+        self.protocol = _Protocol()
+        self.sent: list[str] = []
+
+    async def send(self, data: str) -> None:
+        self.sent.append(data)
+
+
+def test_send_now_runs_send_by_hand_on_a_connection_of_an_older_websockets() -> None:
+    ws: Any = _OlderConnection()
+    current: Any = _Socket()
+    assert not by_hand(ws) and by_hand(current)
+    assert idle_and_open(ws)
+    assert send_now(ws, "hello") is None
+    assert ws.sent == ["hello"] and ws.protocol.frames == []  # through `send`, at once
+
+
 class _Transport:
     def __init__(self) -> None:
         self.buffered = 0
@@ -202,6 +224,9 @@ class _Socket:
     `send`, or in `drain` for a frame sent by hand (`send_now`), the transport paused."""
 
     send_in_progress = None
+
+    def set_connection_exc(self, exc: BaseException | None) -> None:
+        raise AssertionError("no frame fails here")
 
     def __init__(self) -> None:
         self.sent: list[dict[str, Any]] = []

@@ -24,6 +24,22 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosedError
 from websockets.protocol import State
 
+BY_HAND = ("send_in_progress", "set_connection_exc", "paused", "send_data", "drain")
+"""What the by-hand send reads of a connection beyond `send`: websockets' own, not its
+documented API (all there from 17.0; 16.0 lacks `set_connection_exc`, 13-15
+`send_in_progress`). A connection without them has its `send` run by hand as it is."""
+
+_by_hand: dict[type, bool] = {}
+
+
+def by_hand(ws: ServerConnection) -> bool:
+    """Whether `ws`'s class has everything the by-hand send reads (`BY_HAND`)."""
+    kind = type(ws)
+    known = _by_hand.get(kind)
+    if known is None:
+        known = _by_hand[kind] = all(hasattr(ws, name) for name in BY_HAND)
+    return known
+
 
 def idle_and_open(ws: ServerConnection) -> bool:
     """Whether a message to `ws` may be sent at once: the connection is open, nothing
@@ -32,7 +48,7 @@ def idle_and_open(ws: ServerConnection) -> bool:
     transport = ws.transport
     return (
         ws.protocol.state is State.OPEN
-        and ws.send_in_progress is None  # no fragmented message being sent
+        and getattr(ws, "send_in_progress", None) is None  # no fragmented message being sent
         and not transport.is_closing()
         and transport.get_write_buffer_size() == 0
     )
@@ -44,8 +60,8 @@ def send_now(ws: ServerConnection, data: str) -> Unfinished | None:
     must await (in order, before any other message) to finish it. Raises what `send`
     raises before its first suspension (`ConnectionClosed`)."""
     coro: Coroutine[Any, Any, None]
-    if ws.protocol.state is not State.OPEN or ws.send_in_progress is not None:
-        coro = ws.send(data)  # not idle and open after all: `send` as it is, by hand
+    if not by_hand(ws) or ws.protocol.state is not State.OPEN or ws.send_in_progress is not None:
+        coro = ws.send(data)  # `send` as it is, by hand (not idle and open after all)
     else:
         try:
             ws.protocol.send_text(data.encode())
