@@ -24,12 +24,11 @@ log = logging.getLogger(__name__)
 
 SMALL_PROJECTION = 1 << 17
 """Weights (`d_model` x vocabulary) of an output projection below which the graphs are
-kept whole, whatever the threads: one position's projection then costs about a
-microsecond (the fixture's 64 x 999: 0.5 us a position more, one row on one thread),
-while a projection run as a session of its own pays that call's fixed cost (5-8 us back
-to back, 40-50 us on a lane that slept between turns, as lanes under load do), and a
-second thread gains nothing at such a size (docs/performance.md, issue 54's fifth pass).
-Read at each load, so that a test may set it to 0 to cut the fixture's graphs."""
+kept whole, whatever the threads: at such a size a position's projection costs less
+than a call of its own (whose fixed cost grows several times on a lane that slept
+between turns, as lanes under load do), and a second thread gains nothing (figures:
+docs/performance.md, "The model's calls under load"). Read at each load, so that a test
+may set it to 0 to cut the fixture's graphs."""
 
 
 def cut_graph(

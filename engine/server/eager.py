@@ -8,8 +8,8 @@ message for nothing. `send_now` does what that coroutine does there, by hand: th
 made by the connection's protocol and written to its transport (`send_data`), then its
 flow control (`drain`), which only waits when the transport paused. Its coroutine and
 its `send_context` (a context manager around a generator, for the errors and the closing
-handshake it never meets on an open connection) cost a third of the send's Python (12.8
--> 9.5 us a message, socket write included: docs/performance.md). Should the drain
+handshake it never meets on an open connection) were a third of the send's Python
+(docs/performance.md, "The loop's thread hop and its own Python"). Should the drain
 suspend (the transport paused), what is left of it is returned as an awaitable
 (`Unfinished`) for the sender task to finish before it sends anything else, so that the
 order of messages and the flow control hold.
