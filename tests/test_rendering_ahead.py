@@ -150,6 +150,15 @@ def fresh_started(tr: Translator, source: str) -> list[Future[Hypothesis]]:
     return [future for _, future in tr.rendering_started(terms)]
 
 
+def _offline(text: str) -> str:
+    """`text` translated with the glossary by a translator of its own."""
+    reference = Translator.from_dir(FIXTURE_MODEL)
+    try:
+        return reference.translate([text], glossary=ZH)[0].text
+    finally:
+        reference.close()
+
+
 def test_a_failed_rendering_started_ahead_is_decoded_again(
     fresh: Translator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,11 +175,7 @@ def test_a_final_waiting_on_a_failed_rendering_decodes_it_itself(
     fresh: Translator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     text = "Emma wants water"
-    reference = Translator.from_dir(FIXTURE_MODEL)
-    try:
-        offline = reference.translate([text], glossary=ZH)[0].text
-    finally:
-        reference.close()
+    offline = _offline(text)
     _failing_ahead(fresh, monkeypatch, "Emma")
     session = StreamSession("s", fresh, glossary=ZH)
     final = session.answer(PartialTranscript("s", 0, 0, text, is_final=True))
@@ -182,11 +187,7 @@ async def test_on_the_event_loop_a_failed_rendering_is_decoded_again(
     fresh: Translator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     text = "Emma wants water"
-    reference = Translator.from_dir(FIXTURE_MODEL)
-    try:
-        offline = reference.translate([text], glossary=ZH)[0].text
-    finally:
-        reference.close()
+    offline = _offline(text)
     _failing_ahead(fresh, monkeypatch, "Emma")
     async with IncrementalTranslator(fresh, glossaries=ZH) as nmt:
         replies = aiter(nmt.updates("s"))
