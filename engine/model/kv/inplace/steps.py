@@ -100,11 +100,6 @@ class InPlaceBinding:
         self._current = None
 
     @property
-    def current(self) -> KeptBinding | None:
-        """The binding found or kept last (the last step's)."""
-        return self._current
-
-    @property
     def binding(self) -> ort.IOBinding:
         """The last step's binding."""
         assert self._current is not None
@@ -233,8 +228,9 @@ class InPlaceSteps:
         result = graph.head[1] if graph.head is not None else LOGITS
         kept = bound.find(session, rows, state) if bound is not None else None
         if kept is None:
-            binding = self._bind(session, declared, result, enc, cross_kv, buffers, bound, state)
-            kept = bound.current if bound is not None else None
+            binding, kept = self._bind(
+                session, declared, result, enc, cross_kv, buffers, bound, state
+            )
         else:
             binding = kept.binding
         tokens: TokenInputs | None = None
@@ -290,10 +286,10 @@ class InPlaceSteps:
         buffers: Sequence[FloatArray],
         bound: InPlaceBinding | None,
         state: tuple[object, ...],
-    ) -> ort.IOBinding:
-        """A new binding of the step's state (kept in `bound` when given): each buffer
-        one value bound as its layer's past and its present, so that ONNX Runtime writes
-        the new position in place."""
+    ) -> tuple[ort.IOBinding, KeptBinding | None]:
+        """A new binding of the step's state, and where `bound` is given, what keeps it
+        there: each buffer one value bound as its layer's past and its present, so that
+        ONNX Runtime writes the new position in place."""
         binding = session.io_binding()
         if self._hidden[id(session)] is None:  # fetched after each run: its output 0
             binding.bind_output(result)
@@ -316,9 +312,9 @@ class InPlaceSteps:
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
             held.append(value)
-        if bound is not None:
-            bound.keep(session, len(enc.attention_mask), state, binding, tuple(held))
-        return binding
+        if bound is None:
+            return binding, None
+        return binding, bound.keep(session, len(enc.attention_mask), state, binding, tuple(held))
 
 
 def _hidden_output(graph: CutGraph) -> tuple[str, int, Any] | None:
