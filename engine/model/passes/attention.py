@@ -128,7 +128,7 @@ def _fuse(model: onnx.ModelProto) -> tuple[int, str]:
         raise _Unsupported("fused already")
     view = GraphView(graph, {})
     shapes = Shapes(graph)
-    outputs = {o.name for o in graph.output}
+    outputs = view.outputs
     cores: list[_Core] = []
     refused: list[str] = []
     for node in graph.node:

@@ -49,6 +49,7 @@ class GraphView:
                     self.consumers.setdefault(name, []).append(node)
         self.initializers = {**outer, **{i.name: i for i in graph.initializer}}
         self.inputs = {i.name for i in graph.input}
+        self.outputs = {o.name for o in graph.output}
 
     def is_constant(self, name: str) -> bool:
         node = self.producer.get(name)

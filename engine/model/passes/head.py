@@ -72,7 +72,7 @@ def projection_input(view: GraphView, vocab: int, logits: str = LOGITS) -> str |
         and len(node.input) > 1
         and projects(node.input[1])
     ]
-    if len(projections) != 1 or logits not in {o.name for o in graph.output}:
+    if len(projections) != 1 or logits not in view.outputs:
         return None
     projection = projections[0]
     hidden = projection.input[0]
@@ -117,7 +117,7 @@ def _split(model: onnx.ModelProto, view: GraphView, hidden: str, logits: str) ->
             users = view.consumers.get(out, [])
             if any(id(u) not in head_ids for u in users) and node.op_type != "Constant":
                 return None  # the body reads a head value: not a clean cut
-            if out != logits and out in {o.name for o in graph.output}:
+            if out != logits and out in view.outputs:
                 return None
 
     def used(nodes: list[onnx.NodeProto]) -> set[str]:

@@ -96,7 +96,7 @@ def pack_projections(model: onnx.ModelProto, name: str) -> int:
         added.append(split)
     # Nothing of `model` changed so far: a graph that cannot be sorted raises as it was.
     kept = [rewired.get(id(n), n) for n in graph.node if id(n) not in gone]
-    still_read = {i for n in kept for i in n.input} | {o.name for o in graph.output}
+    still_read = {i for n in kept for i in n.input} | view.outputs
     known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
     known |= {i.name for i in initializers}
     nodes = sorted_nodes(kept + added, known)
@@ -132,7 +132,7 @@ def _projection(view: GraphView, node: onnx.NodeProto) -> _Projection | None:
     bias = view.constant(other)
     if bias is None or bias.dtype != np.float32 or bias.shape != (weight.shape[1],):
         return None
-    if node.output[0] in {o.name for o in view.graph.output}:
+    if node.output[0] in view.outputs:
         return None
     return _Projection(node, add, weight, bias, add.output[0])
 
@@ -148,7 +148,7 @@ def _takes_packed(view: GraphView, outputs: list[str]) -> onnx.NodeProto | None:
     node = readers[0][0]
     if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
         return None
-    if list(node.input[:3]) != outputs or outputs[0] in {o.name for o in view.graph.output}:
+    if list(node.input[:3]) != outputs or outputs[0] in view.outputs:
         return None
     return node
 
