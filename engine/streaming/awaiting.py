@@ -122,8 +122,7 @@ class _Inbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._lock = threading.Lock()
         self._waiters: list[asyncio.Future[None]] = []
-        self._fd = -1
-        self._wake = self._wake_by_callback
+        self._fd = -1  # the eventfd the loop watches; -1: none, `call_soon_threadsafe`
         # Weak: the inbox is the value of a dictionary weakly keyed by the loop.
         self._loop = weakref.ref(loop)
         eventfd = getattr(os, "eventfd", None)
@@ -135,7 +134,6 @@ class _Inbox:
                 os.close(fd)
             else:
                 self._fd = fd
-                self._wake = self._wake_by_fd
                 weakref.finalize(loop, self._close)
 
     def put(self, waiter: asyncio.Future[None]) -> None:  # any thread
@@ -144,17 +142,13 @@ class _Inbox:
             if len(self._waiters) > 1:  # the loop is to drain them already
                 return
             if self._fd >= 0:  # under the lock: never a write to a number closed meanwhile
-                self._wake_by_fd()
+                os.eventfd_write(self._fd, 1)
                 return
-        self._wake()
-
-    def _wake_by_fd(self) -> None:
-        os.eventfd_write(self._fd, 1)
+        self._wake_by_callback()
 
     def _close(self) -> None:  # the loop is gone
         with self._lock:
             fd, self._fd = self._fd, -1
-            self._wake = self._wake_by_callback
         if fd >= 0:
             os.close(fd)
 
