@@ -151,6 +151,17 @@ def over_rows(
     return encode, prefill
 
 
+def growing_partials(tr: Translator) -> list[tuple[list[int], list[int]]]:
+    """`SENTENCE` as growing partials, word by word from two: each one's source ids and
+    its translation's ids, the draft with which its turn ends in its prefill."""
+    words = SENTENCE.split()
+    work = []
+    for end in range(2, len(words) + 1):
+        source = tr.source_ids(" ".join(words[:end]), partial=True)
+        work.append((source, list(tr.decode(tr.encoding([source]))[0].token_ids)))
+    return work
+
+
 def turns(tr: Translator, rounds: int) -> None:
     """The lane's CPU per request, and ONNX Runtime's share of it (wrapped sessions)."""
     spent: defaultdict[str, float] = defaultdict(float)
@@ -181,12 +192,7 @@ def turns(tr: Translator, rounds: int) -> None:
     setattr(session, "run_with_iobinding", timed(bound))  # noqa: B010
     setattr(DecodeScheduler, "_turn", lane_turn)  # noqa: B010
     try:
-        words = SENTENCE.split()
-        work = []
-        for end in range(2, len(words) + 1):
-            source = tr.source_ids(" ".join(words[:end]), partial=True)
-            draft = list(tr.decode(tr.encoding([source]))[0].token_ids)
-            work.append((source, draft))
+        work = growing_partials(tr)
         print("a partial that ends in its prefill, one at a time, lane thread CPU ms per request:")
         for r in range(rounds):
             spent.clear()

@@ -51,7 +51,6 @@ from engine.model.layouts import EncoderOutput  # noqa: E402
 from engine.model.marian import MarianOnnx  # noqa: E402
 
 MODEL = ROOT / "models" / "fixture" / "model"
-SENTENCE = "Lucy wants to play tennis with my brother on Sunday"
 ORT_CALLS = ((ort.InferenceSession, "run"), (ort.InferenceSession, "run_with_iobinding"))
 PARTS: tuple[tuple[Any, str], ...] = (
     (DecodeScheduler, "_run_encodes"),
@@ -172,16 +171,15 @@ def parts(args: argparse.Namespace) -> None:
 
 def cold(args: argparse.Namespace) -> None:
     """A partial's lane turn, one at a time: back to back, after a sleep, after other work."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from call_cost import growing_partials
+
     tr = Translator.from_dir(args.model, scheduler=SchedulerOptions())
     clock = Clock()
     clock.wrap_turn()
     for owner, name in ORT_CALLS:
         clock.wrap(owner, name, is_ort=True)
-    words = SENTENCE.split()
-    work = []
-    for end in range(2, len(words) + 1):
-        source = tr.source_ids(" ".join(words[:end]), partial=True)
-        work.append((source, list(tr.decode(tr.encoding([source]))[0].token_ids)))
+    work = growing_partials(tr)
     junk = np.ones(2 << 20, dtype=np.uint8)
 
     def other_work() -> None:
