@@ -644,7 +644,8 @@ def test_serve_options_for_the_caps_and_their_defaults() -> None:
     import argparse
 
     from engine.cli.main import build_parser
-    from engine.cli.serve import add_serve_parser, options_from_args
+    from engine.cli.serve import options_from_args
+    from engine.cli.serve_args import add_serve_parser
     from engine.server.admission import ConnectionCaps
 
     parser = build_parser()

@@ -21,7 +21,8 @@ from engine.cli.models import add_models_parser, run_models
 from engine.cli.parser import Parser
 from engine.cli.replay import add_replay_parser, run_replay
 from engine.cli.send import add_send_parser, run_send
-from engine.cli.serve import add_serve_parser, run_serve
+from engine.cli.serve import run_serve
+from engine.cli.serve_args import add_serve_parser
 from engine.cli.translate import add_translate_parser, run_translate
 from engine.errors import EngineError, unwrapped
 from engine.logs.format import TranscriptLogError

@@ -38,7 +38,9 @@ options, alternated with the rest (`--serve-args "" --serve-args "--batch-delay-
 the option off and on, in one tree); `--arm "ROOT ARGS"` (repeatable) adds one checkout
 with its own options (an older checkout may lack the option). Each run also reads the
 decode schedulers' counters over the window (`/metrics` through `serve`): encoder calls
-and prefills per update and their rows per call.
+and prefills per update and their rows per call. In process, `--coalesce-ms MS` runs the
+engine on `engine.streaming.wakeups`' loop (as an embedder may; default: asyncio's own),
+and `--serve-args "--coalesce-ms MS"` alternates settings of it.
 
 The default run is short (2 s warm-up, 8 s measured) for a shared machine; the issue's
 figures used `--seconds 30`.
@@ -486,7 +488,13 @@ def child_inproc(args: argparse.Namespace) -> int:
                 await nmt.wait_idle()
                 updates.end()
 
-    anyio.run(run)
+    if args.coalesce_ms > 0:  # an embedder's choice of loop (engine.streaming.wakeups)
+        from engine.streaming.wakeups import coalescing_loop
+
+        loop = coalescing_loop(args.coalesce_ms / 1000)
+        anyio.run(run, backend_options={"loop_factory": loop})
+    else:
+        anyio.run(run)
     (c0, s0), (c1, s1) = marks["start"], marks["end"]
     print(json.dumps(result(tally, c1 - c0, s0, s1)))
     return 0
@@ -674,6 +682,8 @@ def run_inproc(root: Path, args: argparse.Namespace, extra: str = "") -> dict[st
     command += ["--stages"] if args.stages else []
     command += ["--null-decode"] if args.null_decode else []
     command += ["--switches"] if args.switches else []
+    command += ["--coalesce-ms", str(args.coalesce_ms)]
+    command += shlex.split(extra)  # the in-process child's own options (--coalesce-ms)
     env = dict(os.environ, PYTHONPATH=str(root))
     out = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -714,7 +724,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--serve-args",
         action="append",
         metavar="ARGS",
-        help="extra `serve` options; repeated: each checkout once per set, alternated",
+        help="extra `serve` options (in process: --coalesce-ms only); repeated: each "
+        "checkout once per set, alternated",
+    )
+    parser.add_argument(
+        "--coalesce-ms",
+        type=float,
+        default=0.0,
+        help="in process: the loop's wake-ups coalesced over MS ms (engine.streaming.wakeups; "
+        "default 0: asyncio's own loop, as an embedder gets it)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write every run here")
@@ -752,8 +770,6 @@ def main(argv: list[str] | None = None) -> int:
     for arm in args.arm or []:
         root, *rest = shlex.split(arm)
         arms.append((Path(root).resolve(), shlex.join(rest)))
-    if args.mode == "inproc" and any(extra for _, extra in arms):
-        raise SystemExit("--serve-args, --arm with options: with --mode serve only")
     run = run_serve if args.mode == "serve" else run_inproc
     decode = "null decode" if args.null_decode else "its decode"
     print(f"CPU: {cpu_name()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
