@@ -16,33 +16,55 @@ from engine.streaming.wakeups import CoalescingSelector, WakeCoalescing, coalesc
 
 def test_a_quiet_loop_is_never_held() -> None:
     policy = WakeCoalescing(0.005)
-    assert policy.delay(10.0) == 0.0  # nothing seen yet: quiet
-    policy.woke(10.0, waited=0.3)  # a lone stream's message after 300 ms
-    assert policy.delay(10.001) == 0.0
+    assert policy.delay(10.0) == 0.0  # nothing seen yet
+    for i in range(20):  # a lone stream: a message and its answer every 300 ms
+        policy.woke(10.0 + 0.3 * i, 1)
+        policy.woke(10.001 + 0.3 * i, 1)
+    assert not policy.busy()
+    assert policy.delay(15.702) == 0.0
 
 
 def test_a_busy_loop_waits_out_the_rest_of_the_interval() -> None:
     policy = WakeCoalescing(0.005)
-    for i in range(4):
-        policy.woke(1.0 + i * 0.001, waited=0.001)
-    assert policy.delay(1.004) == pytest.approx(0.004)  # woke at 1.003: 4 ms left
-    assert policy.delay(1.010) == 0.0  # the interval is over: poll at once
+    for i in range(40):  # an event a millisecond: five an interval
+        policy.woke(1.0 + i * 0.001, 1)
+    assert policy.busy()
+    assert policy.delay(1.040) == pytest.approx(0.004)  # polled at 1.039: 4 ms left
+    assert policy.delay(1.050) == 0.0  # the interval is over: poll at once
+
+
+def test_a_few_streams_whose_events_come_further_apart_are_not_held() -> None:
+    policy = WakeCoalescing(0.005)
+    for i in range(40):  # an event every 4 ms: 1.25 an interval, fewer than two
+        policy.woke(1.0 + i * 0.004, 1)
+    assert not policy.busy()
+    assert policy.delay(1.157) == 0.0
 
 
 def test_a_silence_ends_the_coalescing() -> None:
     policy = WakeCoalescing(0.005)
-    for i in range(20):
-        policy.woke(1.0 + i * 0.001, waited=0.0)
-    assert policy.delay(1.0195) > 0
-    policy.woke(2.0, waited=0.98)  # nothing came for most of a second
-    assert policy.delay(2.001) == 0.0
+    for i in range(40):
+        policy.woke(1.0 + i * 0.005, 4)  # coalesced: four events a poll, 5 ms apart
+    assert policy.busy()
+    policy.woke(2.2, 1)  # nothing came for a second
+    assert policy.delay(2.201) == 0.0
+
+
+def test_polls_without_events_lower_the_rate() -> None:
+    policy = WakeCoalescing(0.005)
+    for i in range(40):
+        policy.woke(1.0 + i * 0.001, 1)
+    assert policy.busy()
+    for i in range(40):  # timers only
+        policy.woke(1.04 + i * 0.001, 0)
+    assert not policy.busy()
 
 
 def test_an_interval_of_zero_never_holds_and_a_negative_one_is_refused() -> None:
     policy = WakeCoalescing(0.0)
     for i in range(10):
-        policy.woke(float(i), waited=0.0)
-    assert policy.delay(9.0) == 0.0
+        policy.woke(i * 0.0001, 5)
+    assert policy.delay(0.00095) == 0.0
     with pytest.raises(ValueError, match="negative"):
         WakeCoalescing(-0.001)
 
@@ -65,8 +87,9 @@ class FakeTime:
 def busy_selector(interval: float) -> tuple[CoalescingSelector, FakeTime]:
     fake = FakeTime()
     selector = CoalescingSelector(interval, clock=fake.clock, sleep=fake.sleep)
-    for _ in range(8):  # the loop found events at once, again and again
-        selector.coalescing.woke(fake.now, 0.0)
+    for _ in range(40):  # three events a millisecond
+        fake.now += 0.001
+        selector.coalescing.woke(fake.now, 3)
     return selector, fake
 
 

@@ -8,12 +8,13 @@ coalesced"). A network card's interrupt moderation and Linux's timer slack trade
 way: what arrives within the interval is handled together, in one poll, and the decode
 lanes receive the messages of that poll together, so their model calls fill too.
 
-The decision is `WakeCoalescing`'s alone (pure, given the time), like the batch delay's
-in `engine.decoding.policy`: the loop waits before polling only while it is busy, i.e.
-while its recent blocking waits were shorter than the interval on average (an exponential
-mean over eight), so a lone stream, or a silence, is served at once. A wait never
-exceeds the interval from the previous wake-up, so the latency it adds to a message, or
-to a timer, is at most the interval.
+The decision is `WakeCoalescing`'s alone (pure, given the polls it is told of), like the
+batch delay's in `engine.decoding.policy`: the loop waits before polling only while the
+recent rate of events (ready descriptors over the last eight polls' time) says that an
+interval brings two or more, so that a pause gathers something; a lone stream, a few
+streams whose messages come further apart, or a silence, are served at once. A wait
+never exceeds the interval from the previous poll, so the latency it adds to a message,
+or to a timer, is at most the interval.
 
 Use it by giving the loop factory to the runner: `anyio.run(main, backend_options=
 {"loop_factory": coalescing_loop(0.005)})` or `asyncio.Runner(loop_factory=...)`.
@@ -26,36 +27,55 @@ import selectors
 import time
 from collections.abc import Callable
 
-#: Weight of the newest blocking wait in the busy estimate (an exponential mean over eight).
+#: Weight of the newest poll in the rate estimate (an exponential mean over eight polls).
 WEIGHT = 1 / 8
+#: Events an interval must be expected to bring for a pause to pay: the one that would
+#: wake the loop anyway and at least one more to share its wake-up.
+GATHER = 2.0
+#: The longest time between two polls the estimate takes, in intervals.
+SILENCE = 10.0
 
 
 class WakeCoalescing:
-    """When the loop may poll next: a pure decision over the times it is told."""
+    """When the loop may poll next: a pure decision over the polls it is told of."""
 
     def __init__(self, interval: float) -> None:
         if interval < 0:
             raise ValueError("the coalescing interval cannot be negative")
         self.interval = interval
-        self.woke_at = float("-inf")
-        # The mean blocking wait; it starts "quiet", so the first events go through at once.
-        self.mean_wait = float("inf")
+        self.woke_at: float | None = None
+        # The recent polls' mean events and mean time apart: their ratio is the rate of
+        # events, the same whether the loop paused before polling or not. No two polls
+        # yet: no rate, so the first events go through at once.
+        self.mean_events = 0.0
+        self.mean_span: float | None = None
+
+    def busy(self) -> bool:
+        """Whether an interval is expected to bring `GATHER` events or more."""
+        span = self.mean_span
+        if span is None or self.interval <= 0:
+            return False
+        return self.mean_events * self.interval >= GATHER * span
 
     def delay(self, now: float) -> float:
         """How long to sleep before polling: the rest of the interval since the last
-        wake-up while the loop is busy, else none."""
-        if self.mean_wait >= self.interval:
+        poll while the loop is busy, else none."""
+        if self.woke_at is None or not self.busy():
             return 0.0
         return max(0.0, self.woke_at + self.interval - now)
 
-    def woke(self, now: float, waited: float) -> None:
-        """The loop woke at `now` after blocking `waited` seconds in the poll itself (not
-        counting the coalescing sleep: events found waiting after it mean a busy loop)."""
+    def woke(self, now: float, events: int) -> None:
+        """A poll returned `events` ready descriptors at `now` (none: a timer's turn)."""
+        if self.woke_at is not None:
+            # A silence counts as ten intervals: enough to end the coalescing at once,
+            # not so much that the next burst takes long to start it again.
+            span = min(now - self.woke_at, SILENCE * self.interval)
+            if self.mean_span is None:
+                self.mean_events, self.mean_span = float(events), span
+            else:
+                self.mean_events += WEIGHT * (events - self.mean_events)
+                self.mean_span += WEIGHT * (span - self.mean_span)
         self.woke_at = now
-        if self.mean_wait == float("inf"):
-            self.mean_wait = waited
-        else:
-            self.mean_wait += WEIGHT * (waited - self.mean_wait)
 
 
 class CoalescingSelector(selectors.DefaultSelector):
@@ -77,26 +97,23 @@ class CoalescingSelector(selectors.DefaultSelector):
         self._sleep = sleep
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        if timeout is not None and timeout <= 0:
-            return super().select(timeout)
         policy = self.coalescing
-        now = self._clock()
-        pause = policy.delay(now)
+        if timeout is not None and timeout <= 0:
+            ready = super().select(timeout)
+            policy.woke(self._clock(), len(ready))
+            return ready
+        pause = policy.delay(self._clock())
         if pause > 0:
             # A timer due sooner waits too, by less than the interval (timer slack).
             self._sleep(pause)
-            ready = super().select(0)
-            now = self._clock()
-            if ready or (timeout is not None and timeout <= pause):
-                # Events found waiting: the loop is busy. A timer's turn: it would have
-                # blocked until then.
-                policy.woke(now, 0.0 if ready else timeout or 0.0)
-                return ready
             if timeout is not None:
-                timeout -= pause
+                timeout = max(0.0, timeout - pause)
+            ready = super().select(0)
+            if ready or timeout == 0:
+                policy.woke(self._clock(), len(ready))
+                return ready
         ready = super().select(timeout)
-        after = self._clock()
-        policy.woke(after, after - now)
+        policy.woke(self._clock(), len(ready))
         return ready
 
 
