@@ -16,55 +16,70 @@ from engine.streaming.wakeups import CoalescingSelector, WakeCoalescing, coalesc
 
 def test_a_quiet_loop_is_never_held() -> None:
     policy = WakeCoalescing(0.005)
-    assert policy.delay(10.0) == 0.0  # nothing seen yet
+    assert policy.polling(10.0) == 0.0  # nothing seen yet
     for i in range(20):  # a lone stream: a message and its answer every 300 ms
         policy.woke(10.0 + 0.3 * i, 1)
         policy.woke(10.001 + 0.3 * i, 1)
-    assert not policy.busy()
-    assert policy.delay(15.702) == 0.0
+    assert not policy.gathering()
+    assert policy.polling(15.702) == 0.0
 
 
 def test_a_busy_loop_waits_out_the_rest_of_the_interval() -> None:
     policy = WakeCoalescing(0.005)
     for i in range(40):  # an event a millisecond: five an interval
         policy.woke(1.0 + i * 0.001, 1)
-    assert policy.busy()
-    assert policy.delay(1.040) == pytest.approx(0.004)  # polled at 1.039: 4 ms left
-    assert policy.delay(1.050) == 0.0  # the interval is over: poll at once
+    assert policy.gathering()
+    assert policy.polling(1.040) == pytest.approx(0.004)  # polled at 1.039: 4 ms left
+    assert policy.polling(1.050) == 0.0  # the interval is over: poll at once
 
 
 def test_a_few_streams_whose_events_come_further_apart_are_not_held() -> None:
     policy = WakeCoalescing(0.005)
     for i in range(40):  # an event every 4 ms: 1.25 an interval, fewer than two
         policy.woke(1.0 + i * 0.004, 1)
-    assert not policy.busy()
-    assert policy.delay(1.157) == 0.0
+    assert not policy.gathering()
+    assert policy.polling(1.157) == 0.0
 
 
 def test_a_silence_ends_the_coalescing() -> None:
     policy = WakeCoalescing(0.005)
     for i in range(40):
         policy.woke(1.0 + i * 0.005, 4)  # coalesced: four events a poll, 5 ms apart
-    assert policy.busy()
+    assert policy.gathering()
     policy.woke(2.2, 1)  # nothing came for a second
-    assert policy.delay(2.201) == 0.0
+    assert policy.polling(2.201) == 0.0
+
+
+def test_a_loop_near_its_limit_never_pauses() -> None:
+    policy = WakeCoalescing(0.005)
+    for i in range(40):  # three events a millisecond, and 0.6 ms of work after each poll
+        now = 1.0 + i * 0.001
+        policy.polling(now - 0.0004)
+        policy.woke(now, 3)
+    assert not policy.gathering()
+    assert policy.polling(1.0396) == 0.0
+    for i in range(40):  # the same events, the work a tenth of it
+        now = 1.04 + i * 0.001
+        policy.polling(now - 0.00094)
+        policy.woke(now, 3)
+    assert policy.gathering()
 
 
 def test_polls_without_events_lower_the_rate() -> None:
     policy = WakeCoalescing(0.005)
     for i in range(40):
         policy.woke(1.0 + i * 0.001, 1)
-    assert policy.busy()
+    assert policy.gathering()
     for i in range(40):  # timers only
         policy.woke(1.04 + i * 0.001, 0)
-    assert not policy.busy()
+    assert not policy.gathering()
 
 
 def test_an_interval_of_zero_never_holds_and_a_negative_one_is_refused() -> None:
     policy = WakeCoalescing(0.0)
     for i in range(10):
         policy.woke(i * 0.0001, 5)
-    assert policy.delay(0.00095) == 0.0
+    assert policy.polling(0.00095) == 0.0
     with pytest.raises(ValueError, match="negative"):
         WakeCoalescing(-0.001)
 

@@ -27,12 +27,15 @@ import selectors
 import time
 from collections.abc import Callable
 
-#: Weight of the newest poll in the rate estimate (an exponential mean over eight polls).
+#: Weight of the newest poll in the estimates (exponential means over eight polls).
 WEIGHT = 1 / 8
 #: Events an interval must be expected to bring for a pause to pay: the one that would
 #: wake the loop anyway and at least one more to share its wake-up.
 GATHER = 2.0
-#: The longest time between two polls the estimate takes, in intervals.
+#: The share of its time the loop may spend working (not polling) and still pause: past
+#: it the loop is near its limit, and a pause would waste its capacity while events wait.
+SPARE = 0.5
+#: The longest time between two polls the estimates take, in intervals.
 SILENCE = 10.0
 
 
@@ -44,23 +47,31 @@ class WakeCoalescing:
             raise ValueError("the coalescing interval cannot be negative")
         self.interval = interval
         self.woke_at: float | None = None
-        # The recent polls' mean events and mean time apart: their ratio is the rate of
-        # events, the same whether the loop paused before polling or not. No two polls
-        # yet: no rate, so the first events go through at once.
+        self.work = 0.0  # since the last poll returned, until the loop came to poll again
+        # The recent polls' mean events, time apart and work between them: events over
+        # time is the rate of events (the same whether the loop paused before polling or
+        # not), work over time the loop's load. No two polls yet: the first events go
+        # through at once.
         self.mean_events = 0.0
+        self.mean_work = 0.0
         self.mean_span: float | None = None
 
-    def busy(self) -> bool:
-        """Whether an interval is expected to bring `GATHER` events or more."""
+    def gathering(self) -> bool:
+        """Whether a pause pays: an interval is expected to bring `GATHER` events or
+        more, and the loop has spare time (`SPARE`) to wait in."""
         span = self.mean_span
         if span is None or self.interval <= 0:
             return False
-        return self.mean_events * self.interval >= GATHER * span
+        return self.mean_events * self.interval >= GATHER * span and self.mean_work < SPARE * span
 
-    def delay(self, now: float) -> float:
-        """How long to sleep before polling: the rest of the interval since the last
-        poll while the loop is busy, else none."""
-        if self.woke_at is None or not self.busy():
+    def polling(self, now: float) -> float:
+        """The loop comes to poll at `now` (its work since the last poll ends): how long
+        to sleep first, the rest of the interval since that poll while gathering pays,
+        else none."""
+        if self.woke_at is None:
+            return 0.0
+        self.work = now - self.woke_at
+        if not self.gathering():
             return 0.0
         return max(0.0, self.woke_at + self.interval - now)
 
@@ -70,12 +81,15 @@ class WakeCoalescing:
             # A silence counts as ten intervals: enough to end the coalescing at once,
             # not so much that the next burst takes long to start it again.
             span = min(now - self.woke_at, SILENCE * self.interval)
+            work = min(self.work, span)
             if self.mean_span is None:
-                self.mean_events, self.mean_span = float(events), span
+                self.mean_events, self.mean_work, self.mean_span = float(events), work, span
             else:
                 self.mean_events += WEIGHT * (events - self.mean_events)
+                self.mean_work += WEIGHT * (work - self.mean_work)
                 self.mean_span += WEIGHT * (span - self.mean_span)
         self.woke_at = now
+        self.work = 0.0
 
 
 class CoalescingSelector(selectors.DefaultSelector):
@@ -98,11 +112,11 @@ class CoalescingSelector(selectors.DefaultSelector):
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         policy = self.coalescing
+        pause = policy.polling(self._clock())
         if timeout is not None and timeout <= 0:
             ready = super().select(timeout)
             policy.woke(self._clock(), len(ready))
             return ready
-        pause = policy.delay(self._clock())
         if pause > 0:
             # A timer due sooner waits too, by less than the interval (timer slack).
             self._sleep(pause)
