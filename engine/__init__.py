@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from engine.remote import RemoteTranslator
     from engine.streaming.controller import IncrementalTranslator
     from engine.streaming.session import StreamingOptions
+    from engine.streaming.wakeups import coalescing_loop
 
 _PUBLIC: dict[str, str] = {
     "Translator": "engine.decoding.translator",
@@ -32,6 +33,7 @@ _PUBLIC: dict[str, str] = {
     "DecodeOptions": "engine.decoding.search",
     "IncrementalTranslator": "engine.streaming.controller",
     "StreamingOptions": "engine.streaming.session",
+    "coalescing_loop": "engine.streaming.wakeups",
     "RemoteTranslator": "engine.remote",
     "EngineError": "engine.errors",
     "ModelLoadError": "engine.errors",
@@ -49,6 +51,7 @@ __all__ = [
     "StreamingOptions",
     "TranslationResult",
     "Translator",
+    "coalescing_loop",
 ]
 
 
