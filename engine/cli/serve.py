@@ -1,7 +1,8 @@
 """`nmt-incremental serve`: run the live-subtitle server until SIGINT/SIGTERM.
 
-`add_serve_parser` and `run_serve` are wired into the main `nmt-incremental` command;
-`python -m engine.server` runs the same thing on its own.
+`run_serve` (with `engine.cli.serve_args.add_serve_parser`, its command line) is wired
+into the main `nmt-incremental` command; `python -m engine.server` runs the same thing on
+its own.
 """
 
 from __future__ import annotations

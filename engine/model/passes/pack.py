@@ -97,8 +97,7 @@ def pack_projections(model: onnx.ModelProto, name: str) -> int:
     # Nothing of `model` changed so far: a graph that cannot be sorted raises as it was.
     kept = [rewired.get(id(n), n) for n in graph.node if id(n) not in gone]
     still_read = {i for n in kept for i in n.input} | view.outputs
-    known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    known |= {i.name for i in initializers}
+    known = view.inputs | view.initializers.keys() | {i.name for i in initializers}
     nodes = sorted_nodes(kept + added, known)
     unread = [i for i in graph.initializer if i.name in weights_gone and i.name not in still_read]
     for tensor in unread:
