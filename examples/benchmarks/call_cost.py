@@ -12,8 +12,9 @@ Two parts, in a quiet process (thread CPU, medians of `--rounds`):
 - **folded** (`--folded`, instead of the two above): the model loaded twice, its shape
   computations folded (`engine.model.passes.shapes`, the default) and not, and one row's
   encoder, prefill and in-place step through the engine on each, alternated in rounds;
-- **against** (`--against DIR`): the same one-row calls of another checkout's engine (DIR)
-  and of this one, each in a process of its own, alternated (ABBA) `--repeats` times.
+- **against** (`--against DIR`): the same one-row calls and turns of another checkout's
+  engine (DIR) and of this one, each in a process of its own, alternated (ABBA)
+  `--repeats` times (the turns: `turn: lane`, `ort`, `python` ms and `calls` per request).
 
     python examples/benchmarks/call_cost.py
     python examples/benchmarks/call_cost.py --model models/fixture/model --rounds 5
@@ -162,9 +163,12 @@ def growing_partials(tr: Translator) -> list[tuple[list[int], list[int]]]:
     return work
 
 
-def turns(tr: Translator, rounds: int) -> None:
-    """The lane's CPU per request, and ONNX Runtime's share of it (wrapped sessions)."""
+def turns(tr: Translator, rounds: int, quiet: bool = False) -> dict[str, float]:
+    """The lane's CPU per request, and ONNX Runtime's share of it (wrapped sessions):
+    each round printed (unless `quiet`), their medians returned (ms per request: `lane`,
+    `ort`, `python`; `calls` per request)."""
     spent: defaultdict[str, float] = defaultdict(float)
+    per_round: defaultdict[str, list[float]] = defaultdict(list)
     session = ort.InferenceSession
     run, bound = session.run, session.run_with_iobinding
 
@@ -193,7 +197,8 @@ def turns(tr: Translator, rounds: int) -> None:
     setattr(DecodeScheduler, "_turn", lane_turn)  # noqa: B010
     try:
         work = growing_partials(tr)
-        print("a partial that ends in its prefill, one at a time, lane thread CPU ms per request:")
+        if not quiet:
+            print("a partial that ends in its prefill, one at a time, lane CPU ms per request:")
         for r in range(rounds):
             spent.clear()
             count = 0
@@ -203,14 +208,20 @@ def turns(tr: Translator, rounds: int) -> None:
                     tr.decode(enc, DecodeOptions(), drafts=[draft], priority=Priority.PARTIAL)
                     count += 1
             lane, ort_ms = spent["lane"] / count * 1000, spent["ort"] / count * 1000
-            print(
-                f"  round {r + 1}: lane {lane:.3f} = ONNX Runtime {ort_ms:.3f} "
-                f"({spent['calls'] / count:.1f} calls) + Python {lane - ort_ms:.3f}"
-            )
+            per_round["lane"].append(lane)
+            per_round["ort"].append(ort_ms)
+            per_round["python"].append(lane - ort_ms)
+            per_round["calls"].append(spent["calls"] / count)
+            if not quiet:
+                print(
+                    f"  round {r + 1}: lane {lane:.3f} = ONNX Runtime {ort_ms:.3f} "
+                    f"({spent['calls'] / count:.1f} calls) + Python {lane - ort_ms:.3f}"
+                )
     finally:
         setattr(session, "run", run)  # noqa: B010
         setattr(session, "run_with_iobinding", bound)  # noqa: B010
         setattr(DecodeScheduler, "_turn", turn)  # noqa: B010
+    return {name: statistics.median(values) for name, values in per_round.items()}
 
 
 def one_row_calls(tr: Translator, past: int) -> list[tuple[str, Callable[[], object]]]:
@@ -273,11 +284,14 @@ def medians(rows: list[tuple[str, Callable[[], object]]], rounds: int) -> dict[s
 
 
 def one_row(model_dir: Path, quantized: bool, rounds: int, past: int) -> None:
-    """`one_row_calls`' medians of this process's engine, as one line of JSON."""
+    """`one_row_calls`' medians of this process's engine, then those of its `turns`
+    (named `turn: ...`), as one line of JSON."""
     tr = Translator.from_dir(model_dir, quantized=quantized, scheduler=SchedulerOptions())
     try:
         other_shapes_first(tr)
-        print(json.dumps(medians(one_row_calls(tr, past), rounds)))
+        got = medians(one_row_calls(tr, past), rounds)
+        got.update({f"turn: {k}": v for k, v in turns(tr, rounds, quiet=True).items()})
+        print(json.dumps(got))
     finally:
         tr.close()
 
