@@ -85,8 +85,7 @@ class StreamRunner:
         try:
             while True:
                 if not stream.pending:
-                    stream.busy = False
-                    stream.idle.set()
+                    stream.went_idle()
                     if not stream.taking_events:
                         break
                     await stream.wake.wait()
