@@ -4,7 +4,6 @@ needs to abort a superseded partial."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,55 +12,10 @@ import anyio
 
 from engine.decoding.policy import RequestId
 from engine.glossary import Glossary
-from engine.replies import new_event
+from engine.replies import Wake, new_event
 from engine.streaming.lifecycle import StreamLifecycle
 from engine.streaming.session import StreamSession
 from protocol import PartialTranscript
-
-
-class Wake:
-    """A stream's runner's wake-up: set by whoever gives it work (an admitted event, a
-    close, an abort), awaited by the runner alone, and cleared as the runner wakes, so one
-    wake-up serves however many sets came before it. On asyncio the runner parks on a
-    bare future of the loop, made only when it parks, where an `anyio.Event` made for
-    every wake-up waited inside asyncio's own event; on another loop, on an anyio event."""
-
-    __slots__ = ("_set", "_waiter")
-
-    def __init__(self) -> None:
-        self._set = False
-        self._waiter: asyncio.Future[None] | anyio.Event | None = None
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def set(self) -> None:
-        self._set = True
-        waiter, self._waiter = self._waiter, None
-        if waiter is None:
-            return
-        if isinstance(waiter, asyncio.Future):
-            if not waiter.done():  # else its runner was cancelled while parked
-                waiter.set_result(None)
-        else:
-            waiter.set()
-
-    async def wait(self) -> None:
-        """Until set (at once if it is), then clear it."""
-        if not self._set:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # another library's loop (trio)
-                event = self._waiter = anyio.Event()
-                await event.wait()
-            else:
-                waiter = self._waiter = loop.create_future()
-                try:
-                    await waiter
-                finally:
-                    if self._waiter is waiter:  # cancelled while parked
-                        self._waiter = None
-        self._set = False
 
 
 @dataclass(frozen=True)

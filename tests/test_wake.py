@@ -1,13 +1,13 @@
-"""A stream's runner's wake-up (`engine.streaming.stream.Wake`): sets before the runner
-parks wake it once, a set while it is parked wakes it, a runner cancelled while parked
-leaves a wake that still works."""
+"""A task's wake-up (`engine.replies.Wake`: a stream runner's, a reply queue's): sets
+before the task parks wake it once, a set while it is parked wakes it, a task cancelled
+while parked leaves a wake that still works."""
 
 from __future__ import annotations
 
 import anyio
 import pytest
 
-from engine.streaming.stream import Wake
+from engine.replies import Wake
 
 pytestmark = pytest.mark.anyio
 
