@@ -43,6 +43,52 @@ def new_event() -> anyio.Event:
     return _asyncio_event()
 
 
+class Wake:
+    """A wake-up for one waiting task: set by whoever gives it work (a stream's runner
+    its admitted events, a close, an abort; a queue's consumer its replies), awaited by
+    that task alone, and cleared as it wakes, so one wake-up serves however many sets
+    came before it. On asyncio the task parks on a bare future of the loop, made only
+    when it parks, where an `anyio.Event` made for every wake-up waited inside asyncio's
+    own event; on another loop, on an anyio event."""
+
+    __slots__ = ("_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiter: asyncio.Future[None] | anyio.Event | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        waiter, self._waiter = self._waiter, None
+        if waiter is None:
+            return
+        if isinstance(waiter, asyncio.Future):
+            if not waiter.done():  # else its task was cancelled while parked
+                waiter.set_result(None)
+        else:
+            waiter.set()
+
+    async def wait(self) -> None:
+        """Until set (at once if it is), then clear it."""
+        if not self._set:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # another library's loop (trio)
+                event = self._waiter = anyio.Event()
+                await event.wait()
+            else:
+                waiter = self._waiter = loop.create_future()
+                try:
+                    await waiter
+                finally:
+                    if self._waiter is waiter:  # cancelled while parked
+                        self._waiter = None
+        self._set = False
+
+
 class ReplyQueue(AsyncIterator[Reply]):
     """A bounded queue of replies for one consumer, iterated with `async for`.
 
@@ -59,7 +105,7 @@ class ReplyQueue(AsyncIterator[Reply]):
         self.max_items = max_items
         self.dropped = 0
         self._items: deque[Reply] = deque()
-        self._ready = new_event()
+        self._ready = Wake()
         self._ended = False
         self._deliver: Callable[[Reply], None] | None = None
         self._on_end: Callable[[], None] | None = None
@@ -125,6 +171,5 @@ class ReplyQueue(AsyncIterator[Reply]):
         while not self._items:
             if self._ended:
                 raise StopAsyncIteration
-            self._ready = new_event()
             await self._ready.wait()
         return self._items.popleft()

@@ -8,7 +8,6 @@ never touch a socket, so the WebSocket server, the replay tool and tests share o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from collections.abc import Collection, Mapping
@@ -412,12 +411,17 @@ def _too_large(max_bytes: int) -> _Reject:
 
 def _context(obj: dict[str, Any]) -> tuple[str | None, int | None]:
     """The message's stream_id and seq if they are valid, so an error can be routed."""
-    stream_id: str | None = None
-    seq: int | None = None
-    with contextlib.suppress(InvalidMessage):
+    # Plain `try`s: two `contextlib.suppress` blocks were a third of this, every message.
+    stream_id: str | None
+    seq: int | None
+    try:
         stream_id = _check_stream_id(obj.get("stream_id"))
-    with contextlib.suppress(InvalidMessage):
+    except InvalidMessage:
+        stream_id = None
+    try:
         seq = _check_count("seq", obj.get("seq"))
+    except InvalidMessage:
+        seq = None
     return stream_id, seq
 
 

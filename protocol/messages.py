@@ -8,6 +8,7 @@ a valid message. Every failure raises `InvalidMessage` naming the offending fiel
 from __future__ import annotations
 
 import math
+import operator
 import re
 import unicodedata
 from dataclasses import dataclass, fields
@@ -339,13 +340,18 @@ class TranslationUpdate:
         update published)."""
         cursor = _check_optional_cursor("cursor", cursor)
         stamped = object.__new__(TranslationUpdate)
-        for name in _UPDATE_FIELDS:
-            object.__setattr__(stamped, name, getattr(self, name))
-        object.__setattr__(stamped, "cursor", cursor)
+        # Every field read in one call, each stored by its slot's own descriptor (which
+        # a frozen class's `__setattr__` does not guard).
+        for store, value in zip(_UPDATE_STORES, _UPDATE_VALUES(self), strict=True):
+            store(stamped, value)
+        _UPDATE_CURSOR(stamped, cursor)
         return stamped
 
 
 _UPDATE_FIELDS = tuple(f.name for f in fields(TranslationUpdate))
+_UPDATE_VALUES = operator.attrgetter(*_UPDATE_FIELDS)
+_UPDATE_STORES = tuple(getattr(TranslationUpdate, name).__set__ for name in _UPDATE_FIELDS)
+_UPDATE_CURSOR = _UPDATE_STORES[_UPDATE_FIELDS.index("cursor")]
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,3 +101,23 @@ def test_an_ascii_texts_ideograph_share_is_that_of_the_character_by_character_co
         ideographs = [ch for ch in letters if "\u4e00" <= ch <= "\u9fff"]
         expected = len(ideographs) / len(letters) if letters else None
         assert ideograph_share(text) == expected, text
+
+
+def test_clean_normalises_whatever_dropping_fillers_leaves() -> None:
+    from engine.streaming.session import StreamingOptions, normalize_source
+
+    options = StreamingOptions()
+    cases = [
+        "um so this is, uh, a test",
+        "Um, hello",
+        "嗯 我们 呃 去",
+        "  a   b ",
+        "plain text",
+        "uh",
+    ]
+    for text in cases:
+        for lang in ("en", "zh", "de"):
+            expected = normalize_source(languages.drop_fillers(normalize_source(text), lang))
+            assert options.clean(text, lang) == expected, (text, lang)
+    assert options.clean("嗯 我们 呃 去", "zh") == "我们 去"
+    assert options.clean("so um  this", "en") == "so this"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -42,6 +44,21 @@ def test_common_prefix_length() -> None:
     assert common_prefix_length([[1, 2, 3]]) == 3
     assert common_prefix_length([[5], [6]]) == 0
     assert common_prefix_length([]) == 0
+    # A later sequence that parts earlier than the second one does sets the length.
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 9], [1, 7, 3, 4]]) == 1
+    assert common_prefix_length([["a", "b"], ("a", "b", "c")]) == 2  # any sequences
+
+
+def test_common_prefix_length_is_the_longest_prefix_all_share() -> None:
+    rng = random.Random(3)
+    for _ in range(2000):
+        seqs = [
+            [rng.randrange(3) for _ in range(rng.randrange(6))] for _ in range(rng.randrange(1, 5))
+        ]
+        shared = 0
+        while all(len(s) > shared for s in seqs) and len({s[shared] for s in seqs}) == 1:
+            shared += 1
+        assert common_prefix_length(seqs) == shared, seqs
 
 
 def test_local_agreement_commits_the_agreed_prefix() -> None:

@@ -216,8 +216,9 @@ class Client:
         event = action.event
         await self._push_event(event)
         # Audio into this stream later goes on after it, in a new segment.
-        before = self.clocks.get(event.stream_id, Clock())
-        self.clocks[event.stream_id] = Clock(event.segment_id + 1, event.seq + 1, before.offset_ms)
+        before = self.clocks.get(event.stream_id)  # no default Clock made per event
+        offset = before.offset_ms if before is not None else Clock.offset_ms
+        self.clocks[event.stream_id] = Clock(event.segment_id + 1, event.seq + 1, offset)
 
     def _subscribe_writes(self) -> None:
         if self.writes is None:  # subscribe before the first push: nothing is missed

@@ -275,11 +275,12 @@ class InProcessBus:
         if isinstance(reply, TranslationUpdate):
             reply = reply.with_cursor(cursor)
         by_lang = self._history.setdefault(reply.stream_id or "", {})
-        langs = [reply.lang] if reply.lang is not None else list(by_lang) or [""]
+        langs = (reply.lang,) if reply.lang is not None else list(by_lang) or [""]
         for lang in langs:
-            by_lang.setdefault(lang or "", deque(maxlen=self.history_size)).append(
-                Entry(cursor, reply, epoch)
-            )
+            entries = by_lang.get(lang or "")
+            if entries is None:  # made once per language, not per update
+                entries = by_lang[lang or ""] = deque(maxlen=self.history_size)
+            entries.append(Entry(cursor, reply, epoch))
         self._hub.publish(reply, owner, cursor)
 
     async def keep_glossaries(self, stream_id: str, epoch: int, texts: Mapping[str, str]) -> None:

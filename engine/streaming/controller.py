@@ -41,7 +41,6 @@ from engine.decoding.translator import Translator
 from engine.errors import InputTooLongError
 from engine.glossary import Glossary
 from engine.languages import in_other_script
-from engine.replies import new_event
 from engine.streaming import own_glossary
 from engine.streaming.awaiting import Slots
 from engine.streaming.bus import Claim, InProcessBus, UpdateBus, subscribe
@@ -328,9 +327,7 @@ class IncrementalTranslator:
         self.stats["superseded"] += stream.drop_partials()
         stream.pending.append((admission, received))
         stream.supersede()  # and so is a partial being decoded
-        if not stream.busy:
-            stream.busy = True
-            stream.idle = new_event()
+        stream.busy = True
         stream.wake.set()
 
     async def set_glossary(self, message: SetGlossary, owner: Owner | None = None) -> GlossarySet:
@@ -478,7 +475,7 @@ class IncrementalTranslator:
         ids = [stream_id] if stream_id is not None else self._table.ids
         for sid in ids:
             while (stream := self._table.get(sid)) is not None and (stream.pending or stream.busy):
-                await stream.idle.wait()
+                await stream.wait_idle()
 
     def begin_close(self, stream_id: str, owner: Owner | None = None) -> None:
         """Start closing a stream (raises `InvalidEvent` when it is not `owner`'s, not

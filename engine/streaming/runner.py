@@ -19,7 +19,7 @@ import anyio
 
 from engine.decoding.policy import Priority, new_request_id
 from engine.decoding.search import DecodingCancelled
-from engine.replies import Reply, new_event
+from engine.replies import Reply
 from engine.streaming.awaiting import Slots, answer
 from engine.streaming.bus import UpdateBus
 from engine.streaming.history import Resent, resent_final, seq_reused
@@ -85,12 +85,10 @@ class StreamRunner:
         try:
             while True:
                 if not stream.pending:
-                    stream.busy = False
-                    stream.idle.set()
+                    stream.went_idle()
                     if not stream.taking_events:
                         break
                     await stream.wake.wait()
-                    stream.wake = new_event()
                     continue
                 admission, received = stream.pending.popleft()
                 await self._translate(stream, admission, received)

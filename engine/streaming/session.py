@@ -101,7 +101,9 @@ class StreamingOptions:
         decoding and the offline check of finals all use this one function."""
         source = normalize_source(text)
         if self.drop_fillers:
-            source = normalize_source(drop_fillers(source, lang))
+            kept = drop_fillers(source, lang)
+            if kept != source:  # else it is normalised already
+                source = normalize_source(kept)
         if self.source_normalizer is not None:
             source = normalize_source(self.source_normalizer(source))
         return source

@@ -12,7 +12,7 @@ import anyio
 
 from engine.decoding.policy import RequestId
 from engine.glossary import Glossary
-from engine.replies import new_event
+from engine.replies import Wake, new_event
 from engine.streaming.lifecycle import StreamLifecycle
 from engine.streaming.session import StreamSession
 from protocol import PartialTranscript
@@ -38,10 +38,12 @@ class Stream:
         self.sessions = dict(sessions)
         # Admitted events waiting, each with its arrival time.
         self.pending: deque[tuple[Admission, float]] = deque()
-        self.wake = new_event()
+        self.wake = Wake()
         self.done = anyio.Event()
-        self.idle = new_event()
+        # Busy from an admitted event until its runner finds nothing pending; the event
+        # that says it went idle is made only for a waiter (`wait_idle`), not per event.
         self.busy = False
+        self._idle: anyio.Event | None = None
         self.current: PartialTranscript | None = None  # the event being translated
         self.answered: set[str] = set()  # languages that answered `current` already
         self.unshown: set[str] = set()  # languages answering `current` to its writer only
@@ -81,8 +83,23 @@ class Stream:
             if session is not None:
                 session.terms_matched, session.terms_placed = matched, placed
 
+    def went_idle(self) -> None:
+        """Its runner found nothing pending: wake those waiting for it to be idle."""
+        self.busy = False
+        idle, self._idle = self._idle, None
+        if idle is not None:
+            idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until its runner next finds nothing pending."""
+        if self._idle is None:
+            self._idle = new_event()
+        await self._idle.wait()
+
     def drop_partials(self) -> int:
         """Latest wins: drop waiting partials (finals stay); returns how many."""
+        if not self.pending:  # nearly every event finds none
+            return 0
         kept = deque(item for item in self.pending if item[0].event.is_final)
         dropped = len(self.pending) - len(kept)
         self.pending = kept

@@ -42,6 +42,11 @@ and prefills per update and their rows per call. In process, `--coalesce-ms MS` 
 engine on `engine.streaming.wakeups`' loop (as an embedder may; default: asyncio's own),
 and `--serve-args "--coalesce-ms MS"` alternates settings of it.
 
+`--profile FILE` writes a cProfile of the event loop's thread over the measured window
+(thread-CPU clock: waits in the selector or for the GIL are not counted; the profiler's
+own cost per call inflates small, frequent functions, so rank by it and weigh by
+micro-measures). One run: give one `--root`.
+
 The default run is short (2 s warm-up, 8 s measured) for a shared machine; the issue's
 figures used `--seconds 30`.
 """
@@ -410,6 +415,29 @@ def snapshot(probes: Probes | None) -> dict[str, Any]:
 # -- child processes: the server and the in-process engine --------------------------------
 
 
+class LoopProfile:
+    """cProfile of the thread that calls `toggle` (the event loop's: the in-process marks
+    run on it, and `serve`'s SIGUSR1 handler runs on the main thread, which runs its loop),
+    on a thread-CPU clock so that time waiting in the selector or for the GIL is not
+    counted; the first toggle starts it, the second stops it and writes the stats."""
+
+    def __init__(self, path: Path) -> None:
+        import cProfile
+
+        self.path = path
+        self.profile = cProfile.Profile(time.thread_time)
+        self.running = False
+
+    def toggle(self) -> None:
+        if not self.running:
+            self.running = True
+            self.profile.enable()
+        else:
+            self.profile.disable()
+            self.running = False
+            self.profile.dump_stats(str(self.path))
+
+
 def child_serve(args: argparse.Namespace, rest: list[str]) -> int:
     """`serve` with the probes (and the null decode) installed; SIGUSR1 writes a snapshot
     of the per-stage and per-thread CPU to `--dump` (appending one JSON line)."""
@@ -425,7 +453,14 @@ def child_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
     if args.switches:
         count_wakes()
-    signal.signal(signal.SIGUSR1, dump)
+    profile = LoopProfile(args.profile) if args.profile else None
+
+    def dumped(*_: Any) -> None:
+        dump()
+        if profile is not None:
+            profile.toggle()
+
+    signal.signal(signal.SIGUSR1, dumped)
     from engine.cli.serve import main
 
     return int(main(rest) or 0)
@@ -440,6 +475,7 @@ def child_inproc(args: argparse.Namespace) -> int:
         null_decode()
     if args.switches:
         count_wakes()
+    profile = LoopProfile(args.profile) if args.profile else None
     import anyio
 
     from engine.streaming.controller import IncrementalTranslator
@@ -472,6 +508,8 @@ def child_inproc(args: argparse.Namespace) -> int:
             async def mark(name: str, at: float) -> None:
                 await anyio.sleep(max(0.0, at - (time.perf_counter() - t0)))
                 marks[name] = (time.process_time(), snapshot(probes))
+                if profile is not None:
+                    profile.toggle()
 
             async with anyio.create_task_group() as group:
                 group.start_soon(read)
@@ -637,6 +675,7 @@ def run_serve(root: Path, args: argparse.Namespace, extra: str = "") -> dict[str
         command += ["--stages"] if args.stages else []
         command += ["--null-decode"] if args.null_decode else []
         command += ["--switches"] if args.switches else []
+        command += ["--profile", str(args.profile.resolve())] if args.profile else []
         command += [
             "--", "--model", str(args.model), "--port", str(port), "--log-level", "warning",
             "--max-streams", str(args.writers * 2 + 8), *shlex.split(extra),
@@ -682,6 +721,7 @@ def run_inproc(root: Path, args: argparse.Namespace, extra: str = "") -> dict[st
     command += ["--stages"] if args.stages else []
     command += ["--null-decode"] if args.null_decode else []
     command += ["--switches"] if args.switches else []
+    command += ["--profile", str(args.profile.resolve())] if args.profile else []
     command += ["--coalesce-ms", str(args.coalesce_ms)]
     command += shlex.split(extra)  # the in-process child's own options (--coalesce-ms)
     env = dict(os.environ, PYTHONPATH=str(root))
@@ -733,6 +773,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="in process: the loop's wake-ups coalesced over MS ms (engine.streaming.wakeups; "
         "default 0: asyncio's own loop, as an embedder gets it)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="cProfile of the event loop's thread on a thread-CPU clock over the measured "
+        "window, written to FILE (pstats; one run: use with one --root)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write every run here")
