@@ -14,6 +14,9 @@ of `--repeats`):
   checkout under test) and the same events pushed on its event loop; the process's CPU
   over the window per update published.
 
+`--load-only` (in process) runs the same load with no engine at all: a stub answers each
+event at once, so the run measures what the load itself (its timers, the events made, the
+reader's tally) adds to the in-process figures, which count the whole process.
 `--null-decode` swaps the model's decode for one that costs nothing (`Translator.decode`
 answers at once with the source's own ids as the translation: no scheduler, no ONNX), so
 that what is left is the host's share alone. `--stages` adds a breakdown: each stage's
@@ -466,6 +469,47 @@ def child_serve(args: argparse.Namespace, rest: list[str]) -> int:
     return int(main(rest) or 0)
 
 
+class LoadOnly:
+    """`--load-only`: in place of the engine, one update made and handed to the reader at
+    each event pushed, through an anyio memory stream; what the in-process load itself (its
+    sends' timers, the events made, the reader's tally) costs the process."""
+
+    def __init__(self) -> None:
+        import anyio
+
+        self._send, self._receive = anyio.create_memory_object_stream[Any](1 << 16)
+        self._last: dict[str, str] = {}  # each stream's last text: an unchanged partial gets none
+
+    async def __aenter__(self) -> LoadOnly:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self._send.close()
+
+    def updates(self) -> LoadOnly:
+        return self
+
+    def __aiter__(self) -> Any:
+        return self._receive
+
+    def end(self) -> None:
+        self._send.close()
+
+    async def push(self, event: Any) -> None:
+        from protocol import TranslationUpdate
+
+        last, self._last[event.stream_id] = self._last.get(event.stream_id), event.text
+        if not event.is_final and event.text == last:
+            return
+        update = TranslationUpdate(
+            event.stream_id, event.segment_id, event.seq, event.text, "", event.is_final, 0.0, 0.0
+        )
+        self._send.send_nowait(update)
+
+    async def wait_idle(self) -> None:
+        return None
+
+
 def child_inproc(args: argparse.Namespace) -> int:
     """The engine in this process, the load pushed on its loop; prints one JSON line."""
     probes = Probes() if args.stages else None
@@ -489,8 +533,12 @@ def child_inproc(args: argparse.Namespace) -> int:
     async def run() -> None:
         from engine.decoding.targets import Targets
 
-        targets = Targets.load([args.model])
-        nmt = IncrementalTranslator(targets, max_streams=args.writers + 8)
+        nmt: Any
+        if args.load_only:
+            nmt = LoadOnly()
+        else:
+            targets = Targets.load([args.model])
+            nmt = IncrementalTranslator(targets, max_streams=args.writers + 8)
         async with nmt:
             updates = nmt.updates()
             sent: dict[tuple[str, int], float] = {}
@@ -720,6 +768,7 @@ def run_inproc(root: Path, args: argparse.Namespace, extra: str = "") -> dict[st
     ]  # fmt: skip
     command += ["--stages"] if args.stages else []
     command += ["--null-decode"] if args.null_decode else []
+    command += ["--load-only"] if args.load_only else []
     command += ["--switches"] if args.switches else []
     command += ["--profile", str(args.profile.resolve())] if args.profile else []
     command += ["--coalesce-ms", str(args.coalesce_ms)]
@@ -744,6 +793,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--interval", type=float, default=0.3, help="seconds between messages")
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--null-decode", action="store_true", help="a decode that costs nothing")
+    parser.add_argument(
+        "--load-only",
+        action="store_true",
+        help="in process: no engine, each event answered at once by a stub (the load's own CPU)",
+    )
     parser.add_argument("--stages", action="store_true", help="CPU per stage (probed)")
     parser.add_argument(
         "--switches",
@@ -818,7 +872,10 @@ def main(argv: list[str] | None = None) -> int:
         root, *rest = shlex.split(arm)
         arms.append((Path(root).resolve(), shlex.join(rest)))
     run = run_serve if args.mode == "serve" else run_inproc
+    if args.load_only and args.mode != "inproc":
+        raise SystemExit("--load-only measures the in-process load: give --mode inproc")
     decode = "null decode" if args.null_decode else "its decode"
+    decode = "no engine: the load alone" if args.load_only else decode
     print(f"CPU: {cpu_name()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(
         f"{args.mode}: {args.writers} writers, a message every {args.interval} s, a final every "
