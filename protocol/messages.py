@@ -340,18 +340,18 @@ class TranslationUpdate:
         update published)."""
         cursor = _check_optional_cursor("cursor", cursor)
         stamped = object.__new__(TranslationUpdate)
-        # Every field read in one call, each stored by its slot's own descriptor (which
-        # a frozen class's `__setattr__` does not guard).
+        # Every other field read in one call, each stored by its slot's own descriptor
+        # (which a frozen class's `__setattr__` does not guard).
         for store, value in zip(_UPDATE_STORES, _UPDATE_VALUES(self), strict=True):
             store(stamped, value)
         _UPDATE_CURSOR(stamped, cursor)
         return stamped
 
 
-_UPDATE_FIELDS = tuple(f.name for f in fields(TranslationUpdate))
+_UPDATE_FIELDS = tuple(f.name for f in fields(TranslationUpdate) if f.name != "cursor")
 _UPDATE_VALUES = operator.attrgetter(*_UPDATE_FIELDS)
 _UPDATE_STORES = tuple(getattr(TranslationUpdate, name).__set__ for name in _UPDATE_FIELDS)
-_UPDATE_CURSOR = _UPDATE_STORES[_UPDATE_FIELDS.index("cursor")]
+_UPDATE_CURSOR = getattr(TranslationUpdate, "cursor").__set__  # noqa: B009 (a slot's descriptor)
 
 
 @dataclass(frozen=True, slots=True)

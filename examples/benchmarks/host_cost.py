@@ -874,8 +874,13 @@ def main(argv: list[str] | None = None) -> int:
     run = run_serve if args.mode == "serve" else run_inproc
     if args.load_only and args.mode != "inproc":
         raise SystemExit("--load-only measures the in-process load: give --mode inproc")
-    decode = "null decode" if args.null_decode else "its decode"
-    decode = "no engine: the load alone" if args.load_only else decode
+    decode = (
+        "no engine: the load alone"
+        if args.load_only
+        else "null decode"
+        if args.null_decode
+        else "its decode"
+    )
     print(f"CPU: {cpu_name()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(
         f"{args.mode}: {args.writers} writers, a message every {args.interval} s, a final every "
