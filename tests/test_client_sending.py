@@ -1,5 +1,5 @@
-"""How a connection's replies reach its socket: a writer's own replies handed over as they
-are published (no forwarder task), an update written at once while the sender is idle,
+"""How a connection's replies reach its socket: a writer's own replies and a viewer's handed
+over as they are published (no forwarder task), an update written at once while the sender is idle,
 and the order kept when such a write has to wait. No model: the engine and the socket are
 stand-ins with the few methods `Client` calls."""
 
@@ -260,15 +260,28 @@ class _Socket:
 
 
 class _Engine:
-    """An engine that only subscribes: the test publishes into `writes` itself."""
+    """An engine that only subscribes: the test publishes into `writes` (a writer's) or
+    `views` (a viewer's, each follow-up subscription appended) itself."""
 
     def __init__(self) -> None:
         self.writes: Subscription | None = None
+        self.views: list[tuple[Subscription, str | None]] = []  # with its `after`
         self.pushed: list[PartialTranscript] = []
+        self.streams: set[str] = {"s"}
 
-    def updates(self, *, owner: Owner) -> Subscription:
-        self.writes = Subscription(None, 256, owner)
-        return self.writes
+    def updates(
+        self,
+        stream_id: str | None = None,
+        *,
+        owner: Owner | None = None,
+        lang: str | None = None,
+        after: str | None = None,
+    ) -> Subscription:
+        if owner is not None:
+            self.writes = Subscription(None, 256, owner)
+            return self.writes
+        self.views.append((Subscription(stream_id, 256, lang=lang), after))
+        return self.views[-1][0]
 
     async def push(self, event: PartialTranscript, owner: Owner) -> None:
         self.pushed.append(event)
@@ -356,5 +369,59 @@ async def test_a_stopping_server_ends_the_outbox_when_the_writers_subscription_e
         assert client.outbox.ended
         with anyio.fail_after(5):
             await client.wait_sent()
+        assert _seqs(ws) == [("translation_update", 0)]
+        ws.incoming.close()
+
+
+def _viewer() -> tuple[_Socket, _Engine, ServerState, Client]:
+    ws, engine, state = _Socket(), _Engine(), ServerState()
+    core = ConnectionCore(1, Limits(rate_limit=None), state)
+    metrics = ServerMetrics(lambda: 0, lambda: None)
+    return ws, engine, state, Client(ws, core, Outbox(), engine, state, metrics)  # type: ignore[arg-type]
+
+
+async def test_a_viewers_updates_are_written_by_the_publisher_then_it_follows_on() -> None:
+    """A viewer's subscription is attached like a writer's: the publisher writes the
+    update before `put` returns (no task of the viewer's runs per update); when the
+    subscription ends (the stream's life ended), the viewer follows on after its cursor."""
+    ws, engine, _state, client = _viewer()
+    async with anyio.create_task_group() as group:
+        group.start_soon(client.serve)
+        await ws.incoming.send(json.dumps({"type": "subscribe", "stream_id": "s"}))
+        await wait_for(lambda: engine.views)
+        sub, after = engine.views[0]
+        assert after is None and client.pumps == 1
+        await anyio.sleep(0.01)  # the sender waits for the outbox
+        sub.put(_update(0), "5-0")
+        assert _seqs(ws) == [("translation_update", 0)]
+        sub.put(ErrorMessage("internal", "failed", stream_id="s", seq=1))  # a writer's
+        sub.put(_update(2, final=True), "6-0")
+        assert _seqs(ws) == [("translation_update", 0), ("translation_update", 2)]
+        sub.end()  # the stream's life ended: a follow-up subscription, after the last
+        await wait_for(lambda: len(engine.views) == 2)
+        follow, after = engine.views[1]
+        assert after == "6-0" and client.pumps == 1 and sub not in client.subscriptions
+        await anyio.sleep(0.01)
+        follow.put(_update(3), "7-0")
+        assert _seqs(ws)[-1] == ("translation_update", 3)
+        ws.incoming.close()
+    assert client.pumps == 0 and follow.ended  # the connection left: unsubscribed
+
+
+async def test_a_stopping_server_ends_a_viewers_outbox_when_its_subscription_ends() -> None:
+    ws, engine, state, client = _viewer()
+    async with anyio.create_task_group() as group:
+        group.start_soon(client.serve)
+        await ws.incoming.send(json.dumps({"type": "subscribe", "stream_id": "s"}))
+        await wait_for(lambda: engine.views)
+        sub, _after = engine.views[0]
+        state.stop()
+        client.end_when_forwarded()
+        assert not client.outbox.ended  # the stream's last finals are still to come
+        sub.put(_update(0, final=True), "5-0")
+        sub.end()  # the engine has closed
+        with anyio.fail_after(5):
+            await client.wait_sent()
+        assert client.outbox.ended and len(engine.views) == 1  # no follow-up when stopping
         assert _seqs(ws) == [("translation_update", 0)]
         ws.incoming.close()

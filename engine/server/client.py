@@ -3,8 +3,8 @@ subscriptions into the outbox, send.
 
 The rules are the sans-I/O `ConnectionCore`'s; this module only awaits. Per connection,
 one task receives and one task sends, and the engine's replies go into a bounded `Outbox`,
-so the engine never waits on a socket: a writer's own replies are handed over as they are
-published (`ReplyQueue.attach`), a viewer's by one forwarder task per subscription. When
+so the engine never waits on a socket: a writer's own replies and a viewer's are handed
+over as they are published (`ReplyQueue.attach`), in the publishing task. When
 the sender is idle and the socket takes a frame at once, an update is written on the spot
 instead (`eager.send_now`), sparing the sender's wake-up; anything else waits its turn in
 the outbox, so the order holds. A writer
@@ -28,6 +28,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 import protocol
+from engine.replies import Wake
 from engine.server.audio import AudioFeed, AudioService, Clock
 from engine.server.connection import (
     Close,
@@ -155,7 +156,7 @@ class Client:
     def end_when_forwarded(self) -> None:
         """A stopping server's last word: the outbox ends now if nothing is forwarded any
         more, else when the last subscription has ended and delivered what it held (a
-        viewer's forwarder finishes, the writer's own subscription ends)."""
+        viewer's subscription or the writer's own ends)."""
         if self.pumps == 0:
             self.outbox.end()
 
@@ -373,19 +374,26 @@ class Client:
 
     def _adopt(self, sub: Subscription) -> None:
         # Counted from the moment it exists, so a shutdown never ends the outbox while a
-        # forwarder is still to start.
+        # viewer's subscription is still to be attached.
         self.pumps += 1
         self.subscriptions.add(sub)
 
     async def _forward(self, sub: Subscription) -> int:
-        """Move a viewer's adopted subscription's replies into the outbox as they come;
-        returns how many."""
+        """Hand a viewer's adopted subscription's replies to the outbox as they are
+        published (`ReplyQueue.attach`: no task wakes per update, however many viewers a
+        stream has), until it ends; returns how many."""
         count = 0
+        ended = Wake()
+
+        def deliver(reply: TranslationUpdate | ErrorMessage) -> None:
+            nonlocal count
+            count += 1
+            if isinstance(reply, TranslationUpdate):  # not an error about a final
+                self._put_update(reply)
+
         try:
-            async for update in sub:
-                count += 1
-                if isinstance(update, TranslationUpdate):  # not an error about a final
-                    self._put_update(update)
+            sub.attach(deliver, ended.set)
+            await ended.wait()
         finally:
             self._forwarded(sub)
         return count
@@ -403,7 +411,7 @@ class Client:
     def _forwarded(self, sub: Subscription) -> None:
         """`sub` has ended and all it took is in the outbox (or sent)."""
         self.subscriptions.discard(sub)
-        self.engine.unsubscribe(sub)  # a no-op unless its forwarder was cancelled
+        self.engine.unsubscribe(sub)  # a no-op unless its viewer's task was cancelled
         if sub.dropped:
             self.metrics.dropped_updates.inc(sub.dropped)
         self.pumps -= 1
