@@ -150,6 +150,10 @@ def concurrent_equal_alone(translator: Translator, options: DecodeOptions) -> No
         return translator.decode(enc, options, prefixes=[prefix])[0]
 
     before = translator.scheduler.stats["decoder_steps"]
+    rows_before, sizes_before = (
+        translator.scheduler.stats["decoder_step_rows"],
+        translator.scheduler.batch_sizes,
+    )
     with ThreadPoolExecutor(len(todo)) as pool:
         got = list(pool.map(one, todo))
     for (text, prefix), hyp, ref in zip(todo, got, expected, strict=True):
@@ -159,6 +163,10 @@ def concurrent_equal_alone(translator: Translator, options: DecodeOptions) -> No
     steps = translator.scheduler.stats["decoder_steps"] - before
     alone_steps = sum(len(ref.token_ids) for ref in expected)
     assert steps < alone_steps / 2  # they did share steps
+    # The steps' rows, counted for the metrics, agree with the batch sizes' histogram.
+    sizes = translator.scheduler.batch_sizes - sizes_before
+    step_rows = translator.scheduler.stats["decoder_step_rows"] - rows_before
+    assert step_rows == sum(rows * n for rows, n in sizes.items()) > steps
 
 
 @pytest.mark.parametrize("beam", [1, 3])

@@ -179,7 +179,8 @@ class DecodeScheduler:
 
     @property
     def stats(self) -> Counter[str]:
-        """Counters summed over the lanes: decoder_steps, prefill_calls, prefill_rows,
+        """Counters summed over the lanes: decoder_steps, decoder_step_rows (the steps'
+        rows, summed), prefill_calls, prefill_rows,
         encoder_calls, encoder_rows, rows_ended, rows_cancelled, rows_finished_on_abort,
         queue_wait_ms, idle_ms (waiting for work, or held by the batch delay), held_turns and
         held_us (turns the batch delay held back, and for how long), draft_offered and
@@ -468,6 +469,7 @@ class DecodeScheduler:
         if rows:
             lane.batch_sizes[rows] += 1
             lane.stats["decoder_steps"] += 1
+            lane.stats["decoder_step_rows"] += rows
             batch.execute()
         t3 = time.perf_counter()
         if batch.stats:  # draft and lookahead tokens verified

@@ -57,7 +57,8 @@ class _SchedulerStats(Collector):
         family = CounterMetricFamily(
             "nmt_scheduler_work",
             "Decode scheduler work per model, by target language (decoder_steps, "
-            "prefill_calls, prefill_rows, encoder_calls, encoder_rows, rows_ended, rows_cancelled, "
+            "decoder_step_rows, prefill_calls, prefill_rows, encoder_calls, encoder_rows, "
+            "rows_ended, rows_cancelled, "
             "draft_offered, draft_accepted, lookahead_offered, lookahead_accepted, "
             "queue_wait_ms, idle_ms, held_turns, held_us).",
             labels=["kind", "lang"],

@@ -628,7 +628,14 @@ def result(
 # -- the serve run, from this process -----------------------------------------------------
 
 
-WORK_KINDS = ("encoder_calls", "encoder_rows", "prefill_calls", "prefill_rows", "decoder_steps")
+WORK_KINDS = (
+    "encoder_calls",
+    "encoder_rows",
+    "prefill_calls",
+    "prefill_rows",
+    "decoder_steps",
+    "decoder_step_rows",
+)
 
 
 def scheduler_work(base: str) -> dict[str, float]:
@@ -654,6 +661,7 @@ def calls(updates: int, before: dict[str, float], after: dict[str, float]) -> di
         "prefills_per_update": d["prefill_calls"] / n,
         "prefill_rows_per_call": d["prefill_rows"] / max(1.0, d["prefill_calls"]),
         "steps_per_update": d["decoder_steps"] / n,
+        "step_rows_per_call": d["decoder_step_rows"] / max(1.0, d["decoder_steps"]),
     }
 
 
@@ -910,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
                     f", per update {r['encoder_calls_per_update']:.2f} encoder calls x "
                     f"{r['encoder_rows_per_call']:.2f} rows, {r['prefills_per_update']:.2f} "
                     f"prefills x {r['prefill_rows_per_call']:.2f} rows, "
-                    f"{r['steps_per_update']:.2f} steps"
+                    f"{r['steps_per_update']:.2f} steps x {r['step_rows_per_call']:.2f} rows"
                     if "encoder_calls_per_update" in r
                     else ""
                 ),
