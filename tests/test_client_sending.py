@@ -380,6 +380,13 @@ def _viewer() -> tuple[_Socket, _Engine, ServerState, Client]:
     return ws, engine, state, Client(ws, core, Outbox(), engine, state, metrics)  # type: ignore[arg-type]
 
 
+async def _subscribed(ws: _Socket, engine: _Engine) -> tuple[Subscription, str | None]:
+    """The viewer's first subscription (and the `after` it asked for), once it subscribed."""
+    await ws.incoming.send(json.dumps({"type": "subscribe", "stream_id": "s"}))
+    await wait_for(lambda: engine.views)
+    return engine.views[0]
+
+
 async def test_a_viewers_updates_are_written_by_the_publisher_then_it_follows_on() -> None:
     """A viewer's subscription is attached like a writer's: the publisher writes the
     update before `put` returns (no task of the viewer's runs per update); when the
@@ -387,9 +394,7 @@ async def test_a_viewers_updates_are_written_by_the_publisher_then_it_follows_on
     ws, engine, _state, client = _viewer()
     async with anyio.create_task_group() as group:
         group.start_soon(client.serve)
-        await ws.incoming.send(json.dumps({"type": "subscribe", "stream_id": "s"}))
-        await wait_for(lambda: engine.views)
-        sub, after = engine.views[0]
+        sub, after = await _subscribed(ws, engine)
         assert after is None and client.pumps == 1
         await anyio.sleep(0.01)  # the sender waits for the outbox
         sub.put(_update(0), "5-0")
@@ -412,9 +417,7 @@ async def test_a_stopping_server_ends_a_viewers_outbox_when_its_subscription_end
     ws, engine, state, client = _viewer()
     async with anyio.create_task_group() as group:
         group.start_soon(client.serve)
-        await ws.incoming.send(json.dumps({"type": "subscribe", "stream_id": "s"}))
-        await wait_for(lambda: engine.views)
-        sub, _after = engine.views[0]
+        sub, _after = await _subscribed(ws, engine)
         state.stop()
         client.end_when_forwarded()
         assert not client.outbox.ended  # the stream's last finals are still to come
