@@ -277,9 +277,10 @@ class InProcessBus:
         by_lang = self._history.setdefault(reply.stream_id or "", {})
         langs = (reply.lang,) if reply.lang is not None else list(by_lang) or [""]
         for lang in langs:
-            entries = by_lang.get(lang or "")
+            key = lang or ""
+            entries = by_lang.get(key)
             if entries is None:  # made once per language, not per update
-                entries = by_lang[lang or ""] = deque(maxlen=self.history_size)
+                entries = by_lang[key] = deque(maxlen=self.history_size)
             entries.append(Entry(cursor, reply, epoch))
         self._hub.publish(reply, owner, cursor)
 

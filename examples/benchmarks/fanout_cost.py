@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from host_cost import cpu_name, proc_cpu  # noqa: E402
 from load_server import free_port, wait_ready  # noqa: E402
 
 SENTENCE = "Lucy wants to play tennis with my brother on Sunday"
@@ -114,11 +115,6 @@ async def viewer(url: str, stream: str, delay: float, stop: float, tally: Tally)
                     tally.lags_ms.append((time.monotonic() - at) * 1000.0)
 
 
-def proc_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def load(url: str, pid: int, args: argparse.Namespace) -> dict[str, float]:
     tally = Tally()
     stop = time.monotonic() + 3.0 + args.warmup + args.seconds
@@ -182,18 +178,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     roots = [r.resolve() for r in (args.root or [ROOT])]
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in subprocess.run(
-                ["lscpu"], capture_output=True, text=True
-            ).stdout.splitlines()
-            if line.startswith("Model name:")
-        ),
-        "unknown CPU",
-    )
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; {when}")
+    print(f"CPU: {cpu_name()}; {when}")
     print(
         f"{args.writers} writers x {args.viewers} viewers each, a message every "
         f"{args.interval} s, {args.seconds} s measured"

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from host_cost import cpu_name, proc_cpu  # noqa: E402
+from load_server import free_port  # noqa: E402
 
 SENTENCE = "Lucy wants to play tennis with my brother on Sunday"
 SERVERS = ("websockets", "websockets, coalesced", "sans-io")
@@ -131,11 +133,6 @@ def child(kind: str, port: int) -> int:
 # -- the load --------------------------------------------------------------------------------
 
 
-def proc_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def writer(
     url: str, index: int, args: argparse.Namespace, stop: float, got: list[int]
 ) -> None:
@@ -175,15 +172,6 @@ async def load(url: str, pid: int, args: argparse.Namespace) -> float:
     c1, n1 = proc_cpu(pid), got[0]
     await asyncio.gather(*tasks, return_exceptions=True)
     return (c1 - c0) / max(1, n1 - n0) * 1000.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def transport(kind: str, args: argparse.Namespace) -> float:
@@ -312,16 +300,6 @@ def whole(args: argparse.Namespace, *extra: str) -> dict[str, Any]:
     return first
 
 
-def cpu_name() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--writers", type=int, default=120)
@@ -337,7 +315,7 @@ def main() -> int:
         return child(args.child[0], int(args.child[1]))
 
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; {when}")
+    print(f"CPU: {cpu_name()}; {when}")
     print(f"{args.writers} writers, a message every {args.interval} s, {args.seconds} s measured")
     runs = whole(args, "--mode", "serve")
     inproc = whole(args, "--mode", "inproc")
