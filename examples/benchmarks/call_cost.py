@@ -224,35 +224,42 @@ def turns(tr: Translator, rounds: int, quiet: bool = False) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in per_round.items()}
 
 
-def one_row_calls(tr: Translator, past: int) -> list[tuple[str, Callable[[], object]]]:
+def one_row_calls(
+    tr: Translator, past: int, rows: int = 1
+) -> list[tuple[str, Callable[[], object]]]:
     """One row's encoder, prefill (3 positions read) and in-place step (`past` cached
-    tokens, the step's buffers bound in place as a lane binds them) through the engine."""
+    tokens, the step's buffers bound in place as a lane binds them) through the engine;
+    `rows`: the same calls over that many rows (each row's positions read), as
+    `host_floor.py` weighs them."""
     model, masked, config = tr.model, tr.model.masked, tr.config
     if masked is None or not isinstance(model.kv, InPlaceSteps):
         raise SystemExit("the model has no in-place steps: nothing to compare")
     steps: InPlaceSteps = model.kv
-    ids = np.array([tr.source_ids(SENTENCE, partial=True)], dtype=np.int64)
+    ids = np.array([tr.source_ids(SENTENCE, partial=True)] * rows, dtype=np.int64)
     mask = np.ones_like(ids)
     enc = model.encode(ids, mask)
     length = 13
-    dec = np.array([[config.decoder_start_token_id, *range(5, 4 + length)]], dtype=np.int64)
-    read = np.array([length - 3])
+    dec = np.array([[config.decoder_start_token_id, *range(5, 4 + length)]] * rows, dtype=np.int64)
+    read = np.full(rows, length - 3)
     rng = np.random.default_rng(0)
     heads, head_dim = config.decoder_attention_heads, config.head_dim
     buffers = [
-        rng.standard_normal((1, heads, past + 8, head_dim)).astype(np.float32)
+        rng.standard_normal((rows, heads, past + 8, head_dim)).astype(np.float32)
         for _ in range(2 * config.decoder_layers)
     ]
     source = ids.shape[1]
     cross = tuple(
-        rng.standard_normal((1, heads, source, head_dim)).astype(np.float32)
+        rng.standard_normal((rows, heads, source, head_dim)).astype(np.float32)
         for _ in range(2 * config.decoder_layers)
     )
     step_enc = EncoderOutput(enc.hidden_states, enc.attention_mask)
-    token, lengths, bound = np.array([[7]], dtype=np.int64), np.array([past]), InPlaceBinding()
+    token, lengths = np.full((rows, 1), 7, dtype=np.int64), np.full(rows, past)
+    bound = InPlaceBinding()
 
     def prefill() -> None:
-        masked.prefill(enc, dec, np.ones_like(dec), read)[0].row(0, length - 3)
+        logits = masked.prefill(enc, dec, np.ones_like(dec), read)[0]
+        for row in range(rows):
+            logits.row(row, length - 3)
 
     def step() -> None:
         steps.step(step_enc, token, lengths, buffers, cross, bound=bound)

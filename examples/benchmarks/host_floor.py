@@ -202,46 +202,12 @@ def translator(model: Path) -> Iterator[Any]:
 
 def model_calls(tr: Any, rows: int) -> dict[str, Callable[[], object]]:
     """The encoder, the prefill (13 positions, 3 read) and an in-place step (20 cached) of
-    `rows` rows, through the engine's own path."""
-    import numpy as np
+    `rows` rows, through the engine's own path (`call_cost.py`'s)."""
+    from call_cost import one_row_calls
 
-    from engine.model.kv.inplace.steps import InPlaceBinding, InPlaceSteps
-    from engine.model.layouts import EncoderOutput
-
-    model, masked, config = tr.model, tr.model.masked, tr.config
-    if masked is None or not isinstance(model.kv, InPlaceSteps):
-        raise SystemExit("the model has no in-place steps: not the engine's default path")
-    steps: InPlaceSteps = model.kv
-    ids = np.array([tr.source_ids(SENTENCE, partial=True)] * rows, dtype=np.int64)
-    mask = np.ones_like(ids)
-    enc = model.encode(ids, mask)
-    length, past = 13, 20
-    dec = np.array([[config.decoder_start_token_id, *range(5, 4 + length)]] * rows)
-    read = np.full(rows, length - 3)
-    rng = np.random.default_rng(0)
-    heads, head_dim = config.decoder_attention_heads, config.head_dim
-    shape = (rows, heads, past + 8, head_dim)
-    buffers = [
-        rng.standard_normal(shape).astype(np.float32) for _ in range(2 * config.decoder_layers)
-    ]
-    cross_shape = (rows, heads, ids.shape[1], head_dim)
-    cross = tuple(
-        rng.standard_normal(cross_shape).astype(np.float32)
-        for _ in range(2 * config.decoder_layers)
-    )
-    step_enc = EncoderOutput(enc.hidden_states, enc.attention_mask)
-    token, lengths = np.full((rows, 1), 7, dtype=np.int64), np.full(rows, past)
-    bound = InPlaceBinding()
-
-    def prefill() -> None:
-        logits = masked.prefill(enc, dec, np.ones_like(dec), read)[0]
-        for row in range(rows):
-            logits.row(row, length - 3)
-
+    made = one_row_calls(tr, past=20, rows=rows)
     return {
-        "encoder": lambda: model.encode(ids, mask),
-        "prefill": prefill,
-        "step": lambda: steps.step(step_enc, token, lengths, buffers, cross, bound=bound),
+        name: call for name, (_, call) in zip(("encoder", "prefill", "step"), made, strict=True)
     }
 
 
